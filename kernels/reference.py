@@ -1,0 +1,96 @@
+"""Torch reference attention ops: the oracle for the Triton kernels and the CPU implementation.
+
+Same signatures as `AttentionOps` (kernels/ops.py). Decode attention is batched over sequences (one
+padded gather per layer) because it runs every step; prefill loops over sequences because it is
+compute-bound and its sequences differ in length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
+
+
+class ReferenceOps:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        check_kv_layer(kv_layer)
+        _, n_blocks, block_size, n_kv, head_dim = kv_layer.shape
+        assert key.shape == value.shape and key.shape[1:] == (n_kv, head_dim), (key.shape, kv_layer.shape)
+        assert slot_mapping.shape == (key.shape[0],)
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        flat = kv_layer.view(2, n_blocks * block_size, n_kv, head_dim)
+        flat[0, slots] = key[valid].to(kv_layer.dtype)
+        flat[1, slots] = value[valid].to(kv_layer.dtype)
+
+    def prefill_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        check_kv_layer(kv_layer)
+        block_size = kv_layer.shape[2]
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        lens = meta.seq_lens.tolist()
+        for s, seq_len in enumerate(lens):
+            q0, q1 = starts[s], starts[s + 1]
+            if q1 == q0:
+                continue
+            n_blocks = -(-seq_len // block_size)
+            blocks = meta.block_tables[s, :n_blocks].long()
+            # k, v: [seq_len, Hkv, D]
+            k = kv_layer[0, blocks].flatten(0, 1)[:seq_len]
+            v = kv_layer[1, blocks].flatten(0, 1)[:seq_len]
+            out[q0:q1] = _attend(q[q0:q1], k, v, seq_len - (q1 - q0), scale)
+        return out
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        check_kv_layer(kv_layer)
+        n_seqs, n_heads, head_dim = q.shape
+        assert n_seqs == meta.num_seqs, (q.shape, meta.num_seqs)
+        block_size, n_kv = kv_layer.shape[2], kv_layer.shape[3]
+        n_blocks = -(-meta.max_seq_len // block_size)
+        tables = meta.block_tables[:, :n_blocks].long()
+        # k, v: [S, Hkv, L, D] with L = n_blocks * block_size
+        k = kv_layer[0][tables].flatten(1, 2).transpose(1, 2)
+        v = kv_layer[1][tables].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(n_blocks * block_size, device=q.device)
+        mask = pos[None, :] < meta.seq_lens[:, None].to(q.device)  # [S, L]
+        group = n_heads // n_kv
+        qg = q.view(n_seqs, n_kv, group, head_dim).to(k.dtype)
+        scores = torch.einsum("skgd,skld->skgl", qg, k) * scale
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        out = torch.einsum("skgl,skld->skgd", probs, v)
+        return out.reshape(n_seqs, n_heads, head_dim).to(q.dtype)
+
+    def gather_blocks(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        check_kv_layer(kv_layer)
+        assert out.shape == (2, block_ids.shape[0], *kv_layer.shape[2:]), (out.shape, kv_layer.shape)
+        torch.index_select(kv_layer, 1, block_ids.to(kv_layer.device, torch.int64), out=out)
+
+    def scatter_blocks(self, src: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+        check_kv_layer(kv_layer)
+        assert src.shape == (2, block_ids.shape[0], *kv_layer.shape[2:]), (src.shape, kv_layer.shape)
+        kv_layer.index_copy_(1, block_ids.to(kv_layer.device, torch.int64), src.to(kv_layer.dtype))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
+    """q: [Lq, Hq, D] at positions q_offset.. ; k, v: [Lk, Hkv, D] -> [Lq, Hq, D], causal, GQA."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    q_pos = torch.arange(n_q, device=q.device) + q_offset
+    mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).to(k.dtype),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1).to(q.dtype)
