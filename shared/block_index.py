@@ -1,0 +1,283 @@
+"""The Redis block index and node registry (DESIGN.md contract 2; schema in docs/redis_index.md).
+
+Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts keep them atomically):
+- A node counts (in `nodes()` and `lookup()`) only while its heartbeat key is alive and carries its current
+  epoch; records of older epochs are never read and are deleted on re-registration or by their TTL.
+- Nodes of one cluster share one model fingerprint, KV layout and protocol version while any of them is live;
+  a node that differs is refused with `IncompatibleNode` naming the field and both values.
+- `lookup` is one EVALSHA whatever the prompt length, and reads only.
+- The index is an estimate for routing: a block it lists may have been evicted; the transfer verifies.
+Every failure to reach Redis raises `IndexUnavailable` (or `IndexAuthError` for refused credentials).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+import redis.exceptions as rexc
+from pdserve.shared import block_index_scripts as lua
+from pdserve.shared.block_index_types import (
+    KV_LAYOUT_FIELDS,
+    HitStats,
+    IncompatibleNode,
+    IndexAuthError,
+    IndexUnavailable,
+    NodeBlocks,
+    NodeInfo,
+    NodeLoad,
+    NodeNotRegistered,
+    NodeStatus,
+    RedisConfig,
+    StaleEpoch,
+)
+from pdserve.shared.block_pool import BlockRemoved, BlockStored
+from pdserve.shared.types import BlockHash, NodeId
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+
+def connect(config: RedisConfig) -> aioredis.Redis:
+    """An asyncio Redis client for config (AUTH and TLS settings honoured); connects lazily."""
+    common: dict[str, Any] = {
+        "username": config.username,
+        "password": config.password,
+        "socket_timeout": config.socket_timeout_s,
+        "socket_connect_timeout": config.socket_timeout_s,
+        "max_connections": config.max_connections,
+        # One immediate retry covers a pooled connection Redis closed; the router needs a fast failure more
+        # than redis-py's default of 3 retries with second-long backoff (it falls back to load-only routing).
+        "retry": Retry(NoBackoff(), 1),
+    }
+    tls: dict[str, Any] = {
+        "ssl_ca_certs": config.tls_ca_file,
+        "ssl_certfile": config.tls_cert_file,
+        "ssl_keyfile": config.tls_key_file,
+        "ssl_cert_reqs": "required" if config.tls_verify else "none",
+        "ssl_check_hostname": config.tls_verify,
+    }
+    if config.url is not None:
+        extra = tls if config.url.startswith("rediss://") else {}
+        return aioredis.Redis.from_url(config.url, **common, **extra)
+    extra = {"ssl": True, **tls} if config.tls else {}
+    return aioredis.Redis(host=config.host, port=config.port, db=config.db, **common, **extra)
+
+
+def _layout_pairs(info: NodeInfo) -> list[str]:
+    pairs = ["model_fingerprint", info.model_fingerprint, "protocol_version", str(info.protocol_version)]
+    for name in KV_LAYOUT_FIELDS:
+        pairs += [f"kv_layout.{name}", str(info.kv_layout[name])]
+    return pairs
+
+
+def _event_args(events: Sequence[BlockStored | BlockRemoved]) -> list[bytes | str | int]:
+    args: list[bytes | str | int] = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            args += ["S", len(event.block_hashes), *event.block_hashes]
+        elif isinstance(event, BlockRemoved):
+            args += ["R", len(event.block_hashes), *event.block_hashes]
+        else:
+            raise TypeError(f"publish takes BlockStored/BlockRemoved events, got {type(event).__name__}")
+    return args
+
+
+class BlockIndex:
+    """Async client of one cluster's block index. One per process; safe to share between tasks."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        self.config = config
+        self._redis = connect(config)
+        self._p = config.prefix
+        self._nodes_key = self._p + "nodes"
+        self._hb_ms = int(config.heartbeat_ttl_s * 1000)
+        self._records_ms = int(config.records_ttl_s * 1000)
+        reg = self._redis.register_script
+        self._register, self._heartbeat = reg(lua.REGISTER), reg(lua.HEARTBEAT)
+        self._publish, self._lookup, self._nodes = reg(lua.PUBLISH), reg(lua.LOOKUP), reg(lua.NODES)
+        self._deregister, self._draining = reg(lua.DEREGISTER), reg(lua.SET_DRAINING)
+        self._evict = reg(lua.EVICT_RECORDS)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def __aenter__(self) -> BlockIndex:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @asynccontextmanager
+    async def _guard(self, what: str) -> AsyncIterator[None]:
+        where = self.config.address
+        try:
+            yield
+        except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
+            raise IndexAuthError(f"Redis at {where} refused the credentials during {what}: {exc}") from exc
+        except rexc.NoPermissionError as exc:
+            raise IndexAuthError(
+                f"Redis at {where} denied {what} to user {self.config.username}: {exc}"
+            ) from exc
+        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+            raise IndexUnavailable(f"Redis at {where} is unreachable during {what}: {exc}") from exc
+
+    async def _call(self, script: Any, what: str, *args: bytes | str | int) -> Any:
+        async with self._guard(what):
+            return await script(keys=[self._nodes_key], args=[self._p, *args])
+
+    @staticmethod
+    def _check(reply: list[Any], node_id: str, epoch: int | None = None) -> int:
+        status = reply[0].decode()
+        if status == "UNREGISTERED":
+            raise NodeNotRegistered(f"node {node_id!r} is not registered in the index: register it again")
+        if status == "STALE":
+            raise StaleEpoch(
+                f"node {node_id!r}: epoch {epoch} is stale, the current epoch is {int(reply[1])}"
+            )
+        return int(reply[1])
+
+    # --- registry -------------------------------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        async with self._guard("ping"):
+            await self._redis.ping()
+
+    async def register(self, info: NodeInfo) -> int:
+        """Register (or re-register) a node; returns its new epoch. Refuses an incompatible node."""
+        stored = NodeInfo.from_json(info.to_json())
+        reply = await self._call(
+            self._register, "register", info.node_id, stored.to_json(), self._hb_ms, self._records_ms,
+            *_layout_pairs(info),
+        )  # fmt: skip
+        if reply[0] == b"INCOMPATIBLE":
+            field, mine, recorded = (v.decode() for v in reply[1:4])
+            raise IncompatibleNode(
+                f"node {info.node_id!r} refused by cluster {self.config.cluster!r}: {field} is {mine} on the "
+                f"node but {recorded} on the live nodes already registered"
+            )
+        return int(reply[1])
+
+    async def heartbeat(self, node_id: NodeId, load: NodeLoad, epoch: int | None = None) -> None:
+        """Refresh the node's TTL and load. With epoch, refuse (StaleEpoch) if the node restarted since."""
+        reply = await self._call(
+            self._heartbeat, "heartbeat", node_id, load.to_json(), self._hb_ms, self._records_ms,
+            "" if epoch is None else epoch,
+        )  # fmt: skip
+        self._check(reply, node_id, epoch)
+
+    async def set_draining(self, node_id: NodeId) -> None:
+        """Mark a node draining: the router gives it no new work."""
+        if not await self._call(self._draining, "set_draining", node_id):
+            raise NodeNotRegistered(f"node {node_id!r} is not registered in cluster {self.config.cluster!r}")
+
+    async def deregister(self, node_id: NodeId) -> bool:
+        """Remove a node and its records; returns whether it was registered."""
+        return bool(await self._call(self._deregister, "deregister", node_id))
+
+    async def nodes(self) -> list[NodeStatus]:
+        """Live nodes (heartbeat not expired, current epoch), sorted by node id."""
+        flat = await self._call(self._nodes, "nodes")
+        now_ms = int(flat[0])
+        out = []
+        for i in range(1, len(flat), 7):
+            _, info_json, epoch, load_json, hb_ms, draining, records = flat[i : i + 7]
+            info = NodeInfo.from_json(info_json)
+            info = NodeInfo(**{**json.loads(info.to_json()), "epoch": int(epoch)})
+            load = NodeLoad.from_json(load_json) if load_json else None
+            out.append(
+                NodeStatus(
+                    info=info,
+                    load=load,
+                    heartbeat_age_s=max(0, now_ms - int(hb_ms)) / 1000.0,
+                    draining=draining == b"1" or (load is not None and load.draining),
+                    blocks_indexed=int(records),
+                )
+            )
+        return sorted(out, key=lambda s: s.info.node_id)
+
+    # --- blocks ---------------------------------------------------------------------------------------------
+
+    async def publish(self, node_id: NodeId, epoch: int, events: Sequence[BlockStored | BlockRemoved]) -> int:
+        """Apply a batch of Stored/Removed events in order, atomically; returns the node's record count."""
+        reply = await self._call(
+            self._publish, "publish", node_id, epoch, self._records_ms, *_event_args(events)
+        )
+        return self._check(reply, node_id, epoch)
+
+    async def resync(self, node_id: NodeId, epoch: int, held: Sequence[BlockHash]) -> int:
+        """Replace all of a node's records with `held` (its digest, or a rebuild after Redis lost data)."""
+        reply = await self._call(
+            self._publish, "resync", node_id, epoch, self._records_ms, "C", 0, "S", len(held), *held
+        )
+        return self._check(reply, node_id, epoch)
+
+    async def lookup(self, hashes: Sequence[BlockHash]) -> dict[NodeId, int]:
+        """Per live node holding block 0: the length of the longest run of `hashes` it holds from block 0.
+
+        One round trip. An estimate for routing: a listed block may have been evicted since.
+        """
+        if not hashes:
+            return {}
+        flat = await self._call(self._lookup, "lookup", *hashes)
+        return {NodeId(flat[i].decode()): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def blocks(self, node_id: NodeId | None = None, limit: int = 100) -> dict[NodeId, NodeBlocks]:
+        """Record count and up to `limit` hashes per live node (or for one node; empty if it is not live)."""
+        live = [s for s in await self.nodes() if node_id is None or s.info.node_id == node_id]
+        out: dict[NodeId, NodeBlocks] = {}
+        async with self._guard("blocks"):
+            for status in live:
+                key = f"{self._p}blk:{status.info.node_id}:{status.info.epoch}"
+                hashes: list[BlockHash] = []
+                if limit > 0:
+                    async for member in self._redis.sscan_iter(key, count=max(limit, 100)):
+                        hashes.append(BlockHash(member))
+                        if len(hashes) >= limit:
+                            break
+                out[status.info.node_id] = NodeBlocks(await self._redis.scard(key), tuple(hashes))
+        return out
+
+    async def evict_records(self, node_id: NodeId, hashes: Sequence[BlockHash] | None = None) -> int:
+        """Drop index records of a node (the given hashes, or all); the node's own cache is untouched."""
+        if hashes is not None and not hashes:
+            return 0
+        reply = await self._call(self._evict, "evict_records", node_id, *(hashes or ()))
+        return self._check(reply, node_id)
+
+    # --- prefix-hit statistics ------------------------------------------------------------------------------
+
+    async def record_hits(
+        self, node_id: NodeId, local_tokens: int, remote_tokens: int, miss_tokens: int
+    ) -> None:
+        """Add one request's prompt tokens: cached on the node, fetched from another node, computed."""
+        key = f"{self._p}stats:{node_id}"
+        async with self._guard("record_hits"):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.hincrby(key, "local", local_tokens)
+            pipe.hincrby(key, "remote", remote_tokens)
+            pipe.hincrby(key, "miss", miss_tokens)
+            pipe.sadd(self._p + "stats_nodes", node_id)
+            await pipe.execute()
+
+    async def stats(self) -> dict[NodeId, HitStats]:
+        """Accumulated hit statistics per node that ever recorded any."""
+        async with self._guard("stats"):
+            members: set[bytes] = cast(set[bytes], await self._redis.smembers(self._p + "stats_nodes"))
+            ids = sorted(m.decode() for m in members)
+            pipe = self._redis.pipeline(transaction=False)
+            for node in ids:
+                pipe.hgetall(f"{self._p}stats:{node}")
+            rows = await pipe.execute()
+        return {
+            NodeId(node): HitStats(int(r.get(b"local", 0)), int(r.get(b"remote", 0)), int(r.get(b"miss", 0)))
+            for node, r in zip(ids, rows, strict=True)
+        }
+
+    async def cluster_record(self) -> dict[str, str]:
+        """The fingerprint, protocol version and KV layout the cluster's live nodes agree on ({} if none)."""
+        async with self._guard("cluster_record"):
+            raw = cast(dict[bytes, bytes], await self._redis.hgetall(self._p + "cluster"))
+        return {k.decode(): v.decode() for k, v in raw.items()}

@@ -1,0 +1,194 @@
+"""Server-side Lua scripts of the block index; the key schema they share is in docs/redis_index.md.
+
+Invariants the scripts keep together:
+- `node:<id>`'s `epoch` field is the node's current epoch; `alive:<id>` (TTL = heartbeat TTL) holds that epoch
+  while the node heartbeats; block records live in `blk:<id>:<epoch>`, so records of an older epoch are never
+  read, and they are deleted when the node registers again (or expire with the records TTL).
+- A write (publish, heartbeat) names the node's epoch; STALE refuses one that is not the current one.
+- Lookup and nodes read only: they never create or change a key.
+- Every script takes the key prefix as ARGV[1] and declares the cluster's `nodes` key, so all keys share one
+  hash tag (one Redis Cluster slot).
+- Scripts answer with a status word first ('OK', 'STALE', 'UNREGISTERED', 'INCOMPATIBLE') rather than Lua
+  errors, so callers map outcomes without parsing error text.
+"""
+
+_NOW_MS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# ARGV: prefix, node_id, info_json, heartbeat_ttl_ms, records_ttl_ms, then (field, value) pairs that must
+# match the cluster's recorded ones while another node is live.
+REGISTER = (
+    _NOW_MS
+    + """
+local p, id = ARGV[1], ARGV[2]
+local live = false
+for _, other in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if redis.call('EXISTS', p .. 'node:' .. other) == 0 then
+    redis.call('SREM', KEYS[1], other)
+  elseif other ~= id and redis.call('EXISTS', p .. 'alive:' .. other) == 1 then
+    live = true
+  end
+end
+local cluster = p .. 'cluster'
+if live then
+  for i = 6, #ARGV, 2 do
+    local recorded = redis.call('HGET', cluster, ARGV[i])
+    if recorded and recorded ~= ARGV[i + 1] then
+      return {'INCOMPATIBLE', ARGV[i], ARGV[i + 1], recorded}
+    end
+  end
+else
+  redis.call('DEL', cluster)
+end
+for i = 6, #ARGV, 2 do redis.call('HSET', cluster, ARGV[i], ARGV[i + 1]) end
+local key = p .. 'node:' .. id
+local old = redis.call('HGET', key, 'epoch')
+if old then redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. old) end
+local epoch = redis.call('INCR', p .. 'epoch:' .. id)
+redis.call('DEL', key)
+redis.call('HSET', key, 'info', ARGV[3], 'epoch', epoch, 'draining', 0, 'load', '', 'hb_ms', now_ms())
+redis.call('PEXPIRE', key, ARGV[5])
+redis.call('SADD', KEYS[1], id)
+redis.call('SET', p .. 'alive:' .. id, epoch, 'PX', ARGV[4])
+return {'OK', epoch}
+"""
+)
+
+# ARGV: prefix, node_id, load_json, heartbeat_ttl_ms, records_ttl_ms, epoch ('' = whatever is current)
+HEARTBEAT = (
+    _NOW_MS
+    + """
+local p, id = ARGV[1], ARGV[2]
+local key = p .. 'node:' .. id
+local epoch = redis.call('HGET', key, 'epoch')
+if not epoch then return {'UNREGISTERED'} end
+if ARGV[6] ~= '' and ARGV[6] ~= epoch then return {'STALE', epoch} end
+redis.call('HSET', key, 'load', ARGV[3], 'hb_ms', now_ms())
+redis.call('PEXPIRE', key, ARGV[5])
+redis.call('SET', p .. 'alive:' .. id, epoch, 'PX', ARGV[4])
+redis.call('PEXPIRE', p .. 'blk:' .. id .. ':' .. epoch, ARGV[5])
+return {'OK', epoch}
+"""
+)
+
+# ARGV: prefix, node_id, epoch, records_ttl_ms, then ops in order: 'S' n h1..hn (stored), 'R' n h1..hn
+# (removed), 'C' 0 (clear every record of the node, for a full resync).
+PUBLISH = """
+local p, id, epoch = ARGV[1], ARGV[2], ARGV[3]
+local current = redis.call('HGET', p .. 'node:' .. id, 'epoch')
+if not current then return {'UNREGISTERED'} end
+if current ~= epoch then return {'STALE', current} end
+local key = p .. 'blk:' .. id .. ':' .. epoch
+local i = 5
+while i <= #ARGV do
+  local op, last = ARGV[i], i + 1 + tonumber(ARGV[i + 1])
+  if op == 'C' then redis.call('DEL', key) end
+  local s = i + 2
+  while s <= last do
+    local e = math.min(last, s + 999)
+    if op == 'S' then
+      redis.call('SADD', key, unpack(ARGV, s, e))
+    else
+      redis.call('SREM', key, unpack(ARGV, s, e))
+    end
+    s = e + 1
+  end
+  i = last + 1
+end
+redis.call('PEXPIRE', key, ARGV[4])
+return {'OK', redis.call('SCARD', key)}
+"""
+
+# ARGV: prefix, h_0 .. h_{n-1}. Answer: flat (node_id, prefix_blocks) pairs of live nodes holding block 0.
+# Per node, SMISMEMBER over growing chunks (16, 64, 256, 1024, ...) stops at the first missing block, so a
+# cold node costs one call and a node holding n blocks about log4(n) calls of C-speed membership tests.
+LOOKUP = """
+local p = ARGV[1]
+local n = #ARGV
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local epoch = redis.call('GET', p .. 'alive:' .. id)
+  if epoch then
+    local key = p .. 'blk:' .. id .. ':' .. epoch
+    local held, i, step = 0, 2, 16
+    while i <= n do
+      local j = math.min(n, i + step - 1)
+      local r = redis.call('SMISMEMBER', key, unpack(ARGV, i, j))
+      local k = 1
+      while k <= #r and r[k] == 1 do k = k + 1 end
+      held = held + k - 1
+      if k <= #r then break end
+      i = j + 1
+      step = math.min(step * 4, 1024)
+    end
+    if held > 0 then
+      out[#out + 1] = id
+      out[#out + 1] = held
+    end
+  end
+end
+return out
+"""
+
+# ARGV: prefix. Answer: now_ms, then per live node: id, info_json, epoch, load_json, hb_ms, draining, records.
+NODES = (
+    _NOW_MS
+    + """
+local p = ARGV[1]
+local out = {now_ms()}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local alive = redis.call('GET', p .. 'alive:' .. id)
+  local f = redis.call('HMGET', p .. 'node:' .. id, 'info', 'epoch', 'load', 'hb_ms', 'draining')
+  if alive and f[2] == alive then
+    local records = redis.call('SCARD', p .. 'blk:' .. id .. ':' .. alive)
+    for _, v in ipairs({id, f[1], f[2], f[3], f[4], f[5], records}) do out[#out + 1] = v end
+  end
+end
+return out
+"""
+)
+
+# ARGV: prefix, node_id. Answer: 1 if the node was registered, else 0.
+DEREGISTER = """
+local p, id = ARGV[1], ARGV[2]
+local key = p .. 'node:' .. id
+local epoch = redis.call('HGET', key, 'epoch')
+redis.call('SREM', KEYS[1], id)
+redis.call('DEL', p .. 'alive:' .. id)
+if not epoch then return 0 end
+redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. epoch)
+redis.call('DEL', key)
+return 1
+"""
+
+# ARGV: prefix, node_id. Answer: 1 if the node is registered (now marked draining), else 0.
+SET_DRAINING = """
+local key = ARGV[1] .. 'node:' .. ARGV[2]
+if redis.call('EXISTS', key) == 0 then return 0 end
+redis.call('HSET', key, 'draining', 1)
+return 1
+"""
+
+# ARGV: prefix, node_id, then hashes to drop (none = all records). Answer: {'OK', records removed}.
+EVICT_RECORDS = """
+local p, id = ARGV[1], ARGV[2]
+local epoch = redis.call('HGET', p .. 'node:' .. id, 'epoch')
+if not epoch then return {'UNREGISTERED'} end
+local key = p .. 'blk:' .. id .. ':' .. epoch
+if #ARGV == 2 then
+  local n = redis.call('SCARD', key)
+  redis.call('UNLINK', key)
+  return {'OK', n}
+end
+local removed, s = 0, 3
+while s <= #ARGV do
+  local e = math.min(#ARGV, s + 999)
+  removed = removed + redis.call('SREM', key, unpack(ARGV, s, e))
+  s = e + 1
+end
+return {'OK', removed}
+"""

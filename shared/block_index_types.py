@@ -1,0 +1,239 @@
+"""Plain data of the block index (docs/redis_index.md): connection settings, node registration, load, errors.
+
+Invariants:
+- Every message here is a frozen dataclass with an explicit JSON encoding (no pickle); `from_json(to_json(x))
+  == x` for each of them.
+- A `NodeInfo`'s kv_layout has exactly the fields of `KV_LAYOUT_FIELDS`; its fingerprint is 64 hex digits.
+- Nothing here does I/O; `block_index.py` owns the Redis side.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Literal, cast
+from urllib.parse import urlsplit
+
+from pdserve.shared.types import BlockHash, NodeId
+
+Role = Literal["prefill", "decode", "single"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "single")
+KV_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_HEX64_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class BlockIndexError(Exception):
+    """Base of every error the block index raises."""
+
+
+class IndexUnavailable(BlockIndexError):
+    """Redis cannot be reached (or refused us): the router falls back to load-only routing."""
+
+
+class IndexAuthError(IndexUnavailable):
+    """Redis refused the credentials (AUTH) or requires some and none were given."""
+
+
+class IncompatibleNode(BlockIndexError):
+    """A node's fingerprint, KV layout or protocol version differs from the cluster's recorded ones."""
+
+
+class StaleEpoch(BlockIndexError):
+    """A write carried an epoch that is not the node's current one (the node restarted since)."""
+
+
+class NodeNotRegistered(BlockIndexError):
+    """The node has no registration (never registered, deregistered, Redis lost its data): register again."""
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """How to reach the index's Redis and which cluster's keys to use.
+
+    url (redis://, rediss:// or unix://) wins over host/port/db when given; credentials and TLS files given
+    here are added to it. Every key of one cluster starts with `pdserve:{<cluster>}:` (one hash tag, so a
+    Redis Cluster keeps them in one slot, as the Lua scripts need).
+    """
+
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 6379
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    cluster: str = "default"
+    heartbeat_ttl_s: float = 10.0
+    """A node whose last heartbeat is older than this stops counting (nodes and lookups)."""
+    records_ttl_s: float = 300.0
+    """The block records of a node whose heartbeats stopped are deleted by Redis after this."""
+    socket_timeout_s: float = 2.0
+    max_connections: int = 64
+
+    def __post_init__(self) -> None:
+        if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"url={self.url!r}: accepted schemes redis://, rediss://, unix://")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port}: must be in 1..65535")
+        if not _NAME_RE.fullmatch(self.cluster):
+            raise ValueError(f"cluster={self.cluster!r}: use letters, digits, '_', '.', '-'")
+        if self.heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s={self.heartbeat_ttl_s}: must be positive")
+        if self.records_ttl_s < self.heartbeat_ttl_s:
+            raise ValueError(f"records_ttl_s={self.records_ttl_s}: must be >= heartbeat_ttl_s")
+        if self.socket_timeout_s <= 0 or self.max_connections < 1:
+            raise ValueError(
+                f"socket_timeout_s={self.socket_timeout_s}, max_connections={self.max_connections}: "
+                "must be positive"
+            )
+
+    @property
+    def prefix(self) -> str:
+        return f"pdserve:{{{self.cluster}}}:"
+
+    @property
+    def address(self) -> str:
+        """Where Redis is, for messages: never contains the password."""
+        if self.url is None:
+            return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.db}"
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A node's registration. epoch is assigned by `BlockIndex.register` (0 before)."""
+
+    node_id: NodeId
+    role: Role
+    http_url: str
+    transfer_addr: str
+    model_fingerprint: str
+    """64 lowercase hex digits: shared.block_hash.model_fingerprint(...).hex()."""
+    kv_layout: Mapping[str, int | str]
+    """num_layers, num_kv_heads, head_dim, block_size, tp_size (ints) and dtype (a torch dtype name)."""
+    protocol_version: int
+    capacity_blocks: int
+    epoch: int = 0
+
+    def __post_init__(self) -> None:
+        if not _NAME_RE.fullmatch(self.node_id):
+            raise ValueError(f"node_id={self.node_id!r}: use letters, digits, '_', '.', '-'")
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r}: accepted {list(ROLES)}")
+        if not _HEX64_RE.fullmatch(self.model_fingerprint):
+            raise ValueError(f"model_fingerprint={self.model_fingerprint!r}: need 64 lowercase hex digits")
+        if sorted(self.kv_layout) != sorted(KV_LAYOUT_FIELDS):
+            raise ValueError(
+                f"kv_layout has fields {sorted(self.kv_layout)}; need {sorted(KV_LAYOUT_FIELDS)}"
+            )
+        for name in KV_LAYOUT_FIELDS:
+            value = self.kv_layout[name]
+            if name != "dtype" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"kv_layout.{name}={value!r}: must be a positive int")
+        if not isinstance(self.kv_layout["dtype"], str):
+            raise ValueError(f"kv_layout.dtype={self.kv_layout['dtype']!r}: must be a dtype name")
+        if self.capacity_blocks < 0 or self.protocol_version < 0 or self.epoch < 0:
+            raise ValueError(
+                f"capacity_blocks={self.capacity_blocks}, protocol_version={self.protocol_version}, "
+                f"epoch={self.epoch}: must be >= 0"
+            )
+
+    @property
+    def block_size(self) -> int:
+        return int(self.kv_layout["block_size"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self) | {"kv_layout": dict(self.kv_layout)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeInfo:
+        data = json.loads(text)
+        return cls(**{**data, "node_id": NodeId(data["node_id"]), "role": cast(Role, data["role"])})
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """What a node reports with each heartbeat. Counts are of requests and of KV blocks."""
+
+    running: int
+    waiting: int
+    kv_used_blocks: int
+    kv_total_blocks: int
+    blocks_held: int
+    """Full blocks the node holds with a hash (in use or cached-free): what the index should list."""
+    draining: bool = False
+    queued_prefill_tokens: int = 0
+    """Prompt tokens still to compute over the node's waiting and running requests."""
+
+    def __post_init__(self) -> None:
+        counts = asdict(self)
+        del counts["draining"]
+        bad = {k: v for k, v in counts.items() if v < 0}
+        if bad:
+            raise ValueError(f"NodeLoad counts must be >= 0, got {bad}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeLoad:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A live node as `BlockIndex.nodes()` sees it. heartbeat_age_s is measured on Redis's clock."""
+
+    info: NodeInfo
+    load: NodeLoad | None
+    heartbeat_age_s: float
+    draining: bool
+    blocks_indexed: int
+    """Block records of the current epoch in the index (compare with load.blocks_held for staleness)."""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "info": json.loads(self.info.to_json()),
+            "load": None if self.load is None else asdict(self.load),
+            "heartbeat_age_s": self.heartbeat_age_s,
+            "draining": self.draining,
+            "blocks_indexed": self.blocks_indexed,
+        }
+
+
+@dataclass(frozen=True)
+class NodeBlocks:
+    """One node's block records: their count and up to `limit` of the hashes."""
+
+    count: int
+    hashes: tuple[BlockHash, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class HitStats:
+    """Prefix-cache outcome of prompt tokens, in tokens: computed-locally-cached, fetched, computed."""
+
+    local_tokens: int = 0
+    remote_tokens: int = 0
+    miss_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.local_tokens + self.remote_tokens + self.miss_tokens
+
+    def __add__(self, other: HitStats) -> HitStats:
+        return HitStats(
+            self.local_tokens + other.local_tokens,
+            self.remote_tokens + other.remote_tokens,
+            self.miss_tokens + other.miss_tokens,
+        )
