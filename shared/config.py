@@ -1,0 +1,64 @@
+"""Engine configuration: one frozen dataclass per engine, validated at construction.
+
+Values learned at start-up (the number of KV blocks, EOS ids) live in the runtime state of the engine,
+never here. Nothing in this module reads the environment; the CLI builds the config from argv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """A .gguf file, an HF checkpoint directory, or `dummy:<named shape | config.json>`."""
+    tokenizer: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    """Fixed pool size; None sizes it from `kv_cache_bytes` (CPU) or free GPU memory."""
+    kv_cache_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    """Chunked-prefill token budget per step."""
+    max_model_len: int | None = None
+    seed: int = 0
+    """Seed of dummy weights."""
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: a path or dummy:<shape> is required")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: accepted {sorted(_DTYPES)}")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ValueError(f"device={self.device!r}: accepted 'cpu' or 'cuda[:N]'")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size}: accepted 8, 16, 32, 64, 128")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: need at least 2")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes}: must be positive")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.98:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: accepted 0.05..0.98")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= block_size")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

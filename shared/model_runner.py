@@ -1,0 +1,102 @@
+"""Owns the KV cache tensor and turns one scheduled batch into a forward pass and logits.
+
+Invariants: the KV tensor is allocated once, `[num_layers, 2, num_blocks, block_size, Hkv, D]`, and never
+moves (transfer connectors and CUDA graphs hold its address); a token's KV goes to slot
+`block_ids[pos // block_size] * block_size + pos % block_size` of its request; the runner reads the
+scheduler's decisions and never changes request state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps, get_ops
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.loader import LoadedModel
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One sequence's share of a step: tokens [start, start + num_tokens) of `token_ids`."""
+
+    token_ids: Sequence[int]
+    start: int
+    num_tokens: int
+    block_ids: Sequence[int]
+    sample: bool
+
+
+def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
+    c = loaded.config
+    elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    return c.num_layers * 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, num_blocks: int) -> None:
+        c = loaded.config
+        self.model = loaded.model
+        self.config = c
+        self.block_size = cfg.block_size
+        self.device = cfg.torch_device
+        self.ops: AttentionOps = get_ops(self.device)
+        self.num_blocks = num_blocks
+        # kv_cache: [L, 2, N, B, Hkv, D]
+        self.kv_cache = torch.zeros(
+            (c.num_layers, 2, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim),
+            dtype=cfg.torch_dtype,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, items: Sequence[BatchItem], layer_hook: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
+        """Runs one step; returns fp32 logits [num sampled items, V] in item order."""
+        input_ids, positions, slots = self._token_lists(items)
+        meta = self._metadata(items, slots)
+        dev = self.device
+        hidden = self.model.forward(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_cache,
+            meta,
+            self.ops,
+            layer_hook,
+        )
+        # last: index of each sampled item's last token in the flat batch
+        ends = torch.tensor(meta.query_start_loc[1:].tolist(), dtype=torch.int64, device=dev) - 1
+        sampled = torch.tensor([i for i, it in enumerate(items) if it.sample], dtype=torch.int64, device=dev)
+        return self.model.compute_logits(hidden[ends[sampled]])
+
+    def _token_lists(self, items: Sequence[BatchItem]) -> tuple[list[int], list[int], list[int]]:
+        b = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for it in items:
+            end = it.start + it.num_tokens
+            assert len(it.block_ids) * b >= end, f"blocks cover {len(it.block_ids) * b} tokens, need {end}"
+            input_ids.extend(it.token_ids[it.start : end])
+            positions.extend(range(it.start, end))
+            slots.extend(it.block_ids[p // b] * b + p % b for p in range(it.start, end))
+        return input_ids, positions, slots
+
+    def _metadata(self, items: Sequence[BatchItem], slots: list[int]) -> AttentionMetadata:
+        dev = self.device
+        starts = [0]
+        for it in items:
+            starts.append(starts[-1] + it.num_tokens)
+        seq_lens = [it.start + it.num_tokens for it in items]
+        width = max(len(it.block_ids) for it in items)
+        table = [list(it.block_ids) + [0] * (width - len(it.block_ids)) for it in items]
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            max_query_len=max(it.num_tokens for it in items),
+            max_seq_len=max(seq_lens),
+        )
