@@ -1,0 +1,176 @@
+"""Plain data and errors of the KV-transfer protocol, shared by the wire codec, the connectors and the nodes.
+
+Invariants: every value here is immutable and validated at construction, so a decoded peer message that
+builds one is already range-checked. Block index i of a transfer is the i-th block of the prompt; blocks
+0..num_held_blocks-1 are the ones D already held, block i >= num_held_blocks lands in
+dst_block_ids[i - num_held_blocks].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from pdserve.shared.types import BlockId, NodeId, RequestId
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's paged KV cache: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    `num_kv_heads` counts the heads this rank holds: heads [kv_head_start, kv_head_start + num_kv_heads)
+    of the model, rank `tp_rank` of `tp_size`. Two ends exchange KV only if every field is equal (v1).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVLayout.tp_rank {self.tp_rank!r} must be in [0, {self.tp_size})")
+        if type(self.kv_head_start) is not int or self.kv_head_start < 0:
+            raise ValueError(f"KVLayout.kv_head_start must be a non-negative int, got {self.kv_head_start!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of K and V of one block in one layer."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def first_difference(self, other: KVLayout) -> str | None:
+        """`"field: local X, peer Y"` for the first differing field, or None when the layouts match."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name}: local {mine!r}, peer {theirs!r}"
+        return None
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """What one end states in the handshake: who it is, which model, which cache layout."""
+
+    node_id: NodeId
+    fingerprint: bytes
+    layout: KVLayout
+
+
+@dataclass(frozen=True)
+class OpenReply:
+    """D's answer to OPEN: it holds the first `num_held_blocks` blocks; the rest go to `dst_block_ids`."""
+
+    num_held_blocks: int
+    dst_block_ids: tuple[BlockId, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_held_blocks < 0:
+            raise ValueError(f"num_held_blocks must be >= 0, got {self.num_held_blocks}")
+        if len(set(self.dst_block_ids)) != len(self.dst_block_ids):
+            raise ValueError(f"dst_block_ids has duplicates: {self.dst_block_ids}")
+        if any(b < 0 for b in self.dst_block_ids):
+            raise ValueError(f"dst_block_ids must be >= 0, got {self.dst_block_ids}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_held_blocks + len(self.dst_block_ids)
+
+
+@dataclass(frozen=True)
+class BlockDescriptor:
+    """One block of a DATA frame: its index within the transfer, its block on P, its block on D."""
+
+    index: int
+    src: BlockId
+    dst: BlockId
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What P measured for one finished transfer; seconds run from the first DATA send to D's ACK."""
+
+    transfer_id: RequestId
+    payload_bytes: int
+    seconds: float
+
+    @property
+    def gib_per_s(self) -> float:
+        return self.payload_bytes / max(self.seconds, 1e-9) / 2**30
+
+
+class KVTransferError(Exception):
+    """Base of every error this package raises."""
+
+
+class HandshakeError(KVTransferError):
+    """Connection refused; `code`: version|fingerprint|layout|auth|protocol|timeout; `detail`: why."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"handshake refused ({code}): {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class TransferRefused(KVTransferError):
+    """D declined OPEN (no free blocks, unknown request, past deadline...); nothing is reserved."""
+
+    def __init__(self, transfer_id: str, reason: str) -> None:
+        super().__init__(f"transfer {transfer_id!r} refused: {reason}")
+        self.transfer_id = transfer_id
+        self.reason = reason
+
+
+class TransferAborted(KVTransferError):
+    """The transfer ended without ACK; D has released (or will release) its reservation."""
+
+    def __init__(self, transfer_id: str, reason: str) -> None:
+        super().__init__(f"transfer {transfer_id!r} aborted: {reason}")
+        self.transfer_id = transfer_id
+        self.reason = reason
+
+
+class OpenRefused(KVTransferError):
+    """Raised by `TransferHandler.on_open` to refuse a transfer; `reason` goes back to P."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ProtocolError(KVTransferError):
+    """The peer broke the wire protocol (bad frame, bad field, wrong state); the connection is closed."""
+
+
+class ChecksumError(ProtocolError):
+    """A frame's CRC32 did not match; `transfer_id` is the frame's transfer when its header still decodes."""
+
+    def __init__(self, detail: str, transfer_id: str | None) -> None:
+        super().__init__(detail)
+        self.transfer_id = transfer_id
+
+
+class ConnectionLost(KVTransferError):
+    """The transport closed or failed under us."""

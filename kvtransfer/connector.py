@@ -1,0 +1,209 @@
+"""The KV-transfer interface the nodes program against, and the registry that picks a connector by name.
+
+P pushes KV into D's blocks (docs/kv_transfer_protocol.md): D runs one `KVReceiverServer` per node and
+implements `TransferHandler`; P holds one `KVSender` per node, which caches one connection per peer and
+multiplexes `TransferSession`s on it by transfer id. Nodes call `create_sender` / `create_server` with a
+`ConnectorConfig`; the kind string selects the implementation through the registry, so node code never
+branches on the backend. Invariant: for every OPEN that D accepted, exactly one of on_complete (then ACK) or
+on_abort is called, on every path (P abort, deadline, connection cut, bad frame, server stop).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from pdserve.kvtransfer.common import (
+    BlockDescriptor,
+    ChecksumError,
+    ConnectionLost,
+    HandshakeError,
+    KVLayout,
+    KVTransferError,
+    OpenRefused,
+    OpenReply,
+    PeerIdentity,
+    ProtocolError,
+    TransferAborted,
+    TransferRefused,
+    TransferStats,
+)
+from pdserve.shared.types import BlockHash, NodeId, RequestId
+
+__all__ = [
+    "BlockDescriptor",
+    "ChecksumError",
+    "ConnectionLost",
+    "Connector",
+    "ConnectorConfig",
+    "HandshakeError",
+    "KVLayout",
+    "KVReceiverServer",
+    "KVSender",
+    "KVTransferError",
+    "OpenRefused",
+    "OpenReply",
+    "PeerIdentity",
+    "ProtocolError",
+    "TransferAborted",
+    "TransferHandler",
+    "TransferRefused",
+    "TransferSession",
+    "TransferStats",
+    "connector_kinds",
+    "create_sender",
+    "create_server",
+    "register_connector",
+]
+
+
+class TransferHandler(Protocol):
+    """D's side, implemented by the decode node. Calls for one transfer never overlap."""
+
+    async def on_open(
+        self,
+        peer: NodeId,
+        transfer_id: RequestId,
+        block_hashes: tuple[BlockHash, ...],
+        num_blocks: int,
+        deadline: float,
+    ) -> OpenReply:
+        """Match the held prefix, reserve the rest; raise `OpenRefused(reason)` to refuse.
+
+        num_blocks counts every block of the prompt, a trailing partial one included; deadline: unix s.
+        """
+
+    async def on_data(
+        self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
+        """dst_block_ids: [n] int64; buffer: [num_layers, 2, n, B, Hkv, D] in the layout's dtype, valid only
+        during the call (e.g. `ops.scatter_blocks(buffer[i], kv_cache[layer_start + i], dst_block_ids)`)."""
+
+    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
+        """Every reserved block has every layer; the request may start decoding. Raising aborts it."""
+
+    async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
+        """Free the reservation. At most once per accepted transfer, never after on_complete returned."""
+
+
+class TransferSession(Protocol):
+    """P's side of one transfer (one request) to one D. Used from asyncio."""
+
+    @property
+    def transfer_id(self) -> RequestId: ...
+
+    async def open(self, block_hashes: Sequence[BlockHash], num_blocks: int, deadline: float) -> OpenReply:
+        """Reserve on D; raises TransferRefused. deadline: unix seconds, the request's one deadline."""
+
+    async def send_layers(
+        self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
+    ) -> None:
+        """buffer: [num_layers, 2, n, B, Hkv, D] or [2, n, B, Hkv, D] (one layer), from `ops.gather_blocks`,
+        block j of it described by descriptors[j]. Returns when the frame is handed to the transport, so the
+        buffer may be reused. Raises TransferAborted when D aborted."""
+
+    async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
+        """Send COMPLETE (first token, JSON-able) and return when D acknowledged it."""
+
+    async def abort(self, reason: str) -> None:
+        """Tell D to free the reservation; idempotent, a no-op after complete()."""
+
+
+class KVSender(Protocol):
+    """P's per-node client; connections are opened on first use per peer address and reused."""
+
+    async def session(self, peer_address: str, transfer_id: RequestId) -> TransferSession:
+        """Connect (handshake once per peer, raises HandshakeError) and start a session."""
+
+    async def close(self) -> None:
+        """Abort open sessions and close every connection."""
+
+
+class KVReceiverServer(Protocol):
+    @property
+    def address(self) -> str:
+        """`<kind>://<host>:<port>`, valid after start()."""
+
+    def open_transfer_ids(self) -> frozenset[RequestId]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None:
+        """Close the listener and every connection; open transfers are aborted (on_abort called)."""
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Transfer settings of one node. Both ends need the same `auth_token`; it never goes on the wire."""
+
+    kind: str
+    auth_token: str
+    checksum: bool = True  # CRC32 every frame; a connection checksums if either end asks for it
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0  # 0: a free port, see KVReceiverServer.address
+    connect_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0
+    ack_grace_s: float = 2.0  # P waits for ACK until the request deadline plus this
+    max_payload_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.kind not in _REGISTRY:
+            raise ValueError(f"unknown connector kind {self.kind!r}; registered: {connector_kinds()}")
+        if not self.auth_token:
+            raise ValueError("ConnectorConfig.auth_token must be a non-empty shared secret")
+        if not 0 <= self.listen_port < 65536:
+            raise ValueError(f"listen_port {self.listen_port} must be in [0, 65536)")
+        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_payload_bytes <= 0:
+            raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
+
+
+class Connector(Protocol):
+    """One registered implementation: builds the two ends."""
+
+    def make_sender(self, config: ConnectorConfig, identity: PeerIdentity) -> KVSender: ...
+
+    def make_server(
+        self, config: ConnectorConfig, identity: PeerIdentity, handler: TransferHandler
+    ) -> KVReceiverServer: ...
+
+
+# kind -> a Connector, or "module:attribute" imported on first use (so ucxx loads only when asked for)
+_REGISTRY: dict[str, Connector | str] = {
+    "tcp": "pdserve.kvtransfer.tcp:CONNECTOR",
+    "ucx": "pdserve.kvtransfer.ucx:CONNECTOR",
+}
+
+
+def register_connector(kind: str, connector: Connector | str) -> None:
+    if kind in _REGISTRY:
+        raise ValueError(f"connector kind {kind!r} is already registered")
+    _REGISTRY[kind] = connector
+
+
+def connector_kinds() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _connector(kind: str) -> Connector:
+    entry = _REGISTRY[kind]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        _REGISTRY[kind] = entry
+    return entry
+
+
+def create_sender(config: ConnectorConfig, identity: PeerIdentity) -> KVSender:
+    return _connector(config.kind).make_sender(config, identity)
+
+
+def create_server(
+    config: ConnectorConfig, identity: PeerIdentity, handler: TransferHandler
+) -> KVReceiverServer:
+    return _connector(config.kind).make_server(config, identity, handler)

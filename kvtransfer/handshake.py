@@ -1,0 +1,111 @@
+"""The v1 handshake: identity and layout check, then mutual HMAC-SHA256 challenge-response.
+
+Order: P HELLO(nonce_p) -> D HELLO(nonce_d, proof_d) -> P AUTH(proof_p) -> D READY. Each end checks the
+other's version, model fingerprint and KV layout before any proof, refuses with an ERROR frame naming the
+first difference, and raises `HandshakeError`. A proof is HMAC(token, label | role | nonce_p | nonce_d |
+sender node | receiver node); the roles differ, so a proof cannot be reflected back, and the token itself
+never crosses the wire. Until READY every frame is checksummed; afterwards the connection checksums if
+either end's config asks for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+
+from pdserve.kvtransfer.common import ConnectionLost, HandshakeError, PeerIdentity, ProtocolError
+from pdserve.kvtransfer.framing import FramedConnection, VersionMismatch
+from pdserve.kvtransfer.messages import PROTOCOL_VERSION, Auth, Error, Hello, Message, Ready
+
+NONCE_BYTES = 32
+_LABEL = b"pdserve-kvtransfer-v1"
+_LINGER_S = 1.0  # how long a refusing end waits for the refused peer to read ERROR and hang up
+
+
+def _proof(token: str, role: bytes, nonce_p: bytes, nonce_d: bytes, sender: str, receiver: str) -> bytes:
+    parts = [_LABEL, role, nonce_p, nonce_d, sender.encode(), receiver.encode()]
+    body = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return hmac.new(token.encode(), body, hashlib.sha256).digest()
+
+
+def _mismatch(mine: PeerIdentity, hello: Hello) -> tuple[str, str] | None:
+    """(code, detail) of the first incompatibility between this end and the peer's HELLO."""
+    if hello.version != PROTOCOL_VERSION:
+        return "version", f"local v{PROTOCOL_VERSION}, peer v{hello.version}"
+    if hello.fingerprint != mine.fingerprint:
+        return "fingerprint", f"local {mine.fingerprint.hex()[:16]}.., peer {hello.fingerprint.hex()[:16]}.."
+    difference = mine.layout.first_difference(hello.layout)
+    if difference is not None:
+        return "layout", f"layout.{difference}"
+    if len(hello.nonce) != NONCE_BYTES:
+        return "protocol", f"nonce must be {NONCE_BYTES} bytes, got {len(hello.nonce)}"
+    return None
+
+
+async def _refuse(conn: FramedConnection, code: str, detail: str) -> HandshakeError:
+    """Tell the peer why, then linger until it hangs up (a UCX endpoint cut right after a send can drop
+    the send), and build the local error. The peer may be gone already: the refusal stands either way."""
+    try:
+        await conn.send(Error(code, detail))
+        async with asyncio.timeout(_LINGER_S):
+            while True:
+                await conn.recv()
+    except (ConnectionLost, ProtocolError, TimeoutError):
+        pass
+    return HandshakeError(code, detail)
+
+
+async def _expect(conn: FramedConnection, kind: type[Message]) -> Message:
+    try:
+        msg = (await conn.recv()).msg
+    except VersionMismatch as e:
+        raise await _refuse(conn, "version", f"local v{PROTOCOL_VERSION}, peer v{e.peer_version}") from e
+    if isinstance(msg, Error):
+        raise HandshakeError(msg.code, f"peer refused: {msg.detail}")
+    if not isinstance(msg, kind):
+        raise await _refuse(conn, "protocol", f"expected {kind.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+async def client_handshake(conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool) -> Hello:
+    """P's side; returns D's HELLO once D sent READY."""
+    nonce_p = os.urandom(NONCE_BYTES)
+    await conn.send(Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_p, checksum))
+    peer = await _expect(conn, Hello)
+    assert isinstance(peer, Hello)
+    problem = _mismatch(me, peer)
+    if problem is not None:
+        raise await _refuse(conn, *problem)
+    expected = _proof(token, b"receiver", nonce_p, peer.nonce, me.node_id, peer.node_id)
+    if not hmac.compare_digest(expected, peer.proof):
+        raise await _refuse(
+            conn, "auth", f"receiver {peer.node_id!r} failed the HMAC challenge (token differs)"
+        )
+    await conn.send(Auth(_proof(token, b"sender", nonce_p, peer.nonce, me.node_id, peer.node_id)))
+    await _expect(conn, Ready)
+    conn.checksum = checksum or peer.checksum
+    return peer
+
+
+async def server_handshake(conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool) -> Hello:
+    """D's side; returns P's HELLO after sending READY."""
+    peer = await _expect(conn, Hello)
+    assert isinstance(peer, Hello)
+    problem = _mismatch(me, peer)
+    if problem is not None:
+        raise await _refuse(conn, *problem)
+    nonce_d = os.urandom(NONCE_BYTES)
+    proof = _proof(token, b"receiver", peer.nonce, nonce_d, peer.node_id, me.node_id)
+    await conn.send(Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_d, checksum, proof))
+    auth = await _expect(conn, Auth)
+    assert isinstance(auth, Auth)
+    expected = _proof(token, b"sender", peer.nonce, nonce_d, peer.node_id, me.node_id)
+    if not hmac.compare_digest(expected, auth.proof):
+        raise await _refuse(
+            conn, "auth", f"sender {peer.node_id!r} failed the HMAC challenge (token differs)"
+        )
+    await conn.send(Ready())
+    conn.checksum = checksum or peer.checksum
+    return peer

@@ -1,0 +1,291 @@
+"""D's side of the protocol over any byte transport: the transfer server and its per-transfer state machine.
+
+State of an accepted transfer: OPEN -> (DATA)* -> COMPLETED | ABORTED. Invariants: the terminal decision is
+taken under the transfer's lock, so exactly one of `on_complete` (then ACK) or `on_abort` runs per accepted
+transfer and no handler call for it overlaps another; a transfer is in `_transfers` exactly while it is OPEN;
+DATA may only name reserved destination blocks, and COMPLETE is accepted only once every (layer, reserved
+block) pair has arrived. Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
+error, the connection dropping, and `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import torch
+from pdserve.kvtransfer.common import (
+    ChecksumError,
+    ConnectionLost,
+    HandshakeError,
+    OpenRefused,
+    OpenReply,
+    PeerIdentity,
+    ProtocolError,
+)
+from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
+from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection
+from pdserve.kvtransfer.handshake import server_handshake
+from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.transport import Listener, Transport
+from pdserve.shared.types import BlockHash, NodeId, RequestId
+
+log = logging.getLogger("pdserve.kvtransfer")
+
+
+class _Transfer:
+    def __init__(
+        self, tid: RequestId, conn: FramedConnection, reply: OpenReply, deadline: float, layers: int
+    ):
+        self.tid = tid
+        self.conn = conn
+        self.reply = reply
+        self.deadline = deadline
+        self.lock = asyncio.Lock()
+        self.done = False
+        self.received = torch.zeros(layers, len(reply.dst_block_ids), dtype=torch.bool)  # [L, reserved]
+        self.expiry: asyncio.Task[None] | None = None
+
+
+class ChannelServer:
+    def __init__(
+        self, transport: Transport, config: ConnectorConfig, identity: PeerIdentity, handler: TransferHandler
+    ) -> None:
+        self.transport = transport
+        self.config = config
+        self.identity = identity
+        self.handler = handler
+        self._listener: Listener | None = None
+        self._transfers: dict[str, _Transfer] = {}
+        self._opening: set[str] = set()
+        self._connections: dict[ByteChannel, asyncio.Future[None]] = {}
+
+    @property
+    def address(self) -> str:
+        assert self._listener is not None, "address is known once the server started"
+        return f"{self.transport.scheme}://{self.config.listen_host}:{self._listener.port}"
+
+    def open_transfer_ids(self) -> frozenset[RequestId]:
+        return frozenset(RequestId(tid) for tid in self._transfers)
+
+    async def start(self) -> None:
+        assert self._listener is None, "server already started"
+        self._listener = await self.transport.listen(
+            self.config.listen_host, self.config.listen_port, self._serve
+        )
+        log.info("KV receiver %s listening on %s", self.identity.node_id, self.address)
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+        for channel in list(self._connections):
+            channel.abort()
+        await asyncio.gather(*self._connections.values())
+
+    async def _serve(self, channel: ByteChannel) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._connections[channel] = done
+        conn = FramedConnection(channel, self.config.max_payload_bytes)
+        reason, peer_id = "connection closed", channel.peer
+        try:
+            hello_id = await self._handshake(conn)
+            if hello_id is None:
+                return
+            peer_id = hello_id
+            while True:
+                try:
+                    frame = await conn.recv()
+                except ChecksumError as e:
+                    t = self._transfers.get(e.transfer_id or "")
+                    if t is None or t.conn is not conn:
+                        raise
+                    log.error("corrupted frame from %s: %s", peer_id, e)
+                    await self._abort(t, f"corrupted frame: {e}", notify=True)
+                    continue
+                await self._dispatch(conn, NodeId(peer_id), frame)
+        except ProtocolError as e:
+            reason = f"protocol error: {e}"
+            log.warning("closing connection from %s: %s", peer_id, reason)
+            with contextlib.suppress(ConnectionLost):
+                await conn.send(Error("protocol", str(e)))
+        except ConnectionLost as e:
+            reason = f"connection lost: {e}"
+        finally:
+            channel.abort()
+            for t in [t for t in self._transfers.values() if t.conn is conn]:
+                await self._abort(t, f"connection from {peer_id} ended ({reason})", notify=False)
+            del self._connections[channel]
+            done.set_result(None)
+
+    async def _handshake(self, conn: FramedConnection) -> str | None:
+        """The sender's node id, or None (logged) when it is refused or leaves before READY."""
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                hello = await server_handshake(
+                    conn, self.config.auth_token, self.identity, self.config.checksum
+                )
+        except TimeoutError:
+            log.warning(
+                "refused sender from %s: no handshake within %ss",
+                conn.channel.peer,
+                self.config.handshake_timeout_s,
+            )
+        except (HandshakeError, ProtocolError, ConnectionLost) as e:
+            log.warning("refused sender from %s: %s", conn.channel.peer, e)
+        else:
+            log.info(
+                "accepted sender %s from %s, checksum=%s", hello.node_id, conn.channel.peer, conn.checksum
+            )
+            return hello.node_id
+        return None
+
+    async def _dispatch(self, conn: FramedConnection, peer_id: NodeId, frame: Frame) -> None:
+        msg = frame.msg
+        if frame.payload is not None and not isinstance(msg, Data):
+            raise ProtocolError(f"{type(msg).__name__} must not carry a payload")
+        if isinstance(msg, Open):
+            await self._open(conn, peer_id, msg)
+            return
+        if not isinstance(msg, Data | Complete | Abort):
+            raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
+        t = self._transfers.get(msg.transfer_id)
+        if t is None or t.conn is not conn:  # e.g. DATA still in flight after the deadline aborted it
+            log.debug(
+                "dropping %s for transfer %r that is not open here", type(msg).__name__, msg.transfer_id
+            )
+        elif isinstance(msg, Data):
+            await self._data(t, msg, frame.payload)
+        elif isinstance(msg, Complete):
+            await self._complete(t, msg)
+        else:
+            await self._abort(t, f"sender aborted: {msg.reason}", notify=False)
+
+    async def _open(self, conn: FramedConnection, peer_id: NodeId, msg: Open) -> None:
+        tid = RequestId(msg.transfer_id)
+        refusal: str | None = None
+        reply: OpenReply | None = None
+        if tid in self._transfers or tid in self._opening:
+            refusal = "transfer id is already open"
+        elif msg.deadline <= time.time():
+            refusal = f"deadline {msg.deadline:.3f} has passed (now {time.time():.3f})"
+        elif msg.num_blocks <= 0 or len(msg.block_hashes) > msg.num_blocks:
+            refusal = f"bad OPEN: num_blocks={msg.num_blocks}, {len(msg.block_hashes)} block hashes"
+        else:
+            self._opening.add(tid)
+            try:
+                hashes = tuple(BlockHash(h) for h in msg.block_hashes)
+                reply = await self.handler.on_open(peer_id, tid, hashes, msg.num_blocks, msg.deadline)
+            except OpenRefused as e:
+                refusal = e.reason
+            except Exception as e:
+                log.exception("on_open(%r) failed", tid)
+                refusal = f"receiver error in on_open: {e!r}"
+            finally:
+                self._opening.discard(tid)
+        if reply is not None and reply.num_blocks != msg.num_blocks:
+            refusal = f"receiver reserved {reply.num_blocks} blocks for a {msg.num_blocks}-block request"
+            await self._call_on_abort(tid, refusal)
+        if refusal is not None:
+            log.info("refused transfer %r from %s: %s", tid, peer_id, refusal)
+            await conn.send(OpenRefusal(tid, refusal))
+            return
+        assert reply is not None
+        t = _Transfer(tid, conn, reply, msg.deadline, self.identity.layout.num_layers)
+        self._transfers[tid] = t
+        t.expiry = asyncio.create_task(self._expire(t))
+        await conn.send(OpenOk(tid, reply.num_held_blocks, tuple(reply.dst_block_ids)))
+
+    def _data_problem(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> str | None:
+        layout, reply, n = self.identity.layout, t.reply, len(msg.block_indices)
+        if payload is None:
+            return "DATA without payload"
+        if n == 0 or not n == len(msg.src_blocks) == len(msg.dst_blocks):
+            return f"DATA descriptor lists differ in length or are empty ({n}, {len(msg.dst_blocks)})"
+        if not 0 <= msg.layer_start < msg.layer_start + msg.num_layers <= layout.num_layers:
+            return f"DATA layers {msg.layer_start}+{msg.num_layers} outside [0, {layout.num_layers})"
+        if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
+            return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
+        reserved = reply.dst_block_ids
+        for index, dst in zip(msg.block_indices, msg.dst_blocks, strict=True):
+            j = index - reply.num_held_blocks
+            if not 0 <= j < len(reserved) or reserved[j] != dst:
+                return f"DATA block {index} -> {dst} is not in the reservation"
+        return None
+
+    async def _data(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> None:
+        problem = self._data_problem(t, msg, payload)
+        if problem is not None:
+            await self._abort(t, problem, notify=True)
+            return
+        assert payload is not None
+        lay, n = self.identity.layout, len(msg.block_indices)
+        # buffer: [num_layers, 2, n, block_size, Hkv, D]
+        buffer = payload.view(lay.torch_dtype).view(
+            msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
+        )
+        dst = torch.tensor(msg.dst_blocks, dtype=torch.int64)
+        async with t.lock:
+            if t.done:
+                return
+            try:
+                await self.handler.on_data(t.tid, msg.layer_start, dst, buffer)
+            except Exception as e:
+                log.exception("on_data(%r) failed", t.tid)
+                failure = f"receiver error in on_data: {e!r}"
+            else:
+                cols = [i - t.reply.num_held_blocks for i in msg.block_indices]
+                t.received[msg.layer_start : msg.layer_start + msg.num_layers, cols] = True
+                return
+        await self._abort(t, failure, notify=True)
+
+    async def _complete(self, t: _Transfer, msg: Complete) -> None:
+        missing = int((~t.received).sum())
+        if missing:
+            await self._abort(
+                t, f"COMPLETE with {missing} of {t.received.numel()} layer-blocks missing", True
+            )
+            return
+        async with t.lock:
+            if t.done:
+                return
+            try:
+                await self.handler.on_complete(t.tid, msg.first_token)
+            except Exception as e:
+                log.exception("on_complete(%r) failed", t.tid)
+                failure = f"receiver error in on_complete: {e!r}"
+            else:
+                self._end(t)
+                with contextlib.suppress(ConnectionLost):
+                    await t.conn.send(Ack(t.tid))
+                return
+        await self._abort(t, failure, notify=True)
+
+    def _end(self, t: _Transfer) -> None:
+        t.done = True
+        del self._transfers[t.tid]
+        if t.expiry is not None and t.expiry is not asyncio.current_task():
+            t.expiry.cancel()
+
+    async def _abort(self, t: _Transfer, reason: str, notify: bool) -> None:
+        async with t.lock:
+            if t.done:
+                return
+            self._end(t)
+            log.warning("aborting transfer %r: %s", t.tid, reason)
+            await self._call_on_abort(t.tid, reason)
+        if notify:
+            with contextlib.suppress(ConnectionLost):
+                await t.conn.send(Abort(t.tid, reason))
+
+    async def _call_on_abort(self, tid: RequestId, reason: str) -> None:
+        try:
+            await self.handler.on_abort(tid, reason)
+        except Exception:
+            log.exception("on_abort(%r) failed; its reservation may leak", tid)
+
+    async def _expire(self, t: _Transfer) -> None:
+        await asyncio.sleep(max(t.deadline - time.time(), 0.0))
+        await self._abort(t, f"deadline {t.deadline:.3f} passed", notify=True)

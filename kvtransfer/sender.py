@@ -1,0 +1,286 @@
+"""P's side of the protocol over any byte transport: one cached connection per peer, sessions multiplexed.
+
+Invariants: a connection's reader task is the only reader of its channel; a session is registered on its
+connection from construction until it completes, is aborted (by either end) or the connection dies, and
+each of those ends fails its pending waits exactly once with `TransferAborted`. A dead connection is
+dropped from the cache, so the next session to that peer dials again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from pdserve.kvtransfer.common import (
+    BlockDescriptor,
+    ConnectionLost,
+    HandshakeError,
+    KVLayout,
+    KVTransferError,
+    OpenReply,
+    PeerIdentity,
+    ProtocolError,
+    TransferAborted,
+    TransferRefused,
+    TransferStats,
+)
+from pdserve.kvtransfer.connector import ConnectorConfig
+from pdserve.kvtransfer.framing import FramedConnection
+from pdserve.kvtransfer.handshake import client_handshake
+from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Message, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.transport import Transport, parse_address
+from pdserve.shared.types import BlockHash, BlockId, RequestId
+
+log = logging.getLogger("pdserve.kvtransfer")
+
+
+class _PeerConnection:
+    def __init__(
+        self, conn: FramedConnection, peer_id: str, config: ConnectorConfig, layout: KVLayout
+    ) -> None:
+        self.conn = conn
+        self.peer_id = peer_id
+        self.config = config
+        self.layout = layout
+        self.sessions: dict[str, ChannelSession] = {}
+        self.lost: str | None = None
+        self.reader = asyncio.create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        reason = "connection closed"
+        try:
+            while True:
+                frame = await self.conn.recv()
+                if frame.payload is not None:
+                    raise ProtocolError(f"receiver sent a payload on {type(frame.msg).__name__}")
+                self._dispatch(frame.msg)
+        except (ConnectionLost, ProtocolError) as e:
+            reason = f"connection to {self.peer_id} lost: {e}"
+            log.warning("%s", reason)
+        finally:
+            self.lost = reason
+            self.conn.channel.abort()
+            for session in list(self.sessions.values()):
+                session._fail(reason)
+
+    def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Error):
+            raise ProtocolError(f"receiver sent ERROR {msg.code}: {msg.detail}")
+        if not isinstance(msg, OpenOk | OpenRefusal | Ack | Abort):
+            raise ProtocolError(f"receiver sent unexpected {type(msg).__name__}")
+        session = self.sessions.get(msg.transfer_id)
+        if session is None:  # a late reply to a session this end already ended
+            log.debug("dropping %s for finished transfer %r", type(msg).__name__, msg.transfer_id)
+            return
+        session._on_message(msg)
+
+    def new_session(self, transfer_id: RequestId) -> ChannelSession:
+        if self.lost is not None:
+            raise ConnectionLost(self.lost)
+        if transfer_id in self.sessions:
+            raise ValueError(f"transfer {transfer_id!r} already has a session to {self.peer_id}")
+        session = ChannelSession(self, transfer_id)
+        self.sessions[transfer_id] = session
+        return session
+
+    async def close(self) -> None:
+        for session in list(self.sessions.values()):
+            await session.abort("sender closing")
+        self.reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.reader
+        await self.conn.channel.close()
+
+
+class ChannelSession:
+    """One transfer. Not safe for concurrent calls on the same session (one request, one coroutine)."""
+
+    def __init__(self, connection: _PeerConnection, transfer_id: RequestId) -> None:
+        self._connection = connection
+        self._transfer_id = transfer_id
+        self._reply: OpenReply | None = None
+        self._deadline = 0.0
+        self._waiter: asyncio.Future[Message] | None = None
+        self._ended: str | None = None  # why the session can no longer be used
+        self._first_send: float | None = None
+        self._payload_bytes = 0
+
+    @property
+    def transfer_id(self) -> RequestId:
+        return self._transfer_id
+
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, Abort):
+            self._fail(f"receiver aborted: {msg.reason}")
+        elif self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(msg)
+        else:
+            log.warning("unexpected %s for transfer %r", type(msg).__name__, self._transfer_id)
+
+    def _end(self, reason: str) -> None:
+        self._ended = reason
+        self._connection.sessions.pop(self._transfer_id, None)
+
+    def _fail(self, reason: str) -> None:
+        if self._ended is not None:
+            return
+        self._end(reason)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_exception(TransferAborted(self._transfer_id, reason))
+
+    def _check_usable(self) -> None:
+        if self._ended is not None:
+            raise TransferAborted(self._transfer_id, self._ended)
+
+    async def _send(self, msg: Message, payload: torch.Tensor | None = None) -> None:
+        try:
+            await self._connection.conn.send(msg, payload)
+        except ConnectionLost as e:
+            self._fail(f"connection lost while sending: {e}")
+            raise TransferAborted(self._transfer_id, str(e)) from e
+
+    async def _request(self, msg: Message, until: float, what: str) -> Message:
+        """Send `msg` and wait for the reply to it until unix time `until`."""
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._send(msg)
+        try:
+            return await asyncio.wait_for(self._waiter, max(until - time.time(), 0.0))
+        except TimeoutError:
+            await self.abort(f"no {what} from receiver by the deadline")
+            raise TransferAborted(self._transfer_id, f"no {what} by the deadline") from None
+        finally:
+            self._waiter = None
+
+    async def open(self, block_hashes: Sequence[BlockHash], num_blocks: int, deadline: float) -> OpenReply:
+        self._check_usable()
+        if self._reply is not None:
+            raise ValueError(f"transfer {self._transfer_id!r} is already open")
+        if len(block_hashes) > num_blocks:
+            raise ValueError(f"{len(block_hashes)} block hashes but only {num_blocks} blocks")
+        if deadline <= time.time():
+            self._end("deadline passed before OPEN")
+            raise TransferRefused(self._transfer_id, f"deadline {deadline:.3f} passed before OPEN was sent")
+        self._deadline = deadline
+        msg = Open(self._transfer_id, tuple(block_hashes), num_blocks, deadline)
+        reply = await self._request(msg, deadline, "OPEN reply")
+        if isinstance(reply, OpenRefusal):
+            self._end(f"refused: {reply.reason}")
+            raise TransferRefused(self._transfer_id, reply.reason)
+        assert isinstance(reply, OpenOk)
+        self._reply = OpenReply(reply.num_held_blocks, tuple(BlockId(b) for b in reply.dst_block_ids))
+        if self._reply.num_blocks != num_blocks:
+            await self.abort(f"reply covers {self._reply.num_blocks} blocks, asked for {num_blocks}")
+            raise TransferAborted(self._transfer_id, f"receiver reserved {self._reply.num_blocks} blocks")
+        return self._reply
+
+    def _check_data(
+        self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
+    ) -> None:
+        reply, layout = self._reply, self._connection.layout
+        assert reply is not None, "send_layers before open"
+        expected = (2, len(descriptors), layout.block_size, layout.num_kv_heads, layout.head_dim)
+        if tuple(buffer.shape[1:]) != expected or buffer.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"buffer {tuple(buffer.shape)} {buffer.dtype} != [nl, *{expected}] {layout.dtype}"
+            )
+        if not 0 <= layer_start < layer_start + buffer.shape[0] <= layout.num_layers:
+            raise ValueError(f"layers {layer_start}+{buffer.shape[0]} outside [0, {layout.num_layers})")
+        for d in descriptors:
+            j = d.index - reply.num_held_blocks
+            if not 0 <= j < len(reply.dst_block_ids) or reply.dst_block_ids[j] != d.dst:
+                raise ValueError(f"descriptor {d} does not match the reservation {reply}")
+
+    async def send_layers(
+        self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
+    ) -> None:
+        self._check_usable()
+        if buffer.dim() == 5:
+            buffer = buffer.unsqueeze(0)
+        self._check_data(layer_start, descriptors, buffer)
+        msg = Data(
+            self._transfer_id,
+            layer_start,
+            int(buffer.shape[0]),
+            tuple(d.index for d in descriptors),
+            tuple(int(d.src) for d in descriptors),
+            tuple(int(d.dst) for d in descriptors),
+        )
+        if self._first_send is None:
+            self._first_send = time.perf_counter()
+        await self._send(msg, buffer.contiguous())
+        self._payload_bytes += buffer.numel() * buffer.element_size()
+
+    async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
+        self._check_usable()
+        if self._reply is None:
+            raise ValueError(f"complete before open on transfer {self._transfer_id!r}")
+        start = self._first_send if self._first_send is not None else time.perf_counter()
+        until = self._deadline + self._connection.config.ack_grace_s
+        reply = await self._request(Complete(self._transfer_id, dict(first_token)), until, "ACK")
+        assert isinstance(reply, Ack), reply
+        self._end("completed")
+        return TransferStats(self._transfer_id, self._payload_bytes, time.perf_counter() - start)
+
+    async def abort(self, reason: str) -> None:
+        if self._ended is not None:
+            return
+        self._fail(f"sender aborted: {reason}")
+        with contextlib.suppress(ConnectionLost):  # a dead connection already aborts on D's side
+            await self._connection.conn.send(Abort(self._transfer_id, reason))
+
+
+class ChannelSender:
+    def __init__(self, transport: Transport, config: ConnectorConfig, identity: PeerIdentity) -> None:
+        self.transport = transport
+        self.config = config
+        self.identity = identity
+        self._connections: dict[str, asyncio.Task[_PeerConnection]] = {}
+
+    async def session(self, peer_address: str, transfer_id: RequestId) -> ChannelSession:
+        task = self._connections.get(peer_address)
+        if task is not None and task.done() and (task.cancelled() or task.exception() or task.result().lost):
+            task = None
+        if task is None:
+            task = asyncio.create_task(self._connect(peer_address))
+            self._connections[peer_address] = task
+        try:
+            connection = await asyncio.shield(task)
+        except BaseException:
+            if self._connections.get(peer_address) is task and task.done():
+                del self._connections[peer_address]
+            raise
+        return connection.new_session(transfer_id)
+
+    async def _connect(self, address: str) -> _PeerConnection:
+        host, port = parse_address(address, self.transport.scheme)
+        channel = await self.transport.dial(host, port, self.config.connect_timeout_s)
+        conn = FramedConnection(channel, self.config.max_payload_bytes)
+        try:
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                peer = await client_handshake(
+                    conn, self.config.auth_token, self.identity, self.config.checksum
+                )
+        except TimeoutError:
+            channel.abort()
+            raise HandshakeError("timeout", f"{address} did not finish the handshake in time") from None
+        except (HandshakeError, ProtocolError, ConnectionLost) as e:
+            channel.abort()
+            log.warning("handshake with %s failed: %s", address, e)
+            raise
+        log.info("connected to %s (%s), checksum=%s", peer.node_id, address, conn.checksum)
+        return _PeerConnection(conn, peer.node_id, self.config, self.identity.layout)
+
+    async def close(self) -> None:
+        tasks, self._connections = list(self._connections.values()), {}
+        for task in tasks:
+            task.cancel()  # a no-op once connected
+            try:
+                connection = await task
+            except (asyncio.CancelledError, KVTransferError, OSError):
+                continue
+            await connection.close()

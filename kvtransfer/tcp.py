@@ -1,0 +1,107 @@
+"""The TCP connector: asyncio streams carrying length-prefixed protocol frames (host memory; the CPU default).
+
+A frame's parts go out as two writes (prefix+header, then the payload's memory itself: no copy unless the
+socket buffer is full), and a payload is read straight into a fresh uint8 tensor. CUDA payloads are staged
+through host memory. Invariant: after `abort()` every pending and later call raises `ConnectionLost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import torch
+from pdserve.kvtransfer.channel_connector import ChannelConnector
+from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.framing import ByteChannel
+
+_READ_CHUNK = 4 << 20
+
+
+class TcpChannel:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        host, port = writer.get_extra_info("peername")[:2]
+        self._peer = f"{host}:{port}"
+
+    @property
+    def peer(self) -> str:
+        return self._peer
+
+    async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
+        if self._writer.is_closing():
+            raise ConnectionLost(f"connection to {self._peer} is closed")
+        try:
+            self._writer.write(prefix + header)
+            if payload is not None:
+                self._writer.write(payload.cpu().numpy().data)
+            await self._writer.drain()
+        except (ConnectionError, OSError) as e:
+            raise ConnectionLost(f"send to {self._peer} failed: {e}") from e
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        try:
+            return await self._reader.readexactly(nbytes)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            raise ConnectionLost(f"connection from {self._peer} closed: {e!r}") from e
+
+    async def recv_payload(self, nbytes: int) -> torch.Tensor:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        view = out.numpy().data
+        filled = 0
+        while filled < nbytes:
+            try:
+                chunk = await self._reader.read(min(nbytes - filled, _READ_CHUNK))
+            except (ConnectionError, OSError) as e:
+                raise ConnectionLost(f"connection from {self._peer} failed: {e!r}") from e
+            if not chunk:
+                raise ConnectionLost(f"connection from {self._peer} closed after {filled} of {nbytes} B")
+            view[filled : filled + len(chunk)] = chunk
+            filled += len(chunk)
+        return out
+
+    def abort(self) -> None:
+        self._writer.transport.abort()
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._writer.wait_closed()
+
+
+class TcpListener:
+    def __init__(self, server: asyncio.Server) -> None:
+        self._server = server
+
+    @property
+    def port(self) -> int:
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        self._server.close()
+        await self._server.wait_closed()
+
+
+class TcpTransport:
+    scheme = "tcp"
+
+    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+        except (TimeoutError, OSError) as e:
+            raise ConnectionLost(f"cannot connect to tcp://{host}:{port}: {e!r}") from e
+        return TcpChannel(reader, writer)
+
+    async def listen(
+        self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
+    ) -> TcpListener:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await on_channel(TcpChannel(reader, writer))
+
+        return TcpListener(await asyncio.start_server(accept, host, port))
+
+
+CONNECTOR = ChannelConnector(TcpTransport())

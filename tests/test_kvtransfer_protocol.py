@@ -1,0 +1,482 @@
+"""The KV-transfer protocol suite, run unchanged over every connector (TCP, UCX).
+
+Two real paged caches, real sockets/endpoints on loopback, gather/scatter by the reference ops; raw clients
+built from the same framing code play a misbehaving sender (cut, corrupted frame, bad proof). The
+cross-process tests run this file as the sender's script.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.kvtransfer.connector import (
+    BlockDescriptor,
+    ConnectorConfig,
+    HandshakeError,
+    KVLayout,
+    KVReceiverServer,
+    OpenRefused,
+    OpenReply,
+    PeerIdentity,
+    TransferAborted,
+    TransferRefused,
+    TransferSession,
+    TransferStats,
+    create_sender,
+    create_server,
+)
+from pdserve.kvtransfer.framing import ByteChannel, FramedConnection, encode_frame
+from pdserve.kvtransfer.handshake import client_handshake
+from pdserve.kvtransfer.messages import Abort, Auth, Data, Error, Hello, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.tcp import TcpTransport
+from pdserve.kvtransfer.transport import Transport, parse_address
+from pdserve.kvtransfer.ucx import UcxTransport
+from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
+
+T = TypeVar("T")
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="bfloat16")
+FINGERPRINT = b"\x11" * 32
+TOKEN = "shared-secret-token"
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+    async def bounded() -> T:
+        async with asyncio.timeout(timeout):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+def config(kind: str, **overrides: Any) -> ConnectorConfig:
+    fields: dict[str, Any] = {"kind": kind, "auth_token": TOKEN, "handshake_timeout_s": 10.0}
+    fields.update(overrides)
+    return ConnectorConfig(**fields)
+
+
+def identity(node: str, layout: KVLayout = LAYOUT, fingerprint: bytes = FINGERPRINT) -> PeerIdentity:
+    return PeerIdentity(NodeId(node), fingerprint, layout)
+
+
+def random_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    """kv: [L, 2, N, B, Hkv, D]"""
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    return torch.randn(shape, generator=g).to(layout.torch_dtype)
+
+
+def block_hashes(n: int, salt: int = 0) -> list[BlockHash]:
+    return [BlockHash(bytes([salt, i]) * 16) for i in range(n)]
+
+
+class PagedReceiver:
+    """The decode node's TransferHandler over a real paged cache with a free list and held prefix blocks."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.kv = torch.zeros(
+            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
+        )
+        self.kv = self.kv.to(layout.torch_dtype)
+        self.free: list[int] = list(range(num_blocks))
+        self.held: dict[bytes, int] = {}  # block hash -> block D already has
+        self.reserved: dict[str, list[int]] = {}
+        self.completed: dict[str, dict[str, Any]] = {}
+        self.aborts: list[tuple[str, str]] = []
+        self.data_calls = 0
+        self.ops = ReferenceOps()
+
+    def hold(self, block_hash: bytes) -> int:
+        block = self.free.pop()
+        self.held[block_hash] = block
+        return block
+
+    async def on_open(
+        self,
+        peer: NodeId,
+        transfer_id: RequestId,
+        hashes: tuple[BlockHash, ...],
+        num_blocks: int,
+        deadline: float,
+    ) -> OpenReply:
+        num_held = 0
+        while num_held < len(hashes) and hashes[num_held] in self.held:
+            num_held += 1
+        need = num_blocks - num_held
+        if need > len(self.free):
+            raise OpenRefused(f"need {need} blocks, {len(self.free)} free")
+        ids = [self.free.pop() for _ in range(need)]
+        self.reserved[transfer_id] = ids
+        return OpenReply(num_held, tuple(BlockId(b) for b in ids))
+
+    async def on_data(
+        self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
+        self.data_calls += 1
+        for i in range(buffer.shape[0]):
+            self.ops.scatter_blocks(buffer[i], self.kv[layer_start + i], dst_block_ids)
+
+    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
+        self.completed[transfer_id] = first_token
+
+    async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
+        self.aborts.append((transfer_id, reason))
+        self.free.extend(self.reserved.pop(transfer_id))
+
+
+async def push(
+    session: TransferSession,
+    src_kv: torch.Tensor,
+    src_blocks: list[int],
+    hashes: list[BlockHash],
+    layers_per_frame: int = 1,
+    first_token: dict[str, Any] | None = None,
+) -> tuple[OpenReply, TransferStats]:
+    """What the prefill node does: open, gather each layer chunk with the reference op, send, complete."""
+    layout_layers = src_kv.shape[0]
+    reply = await session.open(hashes, len(src_blocks), time.time() + 30)
+    todo = list(range(reply.num_held_blocks, reply.num_blocks))
+    descriptors = [
+        BlockDescriptor(i, BlockId(src_blocks[i]), reply.dst_block_ids[j]) for j, i in enumerate(todo)
+    ]
+    src_ids = torch.tensor([src_blocks[i] for i in todo], dtype=torch.int64)
+    ops = ReferenceOps()
+    for start in range(0, layout_layers, layers_per_frame):
+        stop = min(start + layers_per_frame, layout_layers)
+        # buffer: [layers, 2, n, B, Hkv, D]
+        buffer = torch.empty((stop - start, 2, len(todo), *src_kv.shape[3:]), dtype=src_kv.dtype)
+        for layer in range(start, stop):
+            ops.gather_blocks(src_kv[layer], src_ids, buffer[layer - start])
+        await session.send_layers(start, descriptors, buffer)
+    stats = await session.complete(first_token or {"token_id": 7, "logprob": -0.25})
+    return reply, stats
+
+
+KINDS = ["tcp", "ucx"]
+TRANSPORTS: dict[str, type[Transport]] = {"tcp": TcpTransport, "ucx": UcxTransport}
+
+
+async def until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def started(kind: str, handler: PagedReceiver, **cfg: Any) -> KVReceiverServer:
+    server = create_server(config(kind, **cfg), identity("decode-0"), handler)
+    await server.start()
+    return server
+
+
+async def raw_sender(kind: str, server: KVReceiverServer) -> FramedConnection:
+    """A sender made of the bare framing pieces, for misbehaving on purpose."""
+    host, port = parse_address(server.address, kind)
+    channel: ByteChannel = await TRANSPORTS[kind]().dial(host, port, 5.0)
+    conn = FramedConnection(channel, 1 << 30)
+    await client_handshake(conn, TOKEN, identity("raw-prefill"), checksum=True)
+    return conn
+
+
+def data_frame(tid: str, reply: OpenOk, seed: int = 0) -> tuple[Data, torch.Tensor]:
+    n = len(reply.dst_block_ids)
+    payload = random_cache(LAYOUT, n, seed)[:1]  # [1, 2, n, B, Hkv, D]
+    indices = tuple(range(reply.num_held_blocks, reply.num_held_blocks + n))
+    return Data(tid, 0, 1, indices, indices, reply.dst_block_ids), payload
+
+
+def audit(receiver: PagedReceiver, server: KVReceiverServer, num_blocks: int) -> None:
+    """Everything reserved was either completed or freed; nothing is left registered on the server."""
+    assert server.open_transfer_ids() == frozenset()
+    in_use = sum(len(receiver.reserved[t]) for t in receiver.completed)
+    assert len(receiver.free) + len(receiver.held) + in_use == num_blocks
+    assert set(receiver.reserved) == set(receiver.completed)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("checksum", [True, False])
+def test_full_transfer_is_bit_identical(kind: str, checksum: bool) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(kind, receiver, checksum=checksum)
+        sender = create_sender(config(kind, checksum=checksum), identity("prefill-0"))
+        src = random_cache(LAYOUT, 12, seed=1)
+        hashes = block_hashes(5)
+        src_blocks = [9, 2, 7, 4, 11]  # 5 full blocks + 1 partial
+        for h, b in zip(hashes[:2], src_blocks[:2], strict=True):  # D already holds the first two
+            receiver.kv[:, :, receiver.hold(h)] = src[:, :, b]
+        try:
+            session = await sender.session(server.address, RequestId("req-1"))
+            reply, stats = await push(session, src, [*src_blocks, 5], hashes, layers_per_frame=3)
+            assert reply.num_held_blocks == 2 and len(reply.dst_block_ids) == 4
+            assert stats.payload_bytes == LAYOUT.num_layers * 4 * LAYOUT.layer_block_bytes
+            assert receiver.completed == {"req-1": {"token_id": 7, "logprob": -0.25}}
+            for j, i in enumerate(range(2, 6)):
+                assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, [*src_blocks, 5][i]])
+            untouched = set(receiver.free)
+            assert all(not receiver.kv[:, :, b].any() for b in untouched)
+            audit(receiver, server, 16)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sessions_are_multiplexed_on_one_connection(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(kind, receiver)
+        sender = create_sender(config(kind), identity("prefill-0"))
+        src = random_cache(LAYOUT, 8, seed=2)
+        try:
+            sessions = [await sender.session(server.address, RequestId(f"r{i}")) for i in range(3)]
+            results = await asyncio.gather(
+                *(push(s, src, [i, i + 3], block_hashes(2, salt=i)) for i, s in enumerate(sessions))
+            )
+            for i, (reply, _) in enumerate(results):
+                for j, b in enumerate(reply.dst_block_ids):
+                    assert torch.equal(receiver.kv[:, :, b], src[:, :, [i, i + 3][j]])
+            assert sorted(receiver.completed) == ["r0", "r1", "r2"]
+            audit(receiver, server, 16)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("wrong_side", ["sender", "receiver"])
+def test_wrong_token_is_refused(kind: str, wrong_side: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pdserve.kvtransfer")
+
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=4)
+        server = await started(
+            kind, receiver, **({"auth_token": "other"} if wrong_side == "receiver" else {})
+        )
+        sender_token = "other" if wrong_side == "sender" else TOKEN
+        sender = create_sender(config(kind, auth_token=sender_token), identity("prefill-0"))
+        try:
+            with pytest.raises(HandshakeError) as err:
+                await sender.session(server.address, RequestId("r"))
+            assert err.value.code == "auth"
+            await until(lambda: "refused sender" in caplog.text)  # D logged it too
+            assert "handshake with" in caplog.text
+            audit(receiver, server, 4)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receiver_checks_the_senders_proof(kind: str) -> None:
+    async def scenario() -> None:
+        server = await started(kind, PagedReceiver(LAYOUT, 4))
+        host, port = parse_address(server.address, kind)
+        conn = FramedConnection(await TRANSPORTS[kind]().dial(host, port, 5.0), 1 << 20)
+        try:
+            me = identity("forger")
+            await conn.send(Hello(1, me.node_id, me.fingerprint, me.layout, os.urandom(32), True))
+            assert isinstance((await conn.recv()).msg, Hello)  # D proves itself first
+            await conn.send(Auth(b"\0" * 32))  # a sender that does not know the token
+            refusal = (await conn.recv()).msg
+            assert isinstance(refusal, Error) and refusal.code == "auth"
+        finally:
+            conn.channel.abort()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("change", "code", "named"),
+    [
+        ({"fingerprint": b"\x22" * 32}, "fingerprint", "fingerprint"),
+        ({"layout": KVLayout(4, 3, 8, 16, "bfloat16")}, "layout", "block_size"),
+        ({"layout": KVLayout(4, 3, 8, 4, "float16")}, "layout", "dtype"),
+        ({"layout": KVLayout(4, 3, 8, 4, "bfloat16", tp_size=2, tp_rank=1)}, "layout", "tp_size"),
+    ],
+)
+def test_incompatible_peer_is_refused_naming_the_field(
+    kind: str, change: dict[str, Any], code: str, named: str
+) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=4)
+        server = await started(kind, receiver)
+        sender = create_sender(config(kind), identity("prefill-0", **change))
+        try:
+            with pytest.raises(HandshakeError) as err:
+                await sender.session(server.address, RequestId("r"))
+            assert err.value.code == code and named in str(err.value)
+            audit(receiver, server, 4)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sender_abort_frees_the_reservation(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=8)
+        server = await started(kind, receiver)
+        sender = create_sender(config(kind), identity("prefill-0"))
+        try:
+            session = await sender.session(server.address, RequestId("r"))
+            reply = await session.open(block_hashes(3), 3, time.time() + 30)
+            assert server.open_transfer_ids() == {"r"} and len(receiver.free) == 5
+            await session.abort("client disconnected")
+            await session.abort("twice is a no-op")
+            await until(lambda: receiver.aborts)
+            assert receiver.aborts == [("r", "sender aborted: client disconnected")]
+            with pytest.raises(TransferAborted):
+                await session.send_layers(0, [], torch.empty(0))
+            assert len(reply.dst_block_ids) == 3
+            audit(receiver, server, 8)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_open_refusal_reserves_nothing(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=2)
+        server = await started(kind, receiver)
+        sender = create_sender(config(kind), identity("prefill-0"))
+        try:
+            session = await sender.session(server.address, RequestId("big"))
+            with pytest.raises(TransferRefused, match="need 3 blocks, 2 free"):
+                await session.open(block_hashes(3), 3, time.time() + 30)
+            late = await sender.session(server.address, RequestId("late"))
+            with pytest.raises(TransferRefused, match="deadline"):  # P does not even ask
+                await late.open(block_hashes(1), 1, time.time() - 1)
+            conn = await raw_sender(kind, server)  # D checks it too
+            await conn.send(Open("late", (), 1, time.time() - 1))
+            refusal = (await conn.recv()).msg
+            conn.channel.abort()
+            assert isinstance(refusal, OpenRefusal) and "deadline" in refusal.reason
+            audit(receiver, server, 2)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receiver_aborts_at_the_deadline(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=8)
+        server = await started(kind, receiver)
+        sender = create_sender(config(kind, ack_grace_s=5.0), identity("prefill-0"))
+        try:
+            session = await sender.session(server.address, RequestId("slow"))
+            await session.open(block_hashes(2), 2, time.time() + 0.3)
+            await until(lambda: receiver.aborts)
+            assert receiver.aborts[0][0] == "slow" and "deadline" in receiver.aborts[0][1]
+            await asyncio.sleep(0.1)  # P learns of it from D's ABORT frame
+            with pytest.raises(TransferAborted, match="deadline"):
+                await session.complete({"token_id": 1})
+            assert len(receiver.aborts) == 1
+            audit(receiver, server, 8)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_connection_cut_midway_aborts_exactly_once(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=8)
+        server = await started(kind, receiver)
+        conn = await raw_sender(kind, server)
+        try:
+            for tid in ("a", "b"):
+                await conn.send(Open(tid, (), 2, time.time() + 30))
+                assert isinstance((await conn.recv()).msg, OpenOk)
+            await conn.send(Open("c", (), 1, time.time() + 30))
+            reply = (await conn.recv()).msg
+            assert isinstance(reply, OpenOk)
+            await conn.send(*data_frame("c", reply))
+            await until(lambda: receiver.data_calls == 1)
+            conn.channel.abort()  # the sender's socket/endpoint dies mid-transfer
+            await until(lambda: len(receiver.aborts) == 3)
+            await asyncio.sleep(0.2)
+            assert sorted(t for t, _ in receiver.aborts) == ["a", "b", "c"]
+            assert all("connection" in reason for _, reason in receiver.aborts)
+            audit(receiver, server, 8)
+        finally:
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_corrupted_frame_aborts_that_transfer(kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=8)
+        server = await started(kind, receiver)
+        conn = await raw_sender(kind, server)
+        try:
+            await conn.send(Open("bad", (), 2, time.time() + 30))
+            reply = (await conn.recv()).msg
+            assert isinstance(reply, OpenOk)
+            prefix, header, payload = encode_frame(*data_frame("bad", reply), checksum=True)
+            assert payload is not None
+            damaged = payload.clone()
+            damaged[100] ^= 0x01  # one bit flipped on the wire
+            await conn.channel.send(prefix, header, damaged)
+            abort = (await conn.recv()).msg
+            assert isinstance(abort, Abort) and "checksum" in abort.reason
+            assert receiver.aborts == [("bad", abort.reason)] and receiver.data_calls == 0
+            assert "corrupted frame" in caplog.text
+            await conn.send(Open("next", (), 1, time.time() + 30))  # the connection itself survives
+            assert isinstance((await conn.recv()).msg, OpenOk)
+            await conn.send(Abort("next", "done"))
+            await until(lambda: len(receiver.aborts) == 2)
+            audit(receiver, server, 8)
+        finally:
+            conn.channel.abort()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_other_protocol_version_is_refused(kind: str) -> None:
+    async def scenario() -> None:
+        server = await started(kind, PagedReceiver(LAYOUT, 4))
+        host, port = parse_address(server.address, kind)
+        conn = FramedConnection(await TRANSPORTS[kind]().dial(host, port, 5.0), 1 << 20)
+        me = identity("future")
+        try:
+            prefix, header, _ = encode_frame(
+                Hello(2, me.node_id, me.fingerprint, me.layout, os.urandom(32), True), None, checksum=False
+            )
+            await conn.channel.send(prefix[:4] + b"\x02" + prefix[5:], header, None)
+            refusal = (await conn.recv()).msg
+            assert isinstance(refusal, Error) and refusal.code == "version" and "v2" in refusal.detail
+        finally:
+            conn.channel.abort()
+            await server.stop()
+
+    run(scenario())
