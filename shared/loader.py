@@ -1,0 +1,170 @@
+"""The model-loading entry point: a path (GGUF file, HF directory, `dummy:<shape or config.json>`) becomes
+a `LoadedModel` (config, model on its device, tokenizer, weights identity).
+
+Invariants: weights stream into the model one tensor at a time (never a second full copy); every
+failure to read a checkpoint surfaces as one `ModelLoadError` line naming the path and the problem;
+the tokenizer is loaded (and timed) apart from the weights, and `load_tokenizer` alone never reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from pdserve.shared.dummy_weights import dummy_weights_identity, fill_dummy_weights
+from pdserve.shared.gguf_loader import read_gguf
+from pdserve.shared.hf_loader import read_hf_dir
+from pdserve.shared.model import LlamaModel
+from pdserve.shared.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.shared.tokenizer import Tokenizer
+from safetensors import SafetensorError
+from tqdm import tqdm
+
+DUMMY_PREFIX = "dummy:"
+_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, RuntimeError, NotImplementedError, struct.error,
+                SafetensorError)  # fmt: skip
+
+
+class ModelLoadError(Exception):
+    """A checkpoint or tokenizer could not be read; the message is one line naming the path."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    weights_identity: bytes
+    source: str
+    weights_load_s: float = 0.0  # wall seconds to read, dequantize and place the weights
+    tokenizer_load_s: float = 0.0
+
+
+class _LazyWeights(Mapping[str, torch.Tensor]):
+    """HF-named weights materialized on access, with a progress bar on stderr."""
+
+    def __init__(self, thunks: dict[str, Callable[[], torch.Tensor]], bar: tqdm) -> None:
+        self._thunks = thunks
+        self._bar = bar
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._thunks[name]()
+        self._bar.update(1)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._thunks)
+
+    def __len__(self) -> int:
+        return len(self._thunks)
+
+
+def load_model(
+    path: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer_path: str | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load weights and tokenizer. `seed` only matters for dummy weights. Raises ModelLoadError."""
+    start = time.perf_counter()
+    if path.startswith(DUMMY_PREFIX):
+        config = _dummy_config(path)
+        model = LlamaModel(config, device, dtype)
+        fill_dummy_weights(model, seed)
+        identity = dummy_weights_identity(config, seed, device)
+    else:
+        config, model, identity = _load_checkpoint(path, device, dtype)
+    weights_s = time.perf_counter() - start
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(path, tokenizer_path)
+    tokenizer_s = time.perf_counter() - start
+    return LoadedModel(config, model, tokenizer, identity, path, weights_s, tokenizer_s)
+
+
+def load_tokenizer(path: str, tokenizer_path: str | None = None) -> Tokenizer:
+    """The tokenizer of `tokenizer_path` if given, else of `path` (GGUF file, HF dir, or dummy spec:
+    the config's directory tokenizer.json if present, else byte-level). Raises ModelLoadError."""
+    source = tokenizer_path or path
+    try:
+        if source.startswith(DUMMY_PREFIX):
+            spec = source[len(DUMMY_PREFIX) :]
+            spec_dir = os.path.dirname(spec)
+            if spec not in NAMED_SHAPES and os.path.exists(os.path.join(spec_dir, "tokenizer.json")):
+                return Tokenizer.from_hf_dir(spec_dir)
+            cfg = _dummy_config(source)
+            return Tokenizer.byte_level(cfg.vocab_size, cfg.eos_token_ids, cfg.bos_token_id)
+        if os.path.isdir(source):
+            return Tokenizer.from_hf_dir(source)
+        if os.path.basename(source) == "tokenizer.json":
+            return Tokenizer.from_hf_dir(os.path.dirname(source) or ".")
+        if source.endswith(".gguf"):
+            _check_file(source)
+            return Tokenizer.from_gguf(source)
+    except _READ_ERRORS as e:
+        raise ModelLoadError(f"cannot load tokenizer from {source}: {_one_line(e)}") from e
+    raise ModelLoadError(
+        f"cannot load tokenizer from {source}: not a .gguf file, an HF directory or dummy:<shape>"
+    )
+
+
+def _load_checkpoint(
+    path: str, device: torch.device, dtype: torch.dtype
+) -> tuple[ModelConfig, LlamaModel, bytes]:
+    try:
+        if path.endswith(".gguf"):
+            _check_file(path)
+            config, thunks, identity = read_gguf(path)
+        elif os.path.isdir(path):
+            config, thunks, identity = read_hf_dir(path)
+        else:
+            raise ModelLoadError(
+                f"cannot load model from {path}: not a .gguf file, an HF directory, or "
+                f"dummy:<shape>|<config.json> (named shapes: {sorted(NAMED_SHAPES)})"
+            )
+        model = LlamaModel(config, device, dtype)
+        threads = torch.get_num_threads()
+        # dequantizing and copying are small memory-bound ops: on the shared 2-core CI machine, 2 OpenMP
+        # threads under contention made the SmolLM2 load 20x slower (24 s) than 1 thread (0.8 s)
+        torch.set_num_threads(1)
+        try:
+            with tqdm(
+                total=len(thunks), desc=f"loading {os.path.basename(path)}", unit="tensor", file=sys.stderr
+            ) as bar:
+                model.load_weights(_LazyWeights(thunks, bar))
+        finally:
+            torch.set_num_threads(threads)
+    except _READ_ERRORS as e:
+        raise ModelLoadError(f"cannot load model from {path}: {_one_line(e)}") from e
+    return config, model.eval(), identity
+
+
+def _dummy_config(path: str) -> ModelConfig:
+    spec = path[len(DUMMY_PREFIX) :]
+    if spec in NAMED_SHAPES:
+        return NAMED_SHAPES[spec]
+    if not spec.endswith(".json"):
+        raise ModelLoadError(f"{path}: unknown dummy shape {spec!r}; named shapes: {sorted(NAMED_SHAPES)}")
+    try:
+        with open(spec, encoding="utf-8") as f:
+            d = json.load(f)
+        return ModelConfig.from_hf_config(d) if "model_type" in d else ModelConfig.from_dict(d)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"cannot load dummy config {spec}: {_one_line(e)}") from e
+
+
+def _check_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path}")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text}"

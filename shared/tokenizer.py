@@ -1,0 +1,229 @@
+"""`Tokenizer`: text <-> token ids and chat templates, over the Rust `tokenizers` backend.
+
+Built from a GGUF file's metadata (transformers' GGUF tokenizer conversion), from an HF directory
+(tokenizer.json + tokenizer_config.json / chat_template.jinja), or as a byte-level fallback for dummy
+models. Invariants: `encode` never adds the chat template; `apply_chat_template` renders with the
+template's own special-token strings and encodes with add_special_tokens=False, as transformers does.
+Loading a tokenizer never touches model weights, so its time is measured on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import tokenizers
+
+GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+class _Backend(Protocol):
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+    def vocab_size(self) -> int: ...
+
+
+class _RustBackend:
+    def __init__(self, tok: tokenizers.Tokenizer) -> None:
+        self.tok = tok
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def vocab_size(self) -> int:
+        return int(self.tok.get_vocab_size(with_added_tokens=True))
+
+
+class _ByteBackend:
+    """Ids 0..255 are UTF-8 bytes; a larger id decodes as byte id % 256; special ids decode as `<|id|>`."""
+
+    def __init__(self, vocab_size: int, special_ids: frozenset[int]) -> None:
+        self.size = vocab_size
+        self.special_ids = special_ids
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for i in ids:
+            if i in self.special_ids:
+                out.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+                out.append("" if skip_special_tokens else f"<|{i}|>")
+            else:
+                run.append(i % 256)
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def vocab_size(self) -> int:
+        return self.size
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        name: str,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None,
+        template_tokens: dict[str, str],
+    ) -> None:
+        self._backend = backend
+        self.name = name
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.chat_template = chat_template
+        self._template_tokens = template_tokens  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce (may be below the model's padded vocab_size)."""
+        return self._backend.vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._backend.encode(text, add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(ids, skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages`, as text. ValueError if there is no template."""
+        if self.chat_template is None:
+            raise ValueError(f"tokenizer {self.name!r} has no chat template; use a completion request")
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        template_tokens: dict[str, Any] = dict(self._template_tokens)
+        # annotated `-> str`, but returns (rendered conversations, generation indices)
+        result: Any = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **template_tokens,
+        )
+        return str(result[0][0])
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+    @classmethod
+    def byte_level(cls, vocab_size: int, eos_token_ids: Iterable[int], bos_token_id: int | None) -> Tokenizer:
+        """Fallback for dummy models: UTF-8 bytes as ids, a plain `role: content` chat template."""
+        if vocab_size < 256:
+            raise ValueError(f"vocab_size={vocab_size} is below 256, too small for a byte-level tokenizer")
+        eos = frozenset(eos_token_ids)
+        specials = eos | ({bos_token_id} if bos_token_id is not None else set())
+        return cls(
+            _ByteBackend(vocab_size, frozenset(specials)),
+            name="byte-level",
+            eos_token_ids=eos,
+            chat_template=BYTE_CHAT_TEMPLATE,
+            template_tokens={},
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        """From a directory holding tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
+        generation_config.json). FileNotFoundError if tokenizer.json is missing."""
+        backend = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        template = _pick_template(tok_cfg.get("chat_template"))
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        template_tokens = {
+            key: _token_text(tok_cfg[key])
+            for key in ("bos_token", "eos_token")
+            if tok_cfg.get(key) is not None
+        }
+        eos: set[int] = set()
+        if "eos_token" in template_tokens:
+            eos_id = backend.token_to_id(template_tokens["eos_token"])
+            if eos_id is not None:
+                eos.add(int(eos_id))
+        for extra in ("generation_config.json", "config.json"):
+            eos.update(_as_ids(_read_json(os.path.join(path, extra)).get("eos_token_id")))
+        return cls(
+            _RustBackend(backend),
+            name=os.path.basename(os.path.normpath(path)),
+            eos_token_ids=eos,
+            chat_template=template,
+            template_tokens=template_tokens,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str) -> Tokenizer:
+        """From a GGUF file's tokenizer metadata (vocabulary, merges, special ids, chat template)."""
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+
+        meta, _ = read_gguf_metadata(path, GGUF_STRING_ARRAYS)
+        tok_dict = {
+            field: meta[f"tokenizer.{key}"]
+            for key, field in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+            if f"tokenizer.{key}" in meta
+        }
+        if "tokens" not in tok_dict:
+            raise ValueError(f"{path} has no tokenizer.ggml.tokens in its metadata")
+        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)
+        tokens: list[str] = tok_dict["tokens"]
+        template_tokens = {
+            name: tokens[meta[key]]
+            for name, key in (
+                ("bos_token", "tokenizer.ggml.bos_token_id"),
+                ("eos_token", "tokenizer.ggml.eos_token_id"),
+            )
+            if key in meta
+        }
+        return cls(
+            _RustBackend(backend),
+            name=str(meta.get("general.name") or os.path.basename(path)),
+            eos_token_ids=(int(meta[k]) for k in GGUF_EOS_KEYS if k in meta),
+            chat_template=meta.get("tokenizer.chat_template"),
+            template_tokens=template_tokens,
+        )
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _pick_template(value: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of {name, template} (take 'default')."""
+    if value is None or isinstance(value, str):
+        return value
+    named = {t["name"]: t["template"] for t in value}
+    return named.get("default")
+
+
+def _token_text(value: Any) -> str:
+    return str(value["content"]) if isinstance(value, dict) else str(value)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
