@@ -79,14 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print token ids and logprobs as JSON")
-    for name in ("up", "router", "prefill", "decode", "single", "bench"):
+    for name in ("up", "router", "prefill", "decode", "single"):
         sub.add_parser(name, help=f"see `pdserve {name} --help`", add_help=False)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("up", "router", "prefill", "decode", "single", "bench"):
+    if argv and argv[0] in ("up", "router", "prefill", "decode", "single"):
         from pdserve.launch import run_component
 
         return run_component(argv[0], argv[1:])

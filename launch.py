@@ -1,0 +1,260 @@
+"""`pdserve up` (a whole local cluster) and `pdserve router|prefill|decode|single` (one component).
+
+`up` owns every process it starts: Redis on a free port with no persistence, the nodes, the router. Each
+child runs in its own process group and is stopped by pid (SIGTERM, then SIGKILL) on Ctrl-C, on SIGTERM,
+and when any child dies during start-up, so nothing is left orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+MODULES = {
+    "router": "pdserve.router",
+    "prefill": "pdserve.prefill_node",
+    "decode": "pdserve.decode_node",
+    "single": "pdserve.decode_node",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    """The processes of a local cluster, stopped in reverse start order."""
+
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-"))
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        self.procs.append((name, proc))
+        return proc
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                tail = self.log_tail(name)
+                raise RuntimeError(f"{name} exited with code {proc.returncode}; last log lines:\n{tail}")
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        with open(os.path.join(self.workdir, f"{name}.log"), "rb") as f:
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        for _name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for _name, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+    def wait_http(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
+
+
+def start_redis(cluster: Cluster, password: str | None = None) -> str:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server not found; install it (apt-get install redis-server)")
+    port = free_port()
+    argv = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        cluster.workdir,
+    ]
+    if password:
+        argv += ["--requirepass", password]
+    cluster.spawn("redis", argv)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        cluster.check_alive()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return f"redis://127.0.0.1:{port}/0"
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    threads_per_node: int = 1
+    extra_node_args: tuple[str, ...] = ()
+    demo: bool = False
+
+
+def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
+    """Starts Redis, the nodes and the router; returns the router's base URL once everything answers."""
+    redis_url = start_redis(cluster)
+    token = secrets.token_hex(16)
+    py = sys.executable
+    urls = []
+    roles = [("prefill", i) for i in range(cfg.prefill)] + [("decode", i) for i in range(cfg.decode)]
+    if cfg.prefill == 0:
+        roles = [("single", i) for i in range(cfg.decode)]
+    for role, i in roles:
+        port = free_port()
+        name = f"{role}-{i}"
+        argv = [
+            py,
+            "-m",
+            MODULES[role],
+            "--node-id",
+            name,
+            "--port",
+            str(port),
+            "--redis",
+            redis_url,
+            "--model",
+            cfg.model,
+            "--auth-token",
+            token,
+            "--threads",
+            str(cfg.threads_per_node),
+            *cfg.extra_node_args,
+        ]
+        if role == "single":
+            argv += ["--role", "single"]
+        cluster.spawn(name, argv)
+        urls.append(f"http://127.0.0.1:{port}/internal/health")
+    for url in urls:
+        cluster.wait_http(url, timeout_s=300)
+    router_argv = [
+        py,
+        "-m",
+        "pdserve.router",
+        "--model",
+        cfg.model,
+        "--redis",
+        redis_url,
+        "--port",
+        str(cfg.port),
+    ]
+    cluster.spawn("router", router_argv)
+    base = f"http://127.0.0.1:{cfg.port}"
+    cluster.wait_http(f"{base}/health", timeout_s=120)
+    return base
+
+
+def demo_request(base: str) -> str:
+    models = httpx.get(f"{base}/v1/models", timeout=10).json()
+    body = {
+        "model": models["data"][0]["id"],
+        "messages": [{"role": "user", "content": "In one sentence, what is the capital of France?"}],
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def up(argv: Sequence[str]) -> int:
+    from pdserve.cli import default_model_path
+
+    p = argparse.ArgumentParser(
+        prog="pdserve up", description="a local cluster: Redis, router, P and D nodes"
+    )
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: single nodes instead of P/D)")
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--model", default=None)
+    p.add_argument(
+        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per node"
+    )
+    p.add_argument("--demo", action="store_true", help="send one chat request and print the answer")
+    args = p.parse_args(argv)
+    if args.decode < 1 or args.prefill < 0:
+        p.error("--decode must be >= 1 and --prefill >= 0")
+    cfg = UpConfig(
+        args.model or default_model_path(), args.port, args.prefill, args.decode, args.threads, demo=args.demo
+    )
+    cluster = Cluster()
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(
+            f"pdserve up: starting Redis, {cfg.prefill} prefill and {cfg.decode} decode node(s); logs in "
+            f"{cluster.workdir}",
+            flush=True,
+        )
+        base = start_cluster(cfg, cluster)
+        print(f"pdserve up: serving the OpenAI API on {base}/v1", flush=True)
+        if cfg.demo:
+            answer = demo_request(base)
+            print(
+                json.dumps({"question": "In one sentence, what is the capital of France?", "answer": answer}),
+                flush=True,
+            )
+        print("pdserve up: Ctrl-C stops every process", flush=True)
+        while not stop:
+            cluster.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\npdserve up: stopping", flush=True)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"pdserve up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
+    return 0
+
+
+def run_component(name: str, argv: Sequence[str]) -> int:
+    if name == "up":
+        return up(argv)
+    args = list(argv)
+    if name == "single":
+        args += ["--role", "single"]
+    os.execv(sys.executable, [sys.executable, "-m", MODULES[name], *args])

@@ -1,0 +1,43 @@
+"""`python -m pdserve.prefill_node`: a prefill node."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI
+from pdserve.kvtransfer.common import KVLayout, PeerIdentity
+from pdserve.kvtransfer.connector import ConnectorConfig, create_sender
+from pdserve.kvtransfer.messages import PROTOCOL_VERSION
+from pdserve.prefill_node.server import PrefillService, add_prefill_routes
+from pdserve.shared.node_cli import node_parser
+from pdserve.shared.node_runtime import NodeRuntime
+from pdserve.shared.node_serve import serve
+
+
+async def setup(
+    app: FastAPI, rt: NodeRuntime, args: argparse.Namespace
+) -> tuple[str, Callable[[], Awaitable[None]]]:
+    cfg = ConnectorConfig(
+        kind=args.connector, auth_token=args.auth_token or "", checksum=not args.no_checksum
+    )
+    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
+    sender = create_sender(cfg, identity)
+    service = PrefillService(rt, sender)
+    service.attach()
+    add_prefill_routes(app, service)
+    rt.connector_kind = args.connector
+    return "", sender.close
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = node_parser("pdserve prefill")
+    args = p.parse_args(argv)
+    if not args.auth_token:
+        p.error("--auth-token is required (the KV-transfer handshake's shared secret)")
+    return serve(args, "prefill", setup, PROTOCOL_VERSION)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

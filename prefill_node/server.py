@@ -1,0 +1,223 @@
+"""The prefill node: computes a prompt's KV, samples the first token, and streams the KV into the decode
+node's reserved blocks layer by layer while the forward pass runs.
+
+Invariants: the OPEN to D (its just-in-time reservation) goes out when the engine first computes the
+request, not when it is queued; each layer's blocks are copied out of the paged cache on the engine
+thread right after the layer writes them (so later steps may reuse or evict P's blocks freely); blocks D
+already holds are never sent; a transfer ends exactly once (COMPLETE+ACK or ABORT), on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pdserve.kvtransfer.connector import (
+    BlockDescriptor,
+    KVSender,
+    KVTransferError,
+    OpenReply,
+    TransferSession,
+)
+from pdserve.shared.engine import RequestOutput, StepObserver
+from pdserve.shared.node_protocol import PrefillRequest, PrefillResult
+from pdserve.shared.node_runtime import NodeRuntime
+from pdserve.shared.scheduler import ScheduledRequest
+from pdserve.shared.types import BlockHash, BlockId, RequestId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    req: PrefillRequest
+    hashes: tuple[BlockHash, ...]
+    num_blocks: int
+    chunks: asyncio.Queue[tuple[int, int, list[BlockId], torch.Tensor] | None] = field(
+        default_factory=asyncio.Queue
+    )
+    opened: bool = False
+    sender_task: asyncio.Task[int] | None = None
+    session: TransferSession | None = None
+
+
+class PrefillObserver(StepObserver):
+    """Runs on the engine thread; hands gathered layer buffers to the asyncio loop."""
+
+    def __init__(self, rt: NodeRuntime, loop: asyncio.AbstractEventLoop, start_sender: Any) -> None:
+        self.rt = rt
+        self.loop = loop
+        self.jobs: dict[RequestId, _Job] = {}
+        self.start_sender = start_sender
+
+    def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
+        runner = self.rt.engine.runner
+        bs = runner.block_size
+        for s in scheduled:
+            job = self.jobs.get(s.request.request_id)
+            if job is None:
+                continue
+            if not job.opened:
+                job.opened = True
+                self.loop.call_soon_threadsafe(self.start_sender, job)
+            end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+            b0, b1 = s.start // bs, -(-end // bs)
+            if b1 <= b0:
+                continue
+            ids = s.request.block_ids[b0:b1]
+            # buf: [2, n, B, Hkv, D], a private copy: P's blocks may be reused after this step
+            buf = torch.empty(
+                (2, len(ids), *runner.kv_cache.shape[3:]), dtype=runner.kv_cache.dtype, device=runner.device
+            )
+            runner.ops.gather_blocks(
+                runner.kv_cache[layer], torch.tensor(ids, dtype=torch.int64, device=runner.device), buf
+            )
+            if buf.device.type != "cpu":
+                buf = buf.to("cpu", non_blocking=False)
+            self.loop.call_soon_threadsafe(job.chunks.put_nowait, (layer, b0, list(ids), buf))
+
+    def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
+        return None
+
+
+class PrefillService:
+    def __init__(self, rt: NodeRuntime, sender: KVSender) -> None:
+        self.rt = rt
+        self.sender = sender
+        self.observer: PrefillObserver | None = None
+
+    def attach(self) -> None:
+        self.observer = PrefillObserver(self.rt, asyncio.get_running_loop(), self._start_sender)
+        self.rt.engine.observer = self.observer
+
+    def _start_sender(self, job: _Job) -> None:
+        job.sender_task = asyncio.ensure_future(self._send(job))
+
+    async def _send(self, job: _Job) -> int:
+        """Opens the transfer and streams the gathered layers; returns blocks sent. Leaves the session
+        for `prefill()` to complete or abort."""
+        session = await self.sender.session(job.req.decode_transfer_addr, RequestId(job.req.request_id))
+        job.session = session
+        reply: OpenReply = await session.open(job.hashes, job.num_blocks, job.req.deadline)
+        sent: set[int] = set()
+        while True:
+            item = await job.chunks.get()
+            if item is None:
+                return len(sent)
+            layer, b0, src_ids, buf = item
+            keep = [j for j in range(len(src_ids)) if b0 + j >= reply.num_held_blocks]
+            if not keep:
+                continue
+            descs = [
+                BlockDescriptor(b0 + j, src_ids[j], reply.dst_block_ids[b0 + j - reply.num_held_blocks])
+                for j in keep
+            ]
+            payload = buf if len(keep) == len(src_ids) else buf[:, keep[0] :].contiguous()
+            await session.send_layers(layer, descs, payload)
+            sent.update(b0 + j for j in keep)
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        engine = self.rt.engine
+        assert self.observer is not None
+        rid = RequestId(req.request_id)
+        params = req.sampling
+        first_params = type(params).from_dict(
+            {**params.to_dict(), "max_tokens": 1, "ignore_eos": True, "stop": []}
+        )
+        engine_req = engine.new_request(rid, req.prompt_token_ids, first_params, req.cache_salt)
+        bs = engine.cfg.block_size
+        engine_req.extend_block_hashes(bs)
+        job = _Job(req, tuple(engine_req.block_hashes), -(-len(req.prompt_token_ids) // bs))
+        self.observer.jobs[rid] = job
+        t0 = time.perf_counter()
+        last: RequestOutput | None = None
+        try:
+            async with asyncio.timeout(max(0.0, req.deadline - time.time())):
+                async for out in self.rt.aengine.generate(engine_req):
+                    last = out
+            assert last is not None
+            if last.finish_reason not in ("length", "stop") or not last.token_ids:
+                raise RuntimeError(f"prefill ended with {last.finish_reason}")
+            assert job.sender_task is not None, "the engine computed the request without opening its transfer"
+            job.chunks.put_nowait(None)
+            sent = await job.sender_task
+            session = job.session
+            assert session is not None
+            lp = last.logprobs[0] if last.logprobs else None
+            first: dict[str, Any] = {"token_id": last.token_ids[0]}
+            if lp is not None:
+                first |= {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+            stats = await session.complete(first)
+            m = self.rt.metrics
+            m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
+            m.transfer_seconds.labels(self.rt.connector_kind).observe(stats.seconds)
+            m.transfers.labels(self.rt.connector_kind, "ok").inc()
+            m.prompt_tokens.inc(len(req.prompt_token_ids))
+            m.prefix_hit_tokens.labels("local").inc(last.cached_tokens)
+            m.prefix_hit_tokens.labels("miss").inc(len(req.prompt_token_ids) - last.cached_tokens)
+            log.info(
+                "prefill %s: %d tokens, %d cached, %d blocks in %.3fs",
+                rid,
+                len(req.prompt_token_ids),
+                last.cached_tokens,
+                sent,
+                time.perf_counter() - t0,
+            )
+            return PrefillResult(
+                rid,
+                last.token_ids[0],
+                len(req.prompt_token_ids) - last.cached_tokens,
+                last.cached_tokens,
+                sent,
+            )
+        except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
+            self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()
+            await self._abort(job, str(exc) or type(exc).__name__)
+            return PrefillResult(rid, None, 0, 0, 0, error=f"prefill failed: {exc}")
+        except BaseException:
+            await self._abort(job, "prefill cancelled")
+            raise
+        finally:
+            self.observer.jobs.pop(rid, None)
+
+    async def _abort(self, job: _Job, reason: str) -> None:
+        await self.rt.aengine.abort(RequestId(job.req.request_id))
+        if job.sender_task is not None:
+            job.sender_task.cancel()
+            with contextlib.suppress(BaseException):
+                await job.sender_task
+        if job.session is not None:
+            with contextlib.suppress(KVTransferError):
+                await job.session.abort(reason)
+
+
+def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
+    @app.post("/internal/prefill")
+    async def prefill(request: Request) -> Response:
+        try:
+            req = PrefillRequest.from_json(await request.body())
+            service.rt.engine.validate(req.prompt_token_ids, req.sampling)
+        except ValueError as exc:
+            return Response(
+                PrefillResult(RequestId("invalid"), None, 0, 0, 0, error=str(exc)).to_json(),
+                status_code=400,
+                media_type="application/json",
+            )
+        if service.rt.draining:
+            return Response(
+                PrefillResult(RequestId(req.request_id), None, 0, 0, 0, error="node is draining").to_json(),
+                status_code=503,
+                media_type="application/json",
+            )
+        result = await service.prefill(req)
+        return Response(
+            result.to_json(), status_code=200 if result.error is None else 502, media_type="application/json"
+        )

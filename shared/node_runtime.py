@@ -1,0 +1,238 @@
+"""What every node process shares whatever its role: the engine in its thread, the node's registration,
+heartbeat and block-event publishing in the Redis index, drain and evict, and the common internal routes.
+
+Invariants: the node registers once per process start (a new epoch), publishes its pool's Stored/Removed
+events in order and in batches, and after Redis comes back re-sends its whole held set (resync), so the
+index converges to the truth; a drained node takes no new request and deregisters when its last one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pdserve.shared.async_engine import AsyncEngine
+from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_types import BlockIndexError, NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.block_pool import BlockEvent
+from pdserve.shared.engine import LLMEngine
+from pdserve.shared.node_metrics import NodeMetrics
+from pdserve.shared.node_protocol import AbortRequest, NodeInfoReply
+from pdserve.shared.types import BlockHash, NodeId, RequestId
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node_id: str
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    redis: RedisConfig | None = None
+    heartbeat_s: float = 1.0
+    publish_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "single"):
+            raise ValueError(f"role={self.role!r}: accepted prefill, decode, single")
+        if self.heartbeat_s <= 0 or self.publish_s <= 0:
+            raise ValueError("heartbeat_s and publish_s must be > 0")
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class NodeRuntime:
+    def __init__(self, settings: NodeSettings, engine: LLMEngine, kv_layout: Mapping[str, int | str]) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.aengine = AsyncEngine(engine)
+        self.kv_layout = dict(kv_layout)
+        self.metrics = NodeMetrics(settings.role)
+        self.index = BlockIndex(settings.redis) if settings.redis is not None else None
+        self.epoch = 0
+        self.draining = False
+        self.deregistered = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._need_resync = False
+        self.connector_kind = "none"
+        """The KV connector this node uses (a metrics label), set by the role's server."""
+
+    @property
+    def node_id(self) -> NodeId:
+        return NodeId(self.settings.node_id)
+
+    async def start(self, transfer_addr: str, protocol_version: int) -> None:
+        self.aengine.start()
+        self.metrics.kv_total_blocks.set(self.engine.num_blocks)
+        if self.index is not None:
+            info = NodeInfo(
+                node_id=self.node_id,
+                role=self.settings.role,  # type: ignore[arg-type]
+                http_url=self.settings.http_url,
+                transfer_addr=transfer_addr,
+                model_fingerprint=self.engine.fingerprint.hex(),
+                kv_layout=self.kv_layout,
+                protocol_version=protocol_version,
+                capacity_blocks=self.engine.num_blocks,
+            )
+            self.epoch = await self.index.register(info)  # IncompatibleNode propagates: refuse to start
+            log.info("node %s registered as %s, epoch %d", self.node_id, self.settings.role, self.epoch)
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+            self._tasks.append(asyncio.create_task(self._publish_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.index is not None:
+            with contextlib.suppress(BlockIndexError):
+                await self.index.deregister(self.node_id)
+            await self.index.close()
+        await self.aengine.stop()
+
+    def load(self) -> NodeLoad:
+        """Read on the loop thread (engine.call) so counts are consistent."""
+        s = self.engine.scheduler
+        audit = self.engine.pool.audit()
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
+        return NodeLoad(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_used_blocks=audit.in_use + audit.reserved,
+            kv_total_blocks=audit.num_blocks,
+            blocks_held=len(self.engine.pool.held_hashes()),
+            draining=self.draining,
+            queued_prefill_tokens=queued,
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.index is not None
+        while True:
+            load = await self.aengine.call(self.load)
+            m = self.metrics
+            m.kv_used_blocks.set(load.kv_used_blocks)
+            m.running.set(load.running)
+            m.waiting.set(load.waiting)
+            if self.draining and load.running == 0 and load.waiting == 0 and not self.deregistered:
+                with contextlib.suppress(BlockIndexError):
+                    await self.index.deregister(self.node_id)
+                    self.deregistered = True
+                    log.info("node %s drained and deregistered", self.node_id)
+            elif not self.deregistered:
+                try:
+                    await self.index.heartbeat(self.node_id, load, self.epoch)
+                except BlockIndexError as exc:
+                    log.warning("heartbeat failed: %s", exc)
+                    self._need_resync = True
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _publish_loop(self) -> None:
+        assert self.index is not None
+        while True:
+            await asyncio.sleep(self.settings.publish_s)
+            events: list[BlockEvent] = await self.aengine.call(self.engine.drain_events)
+            if self.deregistered:
+                continue
+            try:
+                if self._need_resync:
+                    held = await self.aengine.call(self.engine.pool.held_hashes)
+                    await self.index.resync(self.node_id, self.epoch, held)
+                    self._need_resync = False
+                elif events:
+                    await self.index.publish(self.node_id, self.epoch, events)
+            except BlockIndexError as exc:
+                log.warning("block events not published (%s); will resync", exc)
+                self._need_resync = True
+
+    async def drain(self) -> None:
+        self.draining = True
+        if self.index is not None:
+            await self.index.set_draining(self.node_id)
+
+    async def evict(self, hashes: list[BlockHash] | None) -> int:
+        return await self.aengine.call(lambda: self.engine.pool.evict(hashes))
+
+
+def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
+    """Internal routes every role serves. They live on the node's internal port, never the public API."""
+
+    @app.get("/internal/info")
+    async def info() -> Response:
+        e = rt.engine
+        reply = NodeInfoReply(
+            node_id=rt.node_id,
+            role=rt.settings.role,  # type: ignore[arg-type]
+            model=e.cfg.model,
+            max_model_len=e.max_model_len,
+            block_size=e.cfg.block_size,
+        )
+        return Response(reply.to_json(), media_type="application/json")
+
+    @app.get("/internal/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"ok": True, "node_id": rt.node_id, "draining": rt.draining, "time": time.time()})
+
+    @app.get("/internal/audit")
+    async def audit() -> JSONResponse:
+        a = await rt.aengine.call(rt.engine.audit)
+        return JSONResponse(
+            {
+                "num_blocks": a.num_blocks,
+                "free": a.free,
+                "cached": a.cached,
+                "in_use": a.in_use,
+                "reserved": a.reserved,
+                "pinned": a.pinned,
+                "live_requests": len(rt.engine.scheduler.requests),
+            }
+        )
+
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> JSONResponse:
+        msg = AbortRequest.from_json(await request.body())
+        await rt.aengine.abort(RequestId(msg.request_id))
+        return JSONResponse({"ok": True})
+
+    @app.post("/internal/drain")
+    async def drain() -> JSONResponse:
+        await rt.drain()
+        return JSONResponse({"ok": True, "draining": True})
+
+    @app.post("/internal/evict")
+    async def evict(request: Request) -> JSONResponse:
+        body = await request.json()
+        if body.get("all"):
+            n = await rt.evict(None)
+        else:
+            hashes = [BlockHash(bytes.fromhex(h)) for h in body.get("block_hashes", [])]
+            n = await rt.evict(hashes)
+        return JSONResponse({"ok": True, "evicted": n})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def engine_kv_layout(engine: LLMEngine) -> dict[str, int | str]:
+    """The KV layout a node registers and the transfer handshake compares (tensor parallelism: size 1)."""
+    c = engine.loaded.config
+    return {
+        "num_layers": c.num_layers,
+        "num_kv_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "block_size": engine.cfg.block_size,
+        "dtype": engine.cfg.dtype,
+        "tp_size": 1,
+    }
