@@ -1,0 +1,59 @@
+"""RouterConfig: the one configuration of a router process, validated at construction and frozen.
+
+Built from argv in router/__main__.py only. Values learned at run time (nodes, block size, model
+fingerprint, max_model_len) live in the app's runtime state, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.router.policy import PolicyConfig
+from pdserve.shared.block_index_types import RedisConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_path: str
+    """The model file or directory; the router loads only its tokenizer and chat template."""
+    served_model_name: str
+    """The id clients pass as `model` and that /v1/models lists."""
+    redis: RedisConfig
+    """Where the block index lives (AUTH and TLS settings included)."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    default_deadline_s: float = 600.0
+    """A request's deadline when it sets no `timeout`; the same absolute deadline goes to every node."""
+    max_deadline_s: float = 3600.0
+    """Upper bound on a client's `timeout` extension."""
+    max_request_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    """Upper bound on `n` times the number of prompts of one request (each is a node request)."""
+    node_list_ttl_s: float = 1.0
+    """How long the router reuses the index's node list before asking Redis again."""
+    disconnect_poll_s: float = 0.25
+    """How often a non-streaming request checks whether its client went away."""
+    node_connect_timeout_s: float = 5.0
+    max_connections_per_node: int = 512
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Routing weights; its block_size is replaced by the one the nodes registered."""
+    api_keys: tuple[str, ...] = ()
+    """Accepted bearer keys; empty accepts any client. A key is also the tenant's default cache salt."""
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("model_path is empty")
+        if not self.served_model_name:
+            raise ValueError("served_model_name is empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} is outside 0..65535")
+        for name in ("default_deadline_s", "max_deadline_s", "node_list_ttl_s", "disconnect_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.default_deadline_s > self.max_deadline_s:
+            raise ValueError(f"default_deadline_s {self.default_deadline_s} exceeds max_deadline_s")
+        for name in ("max_request_bytes", "max_n", "max_connections_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.node_connect_timeout_s <= 0:
+            raise ValueError(f"node_connect_timeout_s must be > 0, got {self.node_connect_timeout_s}")

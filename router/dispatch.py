@@ -1,0 +1,243 @@
+"""Running one client request on the nodes: the node requests of its choices, merged into one event stream.
+
+Invariants: every node a choice touches is recorded before the first byte is sent to it, and every node
+that has not reported the end of its part (a StepOutput with finish_reason, or a PrefillResult) gets
+`POST /internal/abort` when the choice ends on any path (success elsewhere, node failure, client
+disconnect, deadline). Aborts run as their own tasks, so a cancelled caller cannot cancel them. All node
+requests of one client request carry the same absolute deadline. Routing lives in router/routing.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.node_client import NodeClient, NodeClients, NodeError
+from pdserve.router.openai_protocol import OpenAIError
+from pdserve.shared.block_index_types import NodeInfo
+from pdserve.shared.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import NodeId, RequestId
+
+_PREFILL_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one prompt runs: decode (or single) node, and the prefill node when disaggregated."""
+
+    kind: str
+    decode: NodeInfo
+    prefill: NodeInfo | None
+
+
+@dataclass(frozen=True)
+class ChoiceJob:
+    index: int
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    route: Route
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """One step of choice `index`, or the error that ended it."""
+
+    index: int
+    step: StepOutput | None
+    error: OpenAIError | None
+
+
+class Background:
+    """Fire-and-forget tasks (aborts) that must outlive a cancelled request; kept referenced until done."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _step_error(node: NodeInfo, step: StepOutput, deadline: float) -> OpenAIError:
+    reason = step.error or step.finish_reason or "unknown"
+    if time.time() >= deadline:
+        return OpenAIError(504, f"deadline exceeded on node {node.node_id}: {reason}", "timeout_error",
+                           code="deadline_exceeded")  # fmt: skip
+    if step.finish_reason == "abort":
+        return OpenAIError(503, f"node {node.node_id} aborted the request: {reason}", "server_error",
+                           code="aborted")  # fmt: skip
+    return OpenAIError(
+        500, f"node {node.node_id} failed the request: {reason}", "server_error", code="node_error"
+    )
+
+
+def _node_error(exc: NodeError, deadline: float) -> OpenAIError:
+    if time.time() >= deadline:
+        return OpenAIError(504, f"deadline exceeded: {exc}", "timeout_error", code="deadline_exceeded")
+    return OpenAIError(503, str(exc), "server_error", code="node_unavailable")
+
+
+class RequestRun:
+    """The node requests of one client request: `start()`, then `next_event()` until `finished`;
+    `cancel()` on any early exit (the caller enforces the deadline, the same one the nodes got)."""
+
+    def __init__(
+        self,
+        jobs: list[ChoiceJob],
+        cache_salt: str | None,
+        deadline: float,
+        clients: NodeClients,
+        metrics: RouterMetrics,
+        background: Background,
+    ) -> None:
+        self._jobs = jobs
+        self._salt = cache_salt
+        self.deadline = deadline
+        self._clients = clients
+        self._metrics = metrics
+        self._background = background
+        self._queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending = 0
+        # request id -> nodes that may still hold it (removed when a node reports the end of its part).
+        self._open: dict[RequestId, dict[NodeId, NodeClient]] = {}
+
+    def start(self) -> None:
+        """Send the node requests (once)."""
+        assert not self._tasks, "RequestRun.start called twice"
+        self._pending = len(self._jobs)
+        self._tasks = [asyncio.create_task(self._run_choice(job)) for job in self._jobs]
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has delivered its last event (a step with finish_reason, or an error)."""
+        return bool(self._tasks) and self._pending == 0
+
+    async def next_event(self, timeout_s: float) -> ChoiceEvent | None:
+        """The next event of any choice, or None when none arrived within timeout_s seconds."""
+        try:
+            event = await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+        if event.error is not None or (event.step is not None and event.step.finish_reason is not None):
+            self._pending -= 1
+        return event
+
+    def cancel(self, reason: str) -> None:
+        """Stop every choice and abort it on every node that may still hold it. Idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        for request_id, nodes in self._open.items():
+            for client in nodes.values():
+                self._metrics.aborts.labels(reason=reason).inc()
+                self._background.spawn(self._abort(client, request_id))
+            nodes.clear()
+
+    async def _abort(self, client: NodeClient, request_id: RequestId) -> None:
+        try:
+            await client.abort(request_id)
+        except NodeError:
+            # The node is gone or already forgot the request; either way it holds nothing for it.
+            self._metrics.aborts.labels(reason="abort_failed").inc()
+
+    def _closed(self, request_id: RequestId, node_id: NodeId) -> None:
+        self._open.get(request_id, {}).pop(node_id, None)
+
+    async def _run_choice(self, job: ChoiceJob) -> None:
+        route = job.route
+        decode = self._clients.get(route.decode.node_id, route.decode.http_url)
+        opened = {decode.node_id: decode}
+        prefill = None
+        if route.prefill is not None:
+            prefill = self._clients.get(route.prefill.node_id, route.prefill.http_url)
+            opened[prefill.node_id] = prefill
+        self._open[job.request_id] = opened
+        gauges = [self._metrics.node_in_flight.labels(node_id=n) for n in opened]
+        for gauge in gauges:
+            gauge.inc()
+        try:
+            await self._run_nodes(job, decode, prefill)
+        except NodeError as exc:
+            await self._queue.put(ChoiceEvent(job.index, None, _node_error(exc, self.deadline)))
+        except Exception as exc:
+            # A bug must fail the request with its cause, never leave the client waiting for the deadline.
+            err = OpenAIError(
+                500, f"router error in {job.request_id}: {exc!r}", "server_error", code="internal"
+            )
+            await self._queue.put(ChoiceEvent(job.index, None, err))
+            raise
+        finally:
+            for gauge in gauges:
+                gauge.dec()
+            if self._open.get(job.request_id):
+                self.cancel_one(job.request_id)
+
+    def cancel_one(self, request_id: RequestId) -> None:
+        for client in self._open.get(request_id, {}).values():
+            self._metrics.aborts.labels(reason="choice_ended").inc()
+            self._background.spawn(self._abort(client, request_id))
+        self._open[request_id] = {}
+
+    async def _run_nodes(self, job: ChoiceJob, decode: NodeClient, prefill: NodeClient | None) -> None:
+        route = job.route
+        gen = NodeGenerateRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            sampling=job.sampling,
+            cache_salt=self._salt,
+            deadline=self.deadline,
+            prefill_node_id=None if route.prefill is None else route.prefill.node_id,
+        )
+        if prefill is None or route.prefill is None:
+            await self._pump(job, decode, route.decode, gen)
+            return
+        pre = PrefillRequest(
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            sampling=job.sampling,
+            cache_salt=self._salt,
+            deadline=self.deadline,
+            decode_node_id=route.decode.node_id,
+            decode_transfer_addr=route.decode.transfer_addr,
+        )
+        pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
+        pre_task = asyncio.create_task(prefill.prefill(pre))
+        try:
+            done, _ = await asyncio.wait({pump, pre_task}, return_when=asyncio.FIRST_COMPLETED)
+            if pre_task in done:
+                self._closed(job.request_id, prefill.node_id)
+                result = pre_task.result()  # NodeError propagates: the decode side is aborted in finally
+                if result.error is not None:
+                    raise NodeError(prefill.node_id, f"prefill failed: {result.error}")
+                await pump
+                return
+            await pump
+            # The decode node finished, so the prefill node's part is over; give its reply a moment to land.
+            await asyncio.wait({pre_task}, timeout=_PREFILL_GRACE_S)
+            if pre_task.done() and not pre_task.cancelled() and pre_task.exception() is None:
+                self._closed(job.request_id, prefill.node_id)
+        finally:
+            for task in (pump, pre_task):
+                task.cancel()
+
+    async def _pump(
+        self, job: ChoiceJob, client: NodeClient, node: NodeInfo, req: NodeGenerateRequest
+    ) -> None:
+        async for step in client.generate(req):
+            if step.finish_reason is not None:
+                self._closed(job.request_id, client.node_id)
+            if step.finish_reason in ("abort", "error"):
+                await self._queue.put(ChoiceEvent(job.index, None, _step_error(node, step, self.deadline)))
+                return
+            await self._queue.put(ChoiceEvent(job.index, step, None))

@@ -1,0 +1,293 @@
+"""OpenAI request parsing and validation: a request body in, a GenerationSpec or an OpenAIError out.
+
+Invariants: a GenerationSpec is fully validated (its SamplingParams template was built, so every sampling
+field is in range); unknown body fields are tolerated as OpenAI does; every refusal is an OpenAIError
+carrying the HTTP status and OpenAI's ErrorResponse body, naming the bad parameter. Response and chunk
+objects are built in router/openai_builders.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.shared.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Kind = Literal["chat", "completion"]
+Prompt = str | tuple[int, ...]
+ChatMessages = tuple[dict[str, str], ...]
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MAX_LOGPROBS = 20
+
+
+class OpenAIError(Exception):
+    """A refusal with OpenAI's ErrorResponse shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    # Extensions (vLLM's names): sampling knobs, the tenant's cache salt, a per-request deadline in seconds.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+    timeout: float | None = Field(default=None, gt=0.0)
+
+
+class CompletionBody(_Body):
+    prompt: Any
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=_MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatBody(_Body):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One validated client request. max_tokens None: whatever the context leaves (chat only)."""
+
+    kind: Kind
+    model: str
+    prompts: tuple[Prompt, ...]
+    """Completions: each prompt as text or token ids. Chat: empty (the messages are the prompt)."""
+    messages: ChatMessages
+    n: int
+    stream: bool
+    include_usage: bool
+    echo: bool
+    max_tokens: int | None
+    sampling: SamplingParams
+    """Template: max_tokens and seed are replaced per node request (see `sampling_for`)."""
+    cache_salt: str | None
+    timeout_s: float | None
+
+    def sampling_for(self, max_tokens: int, choice: int) -> SamplingParams:
+        """Sampling of choice `choice` (0..n-1): seeded requests fan out with seeds seed + choice."""
+        seed = None if self.sampling.seed is None else self.sampling.seed + choice
+        return dataclasses.replace(self.sampling, max_tokens=max_tokens, seed=seed)
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationSpec:
+    req = _validate(CompletionBody, body)
+    if req.best_of is not None and req.best_of != req.n:
+        raise OpenAIError(
+            400, f"best_of={req.best_of} is not supported unless equal to n={req.n}", param="best_of"
+        )
+    if req.suffix:
+        raise OpenAIError(400, "suffix is not supported by this model", param="suffix")
+    if req.echo and req.logprobs is not None:
+        raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    prompts = _parse_prompt(req.prompt)
+    return _spec("completion", req, prompts, (), req.max_tokens, req.logprobs, req.echo)
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationSpec:
+    req = _validate(ChatBody, body)
+    if req.tools:
+        raise OpenAIError(400, "tools are not supported by this server", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise OpenAIError(400, f"tool_choice {req.tool_choice!r} is not supported", param="tool_choice")
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise OpenAIError(
+            400, f"response_format type {fmt!r} is not supported; use 'text'", param="response_format"
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _spec("chat", req, (), _parse_messages(req.messages), max_tokens, logprobs, False)
+
+
+def _spec(
+    kind: Kind,
+    req: CompletionBody | ChatBody,
+    prompts: tuple[Prompt, ...],
+    messages: ChatMessages,
+    max_tokens: int | None,
+    logprobs: int | None,
+    echo: bool,
+) -> GenerationSpec:
+    if req.logit_bias:
+        raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    include_usage = (req.stream_options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise OpenAIError(
+            400, f"include_usage must be a boolean, got {include_usage!r}", param="stream_options"
+        )
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    # Only what the client set goes in; SamplingParams' own defaults stand for the rest.
+    optional: dict[str, Any] = {
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": req.seed,
+        "repetition_penalty": req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+    }
+    try:
+        sampling = SamplingParams(
+            max_tokens=1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            **{k: v for k, v in optional.items() if v is not None},
+        )
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param=_param_named_in(str(exc))) from exc
+    spec = GenerationSpec(
+        kind=kind,
+        model=req.model,
+        prompts=prompts,
+        messages=messages,
+        n=req.n,
+        stream=req.stream,
+        include_usage=include_usage,
+        echo=echo,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        cache_salt=req.cache_salt,
+        timeout_s=req.timeout,
+    )
+    try:
+        spec.sampling_for(1, spec.n - 1)  # the last choice's seed must be valid too
+    except ValueError as exc:
+        raise OpenAIError(400, f"{exc} (choice {spec.n - 1} of n={spec.n} uses seed + {spec.n - 1})",
+                          param=_param_named_in(str(exc))) from exc  # fmt: skip
+    return spec
+
+
+def _validate(model: type[CompletionBody] | type[ChatBody], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [p for p in err["loc"] if isinstance(p, int) or str(p).isidentifier()]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+        got = repr(err.get("input"))[:80]
+        raise OpenAIError(400, f"{param}: {err['msg']} (got {got})", param=param) from exc
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _parse_prompt(prompt: Any) -> tuple[Prompt, ...]:
+    if isinstance(prompt, str):
+        prompts: list[Prompt] = [prompt]
+    elif _is_ids(prompt) and prompt:
+        prompts = [tuple(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
+        prompts = [tuple(p) for p in prompt]
+    else:
+        raise OpenAIError(
+            400,
+            "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+            param="prompt",
+        )
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise OpenAIError(400, f"prompt {i} is empty", param="prompt")
+        if isinstance(p, tuple) and min(p) < 0:
+            raise OpenAIError(400, f"prompt {i} holds a negative token id {min(p)}", param="prompt")
+    return tuple(prompts)
+
+
+def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
+    out = []
+    for i, msg in enumerate(messages):
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise OpenAIError(
+                400, f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}", param="messages"
+            )
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                raise OpenAIError(
+                    400,
+                    f"messages[{i}].content: only text parts are supported",
+                    param=f"messages[{i}].content",
+                )
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise OpenAIError(
+                400,
+                f"messages[{i}].content must be a string or text parts, got {content!r}"[:200],
+                param=f"messages[{i}].content",
+            )
+        out.append({"role": _ROLES[role], "content": content})
+    return tuple(out)
+
+
+def _param_named_in(message: str) -> str | None:
+    """The SamplingParams field a ValueError names, so the client sees which parameter to fix."""
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    found = [(m.start(), n) for n in names if (m := re.search(rf"\b{n}\b", message))]
+    return min(found)[1] if found else None

@@ -1,0 +1,150 @@
+"""Choosing nodes for one prompt: live nodes from the index, block hashes, prefix lookup, policy.choose.
+
+Invariants: the node list is at most `node_list_ttl_s` old while Redis answers; when Redis is down the
+last list seen is used and the choice is load-only (no prefix hits), as DESIGN.md's failure model asks.
+Block size and model fingerprint come from the nodes' registrations (the index refuses nodes that
+disagree), never from the router's own config. A node's NodeInfoReply (max_model_len) is fetched once
+per (node id, epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.router.dispatch import Background, Route
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.node_client import NodeClients, NodeError
+from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
+from pdserve.shared.block_hash import hash_blocks, hash_seed
+from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_types import IndexUnavailable, NodeInfo, NodeStatus
+from pdserve.shared.node_protocol import NodeInfoReply
+from pdserve.shared.types import NodeId
+
+_KIND = {"disaggregated": "pd", "local_prefill": "local", "single": "single"}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A routed prompt: its route, the context limit of the nodes it uses, and the block-size fingerprint."""
+
+    route: Route
+    max_model_len: int
+    model_fingerprint: str
+
+
+class Router:
+    """The router's view of the cluster, shared by all requests of one process."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        clients: NodeClients,
+        policy: PolicyConfig,
+        node_list_ttl_s: float,
+        metrics: RouterMetrics,
+        background: Background,
+    ) -> None:
+        self._index = index
+        self._clients = clients
+        self._policy = policy
+        self._ttl_s = node_list_ttl_s
+        self._metrics = metrics
+        self._background = background
+        self._nodes: list[NodeStatus] = []
+        self._nodes_at = float("-inf")
+        self._index_ok = True
+        self._infos: dict[tuple[NodeId, int], NodeInfoReply] = {}
+        self._rotation = 0
+
+    @property
+    def index_ok(self) -> bool:
+        """Whether the last call to Redis succeeded."""
+        return self._index_ok
+
+    async def nodes(self) -> list[NodeStatus]:
+        """Live nodes, cached for node_list_ttl_s; the last list seen when Redis is down."""
+        if time.monotonic() - self._nodes_at < self._ttl_s:
+            return self._nodes
+        try:
+            self._nodes = await self._index.nodes()
+            self._index_ok = True
+        except IndexUnavailable:
+            self._index_ok = False
+            self._metrics.index_unavailable.inc()
+        self._nodes_at = time.monotonic()
+        return self._nodes
+
+    async def info(self, node: NodeInfo) -> NodeInfoReply:
+        key = (node.node_id, node.epoch)
+        reply = self._infos.get(key)
+        if reply is None:
+            try:
+                reply = await self._clients.get(node.node_id, node.http_url).info()
+            except NodeError as exc:
+                raise OpenAIError(503, str(exc), "server_error", code="node_unavailable") from exc
+            self._infos[key] = reply
+        return reply
+
+    async def place(self, prompt: Sequence[int], cache_salt: str | None) -> Placement:
+        """Route one prompt. OpenAIError 503 when no node can take it."""
+        started = time.perf_counter()
+        statuses = [s for s in await self.nodes() if not s.draining]
+        if not statuses:
+            raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
+        first = statuses[0].info
+        block_size = first.block_size
+        hashes = hash_blocks(
+            prompt, block_size, hash_seed(bytes.fromhex(first.model_fingerprint), cache_salt)
+        )
+        hits: dict[NodeId, int] = {}
+        if self._index_ok:
+            try:
+                hits = await self._index.lookup(hashes)
+            except IndexUnavailable:
+                self._index_ok = False
+                self._metrics.index_unavailable.inc()
+        policy = self._policy
+        if policy.block_size != block_size:
+            policy = self._policy = dataclasses.replace(policy, block_size=block_size)
+        self._rotation += 1
+        try:
+            decision = choose(
+                len(hashes),
+                len(prompt),
+                hits,
+                [NodeView.from_status(s) for s in statuses],
+                policy,
+                self._rotation,
+            )
+        except NoNodeAvailable as exc:
+            raise OpenAIError(503, str(exc), "server_error", code="no_nodes") from exc
+        by_id = {s.info.node_id: s.info for s in statuses}
+        decode = by_id[decision.decode]
+        prefill = by_id[decision.prefill] if decision.mode == "disaggregated" else None
+        self._metrics.routing.observe(time.perf_counter() - started)
+        kind = _KIND[decision.mode]
+        self._metrics.decisions.labels(kind=kind).inc()
+        local = decision.cached_blocks_prefill * block_size
+        remote = decision.blocks_to_fetch * block_size
+        miss = max(len(prompt) - local - remote, 0)
+        for label, tokens in (("local", local), ("remote", remote), ("miss", miss)):
+            self._metrics.prefix_hit_tokens.labels(kind=label).inc(tokens)
+        if self._index_ok:
+            self._background.spawn(self._record_hits(decision.prefill, local, remote, miss))
+        infos = await asyncio.gather(*(self.info(n) for n in (decode, prefill) if n is not None))
+        return Placement(
+            Route(kind, decode, prefill), min(i.max_model_len for i in infos), first.model_fingerprint
+        )
+
+    async def _record_hits(self, node_id: NodeId, local: int, remote: int, miss: int) -> None:
+        try:
+            await self._index.record_hits(node_id, local, remote, miss)
+        except IndexUnavailable:
+            self._index_ok = False
+            self._metrics.index_unavailable.inc()

