@@ -221,7 +221,7 @@ class BlockIndex:
         """
         if not hashes:
             return {}
-        flat = await self._call(self._lookup, "lookup", *hashes)
+        flat = await self._call(self._lookup, "lookup", b"".join(hashes))
         return {NodeId(flat[i].decode()): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def blocks(self, node_id: NodeId | None = None, limit: int = 100) -> dict[NodeId, NodeBlocks]:

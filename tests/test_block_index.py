@@ -1,0 +1,306 @@
+"""The Redis block index against a real redis-server: registry, epochs, expiry, lookup, AUTH, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pdserve.shared.block_hash import hash_blocks, hash_seed
+from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_server import LocalRedis, free_port
+from pdserve.shared.block_index_types import (
+    IncompatibleNode,
+    IndexAuthError,
+    IndexUnavailable,
+    NodeInfo,
+    NodeLoad,
+    NodeNotRegistered,
+    RedisConfig,
+    Role,
+    StaleEpoch,
+)
+from pdserve.shared.block_pool import BlockPool, BlockRemoved, BlockStored
+from pdserve.shared.types import BlockHash, BlockId, NodeId
+
+T = TypeVar("T")
+FP = "ab" * 32
+LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
+LAYOUT |= {"dtype": "float32", "tp_size": 1}
+_clusters = itertools.count()
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def wrapped() -> T:
+        return await coro
+
+    return asyncio.run(wrapped())
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[LocalRedis]:
+    with LocalRedis() as server:
+        yield server
+
+
+def make_index(server: LocalRedis, **kw: Any) -> BlockIndex:
+    """A client on a fresh cluster name, so tests share the server but no keys."""
+    return BlockIndex(RedisConfig(url=server.url, cluster=f"t{next(_clusters)}", **kw))
+
+
+def node(
+    name: str, role: Role = "prefill", fingerprint: str = FP, protocol: int = 1, **layout: Any
+) -> NodeInfo:
+    return NodeInfo(NodeId(name), role, f"http://127.0.0.1:1/{name}", "127.0.0.1:2", fingerprint,
+                    {**LAYOUT, **layout}, protocol, 1000)  # fmt: skip
+
+
+def hashes(n: int) -> list[BlockHash]:
+    return [BlockHash(os.urandom(32)) for _ in range(n)]
+
+
+def test_register_gives_new_epochs_and_drops_old_records(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            chain = hashes(8)
+            first = await index.register(node("p0"))
+            await index.publish(NodeId("p0"), first, [BlockStored(tuple(chain), None)])
+            assert await index.lookup(chain) == {"p0": 8}
+            second = await index.register(node("p0"))  # the node restarted: its old cache is gone
+            assert second == first + 1
+            assert await index.lookup(chain) == {}
+            with pytest.raises(StaleEpoch, match=f"epoch {first} is stale, the current epoch is {second}"):
+                await index.publish(NodeId("p0"), first, [BlockStored(tuple(chain), None)])
+            with pytest.raises(StaleEpoch):
+                await index.heartbeat(NodeId("p0"), NodeLoad(0, 0, 0, 10, 0), epoch=first)
+            [status] = await index.nodes()
+            assert status.info.epoch == second and status.blocks_indexed == 0
+            assert await index._redis.exists(f"{index.config.prefix}blk:p0:{first}") == 0
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("other", "field", "mine", "recorded"),
+    [
+        (node("x", fingerprint="cd" * 32), "model_fingerprint", "cd" * 32, FP),
+        (node("x", head_dim=128), "kv_layout.head_dim", "128", "64"),
+        (node("x", dtype="bfloat16"), "kv_layout.dtype", "bfloat16", "float32"),
+        (node("x", tp_size=2), "kv_layout.tp_size", "2", "1"),
+        (node("x", protocol=2), "protocol_version", "2", "1"),
+    ],
+)
+def test_incompatible_node_is_refused_naming_the_field(
+    redis_server: LocalRedis, other: NodeInfo, field: str, mine: str, recorded: str
+) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            await index.register(node("p0"))
+            with pytest.raises(IncompatibleNode) as err:
+                await index.register(other)
+            assert f"{field} is {mine} on the node but {recorded}" in str(err.value)
+            assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+
+    run(body())
+
+
+def test_cluster_record_is_rebound_once_no_node_is_live(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server, heartbeat_ttl_s=0.2) as index:
+            await index.register(node("p0"))
+            with pytest.raises(IncompatibleNode):
+                await index.register(node("p1", head_dim=128))
+            await asyncio.sleep(0.3)
+            await index.register(node("p1", head_dim=128))
+            assert (await index.cluster_record())["kv_layout.head_dim"] == "128"
+
+    run(body())
+
+
+def test_heartbeat_expiry_makes_a_node_stop_counting(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server, heartbeat_ttl_s=0.3) as index:
+            chain = hashes(4)
+            epochs = {n: await index.register(node(n)) for n in ("a", "b")}
+            for n, e in epochs.items():
+                await index.publish(NodeId(n), e, [BlockStored(tuple(chain), None)])
+            load = NodeLoad(running=2, waiting=1, kv_used_blocks=5, kv_total_blocks=100, blocks_held=4)
+            for _ in range(3):  # b keeps beating, a goes silent
+                await asyncio.sleep(0.15)
+                await index.heartbeat(NodeId("b"), load)
+            assert await index.lookup(chain) == {"b": 4}
+            [status] = await index.nodes()
+            assert status.info.node_id == "b" and status.load == load and status.heartbeat_age_s < 0.2
+            await index.heartbeat(
+                NodeId("a"), load
+            )  # a came back without restarting: its records count again
+            assert await index.lookup(chain) == {"a": 4, "b": 4}
+
+    run(body())
+
+
+def test_lookup_longest_contiguous_prefix_per_node(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            chain = hashes(3000)  # longer than the script's largest chunk (1024)
+            roles: dict[str, Role] = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
+            e = {n: await index.register(node(n, role)) for n, role in roles.items()}
+            await index.publish(NodeId("p0"), e["p0"], [BlockStored(tuple(chain), None)])
+            # a hole at block 5, held again after it: only blocks 0..4 count
+            await index.publish(NodeId("p1"), e["p1"], [BlockStored(tuple(chain[:5] + chain[6:40]), None)])
+            # stored then removed in one batch, in order: blocks 0..99 stored, 17 removed
+            await index.publish(NodeId("d0"), e["d0"], [BlockStored(tuple(chain[:100]), None),
+                                                        BlockRemoved((chain[17],))])  # fmt: skip
+            await index.publish(NodeId("d1"), e["d1"], [BlockStored(tuple(chain[1:50]), None)])  # no block 0
+            assert await index.lookup(chain) == {"p0": 3000, "p1": 5, "d0": 17}
+            assert await index.lookup(chain[:1]) == {"p0": 1, "p1": 1, "d0": 1}
+            assert await index.lookup(chain[1:]) == {"p0": 2999, "p1": 4, "d0": 16, "d1": 49}
+            assert await index.lookup(hashes(3)) == {}
+            assert await index.lookup([]) == {}
+            await index.publish(NodeId("p0"), e["p0"], [BlockRemoved(tuple(chain[1024:1025]))])
+            assert (await index.lookup(chain))[NodeId("p0")] == 1024
+            blocks = await index.blocks(limit=3)
+            assert {n: b.count for n, b in blocks.items()} == {"p0": 2999, "p1": 39, "d0": 99, "d1": 49}
+            assert len(blocks[NodeId("p0")].hashes) == 3 and set(blocks[NodeId("p0")].hashes) <= set(chain)
+
+    run(body())
+
+
+def test_lookup_is_one_evalsha_whatever_the_prompt_length(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            chain = hashes(512)
+            for n in ("p0", "p1", "d0"):
+                epoch = await index.register(node(n))
+                await index.publish(NodeId(n), epoch, [BlockStored(tuple(chain[:300]), None)])
+            await index.lookup(chain)  # loads the script
+            await index._redis.config_resetstat()
+            assert await index.lookup(chain) == {"p0": 300, "p1": 300, "d0": 300}
+            stats = await index._redis.info("commandstats")
+            # commandstats also counts the commands the script runs inside Redis: only those may appear
+            inside = {"cmdstat_smembers", "cmdstat_mget", "cmdstat_sismember", "cmdstat_smismember"}
+            assert set(stats) - inside == {"cmdstat_evalsha", "cmdstat_config|resetstat"}
+            assert stats["cmdstat_evalsha"]["calls"] == 1 and stats["cmdstat_smembers"]["calls"] == 1
+
+    run(body())
+
+
+def test_block_pool_events_feed_the_index(redis_server: LocalRedis) -> None:
+    """The real pool's Stored/Removed events, published as drained, keep the index equal to the pool."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            epoch = await index.register(node("p0"))
+            pool = BlockPool(num_blocks=6, block_size=4)
+            seed = hash_seed(bytes.fromhex(FP), None)
+            tokens_a, tokens_b = list(range(16)), list(range(100, 116))
+            for tokens in (tokens_a, tokens_b):  # the second prompt evicts the first one's blocks
+                chain = hash_blocks(tokens, 4, seed)
+                ids = pool.allocate(4)
+                parent = None
+                for block_id, h in zip(ids, chain, strict=True):
+                    pool.commit(BlockId(block_id), h, parent)
+                    parent = h
+                pool.release(ids[::-1])
+                await index.publish(NodeId("p0"), epoch, pool.drain_events())
+            chain_a, chain_b = hash_blocks(tokens_a, 4, seed), hash_blocks(tokens_b, 4, seed)
+            assert await index.lookup(chain_b) == {"p0": 4}
+            assert await index.lookup(chain_a) == {"p0": len(pool.match_prefix(chain_a))}
+            assert sorted((await index.blocks(limit=100))[NodeId("p0")].hashes) == sorted(pool.held_hashes())
+            pool.evict(None)
+            await index.publish(NodeId("p0"), epoch, pool.drain_events())
+            assert await index.lookup(chain_b) == {}
+
+    run(body())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(held=st.lists(st.sets(st.integers(0, 39), max_size=40), min_size=1, max_size=4))
+def test_lookup_matches_a_reference_walk(redis_server: LocalRedis, held: list[set[int]]) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            chain = hashes(40)
+            expected = {}
+            for i, blocks in enumerate(held):
+                epoch = await index.register(node(f"n{i}"))
+                stored = tuple(chain[b] for b in sorted(blocks))
+                await index.publish(NodeId(f"n{i}"), epoch, [BlockStored(stored, None)] if stored else [])
+                run_length = next(k for k in range(41) if k == 40 or k not in blocks)
+                if run_length:
+                    expected[f"n{i}"] = run_length
+            assert await index.lookup(chain) == expected
+
+    run(body())
+
+
+def test_draining_deregister_resync_and_evict_records(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            chain = hashes(10)
+            epoch = await index.register(node("d0", "decode"))
+            await index.publish(NodeId("d0"), epoch, [BlockStored(tuple(chain), None)])
+            await index.set_draining(NodeId("d0"))
+            assert [s.draining for s in await index.nodes()] == [True]
+            with pytest.raises(NodeNotRegistered, match="'ghost'"):
+                await index.set_draining(NodeId("ghost"))
+            assert await index.evict_records(NodeId("d0"), chain[3:4]) == 1
+            assert await index.lookup(chain) == {"d0": 3}
+            assert await index.resync(NodeId("d0"), epoch, chain[:7]) == 7
+            assert await index.lookup(chain) == {"d0": 7}
+            assert await index.evict_records(NodeId("d0")) == 7
+            assert await index.lookup(chain) == {}
+            assert await index.deregister(NodeId("d0")) is True
+            assert await index.nodes() == [] and await index.deregister(NodeId("d0")) is False
+            with pytest.raises(NodeNotRegistered):
+                await index.heartbeat(NodeId("d0"), NodeLoad(0, 0, 0, 1, 0))
+            with pytest.raises(NodeNotRegistered):
+                await index.publish(NodeId("d0"), epoch, [])
+
+    run(body())
+
+
+def test_hit_stats_accumulate_per_node(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            await index.record_hits(NodeId("p0"), 32, 0, 100)
+            await index.record_hits(NodeId("p0"), 16, 64, 4)
+            await index.record_hits(NodeId("p1"), 0, 0, 7)
+            stats = await index.stats()
+            assert (stats[NodeId("p0")].local_tokens, stats[NodeId("p0")].remote_tokens) == (48, 64)
+            assert stats[NodeId("p0")].miss_tokens == 104 and stats[NodeId("p1")].total_tokens == 7
+
+    run(body())
+
+
+def test_auth_wrong_or_missing_password_fails_clearly() -> None:
+    async def body(server: LocalRedis) -> None:
+        async with BlockIndex(RedisConfig(url=server.url, password="s3cret")) as index:
+            assert await index.register(node("p0")) == 1
+        async with BlockIndex(RedisConfig(url=f"redis://:s3cret@127.0.0.1:{server.port}/0")) as index:
+            assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+        for password in ("wrong", None):
+            async with BlockIndex(RedisConfig(url=server.url, password=password)) as index:
+                with pytest.raises(
+                    IndexAuthError, match=f"Redis at redis://127.0.0.1:{server.port}/0 refused"
+                ):
+                    await index.lookup(hashes(2))
+
+    with LocalRedis(password="s3cret") as server:
+        run(body(server))
+
+
+def test_unreachable_redis_raises_index_unavailable_fast() -> None:
+    async def body() -> None:
+        async with BlockIndex(RedisConfig(host="127.0.0.1", port=free_port())) as index:
+            started = time.monotonic()
+            with pytest.raises(IndexUnavailable, match="is unreachable during lookup"):
+                await index.lookup(hashes(2))
+            assert time.monotonic() - started < 2.0
+
+    run(body())

@@ -1,0 +1,169 @@
+"""Routing policy: pure unit tests over plain data (no Redis, no sockets)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
+from pdserve.shared.block_index_types import NodeInfo, NodeLoad, NodeStatus, Role
+from pdserve.shared.types import NodeId
+
+
+def view(name: str, role: Role, **kw: int | bool) -> NodeView:
+    return NodeView(NodeId(name), role, **kw)  # type: ignore[arg-type]
+
+
+P0, P1 = view("p0", "prefill"), view("p1", "prefill")
+D0, D1 = view("d0", "decode", kv_total_blocks=1000), view("d1", "decode", kv_total_blocks=1000)
+
+
+def test_prefill_goes_where_the_prefix_is_cached_and_decode_where_fewer_blocks_move() -> None:
+    hits = {NodeId("p1"): 40, NodeId("d1"): 10}
+    d = choose(64, 1024, hits, [P0, P1, D0, D1])
+    assert (d.mode, d.prefill, d.decode) == ("disaggregated", "p1", "d1")
+    assert d.tokens_to_compute == 1024 - 40 * 16 and d.blocks_to_fetch == 0 and d.fetch_from is None
+    assert (d.cached_blocks_prefill, d.cached_blocks_decode, d.blocks_to_transfer) == (40, 10, 54)
+
+
+def test_a_prefix_held_elsewhere_is_fetched_not_recomputed() -> None:
+    busy = view("p1", "prefill", queued_prefill_tokens=5000)  # holds the prefix but has a long queue
+    d = choose(64, 1030, {NodeId("p1"): 60, NodeId("d0"): 8}, [P0, busy, D0])
+    assert (d.prefill, d.fetch_from, d.blocks_to_fetch) == ("p0", "p1", 60)
+    assert d.tokens_to_compute == 1030 - 60 * 16
+    assert d.blocks_to_transfer == 65 - 8  # ceil(1030 / 16) blocks, minus the ones D holds
+
+
+def test_queue_depth_and_decode_load_steer_choices() -> None:
+    p_busy = view("p0", "prefill", queued_prefill_tokens=4096)
+    d_busy = view("d0", "decode", running=30, kv_used_blocks=900, kv_total_blocks=1000)
+    d = choose(4, 70, {}, [p_busy, P1, d_busy, D1])
+    assert (d.prefill, d.decode) == ("p1", "d1")
+
+
+def test_a_decode_node_without_room_ranks_last() -> None:
+    full = view("d0", "decode", kv_used_blocks=998, kv_total_blocks=1000)  # 4 more blocks do not fit
+    roomy = view("d1", "decode", running=60, kv_used_blocks=10, kv_total_blocks=1000)
+    assert choose(64, 1024, {NodeId("d0"): 60}, [P0, full, roomy]).decode == "d1"
+
+
+def test_draining_nodes_get_no_new_work() -> None:
+    hits = {NodeId("p0"): 64, NodeId("d0"): 64}
+    d = choose(
+        64, 1024, hits, [view("p0", "prefill", draining=True), P1, view("d0", "decode", draining=True), D1]
+    )
+    assert (d.prefill, d.decode) == ("p1", "d1")
+    assert d.blocks_to_fetch == 0 and d.fetch_from is None  # a draining holder is no fetch source either
+    with pytest.raises(NoNodeAvailable, match=r"d0 \(decode, draining\)"):
+        choose(1, 16, {}, [P0, view("d0", "decode", draining=True)])
+
+
+def test_ties_are_spread_by_rotation() -> None:
+    picks = Counter(
+        (d.prefill, d.decode) for r in range(8) for d in [choose(1, 20, {}, [P0, P1, D0, D1], None, r)]
+    )
+    assert set(picks) == {("p0", "d0"), ("p1", "d1")} and set(picks.values()) == {4}
+    busier = view("p0", "prefill", running=3)  # equal score, more requests: the other wins every time
+    assert {choose(1, 20, {}, [busier, P1, D0], None, r).prefill for r in range(4)} == {"p1"}
+
+
+def test_single_nodes_and_fallbacks() -> None:
+    s0, s1 = view("s0", "single", running=2), view("s1", "single", running=2)
+    d = choose(8, 128, {NodeId("s0"): 8}, [s0, s1])
+    assert (d.mode, d.prefill, d.decode, d.blocks_to_transfer) == ("single", "s0", "s0", 0)
+    assert d.tokens_to_compute == 1  # fully cached: only the last token is computed for its logits
+    only_decode = choose(8, 128, {}, [D0])
+    assert (only_decode.mode, only_decode.prefill, only_decode.decode) == ("local_prefill", "d0", "d0")
+    with pytest.raises(NoNodeAvailable, match="live: p0 \\(prefill\\)"):
+        choose(8, 128, {}, [P0])
+    with pytest.raises(NoNodeAvailable, match="live: none"):
+        choose(8, 128, {}, [])
+
+
+def test_short_suffix_is_prefilled_on_decode_when_configured() -> None:
+    cfg = PolicyConfig(local_prefill_max_tokens=64)
+    long_cold = choose(32, 520, {NodeId("d0"): 30}, [P0, D0], cfg)
+    assert long_cold.mode == "local_prefill" and long_cold.tokens_to_compute == 520 - 480
+    assert choose(32, 520, {}, [P0, D0], cfg).mode == "disaggregated"
+    assert choose(32, 520, {NodeId("d0"): 30}, [P0, D0]).mode == "disaggregated"  # default: off
+
+
+def test_bad_inputs_name_the_values() -> None:
+    with pytest.raises(ValueError, match="prompt_tokens=0"):
+        choose(0, 0, {}, [P0, D0])
+    with pytest.raises(ValueError, match="prompt_blocks=5"):
+        choose(5, 70, {}, [P0, D0])
+    with pytest.raises(ValueError, match="block_size=0"):
+        PolicyConfig(block_size=0)
+
+
+def test_node_view_from_status() -> None:
+    layout: dict[str, int | str] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 16}
+    layout |= {"dtype": "float32", "tp_size": 1}
+    info = NodeInfo(NodeId("d0"), "decode", "http://x", "x:1", "ab" * 32, layout, 1, 100, epoch=3)
+    load = NodeLoad(
+        running=2, waiting=1, kv_used_blocks=7, kv_total_blocks=100, blocks_held=9, queued_prefill_tokens=33
+    )
+    v = NodeView.from_status(NodeStatus(info, load, 0.1, True, 9))
+    assert (v.running, v.waiting, v.kv_used_blocks, v.kv_total_blocks, v.queued_prefill_tokens) == (
+        2,
+        1,
+        7,
+        100,
+        33,
+    )
+    assert v.draining and NodeView.from_status(NodeStatus(info, None, 0.1, False, 0)).kv_total_blocks == 0
+
+
+nodes_strategy = st.lists(
+    st.builds(
+        NodeView,
+        node_id=st.sampled_from([NodeId(f"n{i}") for i in range(6)]),
+        role=st.sampled_from(["prefill", "decode", "single"]),
+        running=st.integers(0, 50),
+        waiting=st.integers(0, 50),
+        queued_prefill_tokens=st.integers(0, 10_000),
+        kv_used_blocks=st.integers(0, 1000),
+        kv_total_blocks=st.sampled_from([0, 1000]),
+        draining=st.booleans(),
+    ),
+    max_size=6,
+    unique_by=lambda n: n.node_id,
+)
+
+
+@given(
+    nodes=nodes_strategy,
+    tokens=st.integers(1, 5000),
+    hits=st.dictionaries(st.sampled_from([NodeId(f"n{i}") for i in range(8)]), st.integers(0, 400)),
+    rotation=st.integers(0, 100),
+)
+def test_decision_invariants(
+    nodes: list[NodeView], tokens: int, hits: dict[NodeId, int], rotation: int
+) -> None:
+    blocks = tokens // 16
+    try:
+        d = choose(blocks, tokens, hits, nodes, None, rotation)
+    except NoNodeAvailable:
+        assert not any(n.role in ("decode", "single") and not n.draining for n in nodes)
+        return
+    by_id = {n.node_id: n for n in nodes}
+    assert not by_id[d.prefill].draining and not by_id[d.decode].draining
+    roles = (by_id[d.prefill].role, by_id[d.decode].role)
+    expected = {
+        "disaggregated": ("prefill", "decode"),
+        "local_prefill": ("decode", "decode"),
+        "single": ("single",) * 2,
+    }
+    assert roles == expected[d.mode]
+    assert 1 <= d.tokens_to_compute <= tokens
+    assert 0 <= d.cached_blocks_prefill + d.blocks_to_fetch <= blocks
+    assert d.tokens_to_compute == max(1, tokens - 16 * (d.cached_blocks_prefill + d.blocks_to_fetch))
+    assert d.blocks_to_transfer == (
+        -(-tokens // 16) - d.cached_blocks_decode if d.mode == "disaggregated" else 0
+    )
+    assert (d.fetch_from is None) == (d.blocks_to_fetch == 0)
+    if d.fetch_from is not None:
+        assert not by_id[d.fetch_from].draining and d.fetch_from != d.prefill
