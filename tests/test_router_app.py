@@ -488,3 +488,21 @@ def test_redis_down_routes_load_only(cluster: Cluster, redis_url: str) -> None:
     health = httpx.get(cluster.router + "/health", timeout=10).json()
     assert health == {"status": "ok", "nodes": 1, "index": "unavailable"}
     assert "pdserve_router_index_unavailable_total" in httpx.get(cluster.router + "/metrics", timeout=10).text
+
+
+def test_api_keys_gate_requests_and_salt_the_tenant(redis_url: str, tokenizer: Tokenizer) -> None:
+    redis = RedisConfig(url=redis_url, cluster="keys")
+    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, api_keys=("k1",))
+    app = create_app(config, tokenizer, BlockIndex(redis))
+
+    async def go() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            missing = await client.post("/v1/chat/completions", json=CHAT)
+            wrong = await client.post(
+                "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k2"}
+            )
+            return missing, wrong
+
+    missing, wrong = asyncio.run(go())
+    assert error_of(missing, 401)["code"] == "invalid_api_key"
+    assert error_of(wrong, 401)["code"] == "invalid_api_key"
