@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import subprocess
 import time
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
@@ -304,3 +305,37 @@ def test_unreachable_redis_raises_index_unavailable_fast() -> None:
             assert time.monotonic() - started < 2.0
 
     run(body())
+
+
+def test_tls_with_the_servers_ca_works_and_without_it_fails(tmp_path: Any) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    openssl = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+    ]
+    openssl += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(openssl, check=True, capture_output=True)
+    port = free_port()
+    tls = ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
+
+    async def body() -> None:
+        url = f"rediss://127.0.0.1:{port}/0"
+        async with BlockIndex(RedisConfig(url=url, tls_ca_file=str(cert))) as index:
+            assert await index.register(node("p0")) == 1
+        async with BlockIndex(RedisConfig(port=port, tls=True, tls_ca_file=str(cert))) as index:
+            assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+        async with BlockIndex(RedisConfig(url=url)) as index:  # system CAs only: the self-signed cert fails
+            with pytest.raises(IndexUnavailable, match="certificate verify failed"):
+                await index.nodes()
+
+    with LocalRedis(port=port, extra_args=tls):
+        run(body())
