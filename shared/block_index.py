@@ -7,12 +7,13 @@ Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts kee
   a node that differs is refused with `IncompatibleNode` naming the field and both values.
 - `lookup` is one EVALSHA whatever the prompt length, and reads only.
 - The index is an estimate for routing: a block it lists may have been evicted; the transfer verifies.
-Every failure to reach Redis raises `IndexUnavailable` (or `IndexAuthError` for refused credentials).
+Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
+credentials raise its subclass `IndexAuthError`.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, cast
@@ -123,6 +124,8 @@ class BlockIndex:
             ) from exc
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             raise IndexUnavailable(f"Redis at {where} is unreachable during {what}: {exc}") from exc
+        except rexc.RedisError as exc:  # OOM, READONLY replica, a busy script: Redis cannot serve the index
+            raise IndexUnavailable(f"Redis at {where} failed {what}: {exc}") from exc
 
     async def _call(self, script: Any, what: str, *args: bytes | str | int) -> Any:
         async with self._guard(what):
@@ -147,11 +150,16 @@ class BlockIndex:
 
     async def register(self, info: NodeInfo) -> int:
         """Register (or re-register) a node; returns its new epoch. Refuses an incompatible node."""
-        stored = NodeInfo.from_json(info.to_json())
+        stored = dataclasses.replace(info, epoch=0).to_json()  # the epoch lives in its own field
         reply = await self._call(
-            self._register, "register", info.node_id, stored.to_json(), self._hb_ms, self._records_ms,
+            self._register,
+            "register",
+            info.node_id,
+            stored,
+            self._hb_ms,
+            self._records_ms,
             *_layout_pairs(info),
-        )  # fmt: skip
+        )
         if reply[0] == b"INCOMPATIBLE":
             field, mine, recorded = (v.decode() for v in reply[1:4])
             raise IncompatibleNode(
@@ -184,8 +192,7 @@ class BlockIndex:
         out = []
         for i in range(1, len(flat), 7):
             _, info_json, epoch, load_json, hb_ms, draining, records = flat[i : i + 7]
-            info = NodeInfo.from_json(info_json)
-            info = NodeInfo(**{**json.loads(info.to_json()), "epoch": int(epoch)})
+            info = dataclasses.replace(NodeInfo.from_json(info_json), epoch=int(epoch))
             load = NodeLoad.from_json(load_json) if load_json else None
             out.append(
                 NodeStatus(
@@ -221,7 +228,12 @@ class BlockIndex:
         """
         if not hashes:
             return {}
-        flat = await self._call(self._lookup, "lookup", b"".join(hashes))
+        blob = b"".join(hashes)
+        if len(blob) != 32 * len(hashes):
+            raise ValueError(
+                f"lookup takes 32-byte block hashes; got {len(blob)} bytes for {len(hashes)} hashes"
+            )
+        flat = await self._call(self._lookup, "lookup", blob)
         return {NodeId(flat[i].decode()): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def blocks(self, node_id: NodeId | None = None, limit: int = 100) -> dict[NodeId, NodeBlocks]:
