@@ -6,7 +6,8 @@ Invariants (kept by the scheduler; `Scheduler.check_invariants` asserts them):
   those (extended incrementally with `extend_block_hashes`, never recomputed).
 - num_cached_tokens <= num_computed_tokens <= num_tokens; a running request holds exactly
   ceil(num_computed_tokens / block_size) blocks after a step's schedule, one reference each; its first
-  num_committed_blocks blocks are committed to the pool under block_hashes[:num_committed_blocks].
+  num_committed_blocks blocks are committed to the pool under block_hashes[:num_committed_blocks] (or
+  are private duplicates of blocks the pool already holds under those hashes).
 - A finished request holds no blocks.
 """
 
