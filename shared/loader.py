@@ -151,13 +151,16 @@ def _dummy_config(path: str) -> ModelConfig:
     if spec in NAMED_SHAPES:
         return NAMED_SHAPES[spec]
     if not spec.endswith(".json"):
-        raise ModelLoadError(f"{path}: unknown dummy shape {spec!r}; named shapes: {sorted(NAMED_SHAPES)}")
+        raise ModelLoadError(
+            f"cannot load model from {path}: unknown dummy shape {spec!r}; "
+            f"named shapes: {sorted(NAMED_SHAPES)}, or a path to a config.json"
+        )
     try:
         with open(spec, encoding="utf-8") as f:
             d = json.load(f)
         return ModelConfig.from_hf_config(d) if "model_type" in d else ModelConfig.from_dict(d)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"cannot load dummy config {spec}: {_one_line(e)}") from e
+        raise ModelLoadError(f"cannot load model from {path}: {_one_line(e)}") from e
 
 
 def _check_file(path: str) -> None:

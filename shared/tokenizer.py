@@ -138,7 +138,13 @@ class Tokenizer:
     def from_hf_dir(cls, path: str) -> Tokenizer:
         """From a directory holding tokenizer.json (+ tokenizer_config.json, chat_template.jinja,
         generation_config.json). FileNotFoundError if tokenizer.json is missing."""
-        backend = tokenizers.Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no tokenizer.json in {path}")
+        try:
+            backend = tokenizers.Tokenizer.from_file(file)
+        except Exception as e:  # the Rust binding raises bare Exception for a malformed file
+            raise ValueError(f"{file} is not a valid tokenizer.json: {e}") from e
         tok_cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
         template = _pick_template(tok_cfg.get("chat_template"))
         jinja_path = os.path.join(path, "chat_template.jinja")
