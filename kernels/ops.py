@@ -64,7 +64,9 @@ class AttentionOps(Protocol):
 
 
 def check_kv_layer(kv_layer: torch.Tensor) -> None:
-    assert kv_layer.dim() == 5 and kv_layer.shape[0] == 2, f"kv_layer must be [2,N,B,H,D], got {kv_layer.shape}"
+    assert kv_layer.dim() == 5 and kv_layer.shape[0] == 2, (
+        f"kv_layer must be [2,N,B,H,D], got {kv_layer.shape}"
+    )
     assert kv_layer.is_contiguous(), "kv_layer must be contiguous"
 
 
