@@ -1,0 +1,153 @@
+"""End to end through two prefill and two decode nodes: prompts without a cached prefix spread over both
+P and both D; a prompt sharing a long prefix with an earlier one goes to the node that holds it and only
+its new blocks are computed (node logs, node and router metrics, `kvctl where` and `kvctl stats` agree);
+`kvctl drain` moves new work off a node while no request fails. One cluster serves the module; the drain
+test runs last because a drained node stays drained.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from pdserve.tests.cluster_fixture import LiveCluster, kvctl, sample, served_model_name, up_config
+
+pytestmark = pytest.mark.slow
+
+MODEL = served_model_name()
+PREFILL = ("prefill-0", "prefill-1")
+DECODE = ("decode-0", "decode-1")
+PREFIX = " ".join(
+    f"Clause {i}: the tenant shall keep the premises at number {i} in good repair and pay rent on day {i}."
+    for i in range(1, 15)
+)
+WORDS = ("Apples", "Bridges", "Comets", "Deserts", "Engines", "Forests", "Glaciers", "Harbours")
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveCluster]:
+    cluster = LiveCluster.start(up_config(prefill=2, decode=2))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def complete(live: LiveCluster, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    reply: dict[str, Any] = r.json()
+    return reply
+
+
+def prefill_lines(live: LiveCluster, node: str) -> dict[str, tuple[int, int]]:
+    """request id -> (prompt tokens, cached tokens), from `prefill <id>: N tokens, C cached` log lines."""
+    pattern = re.compile(r"prefill (\S+): (\d+) tokens, (\d+) cached")
+    return {m[1]: (int(m[2]), int(m[3])) for m in pattern.finditer(live.log(node))}
+
+
+def prefilled_on(live: LiveCluster, response_id: str) -> str:
+    holders = [n for n in PREFILL if f"{response_id}-0" in prefill_lines(live, n)]
+    assert len(holders) == 1, f"{response_id} prefilled on {holders}"
+    return holders[0]
+
+
+def prompt_tokens(live: LiveCluster) -> dict[str, float]:
+    return {n: live.metric(n, "pdserve_node_prompt_tokens_total") for n in (*PREFILL, *DECODE)}
+
+
+def test_requests_without_a_cached_prefix_spread_over_every_node(live: LiveCluster) -> None:
+    before = prompt_tokens(live)
+    prompts = [f"{w} are interesting because" for w in WORDS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        replies = list(pool.map(lambda p: complete(live, p), prompts))
+    served = {prefilled_on(live, r["id"]) for r in replies}
+    assert served == set(PREFILL), f"every prompt prefilled on {served}"
+    after = prompt_tokens(live)
+    idle = [n for n in (*PREFILL, *DECODE) if after[n] == before[n]]
+    assert not idle, f"nodes {idle} got none of {len(prompts)} requests"
+    live.wait_clean()
+
+
+def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live: LiveCluster) -> None:
+    first = complete(live, PREFIX + " Question: who repairs the premises?")
+    prefix_tokens = first["usage"]["prompt_tokens"]
+    assert prefix_tokens >= 256 + 8, f"the shared prefix must be >= 256 tokens, prompt has {prefix_tokens}"
+    holder = prefilled_on(live, first["id"])
+    other = next(n for n in PREFILL if n != holder)
+    deadline = time.monotonic() + 10
+    while True:
+        where = {
+            r["node_id"]: r["prefix_blocks"]
+            for r in kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]
+        }
+        if where.get(holder, 0) >= 16 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert where[holder] >= 256 // 16, f"kvctl where: {where}"
+    assert where[other] == 0, f"kvctl where: {where}"
+    hits_before = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"})
+    router_before = sample(
+        httpx.get(f"{live.base}/metrics").text, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"}
+    )
+
+    second = complete(live, PREFIX + " Question: on which day is rent due?")
+    assert prefilled_on(live, second["id"]) == holder
+    total, cached = prefill_lines(live, holder)[f"{second['id']}-0"]
+    assert cached >= 256 and total - cached <= 2 * 16 + 16, f"prefill computed {total - cached} of {total}"
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+    hits = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"}) - hits_before
+    assert hits == cached
+    router_hits = sample(
+        httpx.get(f"{live.base}/metrics").text, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"}
+    )
+    assert router_hits - router_before >= 256
+    stats = kvctl(live.redis_url, "stats")
+    assert stats["nodes"][holder]["local_tokens"] >= 256
+    live.wait_clean()
+
+
+def test_drain_moves_new_work_off_a_node_and_no_request_fails(live: LiveCluster) -> None:
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def traffic(worker: int) -> None:
+        i = 0
+        while not stop.is_set():
+            body = {"model": MODEL, "prompt": f"Worker {worker} item {i}: colours of", "max_tokens": 3}
+            r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=180)
+            if r.status_code != 200:
+                failures.append(f"{r.status_code} {r.text}")
+            i += 1
+
+    workers = [threading.Thread(target=traffic, args=(w,)) for w in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(2)
+        for node in ("prefill-0", "decode-0"):
+            reply = kvctl(live.redis_url, "drain", node)
+            assert reply["draining"] is True and reply["node_reply"]["draining"] is True
+        time.sleep(2)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert not failures, f"requests failed while nodes drained: {failures}"
+
+    before = prompt_tokens(live)
+    replies = [complete(live, f"{w} after the drain are") for w in WORDS[:4]]
+    assert {prefilled_on(live, r["id"]) for r in replies} == {"prefill-1"}
+    after = prompt_tokens(live)
+    assert after["decode-0"] == before["decode-0"], "the drained decode node got new work"
+    assert after["decode-1"] > before["decode-1"]
+    live.wait_clean()
+    listed = {n["info"]["node_id"]: n["draining"] for n in kvctl(live.redis_url, "nodes")["nodes"]}
+    assert listed.get("prefill-0", True) and listed.get("decode-0", True), f"kvctl nodes: {listed}"
