@@ -63,10 +63,18 @@ async def fill(index: BlockIndex, nodes: list[tuple[NodeId, int]], total: int, b
     return time.perf_counter() - started
 
 
-async def redis_usec_per_lookup(index: BlockIndex) -> tuple[float, int]:
-    raw = await index._redis.info("commandstats")  # benchmark-only peek at the shared client
-    stat = raw.get("cmdstat_evalsha", {})
-    return float(stat.get("usec_per_call", 0.0)), int(stat.get("calls", 0))
+async def redis_cpu_s(index: BlockIndex) -> float:
+    """CPU seconds redis-server has used (immune to being descheduled, unlike commandstats' wall time)."""
+    cpu = await index._redis.info("cpu")  # benchmark-only peek at the shared client
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+async def redis_per_lookup(index: BlockIndex, cpu_before: float) -> tuple[float, float, int]:
+    """(usec_per_call of evalsha from INFO commandstats, Redis CPU us per call, calls)."""
+    stat = (await index._redis.info("commandstats")).get("cmdstat_evalsha", {})
+    calls = int(stat.get("calls", 0))
+    cpu_us = (await redis_cpu_s(index) - cpu_before) * 1e6 / max(calls, 1)
+    return float(stat.get("usec_per_call", 0.0)), cpu_us, calls
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -118,10 +126,12 @@ async def main(args: argparse.Namespace) -> None:
             ping.append(time.perf_counter() - t)
         lines.append(row("Redis PING round trip (floor)", ping))
         cfg = PolicyConfig(block_size=BLOCK)
-        server_usec: dict[int, tuple[float, int]] = {}
+        server_usec: dict[int, tuple[float, float, int]] = {}
+        client_cpu: dict[int, float] = {}
         for length in (1024, 8192):
             await index._redis.config_resetstat()
             total, hashing, looking, choosing, hit = [], [], [], [], 0
+            cpu_before, client_before = await redis_cpu_s(index), time.process_time()
             for i in range(args.iters):
                 ids = prompts[length][i % len(prompts[length])]
                 t0 = time.perf_counter()
@@ -136,7 +146,8 @@ async def main(args: argparse.Namespace) -> None:
                 looking.append(t2 - t1)
                 choosing.append(t3 - t2)
                 hit += decision.cached_blocks_prefill + decision.blocks_to_fetch > 0
-            server_usec[length] = await redis_usec_per_lookup(index)
+            client_cpu[length] = (time.process_time() - client_before) * 1e3 / args.iters
+            server_usec[length] = await redis_per_lookup(index, cpu_before)
             k = length // 1024
             target = "target p99 <= 5 ms" if length == 8192 else ""
             lines.append(
@@ -151,8 +162,11 @@ async def main(args: argparse.Namespace) -> None:
         )
         print("\n".join(lines))
         print()
-        for length, (usec, calls) in server_usec.items():
-            print(f"Redis server time per lookup, {length // 1024}k tokens: {usec:.1f} us ({calls} calls)")
+        for length, (usec, cpu_us, calls) in server_usec.items():
+            k = length // 1024
+            print(f"{k}k tokens: Redis time per lookup {usec:.1f} us (commandstats, {calls} calls);")
+            print(f"  Redis CPU {cpu_us:.1f} us per call (INFO cpu);", end=" ")
+            print(f"router-process CPU {client_cpu[length]:.3f} ms per hash + lookup + choice")
         print()
         print(
             "decisions/s, 1k-token prompts (target >= 2,000): wall rate; rate per CPU-second of this process"
