@@ -14,7 +14,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from pdserve.shared.block_index_server import LocalRedis, free_port
 
 MODULES = {
     "router": "pdserve.router",
@@ -32,18 +32,13 @@ MODULES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Cluster:
     """The processes of a local cluster, stopped in reverse start order."""
 
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-"))
+    redis: list[LocalRedis] = field(default_factory=list)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - owned by the child
@@ -75,6 +70,9 @@ class Cluster:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self.procs.clear()
+        for redis in self.redis:
+            redis.stop()
+        self.redis.clear()
 
     def wait_http(self, url: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -88,33 +86,14 @@ class Cluster:
 
 
 def start_redis(cluster: Cluster, password: str | None = None) -> str:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server not found; install it (apt-get install redis-server)")
-    port = free_port()
-    argv = [
-        exe,
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-        "--dir",
-        cluster.workdir,
-    ]
-    if password:
-        argv += ["--requirepass", password]
-    cluster.spawn("redis", argv)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        cluster.check_alive()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return f"redis://127.0.0.1:{port}/0"
-        time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
+    """Redis for the cluster's block index: a free port, no persistence, stopped with the cluster."""
+    redis = LocalRedis(binary=shutil.which("redis-server") or LocalRedis.binary, password=password)
+    try:
+        redis.start()
+    except FileNotFoundError as exc:
+        raise RuntimeError("redis-server not found; install it (apt-get install redis-server)") from exc
+    cluster.redis.append(redis)
+    return redis.url
 
 
 @dataclass(frozen=True)
