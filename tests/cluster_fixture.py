@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import httpx
-from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
+from pdserve.launch import MODULES, Cluster, UpConfig, free_port, start_cluster
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCHEMA_PATHS = (
@@ -182,3 +182,35 @@ def generate_offline(*args: str) -> dict[str, Any]:
     assert done.returncode == 0, f"pdserve generate exited {done.returncode}: {done.stderr[-2000:]}"
     line: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return line
+
+
+def node_argv(role: str, node_id: str, port: int, redis_url: str, auth_token: str, *extra: str) -> list[str]:
+    """The command line `start_cluster` gives a node (same module, flags and one torch thread)."""
+    argv = [
+        sys.executable,
+        "-m",
+        MODULES[role],
+        "--node-id",
+        node_id,
+        "--port",
+        str(port),
+        "--redis",
+        redis_url,
+    ]
+    argv += ["--model", model_path(), "--auth-token", auth_token, "--threads", "1", *extra]
+    return argv + (["--role", "single"] if role == "single" else [])
+
+
+def router_argv(port: int, redis_url: str) -> list[str]:
+    """The command line `start_cluster` gives the router."""
+    return [
+        sys.executable,
+        "-m",
+        "pdserve.router",
+        "--model",
+        model_path(),
+        "--redis",
+        redis_url,
+        "--port",
+        str(port),
+    ]
