@@ -1,0 +1,279 @@
+"""Triton paged attention kernels: split-K decode with GQA, and varlen causal prefill over paged KV.
+
+Both read K/V through the block table one token row at a time (token n of a sequence lives in block
+`table[n // block_size]` at offset `n % block_size`), so tiles need not align with blocks and tables
+need not be contiguous. Softmax runs in base 2 on fp32 scores with fp32 accumulation whatever the cache
+dtype. Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise
+with the device, so decode can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Finite start for the running max, so a fully masked tile never computes exp2(-inf - -inf) = NaN.
+_MASKED_MAX = tl.constexpr(-1.0e30)
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _kv_offsets(
+    table_row_ptr, offs_n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE: tl.constexpr
+):
+    # [N, D] element offsets of tokens offs_n of one sequence, for one KV head, through its block table
+    blk = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    return (
+        blk[:, None] * stride_kb
+        + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
+        + kv_head * stride_kh
+        + offs_d[None, :]
+    )
+
+
+@triton.jit
+def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    # q: [M, D] DOT_DTYPE; k, v: [N, D] cache dtype; valid: [M, N]; m_i, l_i: [M]; acc: [M, D] fp32
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
+    if APPLY_MASK:
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to the cache dtype before P @ V, as the reference does.
+    pv = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Each split takes a BLOCK_N-aligned share of this sequence's own length: a grid sized for the
+    # batch's longest context stays correct for shorter ones (and for a graph captured at a larger one).
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q_mask = (offs_g < GROUP)[:, None] & d_mask[None, :]
+    # q: [GROUP_PAD, DIM_PAD], every query head of this KV head, so K/V are read once per group
+    q = tl.load(
+        q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
+
+    m_i = tl.full([GROUP_PAD], _MASKED_MAX, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < end
+        off = _kv_offsets(table_row, n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
+
+    # Partial result per (seq, head, split): normalised output and log2-sum-exp; an empty split has
+    # lse = -inf and so weight 0 in the reduction.
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # mid_*: [S, Hq, NUM_SPLITS, (D)]
+    tl.store(mid_lse_ptr + row * NUM_SPLITS + split, lse, mask=offs_g < GROUP)
+    o_off = (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
+    tl.store(mid_o_ptr + o_off, o, mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = seq.to(tl.int64) * tl.num_programs(1) + head
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; split 0 always holds the sequence's first token
+    o_off = (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
+    o = tl.load(mid_o_ptr + o_off, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out, mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    # Longest-running (last) query tiles start first, all heads of a tile side by side so a KV group's
+    # blocks are shared in L2.
+    tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    q_begin = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_begin
+    m0 = tile * BLOCK_M
+    if m0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # cached prefix plus earlier chunks, already in the paged cache
+    kv_head = head // GROUP
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    q_mask = (offs_m < q_len)[:, None] & d_mask[None, :]
+    rows = (q_begin + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)  # q: [BLOCK_M, DIM_PAD]
+    q_pos = ctx_len + offs_m
+
+    m_i = tl.full([BLOCK_M], _MASKED_MAX, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    # Keys before the tile's first query position are visible to every row: no causal mask there.
+    # The tile never reads keys past its last row's position.
+    unmasked_end = (ctx_len + m0) // BLOCK_N * BLOCK_N
+    visible_end = tl.minimum(ctx_len + m0 + BLOCK_M, seq_len)
+    all_n = offs_n >= 0
+    for n0 in range(0, unmasked_end, BLOCK_N):
+        off = _kv_offsets(
+            table_row, n0 + offs_n, all_n, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE
+        )
+        k = tl.load(k_ptr + off, mask=d_mask[None, :], other=0.0)
+        v = tl.load(v_ptr + off, mask=d_mask[None, :], other=0.0)
+        m_i, l_i, acc = _softmax_step(q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE)
+    for n0 in range(unmasked_end, visible_end, BLOCK_N):
+        n = n0 + offs_n
+        n_mask = n < seq_len
+        off = _kv_offsets(table_row, n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+        valid = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=q_mask)
+
+
+def dot_dtype(cache_dtype: torch.dtype, device: torch.device) -> tl.dtype:
+    """The dtype fed to tl.dot: the cache dtype, except bf16 under the CPU interpreter, whose bf16 dot
+    is wrong (numpy has no bf16); there the operands are widened to fp32, which is exact for bf16."""
+    if cache_dtype == torch.float32 or (cache_dtype == torch.bfloat16 and device.type == "cpu"):
+        return tl.float32
+    return tl.bfloat16 if cache_dtype == torch.bfloat16 else tl.float16
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+    """Splits of each sequence's context for decode: enough (seq, kv head, split) programs to give every
+    SM about four, but no split shorter than 256 tokens, since each split costs a partial write and a
+    reduction read of [Hq, D] fp32."""
+    programs = num_seqs * num_kv_heads
+    wanted = -(-4 * sm_count // programs)
+    by_length = -(-max_seq_len // 256)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [S, Hq, D] -> [S, Hq, D] in q's dtype; one query token per sequence at position seq_len - 1.
+
+    Grid (S, Hkv, num_splits) for the split kernel, then (S, Hq) for the reduction. Inputs are trusted:
+    TritonOps.decode_attention checks them.
+    """
+    n_seqs, n_heads, head_dim = q.shape
+    _, _, block_size, n_kv, _ = kv_layer.shape
+    group = n_heads // n_kv
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}"
+    out = torch.empty_like(q)
+    if n_seqs == 0:
+        return out
+    mid_o = torch.empty((n_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    dim_pad = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(n_seqs, n_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4,
+    )  # fmt: skip
+    _decode_reduce_kernel[(n_seqs, n_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D] in q's dtype; causal over each sequence's cached prefix and new tokens.
+
+    Grid (Hq, S, ceil(max_query_len / block_m)); tiles past a sequence's query length exit at once.
+    Inputs are trusted: TritonOps.prefill_attention checks them.
+    """
+    n_tokens, n_heads, head_dim = q.shape
+    _, _, block_size, n_kv, _ = kv_layer.shape
+    out = torch.empty_like(q)
+    n_seqs = seq_lens.shape[0]
+    if n_tokens == 0 or n_seqs == 0:
+        return out
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    grid = (n_heads, n_seqs, math.ceil(max_query_len / block_m))
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=n_heads // n_kv, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out

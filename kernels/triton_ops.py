@@ -1,0 +1,220 @@
+"""Triton implementation of `AttentionOps` (kernels/ops.py), checked against kernels/reference.py.
+
+Owns the KV-cache write and block gather/scatter kernels and the boundary checks of every op; the
+attention kernels live in kernels/triton_attention.py. Invariants: every op checks shapes, dtypes,
+strides and devices before launching (nothing device-specific is read at import), and no op reads a
+device value on the host, so decode stays capturable in a CUDA graph. Under TRITON_INTERPRET=1 the same
+kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
+from pdserve.kernels.triton_attention import (
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; a few splits keep it exercised
+_COPY_CHUNK = 1024  # elements per program of a block copy
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
+    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token)
+    if slot < 0:
+        return
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    mask = (offs_h < N_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # key, value tiles: [HEADS_PAD, DIM_PAD]; tl.store casts to the cache dtype
+    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    cache_off = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + cache_off, k, mask=mask)
+    tl.store(v_cache_ptr + cache_off, v, mask=mask)
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    src_ptr, dst_ptr, ids_ptr, src_kv_stride, dst_kv_stride,
+    BLOCK_ELEMS: tl.constexpr, CHUNK: tl.constexpr, GATHER: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0)
+    kv = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2)
+    block = tl.load(ids_ptr + i)  # int64
+    # A block is BLOCK_ELEMS contiguous elements on both sides; gather reads block ids, scatter writes them.
+    src_block = block if GATHER else i.to(tl.int64)
+    dst_block = i.to(tl.int64) if GATHER else block
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_ELEMS
+    x = tl.load(src_ptr + kv * src_kv_stride + src_block * BLOCK_ELEMS + offs, mask=mask)
+    tl.store(dst_ptr + kv * dst_kv_stride + dst_block * BLOCK_ELEMS + offs, x, mask=mask)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SM_COUNT
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+class TritonOps:
+    """`AttentionOps` with Triton kernels. Stateless apart from a per-device SM-count cache."""
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """key/value: [T, Hkv, D]; writes token t into slot slot_mapping[t] (skips -1)."""
+        _check_cache(kv_layer)
+        _, _, _, n_kv, head_dim = kv_layer.shape
+        for name, x in (("key", key), ("value", value)):
+            assert x.dim() == 3 and x.shape[1:] == (n_kv, head_dim), (
+                f"{name} must be [T, {n_kv}, {head_dim}] to match kv_layer {tuple(kv_layer.shape)}, "
+                f"got {tuple(x.shape)}"
+            )
+            _check_float(name, x, kv_layer.device)
+            assert x.stride(2) == 1, f"{name} must have a contiguous head dim, got strides {x.stride()}"
+        assert key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+        _check_index("slot_mapping", slot_mapping, torch.int64, kv_layer.device, (key.shape[0],))
+        if key.shape[0] == 0:
+            return
+        k_cache, v_cache = kv_layer[0], kv_layer[1]  # [N, B, Hkv, D]: slot = block * B + offset
+        _write_kv_kernel[(key.shape[0],)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(1), k_cache.stride(2),
+            N_HEADS=n_kv, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(n_kv),
+            DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+        )  # fmt: skip
+
+    def prefill_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's paged context (varlen batch)."""
+        _check_attention(q, kv_layer, meta)
+        assert meta.query_start_loc.shape == (meta.num_seqs + 1,), (
+            f"query_start_loc must be [S+1] = [{meta.num_seqs + 1}], got {tuple(meta.query_start_loc.shape)}"
+        )
+        return paged_prefill_attention(
+            q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale
+        )
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q: [S, Hq, D] (one token per sequence) -> [S, Hq, D].
+
+        The split count follows meta.max_seq_len (a host int): a CUDA graph captured at a given
+        max_seq_len stays correct for every batch whose contexts are no longer than it.
+        """
+        _check_attention(q, kv_layer, meta)
+        assert q.shape[0] == meta.num_seqs, (
+            f"decode q must be [S={meta.num_seqs}, Hq, D], got {tuple(q.shape)}"
+        )
+        num_splits = choose_num_splits(
+            meta.num_seqs, kv_layer.shape[3], meta.max_seq_len, _sm_count(kv_layer.device)
+        )
+        return paged_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens, scale, num_splits)
+
+    def gather_blocks(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks into a contiguous buffer. block_ids: [n] int64; out: [2, n, block_size, Hkv, D]."""
+        _check_cache(kv_layer)
+        ids = _block_ids(block_ids, kv_layer.device, kv_layer.shape[1])
+        _check_block_buffer("out", out, kv_layer, ids.shape[0])
+        assert out.dtype == kv_layer.dtype, (
+            f"out dtype {out.dtype} must equal kv_layer dtype {kv_layer.dtype}"
+        )
+        _copy_blocks(kv_layer, out, ids, gather=True)
+
+    def scatter_blocks(self, src: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Inverse of gather_blocks: src [2, n, block_size, Hkv, D] into the blocks named by block_ids."""
+        _check_cache(kv_layer)
+        ids = _block_ids(block_ids, kv_layer.device, kv_layer.shape[1])
+        _check_block_buffer("src", src, kv_layer, ids.shape[0])
+        _copy_blocks(src, kv_layer, ids, gather=False)
+
+
+def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
+    n = ids.shape[0]
+    if n == 0:
+        return
+    block_elems = src[0, 0].numel()
+    _copy_blocks_kernel[(n, 2, triton.cdiv(block_elems, _COPY_CHUNK))](
+        src, dst, ids, src.stride(0), dst.stride(0),
+        BLOCK_ELEMS=block_elems, CHUNK=_COPY_CHUNK, GATHER=gather, num_warps=4,
+    )  # fmt: skip
+
+
+def _check_cache(kv_layer: torch.Tensor) -> None:
+    check_kv_layer(kv_layer)
+    assert kv_layer.dtype in _FLOAT_DTYPES, (
+        f"kv_layer dtype must be one of {_FLOAT_DTYPES}, got {kv_layer.dtype}"
+    )
+
+
+def _check_float(name: str, x: torch.Tensor, device: torch.device) -> None:
+    assert x.dtype in _FLOAT_DTYPES, f"{name} dtype must be one of {_FLOAT_DTYPES}, got {x.dtype}"
+    assert x.device == device, f"{name} is on {x.device} but kv_layer is on {device}"
+
+
+def _check_index(
+    name: str, x: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]
+) -> None:
+    assert x.dtype == dtype, f"{name} must be {dtype}, got {x.dtype}"
+    assert x.device == device, f"{name} is on {x.device} but kv_layer is on {device}"
+    assert tuple(x.shape) == shape, f"{name} must have shape {shape}, got {tuple(x.shape)}"
+    assert x.dim() == 0 or x.stride(-1) == 1, f"{name} must be contiguous in its last dim, got {x.stride()}"
+
+
+def _check_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata) -> None:
+    _check_cache(kv_layer)
+    _, _, block_size, n_kv, head_dim = kv_layer.shape
+    assert q.dim() == 3 and q.shape[2] == head_dim, (
+        f"q must be [T, Hq, {head_dim}] to match kv_layer {tuple(kv_layer.shape)}, got {tuple(q.shape)}"
+    )
+    assert q.shape[1] % n_kv == 0, f"query heads {q.shape[1]} must be a multiple of KV heads {n_kv}"
+    assert q.stride(2) == 1, f"q must have a contiguous head dim, got strides {q.stride()}"
+    _check_float("q", q, kv_layer.device)
+    n_seqs = meta.num_seqs
+    _check_index("seq_lens", meta.seq_lens, torch.int32, kv_layer.device, (n_seqs,))
+    _check_index("query_start_loc", meta.query_start_loc, torch.int32, kv_layer.device, (n_seqs + 1,))
+    tables = meta.block_tables
+    assert tables.dim() == 2 and tables.shape[0] == n_seqs, (
+        f"block_tables must be [S={n_seqs}, max_blocks], got {tuple(tables.shape)}"
+    )
+    _check_index("block_tables", tables, torch.int32, kv_layer.device, tuple(tables.shape))
+    need = -(-meta.max_seq_len // block_size)
+    assert tables.shape[1] >= need, (
+        f"block_tables has {tables.shape[1]} columns but max_seq_len {meta.max_seq_len} needs {need}"
+    )
+
+
+def _block_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: int) -> torch.Tensor:
+    assert block_ids.dim() == 1, f"block_ids must be [n], got {tuple(block_ids.shape)}"
+    assert not block_ids.is_floating_point(), f"block_ids must be integers, got {block_ids.dtype}"
+    if block_ids.device.type == "cpu" and block_ids.numel() > 0:
+        # Host ids (transfer descriptors) are range-checked for free; device ids would need a sync.
+        lo, hi = int(block_ids.min()), int(block_ids.max())
+        assert lo >= 0 and hi < num_blocks, f"block_ids must lie in [0, {num_blocks}), got [{lo}, {hi}]"
+    return block_ids.to(device=device, dtype=torch.int64).contiguous()
+
+
+def _check_block_buffer(name: str, buf: torch.Tensor, kv_layer: torch.Tensor, n: int) -> None:
+    want = (2, n, *kv_layer.shape[2:])
+    assert tuple(buf.shape) == want, f"{name} must be {want}, got {tuple(buf.shape)}"
+    assert buf.is_contiguous(), f"{name} must be contiguous, got strides {buf.stride()}"
+    _check_float(name, buf, kv_layer.device)

@@ -1,0 +1,241 @@
+"""Triton kernels against the torch reference, on CPU tensors under the Triton interpreter.
+
+Triton decides interpreted or compiled when a function is decorated, triton.language's own helpers
+included, so TRITON_INTERPRET=1 is set before triton is first imported (nothing earlier on the CPU path
+imports it), then handed over to triton's in-process knob and removed from the environment, so that
+processes other tests start do not inherit the interpreter. Unused cache blocks and block-table padding
+hold large values, so a kernel that reads outside a sequence's context produces a visibly wrong result.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np
+import pytest
+import torch
+import triton
+from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.kernels.triton_attention import (
+    _decode_split_kernel,
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from pdserve.kernels.triton_ops import TritonOps
+from triton.runtime import interpreter
+from triton.runtime.interpreter import InterpretedFunction
+
+triton.knobs.runtime.interpret = True
+del os.environ["TRITON_INTERPRET"]
+
+
+def _install_numpy24_index_fix() -> None:
+    """triton 3.6.0's interpreter turns a scalar (a 1-element array) into a loop bound with int(array),
+    which numpy >= 2.4 refuses; this is the upstream fix (triton-lang/triton#9171, PR #9172), applied
+    until a triton release carries it. Runtime loop bounds are what every attention kernel here uses."""
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor: type, scope: interpreter._LangPatchScope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+    _install_numpy24_index_fix()
+
+REF = ReferenceOps()
+TRI = TritonOps()
+POISON = 50.0
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def test_kernels_run_under_the_interpreter() -> None:
+    hint = "triton was imported before this module: run it in a pytest process of its own"
+    assert isinstance(_decode_split_kernel, InterpretedFunction), hint
+    assert isinstance(triton.language.standard.cdiv, InterpretedFunction), hint
+
+
+def _batch(
+    specs: list[tuple[int, int]],
+    n_kv: int,
+    group: int,
+    head_dim: int,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """specs: (cached prefix length, new query tokens) per sequence. Returns q [T, Hq, D], a cache whose
+    context slots hold random K/V (written with the reference) and the metadata, tables shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [ctx + new for ctx, new in specs]
+    n_per_seq = [-(-n // block_size) for n in lens]
+    n_blocks = sum(n_per_seq) + 3
+    kv = torch.full((2, n_blocks, block_size, n_kv, head_dim), POISON, dtype=dtype)
+    perm = torch.randperm(n_blocks - 1, generator=gen).tolist()
+    width = max(n_per_seq) + 1
+    tables = torch.full((len(specs), width), n_blocks - 1, dtype=torch.int32)  # padding: a poison block
+    slots = []
+    for s, (n, nb) in enumerate(zip(lens, n_per_seq, strict=True)):
+        ids = [perm.pop() for _ in range(nb)]
+        tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[i // block_size] * block_size + i % block_size for i in range(n)]
+    key = torch.randn(len(slots), n_kv, head_dim, generator=gen)
+    value = torch.randn(len(slots), n_kv, head_dim, generator=gen)
+    REF.write_kv(key, value, kv, torch.tensor(slots, dtype=torch.int64))
+    starts = [0]
+    for _, new in specs:
+        starts.append(starts[-1] + new)
+    q = torch.randn(starts[-1], n_kv * group, head_dim, generator=gen).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        max_query_len=max(new for _, new in specs),
+        max_seq_len=max(lens),
+    )
+    return q, kv, meta
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    tol = TOL[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_matches_reference_and_skips_minus_one(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    kv_ref = torch.randn(2, 6, 16, 3, 64, generator=gen).to(dtype)
+    kv_tri = kv_ref.clone()
+    qkv = torch.randn(9, 5, 3, 64, generator=gen)  # key/value are strided views, as after a fused QKV
+    key, value = qkv[:, 1], qkv[:, 3]
+    slots = torch.tensor([0, 15, 16, -1, 95, 40, -1, 17, 50], dtype=torch.int64)
+    REF.write_kv(key, value, kv_ref, slots)
+    TRI.write_kv(key, value, kv_tri, slots)
+    # The interpreter narrows fp32 to bf16 by truncation where the GPU rounds to nearest: 1 ulp apart.
+    tol = 2**-7 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(kv_tri, kv_ref, rtol=tol, atol=0.0)
+
+
+def test_gather_scatter_round_trip_matches_reference() -> None:
+    gen = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, 10, 16, 3, 64, generator=gen)
+    ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
+    out_tri = torch.empty(2, 4, 16, 3, 64)
+    out_ref = torch.empty_like(out_tri)
+    TRI.gather_blocks(kv, ids, out_tri)
+    REF.gather_blocks(kv, ids, out_ref)
+    assert torch.equal(out_tri, out_ref)
+    dst_tri, dst_ref = torch.zeros_like(kv), torch.zeros_like(kv)
+    src = torch.randn(2, 4, 16, 3, 64, generator=gen)
+    TRI.scatter_blocks(src, dst_tri, ids)
+    REF.scatter_blocks(src, dst_ref, ids)
+    assert torch.equal(dst_tri, dst_ref)
+    TRI.scatter_blocks(out_tri, dst_tri, ids)
+    assert torch.equal(dst_tri[:, ids], kv[:, ids])
+
+
+GQA_SHAPES = [(1, 64, 2), (3, 64, 1), (4, 128, 2), (8, 128, 1)]  # (group, head_dim, kv heads)
+
+
+@pytest.mark.parametrize(("group", "head_dim", "n_kv"), GQA_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(group: int, head_dim: int, n_kv: int, num_splits: int) -> None:
+    # 1 token, one short of / exactly at / one past a block boundary, and a long one over many tiles.
+    q, kv, meta = _batch([(0, 1), (14, 1), (15, 1), (16, 1), (150, 1)], n_kv, group, head_dim, seed=group)
+    want = REF.decode_attention(q, kv, meta, scale=head_dim**-0.5)
+    got = paged_decode_attention(
+        q, kv, meta.block_tables, meta.seq_lens, head_dim**-0.5, num_splits, block_n=32
+    )
+    _close(got, want)
+
+
+def test_decode_through_ops_with_empty_splits() -> None:
+    # 700 tokens gives 3 splits under the interpreter's SM count; the 1-token sequence leaves two empty.
+    q, kv, meta = _batch([(699, 1), (0, 1), (40, 1)], 2, 4, 64, seed=5)
+    assert choose_num_splits(meta.num_seqs, 2, meta.max_seq_len, 4) == 3
+    _close(TRI.decode_attention(q, kv, meta, scale=0.125), REF.decode_attention(q, kv, meta, scale=0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_half_precision_cache(dtype: torch.dtype) -> None:
+    q, kv, meta = _batch([(37, 1), (0, 1), (80, 1)], 2, 4, 64, dtype=dtype, seed=6)
+    got = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125, 2, block_n=16)
+    _close(got, REF.decode_attention(q, kv, meta, scale=0.125))
+
+
+# Varlen: plain prompt, 1-token prompt, cached prefix ending mid-block, prefix on a block boundary,
+# a 1-token chunk after a prefix, and a chunk that crosses several query tiles.
+PREFILL_MIX = [(0, 20), (0, 1), (7, 25), (16, 17), (40, 1), (5, 40)]
+
+
+@pytest.mark.parametrize(("group", "head_dim", "n_kv"), GQA_SHAPES)
+def test_prefill_matches_reference_on_varlen_batch(group: int, head_dim: int, n_kv: int) -> None:
+    q, kv, meta = _batch(PREFILL_MIX, n_kv, group, head_dim, seed=10 + group)
+    want = REF.prefill_attention(q, kv, meta, scale=head_dim**-0.5)
+    got = paged_prefill_attention(
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+        head_dim**-0.5, block_m=16, block_n=16,
+    )  # fmt: skip
+    _close(got, want)
+
+
+def test_prefill_through_ops_default_tiles() -> None:
+    q, kv, meta = _batch([(70, 30), (0, 3), (3, 66)], 2, 3, 64, block_size=8, seed=20)
+    _close(TRI.prefill_attention(q, kv, meta, scale=0.125), REF.prefill_attention(q, kv, meta, scale=0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_half_precision_cache(dtype: torch.dtype) -> None:
+    q, kv, meta = _batch([(9, 12), (0, 1), (16, 20)], 2, 4, 64, dtype=dtype, seed=21)
+    got = paged_prefill_attention(
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.125, 16, 16
+    )
+    _close(got, REF.prefill_attention(q, kv, meta, scale=0.125))
+
+
+def test_write_then_attend_matches_reference_end_to_end() -> None:
+    # The model's order: write the step's K/V into the paged cache, then attend over it.
+    q, kv, meta = _batch([(5, 11), (0, 4)], 2, 4, 64, seed=30)
+    table = meta.block_tables[0].tolist()
+    # Sequence 0's new tokens sit at positions 5..15; sequence 1's slots are marked -1 (not written).
+    new_slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(5, 16)] + [-1] * 4)
+    key, value = torch.randn(15, 2, 64), torch.randn(15, 2, 64)
+    kv_tri = kv.clone()
+    TRI.write_kv(key, value, kv_tri, new_slots)
+    REF.write_kv(key, value, kv, new_slots)
+    assert torch.equal(kv_tri, kv)
+    _close(TRI.prefill_attention(q, kv_tri, meta, 0.125), REF.prefill_attention(q, kv, meta, 0.125))
+
+
+def test_choose_num_splits_keeps_long_contexts_parallel() -> None:
+    assert choose_num_splits(64, 8, 4096, 132) == 2
+    assert choose_num_splits(1, 8, 32768, 132) == 64
+    assert choose_num_splits(1, 8, 300, 132) == 2
+    assert choose_num_splits(256, 8, 100, 132) == 1
+
+
+def test_boundary_checks_name_the_bad_value() -> None:
+    q, kv, meta = _batch([(3, 1)], 2, 2, 64)
+    bad_tables = AttentionMetadata(
+        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables.long(), 1, 4
+    )
+    with pytest.raises(AssertionError, match=r"block_tables must be torch.int32"):
+        TRI.decode_attention(q, kv, bad_tables, 0.125)
+    with pytest.raises(AssertionError, match=r"query heads 3 must be a multiple of KV heads 2"):
+        TRI.decode_attention(torch.randn(1, 3, 64), kv, meta, 0.125)
+    with pytest.raises(AssertionError, match=r"kv_layer must be contiguous"):
+        TRI.decode_attention(q, kv.transpose(3, 4).contiguous().transpose(3, 4), meta, 0.125)
+    with pytest.raises(AssertionError, match=r"slot_mapping must be torch.int64"):
+        TRI.write_kv(torch.randn(1, 2, 64), torch.randn(1, 2, 64), kv, torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(AssertionError, match=r"block_ids must lie in \[0, 4\)"):
+        TRI.gather_blocks(kv, torch.tensor([4]), torch.empty(2, 1, 16, 2, 64))
+    with pytest.raises(AssertionError, match=r"q must have a contiguous head dim"):
+        TRI.prefill_attention(torch.randn(1, 64, 2).transpose(1, 2), kv, meta, 0.125)
