@@ -114,8 +114,6 @@ class FramedConnection:
         magic, version, msg_type, flags, header_len, payload_len, crc = PREFIX.unpack(raw)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
-        if version != PROTOCOL_VERSION:
-            raise VersionMismatch(version)
         if header_len > MAX_HEADER_BYTES or payload_len > self.max_payload_bytes:
             raise ProtocolError(
                 f"frame too large: header {header_len} B (max {MAX_HEADER_BYTES}), "
@@ -123,6 +121,8 @@ class FramedConnection:
             )
         header = await self.channel.recv_exact(header_len)
         payload = await self.channel.recv_payload(payload_len) if payload_len else None
+        if version != PROTOCOL_VERSION:  # raised once the frame is consumed, so an ERROR reply can follow
+            raise VersionMismatch(version)
         if flags & FLAG_CHECKSUM:
             parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
             if payload is not None:

@@ -61,6 +61,7 @@ class ChannelServer:
         self._transfers: dict[str, _Transfer] = {}
         self._opening: set[str] = set()
         self._connections: dict[ByteChannel, asyncio.Future[None]] = {}
+        self._stopping = False  # connections arriving during stop() are cut at once
 
     @property
     def address(self) -> str:
@@ -78,14 +79,21 @@ class ChannelServer:
         log.info("KV receiver %s listening on %s", self.identity.node_id, self.address)
 
     async def stop(self) -> None:
-        if self._listener is not None:
-            await self._listener.close()
-            self._listener = None
+        """Connections first (their handlers must end before a UCX listener goes), then the listener."""
+        self._stopping = True
         for channel in list(self._connections):
             channel.abort()
         await asyncio.gather(*self._connections.values())
+        await asyncio.sleep(0)  # let the transports' accept wrappers around _serve return
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+        self._stopping = False
 
     async def _serve(self, channel: ByteChannel) -> None:
+        if self._stopping:
+            channel.abort()
+            return
         done = asyncio.get_running_loop().create_future()
         self._connections[channel] = done
         conn = FramedConnection(channel, self.config.max_payload_bytes)

@@ -30,12 +30,14 @@ class UcxChannel:
         return self._peer
 
     def _check(self) -> None:
-        if self._closed or self._ep.closed:
-            self._closed = True
+        if self._closed:
             raise ConnectionLost(f"UCX endpoint to {self._peer} is closed")
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         self._check()
+        if self._ep.closed:
+            self._closed = True
+            raise ConnectionLost(f"UCX endpoint to {self._peer} is closed")
         try:
             await self._ep.send(np.frombuffer(prefix, dtype=np.uint8))
             await self._ep.send(np.frombuffer(header, dtype=np.uint8))
@@ -46,7 +48,7 @@ class UcxChannel:
             raise ConnectionLost(f"UCX send to {self._peer} failed: {e!r}") from e
 
     async def _recv_into(self, array: np.ndarray) -> None:
-        self._check()
+        self._check()  # a peer-closed endpoint may still deliver what already arrived: ucxx probes for it
         try:
             await self._ep.recv(array)
         except _UCX_ERRORS as e:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -19,6 +22,7 @@ import torch
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.connector import (
     BlockDescriptor,
+    ConnectionLost,
     ConnectorConfig,
     HandshakeError,
     KVLayout,
@@ -480,3 +484,112 @@ def test_other_protocol_version_is_refused(kind: str) -> None:
             await server.stop()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_server_stop_aborts_open_transfers_and_sender_reconnects(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=8)
+        server = await started(kind, receiver)
+        sender = create_sender(config(kind), identity("prefill-0"))
+        try:
+            session = await sender.session(server.address, RequestId("r"))
+            await session.open(block_hashes(2), 2, time.time() + 30)
+            address = server.address
+            await server.stop()
+            assert [t for t, _ in receiver.aborts] == ["r"]
+            await asyncio.sleep(0.2)
+            with pytest.raises(TransferAborted, match="lost"):
+                await session.complete({})
+            with pytest.raises(ConnectionLost):  # the dead connection is not reused: the sender dials again
+                await sender.session(address, RequestId("r2"))
+            server = await started(kind, receiver)
+            await push(
+                await sender.session(server.address, RequestId("r2")), random_cache(LAYOUT, 2, 5), [0, 1], []
+            )
+            audit(receiver, server, 8)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+XPROC_BLOCKS = [3, 8, 1, 10, 6]  # the sender process's source blocks for transfer "xproc"
+
+
+async def sender_process(kind: str, address: str, mode: str) -> None:
+    """The prefill side in its own process: `full` pushes everything, `hang` stops after one layer."""
+    src = random_cache(LAYOUT, 12, seed=3)
+    sender = create_sender(config(kind), identity("prefill-proc"))
+    session = await sender.session(address, RequestId("xproc"))
+    if mode == "full":
+        _, stats = await push(session, src, XPROC_BLOCKS, block_hashes(4, salt=9), layers_per_frame=2)
+        print(f"done {stats.payload_bytes} B in {stats.seconds:.4f} s", flush=True)
+        await sender.close()
+        return
+    reply = await session.open(block_hashes(4, salt=9), len(XPROC_BLOCKS), time.time() + 60)
+    descriptors = [BlockDescriptor(i, BlockId(XPROC_BLOCKS[i]), b) for i, b in enumerate(reply.dst_block_ids)]
+    buffer = torch.empty((2, len(XPROC_BLOCKS), *src.shape[3:]), dtype=src.dtype)  # [2, n, B, Hkv, D]
+    ReferenceOps().gather_blocks(src[0], torch.tensor(XPROC_BLOCKS), buffer)
+    await session.send_layers(0, descriptors, buffer)
+    print("sent", flush=True)
+    await asyncio.sleep(3600)  # killed by the test
+
+
+async def spawn_sender(kind: str, address: str, mode: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, __file__, kind, address, mode, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_transfer_across_processes_is_bit_identical(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(kind, receiver)
+        try:
+            proc = await spawn_sender(kind, server.address, "full")
+            out, _ = await proc.communicate()
+            assert proc.returncode == 0 and out.startswith(b"done"), out
+            src = random_cache(LAYOUT, 12, seed=3)
+            dst = receiver.reserved["xproc"]
+            for s, d in zip(XPROC_BLOCKS, dst, strict=True):
+                assert torch.equal(receiver.kv[:, :, d], src[:, :, s])
+            assert receiver.completed["xproc"] == {"token_id": 7, "logprob": -0.25}
+            await until(lambda: not server.open_transfer_ids())
+            audit(receiver, server, 16)
+        finally:
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_killed_sender_process_aborts_exactly_once(kind: str) -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(kind, receiver)
+        proc = await spawn_sender(kind, server.address, "hang")
+        try:
+            assert proc.stdout is not None
+            assert await proc.stdout.readline() == b"sent\n"
+            await until(lambda: receiver.data_calls == 1)
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+            await until(lambda: receiver.aborts)
+            await asyncio.sleep(0.3)
+            assert [t for t, _ in receiver.aborts] == ["xproc"]
+            audit(receiver, server, 16)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await server.stop()
+
+    run(scenario())
+
+
+if __name__ == "__main__":
+    asyncio.run(sender_process(*sys.argv[1:4]))

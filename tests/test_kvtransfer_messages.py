@@ -1,0 +1,183 @@
+"""Round trips of every KV-transfer message and frame, and the decoder's refusals of malformed peers."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from pdserve.kvtransfer.common import ChecksumError, KVLayout, ProtocolError
+from pdserve.kvtransfer.framing import PREFIX, PREFIX_SIZE, FramedConnection, VersionMismatch, encode_frame
+from pdserve.kvtransfer.messages import (
+    MESSAGE_TYPES,
+    Abort,
+    Ack,
+    Auth,
+    Complete,
+    Data,
+    Error,
+    Hello,
+    Message,
+    Open,
+    OpenOk,
+    OpenRefusal,
+    Ready,
+    decode_header,
+    encode_header,
+)
+
+LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start=3)
+ids = st.text(min_size=1, max_size=40)
+ints = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(tuple)
+EXAMPLES: list[Message] = [
+    Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32),
+    Hello(1, "prefill-0", b"fp", KVLayout(2, 1, 8, 4, "float32"), b"\x04" * 32, False),
+    Auth(b"\x05" * 32),
+    Ready(),
+    Error("layout", "layout.block_size: local 16, peer 32"),
+    Open("req-1", (b"\x06" * 32, b"\x07" * 32), 3, 1.7e9 + 0.25),
+    OpenOk("req-1", 2, (5, 9)),
+    OpenRefusal("req-1", "need 3 blocks, 2 free"),
+    Data("req-1", 4, 2, (2, 3), (11, 12), (5, 9)),
+    Complete("req-1", {"token_id": 42, "logprob": -0.5, "top": [[1, -1.0]]}),
+    Ack("req-1"),
+    Abort("req-1", "deadline passed"),
+]
+
+
+def test_every_message_type_has_an_example() -> None:
+    assert {type(m) for m in EXAMPLES} == set(MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_header_round_trip(msg: Message) -> None:
+    assert decode_header(msg.TYPE, encode_header(msg)) == msg
+
+
+@given(tid=ids, start=st.integers(0, 1000), n=st.integers(1, 8), idx=ints, src=ints, dst=ints)
+def test_data_round_trip(
+    tid: str, start: int, n: int, idx: tuple[int], src: tuple[int], dst: tuple[int]
+) -> None:
+    msg = Data(tid, start, n, idx, src, dst)
+    assert decode_header(Data.TYPE, encode_header(msg)) == msg
+
+
+@given(tid=ids, hashes=st.lists(st.binary(min_size=32, max_size=32), max_size=20), deadline=st.floats(0, 2e9))
+def test_open_round_trip(tid: str, hashes: list[bytes], deadline: float) -> None:
+    msg = Open(tid, tuple(hashes), len(hashes) + 1, deadline)
+    assert decode_header(Open.TYPE, encode_header(msg)) == msg
+
+
+@pytest.mark.parametrize(
+    ("msg_type", "body", "named"),
+    [
+        (
+            Open.TYPE,
+            {"transfer_id": "r", "block_hashes": ["hex"], "num_blocks": 1, "deadline": 1.0},
+            "block_hashes[0]",
+        ),
+        (Open.TYPE, {"transfer_id": "r", "block_hashes": [], "deadline": 1.0}, "num_blocks"),
+        (OpenOk.TYPE, {"transfer_id": "r", "num_held_blocks": True, "dst_block_ids": []}, "num_held_blocks"),
+        (Hello.TYPE, {**msgpack.unpackb(encode_header(EXAMPLES[0])), "layout": {"num_layers": 0}}, "layout"),
+        (99, {}, "unknown message type 99"),
+    ],
+)
+def test_malformed_headers_are_refused_by_name(msg_type: int, body: dict[str, object], named: str) -> None:
+    with pytest.raises(ProtocolError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        decode_header(msg_type, msgpack.packb(body))
+
+
+def test_layout_names_the_first_difference() -> None:
+    other = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=0, kv_head_start=0)
+    assert LAYOUT.first_difference(other) == "tp_rank: local 1, peer 0"
+    assert LAYOUT.first_difference(LAYOUT) is None
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        KVLayout(1, 1, 1, 1, "int8")
+
+
+class MemoryChannel:
+    """Frame parts in a queue: enough of a ByteChannel to test the framing codec without a transport."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    @property
+    def peer(self) -> str:
+        return "memory"
+
+    async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
+        self.parts += [prefix, header] + ([] if payload is None else [payload.numpy().tobytes()])
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        part = self.parts.pop(0)
+        assert len(part) == nbytes
+        return part
+
+    async def recv_payload(self, nbytes: int) -> torch.Tensor:
+        return torch.frombuffer(bytearray(await self.recv_exact(nbytes)), dtype=torch.uint8)
+
+    def abort(self) -> None:
+        self.parts.clear()
+
+    async def close(self) -> None:
+        self.parts.clear()
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_frame_round_trip_with_payload(checksum: bool) -> None:
+    conn = FramedConnection(MemoryChannel(), 1 << 20)
+    conn.checksum = checksum
+    payload = torch.randn(1, 2, 2, 16, 3, 64).to(torch.bfloat16)  # [nl, 2, n, B, Hkv, D]
+    frame = asyncio.run(_send_recv(conn, EXAMPLES[8], payload))
+    assert frame[0] == EXAMPLES[8]
+    assert frame[1] is not None and torch.equal(frame[1].view(torch.bfloat16).view(payload.shape), payload)
+
+
+async def _send_recv(
+    conn: FramedConnection, msg: Message, payload: torch.Tensor
+) -> tuple[Message, torch.Tensor | None]:
+    await conn.send(msg, payload)
+    frame = await conn.recv()
+    return frame.msg, frame.payload
+
+
+def test_flipped_bit_fails_the_checksum_and_names_the_transfer() -> None:
+    channel = MemoryChannel()
+    conn = FramedConnection(channel, 1 << 20)
+    prefix, header, payload = encode_frame(EXAMPLES[8], torch.ones(64, dtype=torch.uint8), checksum=True)
+    assert payload is not None
+    damaged = payload.clone()
+    damaged[7] ^= 0x80
+    asyncio.run(channel.send(prefix, header, damaged))
+    with pytest.raises(ChecksumError) as err:
+        asyncio.run(conn.recv())
+    assert err.value.transfer_id == "req-1"
+
+
+def test_prefix_is_24_bytes_and_checked() -> None:
+    assert PREFIX_SIZE == 24
+    channel = MemoryChannel()
+    conn = FramedConnection(channel, 1 << 20)
+    prefix, header, _ = encode_frame(Ready(), None, checksum=True)
+    magic, version, msg_type, flags, header_len, payload_len, _crc = PREFIX.unpack(prefix)
+    assert (magic, version, msg_type, flags, header_len, payload_len) == (
+        b"PDKV",
+        1,
+        Ready.TYPE,
+        1,
+        len(header),
+        0,
+    )
+    channel.parts += [prefix[:4] + b"\x07" + prefix[5:], header]
+    with pytest.raises(VersionMismatch, match="v7"):
+        asyncio.run(conn.recv())
+    channel.parts = [PREFIX.pack(b"PDKV", 1, Data.TYPE, 0, 10, 1 << 30, 0)]
+    with pytest.raises(ProtocolError, match="too large"):
+        asyncio.run(conn.recv())
+    channel.parts = [prefix[:20] + struct.pack("<I", 0), header]
+    with pytest.raises(ChecksumError):
+        asyncio.run(conn.recv())
