@@ -262,6 +262,9 @@ async def _lines(
         async for out in outputs:
             now = time.monotonic()
             if out.token_ids:
+                if first and gen.prefill_node_id is None:
+                    m.prefix_hit_tokens.labels("local").inc(out.cached_tokens)
+                    m.prefix_hit_tokens.labels("miss").inc(out.prompt_tokens - out.cached_tokens)
                 (m.ttft if first else m.itl).observe(now - (t0 if first else last))
                 first, last = False, now
                 m.generation_tokens.inc(len(out.token_ids))
