@@ -108,6 +108,7 @@ def test_gguf_logits_match_transformers_at_every_position(ref: Reference) -> Non
     assert 90 <= len(ref.prompt) <= 130
     ours = _paged_logits(ref.ours, ref.prompt, prefill=len(ref.prompt))
     per_position = (ours - ref.logits).abs().amax(dim=1)  # [P]
+    print(f"\nGGUF vs transformers, {len(ref.prompt)} tokens: max |dlogit| {per_position.max().item():.2e}")
     assert per_position.max().item() <= 1e-3, per_position.max().item()
 
 
@@ -121,6 +122,7 @@ def test_hf_dir_saved_from_gguf_gives_same_logits(ref: Reference) -> None:
     assert from_dir.weights_identity != ref.ours.weights_identity
     a = _paged_logits(from_dir, ref.prompt, prefill=len(ref.prompt))
     b = _paged_logits(ref.ours, ref.prompt, prefill=len(ref.prompt))
+    print(f"\nHF dir vs GGUF load: max |dlogit| {(a - b).abs().max().item():.2e}")
     assert (a - b).abs().max().item() <= 1e-4
     assert from_dir.tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}]) == ref.prompt
     assert 2 in from_dir.tokenizer.eos_token_ids

@@ -160,6 +160,7 @@ def test_full_prefill_matches_hf(case: Case) -> None:
     runner = PagedRunner(case.loaded.model)
     logits = runner.step({runner.add_sequence(): case.prompt})
     assert logits.dtype == torch.float32 and logits.shape == case.ref.shape
+    print(f"\n{case.family}: max |dlogit| vs HF {(logits - case.ref).abs().max().item():.2e}")
     assert (logits - case.ref).abs().max().item() <= TOL, case.family
     assert runner.hooked == list(range(case.loaded.config.num_layers))
 
