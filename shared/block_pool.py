@@ -1,0 +1,341 @@
+"""KV block bookkeeping for one node: refcounts, free list, LRU of cached blocks, hash map, reservations.
+
+Pure Python over block ids; the KV tensor lives in the model runner. Each block is in exactly one state:
+  FREE      ref 0, no hash, in the free list (never used, or freed before it was hashed, or evicted)
+  CACHED    ref 0, hashed, in the LRU (head = next to evict); matchable and reusable by hash
+  IN_USE    ref > 0, not reserved, hashed or not; its pins are part of its ref count
+  RESERVED  ref 1, no hash, no pins: blocks a remote fill writes into; not matchable, not committable
+Invariants (check_invariants() verifies every one):
+- free list + LRU + IN_USE + RESERVED partition the blocks; only ref-0 blocks are in a list, each in one.
+- Both lists are intrusive doubly-linked lists through the blocks (prev/next, sentinel heads); only the
+  list helpers touch prev/next, and moving a block between lists allocates nothing.
+- 0 <= pins <= ref; a RESERVED block has ref 1 and no pins.
+- A hash is written once per block life (a second write is an AssertionError) and cleared only by
+  eviction; the hash map holds exactly the hashed blocks, one block per hash.
+- Allocation takes FREE blocks first, then evicts from the LRU head; a failed allocation changes nothing.
+- Releasing a sequence's blocks in REVERSE order puts its chain tail nearest the LRU head, so tails are
+  evicted before the prefixes other requests can still match.
+- Every hash entering or leaving the map is reported once, in order, by drain_events() (drain it every
+  step: events accumulate until drained).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from pdserve.shared.types import BlockHash, BlockId
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks that became matchable; each hash's parent is the one before it, the first's is parent_hash."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+
+
+BlockEvent = BlockStored | BlockRemoved
+
+
+class NoFreeBlocks(Exception):
+    """Fewer allocatable blocks than asked for; the pool is unchanged."""
+
+
+@dataclass(frozen=True)
+class PoolAudit:
+    """Block counts by state (free + cached + in_use + reserved == num_blocks; pinned counts IN_USE
+    blocks holding at least one pin)."""
+
+    num_blocks: int
+    free: int
+    cached: int
+    in_use: int
+    reserved: int
+    pinned: int
+
+
+class _Block:
+    __slots__ = ("block_hash", "block_id", "next", "pins", "prev", "ref", "reserved")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = BlockId(block_id)
+        self.ref = 0
+        self.pins = 0
+        self.reserved = False
+        self.block_hash: BlockHash | None = None
+        self.prev: _Block | None = None
+        self.next: _Block | None = None
+
+
+class _List:
+    """Intrusive doubly-linked list of blocks between two sentinels; O(1) append/remove/pop."""
+
+    def __init__(self) -> None:
+        self.head = _Block(-1)
+        self.tail = _Block(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.size = 0
+
+    def append(self, block: _Block) -> None:
+        last = self.tail.prev
+        assert last is not None
+        block.prev, block.next = last, self.tail
+        last.next = self.tail.prev = block
+        self.size += 1
+
+    def remove(self, block: _Block) -> None:
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, f"block {block.block_id} is in no list"
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def first(self) -> _Block:
+        block = self.head.next
+        assert block is not None and block is not self.tail
+        return block
+
+    def __iter__(self) -> Iterator[_Block]:
+        block = self.head.next
+        while block is not None and block is not self.tail:
+            yield block
+            block = block.next
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._free = _List()
+        self._lru = _List()
+        for block in self._blocks:
+            self._free.append(block)
+        self._by_hash: dict[BlockHash, _Block] = {}
+        # Pending events as (stored?, hashes, parent); batches grow in place and are frozen by drain_events.
+        self._events: list[tuple[bool, list[BlockHash], BlockHash | None]] = []
+        self._num_reserved = 0
+        self._num_pinned = 0
+
+    def num_free(self) -> int:
+        """Blocks allocatable now: FREE plus evictable CACHED."""
+        return self._free.size + self._lru.size
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[BlockId]:
+        """Blocks of the longest prefix of hashes held here (IN_USE or CACHED); takes no reference."""
+        out: list[BlockId] = []
+        for block_hash in hashes:
+            block = self._by_hash.get(block_hash)
+            if block is None:
+                break
+            out.append(block.block_id)
+        return out
+
+    def acquire(self, block_ids: Sequence[BlockId]) -> None:
+        """One more reference each (a CACHED block leaves the LRU); call right after match_prefix."""
+        blocks = self._shareable(block_ids)
+        for block in blocks:
+            self._ref(block)
+
+    def allocate(self, n: int) -> list[BlockId]:
+        """n unhashed blocks with ref 1: FREE ones first, then LRU evictions (BlockRemoved)."""
+        return [b.block_id for b in self._take(n)]
+
+    def reserve(self, n: int) -> list[BlockId]:
+        """Like allocate, for a remote fill: RESERVED until fill_done; aborting is release."""
+        blocks = self._take(n)
+        for block in blocks:
+            block.reserved = True
+        self._num_reserved += n
+        return [b.block_id for b in blocks]
+
+    def fill_done(self, block_ids: Sequence[BlockId]) -> None:
+        blocks = [self._get(i) for i in block_ids]
+        if len(set(block_ids)) != len(blocks):
+            raise ValueError(f"block ids repeat in {list(block_ids)}")
+        for block in blocks:
+            if not block.reserved:
+                raise ValueError(f"block {block.block_id} is {self._state(block)}, not reserved")
+        for block in blocks:
+            block.reserved = False
+        self._num_reserved -= len(blocks)
+
+    def commit(self, block_id: BlockId, block_hash: BlockHash, parent_hash: BlockHash | None) -> BlockId:
+        """The block's KV is complete: hash it and make it shareable (BlockStored). If another block holds
+        the hash already, this one stays unhashed and the holder's id is returned."""
+        block = self._get(block_id)
+        if block.ref == 0 or block.reserved:
+            raise ValueError(f"block {block_id} is {self._state(block)}; only in-use blocks can be committed")
+        if block.block_hash is not None:
+            raise AssertionError(f"block {block_id} already has hash {block.block_hash.hex()}")
+        if not isinstance(block_hash, bytes) or len(block_hash) != 32:
+            raise ValueError(f"block_hash must be 32 bytes, got {block_hash!r}")
+        existing = self._by_hash.get(block_hash)
+        if existing is not None:
+            return existing.block_id
+        block.block_hash = block_hash
+        self._by_hash[block_hash] = block
+        last = self._events[-1] if self._events else None
+        if last is not None and last[0] and parent_hash is not None and last[1][-1] == parent_hash:
+            last[1].append(block_hash)
+        else:
+            self._events.append((True, [block_hash], parent_hash))
+        return block_id
+
+    def release(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop one reference per id. Release a sequence's blocks last-first (see the module invariants)."""
+        blocks = [self._get(i) for i in block_ids]
+        for block_id, count in Counter(block_ids).items():
+            block = self._blocks[block_id]
+            if block.ref - block.pins < count:
+                held = block.ref - block.pins
+                raise ValueError(f"block {block_id} has {held} unpinned references, asked to release {count}")
+        for block in blocks:
+            self._unref(block)
+
+    def pin(self, block_ids: Sequence[BlockId]) -> None:
+        """A reference held by an in-flight transfer reading the block; counted apart, undone by unpin."""
+        blocks = self._shareable(block_ids)
+        for block in blocks:
+            self._ref(block)
+            block.pins += 1
+            if block.pins == 1:
+                self._num_pinned += 1
+
+    def unpin(self, block_ids: Sequence[BlockId]) -> None:
+        blocks = [self._get(i) for i in block_ids]
+        for block_id, count in Counter(block_ids).items():
+            if (pins := self._blocks[block_id].pins) < count:
+                raise ValueError(f"block {block_id} has {pins} pins, asked to unpin {count}")
+        for block in blocks:
+            block.pins -= 1
+            if block.pins == 0:
+                self._num_pinned -= 1
+            self._unref(block)
+
+    def evict(self, hashes: Sequence[BlockHash] | None = None) -> int:
+        """Drop cached-free blocks (all of them when hashes is None); returns how many were dropped."""
+        if hashes is None:
+            victims = list(self._lru)
+        else:
+            found = (self._by_hash.get(h) for h in dict.fromkeys(hashes))
+            victims = [b for b in found if b is not None and b.ref == 0]
+        for block in victims:
+            self._lru.remove(block)
+            self._drop_hash(block)
+            self._free.append(block)
+        return len(victims)
+
+    def held_hashes(self) -> list[BlockHash]:
+        """Every hash held here (IN_USE or CACHED), for the index digest."""
+        return list(self._by_hash)
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return [
+            BlockStored(tuple(hashes), parent) if stored else BlockRemoved(tuple(hashes))
+            for stored, hashes, parent in events
+        ]
+
+    def audit(self) -> PoolAudit:
+        free, cached = self._free.size, self._lru.size
+        in_use = self.num_blocks - free - cached - self._num_reserved
+        return PoolAudit(self.num_blocks, free, cached, in_use, self._num_reserved, self._num_pinned)
+
+    def check_invariants(self) -> None:
+        """Verify every invariant of the module docstring; AssertionError names the first broken one."""
+        listed: set[int] = set()
+        for lst, hashed in ((self._free, False), (self._lru, True)):
+            count, prev = 0, lst.head
+            for b in lst:
+                name = f"block {b.block_id} in the {'LRU' if hashed else 'free list'}"
+                _require(b.prev is prev and b.block_id not in listed, f"{name}: broken link or in two lists")
+                _require(b.ref == 0 and b.pins == 0 and not b.reserved, f"{name}: ref {b.ref}, pins {b.pins}")
+                _require((b.block_hash is not None) == hashed, f"{name}: hash {b.block_hash!r}")
+                listed.add(b.block_id)
+                count, prev = count + 1, b
+            _require(lst.tail.prev is prev and count == lst.size, f"list size {lst.size}, walked {count}")
+        for b in self._blocks:
+            name = f"block {b.block_id}"
+            _require(0 <= b.pins <= b.ref, f"{name}: pins {b.pins}, ref {b.ref}")
+            _require(b.block_id in listed or (b.ref > 0 and b.prev is b.next is None), f"{name}: lost")
+            _require(
+                not b.reserved or (b.ref == 1 and b.pins == 0 and b.block_hash is None), f"{name}: RESERVED"
+            )
+            _require(b.block_hash is None or self._by_hash.get(b.block_hash) is b, f"{name}: not in map")
+        num_hashed = sum(b.block_hash is not None for b in self._blocks)
+        _require(num_hashed == len(self._by_hash), f"map has {len(self._by_hash)}, blocks {num_hashed}")
+        _require(self._num_reserved == sum(b.reserved for b in self._blocks), "reserved counter drifted")
+        _require(self._num_pinned == sum(b.pins > 0 for b in self._blocks), "pinned counter drifted")
+
+    def _shareable(self, block_ids: Sequence[BlockId]) -> list[_Block]:
+        blocks = [self._get(i) for i in block_ids]
+        for b in blocks:
+            if b.reserved or (b.ref == 0 and b.block_hash is None):
+                raise ValueError(f"block {b.block_id} is {self._state(b)}; only IN_USE or CACHED blocks")
+        return blocks
+
+    def _get(self, block_id: BlockId) -> _Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is outside [0, {self.num_blocks})")
+        return self._blocks[block_id]
+
+    @staticmethod
+    def _state(block: _Block) -> str:
+        if block.reserved:
+            return "RESERVED"
+        if block.ref > 0:
+            return "IN_USE"
+        return "FREE" if block.block_hash is None else "CACHED"
+
+    def _take(self, n: int) -> list[_Block]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self.num_free():
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_free()} allocatable of {self.num_blocks}")
+        out: list[_Block] = []
+        for _ in range(n):
+            lst = self._free if self._free.size else self._lru
+            block = lst.first()
+            lst.remove(block)
+            if block.block_hash is not None:
+                self._drop_hash(block)
+            block.ref = 1
+            out.append(block)
+        return out
+
+    def _drop_hash(self, block: _Block) -> None:
+        assert block.block_hash is not None
+        del self._by_hash[block.block_hash]
+        if self._events and not self._events[-1][0]:
+            self._events[-1][1].append(block.block_hash)
+        else:
+            self._events.append((False, [block.block_hash], None))
+        block.block_hash = None
+
+    def _ref(self, block: _Block) -> None:
+        if block.ref == 0:
+            self._lru.remove(block)
+        block.ref += 1
+
+    def _unref(self, block: _Block) -> None:
+        block.ref -= 1
+        if block.ref == 0:
+            if block.reserved:  # an aborted reservation: never hashed, back to the free list
+                block.reserved = False
+                self._num_reserved -= 1
+            (self._free if block.block_hash is None else self._lru).append(block)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(f"block pool invariant: {message}")

@@ -1,0 +1,279 @@
+"""Hypothesis state machine over the block pool: random request lifecycles against a model of who holds what.
+
+After every step the pool's own invariants hold, its audit matches the model's count of held, reserved and
+pinned blocks, blocks held by a request still carry their hashes, every allocation that evicts takes the
+model LRU's head, over-releases are refused, and the Stored/Removed events replayed into an index give
+exactly the pool's held hashes. At teardown everything is released and the pool is back to all-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from pdserve.shared.block_hash import hash_blocks, hash_seed
+from pdserve.shared.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocks
+from pdserve.shared.types import BlockHash, BlockId
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 12
+SEED = hash_seed(bytes(32), "stateful")
+# Prompts are a cut of one of three base prompts plus a short tail, so requests share prefixes often.
+BASES = ([0, 1, 2, 0, 1, 2, 0, 1], [0, 1, 2, 0, 2, 2, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0])
+TOKENS = st.builds(
+    lambda base, cut, tail: base[:cut] + tail,
+    st.sampled_from(BASES),
+    st.integers(0, 8),
+    st.lists(st.integers(0, 2), max_size=3),
+)
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    blocks: list[BlockId]
+    committed: int  # leading full blocks whose hash is committed (by this sequence or found cached)
+    dups: list[int] = field(default_factory=list)  # blocks whose commit found the hash on another block
+
+    def hashes(self) -> list[BlockHash]:
+        return hash_blocks(self.tokens, BLOCK_SIZE, SEED)
+
+    def hashed(self) -> list[int]:
+        """Indices of this sequence's blocks that carry their hash (committed here or matched)."""
+        return [i for i in range(self.committed) if i not in self.dups]
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
+        self.seqs: dict[int, Seq] = {}
+        self.reservations: dict[int, tuple[list[int], list[BlockId]]] = {}
+        self.pins: list[BlockId] = []
+        self.lru: list[BlockId] = []  # the model's cached-free blocks, next to evict first
+        self.indexed: set[BlockHash] = set()  # the index a node's Stored/Removed events would build
+        self.parent_of: dict[BlockHash, BlockHash | None] = {}
+        self.next_key = 0
+
+    def _key(self) -> int:
+        self.next_key += 1
+        return self.next_key
+
+    def _refs(self, block: BlockId) -> int:
+        held = [b for s in self.seqs.values() for b in s.blocks] + self.pins
+        return held.count(block) + sum(ids.count(block) for _, ids in self.reservations.values())
+
+    def _hashed_blocks(self) -> set[BlockId]:
+        return {b for h in self.pool.held_hashes() for b in self.pool.match_prefix([h])}
+
+    def _take_refs(self, blocks: Sequence[BlockId]) -> None:
+        self.lru = [b for b in self.lru if b not in blocks]
+
+    def _dropped_refs(self, blocks: Sequence[BlockId]) -> None:
+        """Blocks whose last reference went (in this order) join the LRU tail if they carry a hash."""
+        hashed = self._hashed_blocks()
+        self.lru += [b for b in blocks if b in hashed and self._refs(b) == 0]
+
+    def _take(self, n: int, reserve: bool) -> list[BlockId] | None:
+        before = (self.pool.audit(), self.pool.held_hashes(), self.pool.num_free())
+        try:
+            got = self.pool.reserve(n) if reserve else self.pool.allocate(n)
+        except NoFreeBlocks:
+            assert n > before[2]
+            assert (self.pool.audit(), self.pool.held_hashes(), self.pool.num_free()) == before
+            return None
+        evicted = max(0, n - before[0].free)  # free blocks first, then the LRU head
+        assert got[n - evicted :] == self.lru[:evicted]
+        del self.lru[:evicted]
+        return got
+
+    @rule(tokens=TOKENS)
+    def new_request(self, tokens: list[int]) -> None:
+        """Share the cached prefix (match + acquire), allocate the rest; on refusal give the prefix back."""
+        hit = self.pool.match_prefix(hash_blocks(tokens, BLOCK_SIZE, SEED))
+        self.pool.acquire(hit)
+        self._take_refs(hit)
+        new = self._take(blocks_for(len(tokens)) - len(hit), reserve=False)
+        if new is None:
+            self.pool.release(hit[::-1])
+            self._dropped_refs(hit[::-1])
+            return
+        self.seqs[self._key()] = Seq(tokens, hit + new, committed=len(hit))
+
+    @precondition(lambda self: any(s.committed < len(s.hashes()) for s in self.seqs.values()))
+    @rule(data=st.data())
+    def commit_full_blocks(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from([k for k, s in self.seqs.items() if s.committed < len(s.hashes())]))
+        seq = self.seqs[key]
+        hashes = seq.hashes()
+        for i in range(seq.committed, data.draw(st.integers(seq.committed + 1, len(hashes)))):
+            self.parent_of[hashes[i]] = hashes[i - 1] if i else None
+            got = self.pool.commit(seq.blocks[i], hashes[i], self.parent_of[hashes[i]])
+            if got != seq.blocks[i]:  # another request committed this block first; ours stays unhashed
+                assert self.pool.match_prefix(hashes[i : i + 1]) == [got]
+                seq.dups.append(i)
+            seq.committed += 1
+
+    @precondition(lambda self: any(s.hashed() for s in self.seqs.values()))
+    @rule(data=st.data())
+    def second_hash_write_is_refused(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from([s for s in self.seqs.values() if s.hashed()]))
+        i = data.draw(st.sampled_from(seq.hashed()))
+        with pytest.raises(AssertionError, match="already has hash"):
+            self.pool.commit(seq.blocks[i], BlockHash(bytes(32)), None)
+
+    @rule(block=st.integers(0, NUM_BLOCKS - 1))
+    def over_release_is_refused(self, block: int) -> None:
+        """Releasing more references than requests and reservations hold (pins excluded) changes nothing."""
+        pins = self.pins.count(BlockId(block))
+        before = self.pool.audit()
+        with pytest.raises(ValueError, match="unpinned references"):
+            self.pool.release([BlockId(block)] * (self._refs(BlockId(block)) - pins + 1))
+        assert self.pool.audit() == before
+
+    @precondition(lambda self: bool(self.seqs))
+    @rule(data=st.data(), more=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def grow(self, data: st.DataObject, more: list[int]) -> None:
+        """Decode appends tokens; new blocks reuse whatever the pool hands out (free, then evicted)."""
+        seq = self.seqs[data.draw(st.sampled_from(sorted(self.seqs)))]
+        new = self._take(blocks_for(len(seq.tokens) + len(more)) - len(seq.blocks), reserve=False)
+        if new is not None:
+            seq.tokens += more
+            seq.blocks += new
+
+    @precondition(lambda self: bool(self.seqs))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self._finish(data.draw(st.sampled_from(sorted(self.seqs))))
+
+    def _finish(self, key: int) -> Seq:
+        seq = self.seqs.pop(key)
+        self.pool.release(seq.blocks[::-1])  # last block first: chain tails reach the LRU head
+        self._dropped_refs(seq.blocks[::-1])
+        return seq
+
+    @precondition(lambda self: bool(self.seqs))
+    @rule(data=st.data())
+    def preempt_and_resume(self, data: st.DataObject) -> None:
+        """Preemption frees a request; resuming it at once finds its hashed blocks, cached, up to the first
+        block whose hash lives on another request's block (that one may have been evicted meanwhile)."""
+        seq = self._finish(data.draw(st.sampled_from(sorted(self.seqs))))
+        kept = min([*seq.dups, seq.committed])
+        assert self.pool.match_prefix(seq.hashes())[:kept] == seq.blocks[:kept]
+        self.new_request(seq.tokens)
+
+    @rule(tokens=TOKENS)
+    def reserve(self, tokens: list[int]) -> None:
+        got = self._take(blocks_for(len(tokens)), reserve=True)
+        if got is not None:
+            self.reservations[self._key()] = (tokens, got)
+
+    @precondition(lambda self: bool(self.reservations))
+    @rule(data=st.data())
+    def fill(self, data: st.DataObject) -> None:
+        tokens, block_ids = self.reservations.pop(data.draw(st.sampled_from(sorted(self.reservations))))
+        self.pool.fill_done(block_ids)
+        self.seqs[self._key()] = Seq(tokens, block_ids, committed=0)
+
+    @precondition(lambda self: bool(self.reservations))
+    @rule(data=st.data())
+    def abort_reservation(self, data: st.DataObject) -> None:
+        _, block_ids = self.reservations.pop(data.draw(st.sampled_from(sorted(self.reservations))))
+        self.pool.release(block_ids[::-1])
+        self._dropped_refs(block_ids[::-1])
+
+    @precondition(lambda self: any(s.committed for s in self.seqs.values()))
+    @rule(data=st.data())
+    def pin_request_block(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from([s for s in self.seqs.values() if s.committed]))
+        block = seq.blocks[data.draw(st.integers(0, seq.committed - 1))]
+        self.pool.pin([block])
+        self.pins.append(block)
+
+    @precondition(lambda self: bool(self.pool.held_hashes()))
+    @rule(data=st.data())
+    def pin_cached_block(self, data: st.DataObject) -> None:
+        """A remote fetch pins a block by hash, whether a request holds it or it sits in the LRU."""
+        block = self.pool.match_prefix([data.draw(st.sampled_from(self.pool.held_hashes()))])
+        self.pool.pin(block)
+        self._take_refs(block)
+        self.pins += block
+
+    @precondition(lambda self: bool(self.pins))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        block = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        self.pool.unpin([block])
+        self._dropped_refs([block])
+
+    @rule(data=st.data(), everything=st.booleans())
+    def evict(self, data: st.DataObject, everything: bool) -> None:
+        held = self.pool.held_hashes()
+        if everything:
+            assert self.pool.evict() == len(self.lru)
+            self.lru = []
+        else:
+            chosen = data.draw(st.lists(st.sampled_from(held), max_size=3)) if held else []
+            targets = {b for h in chosen for b in self.pool.match_prefix([h])}
+            assert self.pool.evict(chosen) == len(targets & set(self.lru))
+            self._take_refs(list(targets))
+        assert self.pool.audit().cached == len(self.lru)
+
+    @rule()
+    def drain(self) -> None:
+        for event in self.pool.drain_events():
+            if isinstance(event, BlockStored):
+                parents = [event.parent_hash, *event.block_hashes[:-1]]
+                for parent, child in zip(parents, event.block_hashes, strict=True):
+                    assert child not in self.indexed
+                    assert parent == self.parent_of[child]
+                    self.indexed.add(child)
+            else:
+                assert isinstance(event, BlockRemoved)
+                for gone in event.block_hashes:
+                    self.indexed.remove(gone)
+        assert self.indexed == set(self.pool.held_hashes())
+
+    @invariant()
+    def pool_matches_model(self) -> None:
+        self.pool.check_invariants()
+        audit = self.pool.audit()
+        held = {b for s in self.seqs.values() for b in s.blocks} | set(self.pins)
+        assert audit.reserved == sum(len(ids) for _, ids in self.reservations.values())
+        assert audit.in_use == len(held)
+        assert audit.pinned == len(set(self.pins))
+        assert audit.cached == len(self.lru) and audit.free + audit.cached == self.pool.num_free()
+        assert self.pool.num_free() == NUM_BLOCKS - len(held) - audit.reserved
+        reserved = {b for _, ids in self.reservations.values() for b in ids}
+        assert not reserved & self._hashed_blocks()
+        for seq in self.seqs.values():
+            for i in seq.hashed():  # a held block keeps its hash: eviction never touches it
+                assert self.pool.match_prefix(seq.hashes()[i : i + 1]) == [seq.blocks[i]]
+
+    def teardown(self) -> None:
+        for seq in self.seqs.values():
+            self.pool.release(seq.blocks[::-1])
+        for _, block_ids in self.reservations.values():
+            self.pool.release(block_ids[::-1])
+        self.pool.unpin(self.pins)
+        self.pool.check_invariants()
+        audit = self.pool.audit()
+        assert (audit.in_use, audit.reserved, audit.pinned) == (0, 0, 0)
+        assert audit.free + audit.cached == NUM_BLOCKS
+        self.pool.evict()
+        assert self.pool.audit().free == NUM_BLOCKS and self.pool.held_hashes() == []
+        self.pool.check_invariants()
+        self.drain()  # the events, replayed from the start, leave an empty index
+        assert self.indexed == set()
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestBlockPoolStateful = PoolMachine.TestCase
