@@ -259,7 +259,25 @@ async def _lines(
     first = True
     m = rt.metrics
     try:
-        async for out in outputs:
+        while True:
+            try:
+                # The request's one deadline: past it the node aborts (freeing its blocks) and says so.
+                out = await asyncio.wait_for(anext(outputs), timeout=max(0.0, gen.deadline - time.time()))
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                yield StepOutput(
+                    gen.request_id,
+                    (),
+                    "",
+                    None,
+                    "error",
+                    len(gen.prompt_token_ids),
+                    0,
+                    0,
+                    "deadline exceeded",
+                ).to_line()
+                return
             now = time.monotonic()
             if out.token_ids:
                 if first and gen.prefill_node_id is None:
