@@ -85,7 +85,7 @@ async def main(args: argparse.Namespace) -> None:
         for i in range(args.nodes):
             role: Role = "prefill" if i % 2 == 0 else "decode"
             node = NodeId(f"{role}-{i}")
-            url, addr = f"http://10.0.0.{i}:8000", f"10.0.0.{i}:9000"
+            url, addr = f"http://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}"  # never contacted
             info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000)
             epoch = await index.register(info)
             load = NodeLoad(rng.randint(0, 8), rng.randint(0, 4), rng.randint(0, 50_000), 200_000, 0,
@@ -176,7 +176,7 @@ async def main(args: argparse.Namespace) -> None:
                 index, prompts[1024], seed, views, cfg, concurrency, args.seconds
             )
             print(f"  {concurrency:>3} concurrent tasks: {rate:8.0f} /s wall; {cpu_rate:8.0f} /CPU-s")
-        print("HTTP requests/s through the router app: not measured here (gap left for the lead to fill)")
+        print("HTTP requests/s through the router: see benchmarks/router_http.py")
         load1, load5, _ = os.getloadavg()
         print(
             f"machine: {os.cpu_count()} CPUs, load average {load1:.1f} (1 min) {load5:.1f} (5 min) at the end"
