@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import uvicorn
@@ -29,7 +30,7 @@ from pdserve.shared.node_protocol import NodeGenerateRequest, NodeInfoReply, Ste
 from pdserve.shared.types import NodeId
 
 FINGERPRINT_HEX = "ab" * 32
-LAYOUT = {
+LAYOUT: dict[str, int | str] = {
     "num_layers": 30,
     "num_kv_heads": 3,
     "head_dim": 64,
@@ -63,7 +64,7 @@ def echo_node(port: int, redis_url: str) -> None:
             gen.request_id, (42,), " ok", None, "length", len(gen.prompt_token_ids), 1, 0
         ).to_line()
 
-        async def body():  # type: ignore[no-untyped-def]
+        async def body() -> AsyncIterator[bytes]:
             yield line
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
