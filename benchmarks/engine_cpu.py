@@ -1,0 +1,253 @@
+"""The engine on the CPU vs Hugging Face transformers `generate`, same GGUF, same prompts, same threads.
+
+A program, not a test: `python benchmarks/engine_cpu.py [--threads 2] [--repeats 3] ...` prints a markdown
+table. Both sides get the same token ids, greedy, EOS ignored (`ignore_eos` for us, `min_new_tokens` for
+HF), --max-tokens new tokens per request; each figure is the median of --repeats runs, after one warm-up.
+Prefill and decode are timed apart: prefill ends when the first new token exists (HF: its streamer's first
+token callback; us: the engine step that samples it), decode is the rest.
+- batch 1: one chat prompt; decode tokens/s (target >= 1.0x HF);
+- concurrent: --concurrency prompts of mixed lengths submitted at once to one engine, vs HF generating
+  the same prompts as one left-padded batch; output tokens/s end to end (target >= 1.5x HF);
+- load: our `load_model` weight time vs HF `from_pretrained`, tokenizer load reported apart (target < 5 s).
+Our engine gets a fresh pool for each run, so the prefix cache never serves a repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pdserve.cli import default_model_path
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.engine import LLMEngine
+from pdserve.shared.loader import LoadedModel, load_model, load_tokenizer
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import RequestId
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a short poem about the sea at night.",
+    "Explain photosynthesis to a ten-year-old in a few sentences, with one everyday example.",
+    "List five fruits.",
+    "How do I reverse a list in Python? Show two ways and explain when each one is better.",
+    "Hi!",
+    "Give me three tips for sleeping better.",
+    "Describe the water cycle, step by step, and say which step is driven by the sun.",
+    "What is 17 times 23?",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "Why do cats purr?",
+    "Write an email asking my landlord to fix the heating, politely but firmly, in under 80 words.",
+    "Name the planets of the solar system in order from the sun.",
+    "What does HTTP stand for?",
+    "Suggest a name for a bakery that sells only bread made from ancient grains.",
+    "Compare trains and planes for a 500 km trip: time, cost, comfort and emissions.",
+)
+
+
+@dataclass(frozen=True)
+class Timing:
+    prefill_s: float  # from submission to the first new token of every sequence
+    decode_s: float  # from there to the last token
+    output_tokens: int
+    batch: int
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.output_tokens - self.batch) / self.decode_s
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / (self.prefill_s + self.decode_s)
+
+
+def median_timing(runs: Sequence[Timing]) -> Timing:
+    """Medians taken field by field (each field over the same runs)."""
+    return Timing(
+        statistics.median(r.prefill_s for r in runs),
+        statistics.median(r.decode_s for r in runs),
+        runs[0].output_tokens,
+        runs[0].batch,
+    )
+
+
+def run_ours(loaded: LoadedModel, prompts: Sequence[list[int]], max_tokens: int, blocks: int) -> Timing:
+    engine = LLMEngine(EngineConfig(model=loaded.source, num_kv_blocks=blocks), loaded)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    requests = [engine.new_request(RequestId(f"b{i}"), p, params) for i, p in enumerate(prompts)]
+    started = time.perf_counter()
+    for r in requests:
+        engine.add_request(r)
+    waiting_first = {r.request_id for r in requests}
+    first_done = started
+    produced = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            produced += len(out.token_ids)
+            if out.token_ids and out.request_id in waiting_first:
+                waiting_first.discard(out.request_id)
+                if not waiting_first:
+                    first_done = time.perf_counter()
+    ended = time.perf_counter()
+    audit = engine.audit()
+    assert audit.in_use == audit.reserved == 0, audit
+    assert produced == max_tokens * len(prompts), produced
+    return Timing(first_done - started, ended - first_done, produced, len(prompts))
+
+
+class _FirstTokenClock:
+    """A transformers streamer: put() is called with the prompt, then once per generated step."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_at = 0.0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        return None
+
+
+def run_hf(model: Any, prompts: Sequence[list[int]], max_tokens: int, pad_id: int) -> Timing:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    clock = _FirstTokenClock()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+            streamer=clock,
+        )
+    ended = time.perf_counter()
+    produced = (out.shape[1] - width) * len(prompts)
+    assert produced == max_tokens * len(prompts), out.shape
+    return Timing(clock.first_token_at - started, ended - clock.first_token_at, produced, len(prompts))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - started, value
+
+
+@dataclass(frozen=True)
+class Side:
+    """One column of the table (medians)."""
+
+    batch1: Timing
+    concurrent: Timing
+    weights_s: float
+    tokenizer_s: float
+
+
+def measure_ours(path: str, prompts: list[list[int]], args: argparse.Namespace) -> Side:
+    loads: list[LoadedModel] = [
+        load_model(path, device=torch.device("cpu"), dtype=torch.float32) for _ in range(args.repeats)
+    ]
+    loaded = loads[-1]
+    run_ours(loaded, prompts[:2], 4, args.kv_blocks)  # warm-up
+    one = [run_ours(loaded, prompts[:1], args.max_tokens, args.kv_blocks) for _ in range(args.repeats)]
+    many = [run_ours(loaded, prompts, args.max_tokens, args.kv_blocks) for _ in range(args.repeats)]
+    return Side(
+        median_timing(one),
+        median_timing(many),
+        statistics.median(m.weights_load_s for m in loads),
+        statistics.median(m.tokenizer_load_s for m in loads),
+    )
+
+
+def measure_hf(path: str, prompts: list[list[int]], args: argparse.Namespace) -> Side:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(path)
+    weights_s, tokenizer_s = [], []
+    model: Any = None
+    for _ in range(args.repeats):
+        del model
+        seconds, model = timed(
+            lambda: AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        )
+        weights_s.append(seconds)
+        tokenizer_s.append(timed(lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))[0])
+    model.eval()
+    torch.set_num_threads(args.threads)
+    pad = int(model.generation_config.pad_token_id or 0)
+    run_hf(model, prompts[:2], 4, pad)  # warm-up
+    one = [run_hf(model, prompts[:1], args.max_tokens, pad) for _ in range(args.repeats)]
+    many = [run_hf(model, prompts, args.max_tokens, pad) for _ in range(args.repeats)]
+    return Side(
+        median_timing(one), median_timing(many), statistics.median(weights_s), statistics.median(tokenizer_s)
+    )
+
+
+def table(ours: Side, hf: Side | None, n: int) -> list[str]:
+    def row(measure: str, get: Callable[[Side], float], spec: str, higher: bool, target: str = "") -> str:
+        mine = get(ours)
+        if hf is None:
+            return f"| {measure} | {mine:{spec}} | - | - | {target} |"
+        peer = get(hf)
+        ratio = f"{mine / peer:.2f}x" if higher else f"{peer / mine:.2f}x"
+        return f"| {measure} | {mine:{spec}} | {peer:{spec}} | {ratio} | {target} |"
+
+    return [
+        "| measure | pdserve | HF transformers | pdserve speed-up (>1: faster) | target |",
+        "|---|---:|---:|---:|---|",
+        row("batch 1: prefill (s)", lambda s: s.batch1.prefill_s, ".3f", False),
+        row("batch 1: decode tokens/s", lambda s: s.batch1.decode_tps, ".1f", True, ">= 1.0x HF"),
+        row(f"{n} concurrent: prefill (s)", lambda s: s.concurrent.prefill_s, ".3f", False),
+        row(f"{n} concurrent: decode tokens/s", lambda s: s.concurrent.decode_tps, ".1f", True),
+        row(f"{n} concurrent: output tokens/s", lambda s: s.concurrent.output_tps, ".1f", True, ">= 1.5x HF"),
+        row("weight load (s)", lambda s: s.weights_s, ".2f", False, "< 5 s"),
+        row("tokenizer load (s)", lambda s: s.tokenizer_s, ".2f", False),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="pdserve engine vs HF transformers generate on the CPU")
+    ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16, choices=range(2, len(QUESTIONS) + 1))
+    ap.add_argument("--kv-blocks", type=int, default=256, help="our pool size (16-token blocks)")
+    ap.add_argument("--skip-hf", action="store_true", help="only our engine (no peer column)")
+    args = ap.parse_args()
+    path = args.model or default_model_path()
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    tok = load_tokenizer(path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    prompts = prompts[: args.concurrency]
+    ours = measure_ours(path, prompts, args)
+    hf = None if args.skip_hf else measure_hf(path, prompts, args)
+    load_after = os.getloadavg()
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    print(
+        f"# engine_cpu: {os.path.basename(path)}, fp32, {args.threads} torch threads, "
+        f"{args.max_tokens} new tokens per request (EOS ignored), median of {args.repeats}\n"
+        f"{now} on {platform.node()} ({os.cpu_count()} CPUs), torch {torch.__version__}; "
+        f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n"
+        f"prompts: batch 1 {len(prompts[0])} tokens; concurrent {min(map(len, prompts))}.."
+        f"{max(map(len, prompts))} tokens\n"
+    )
+    print("\n".join(table(ours, hf, args.concurrency)))
+
+
+if __name__ == "__main__":
+    main()
