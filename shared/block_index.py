@@ -68,10 +68,12 @@ def connect(config: RedisConfig) -> aioredis.Redis:
 
 
 def _layout_pairs(info: NodeInfo) -> list[str]:
-    pairs = ["model_fingerprint", info.model_fingerprint, "protocol_version", str(info.protocol_version)]
+    """Fields a node must share with the cluster, most specific first: the fingerprint covers the block
+    size and KV dtype too, so checking the layout before it names the field that actually differs."""
+    pairs = ["protocol_version", str(info.protocol_version)]
     for name in KV_LAYOUT_FIELDS:
         pairs += [f"kv_layout.{name}", str(info.kv_layout[name])]
-    return pairs
+    return [*pairs, "model_fingerprint", info.model_fingerprint]
 
 
 def _event_args(events: Sequence[BlockStored | BlockRemoved]) -> list[bytes | str | int]:

@@ -95,11 +95,6 @@ def test_incompatible_block_size_is_refused_at_registration(
     assert "decode-bs32" not in listed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: shared/block_index.py _layout_pairs checks model_fingerprint (which covers the "
-    "block size) before kv_layout.*, so the refusal names model_fingerprint, not kv_layout.block_size",
-)
 def test_block_size_refusal_names_the_field(block_size_32: tuple[int, str]) -> None:
     _, log = block_size_32
     refusal = next(line for line in log.splitlines() if "refused by cluster" in line)
