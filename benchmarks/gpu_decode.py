@@ -1,0 +1,447 @@
+"""Decode on one GPU through the engine loop (CUDA graphs, Triton kernels), against the HBM roofline and
+Hugging Face transformers in the same run. Prints one markdown table; `--out` gets the full JSON.
+
+    python benchmarks/gpu_decode.py --shape llama-3.1-8b --check-shape smollm2-135m --out gpu_decode.json
+
+Correctness first: the check shape in fp32 (TF32 off) must give the torch-reference path's logits within
+1e-3 under teacher forcing and identical greedy tokens. The main shape in bf16 is compared with the
+reference (target: top-1 agreement >= 99 % over 256 teacher-forced positions, cosine >= 0.999 at each) and,
+since on random weights any two bf16 attention roundings disagree that much, both are also compared with
+attention computed in fp32: the exit status asks that Triton be no farther from it than the reference is
+(with the fp32 check and the memory check; speed targets are reported, not enforced). Then: copy bandwidth
+(4 GiB, bytes read + written), batch-1 decode tok/s at 1k context out of LLMEngine.step() over the roofline
+(weight bytes read per step, the embedding table excepted, + KV bytes read) / copy bandwidth, throughput
+at batch 1..128 at 2k context, decode-attention bandwidth at batch 64 x 4k, 4,096-token prefill beside HF
+(sdpa, bf16, random weights), HF generate batch-1, the KV pool's size, and the memory left after teardown.
+Weights are seeded dummies drawn on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.engine import LLMEngine
+from pdserve.shared.loader import LoadedModel, load_model
+from pdserve.shared.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.shared.model_runner import BatchItem, ModelRunner
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import RequestId
+
+GIB = 1 << 30
+MAX_MODEL_LEN = 8192
+TF_POSITIONS = 256
+Row = tuple[str, str, str, str]  # metric, value, peer or limit, ratio or check
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_decode {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- pure helpers (unit-tested on CPU) ------------------------------------------------------------------
+
+
+def weight_bytes_read(model: torch.nn.Module, tied: bool) -> int:
+    """Bytes of weights one decode step reads: every parameter once, except an untied embedding table, of
+    which a step reads only its batch's rows (counted as none)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed: torch.Tensor = model.get_parameter("embed_weight")
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def kv_bytes_per_token(c: ModelConfig, dtype: torch.dtype) -> int:
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Step:
+    seconds: float  # perf_counter when engine.step() returned
+    tokens: int  # tokens the step output
+    running: int  # requests that had produced a token and had not finished, after the step
+
+
+def steady_rate(steps: Sequence[Step], batch: int, skip: int) -> tuple[float, int]:
+    """Tokens/s over the window where all `batch` requests decode together, after `skip` warm steps:
+    from the skip-th full step to the last full one. Returns (tok/s, steps timed)."""
+    full = [i for i, s in enumerate(steps) if s.running == batch and s.tokens == batch]
+    if len(full) < skip + 2:
+        raise ValueError(f"only {len(full)} steps decoded all {batch} requests; need {skip + 2}")
+    first, last = full[skip], full[-1]
+    tokens = sum(s.tokens for s in steps[first + 1 : last + 1])
+    return tokens / (steps[last].seconds - steps[first].seconds), last - first
+
+
+def compare_logits(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
+    """got, want: [P, V] logits of the same positions."""
+    g, w = got.double(), want.double()
+    cos = torch.nn.functional.cosine_similarity(g, w, dim=-1)
+    return {
+        "max_abs_diff": float((g - w).abs().max()),
+        "top1_agreement": float((g.argmax(-1) == w.argmax(-1)).double().mean()),
+        "min_cosine": float(cos.min()),
+    }
+
+
+def teacher_forced_logits(runner: ModelRunner, tokens: Sequence[int], prompt_len: int) -> torch.Tensor:
+    """Prefill tokens[:prompt_len], then one decode step per later token: logits [len - prompt_len + 1, V]
+    predicting tokens prompt_len.. (and one past the end). Uses blocks 0.. of the runner's cache."""
+    blocks = list(range(-(-len(tokens) // runner.block_size)))
+    rows = [runner.execute([BatchItem(tokens, 0, prompt_len, blocks, True)])]
+    rows += [runner.execute([BatchItem(tokens, p, 1, blocks, True)]) for p in range(prompt_len, len(tokens))]
+    return torch.cat(rows)
+
+
+def greedy_by_runner(runner: ModelRunner, prompt: Sequence[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    blocks = list(range(-(-(len(prompt) + n) // runner.block_size)))
+    start, out = 0, []
+    for _ in range(n):
+        logits = runner.execute([BatchItem(tokens, start, len(tokens) - start, blocks, True)])
+        start = len(tokens)
+        out.append(int(logits[0].argmax()))
+        tokens.append(out[-1])
+    return out
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    lines = ["| metric | value | peer / limit | ratio / check |", "|---|---|---|---|"]
+    return "\n".join(lines + [f"| {' | '.join(r)} |" for r in rows])
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "FAIL"
+
+
+# ---- GPU measurements -----------------------------------------------------------------------------------
+
+
+def median_s(fn: Callable[[], object], reps: int, dev: torch.device) -> float:
+    times = []
+    for _ in range(reps + 1):  # the first is a warm-up
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def copy_bandwidth(dev: torch.device) -> float:
+    """Bytes/s of a device-to-device copy of 4 GiB, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.empty(4 * GIB, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=100, rep=1000, return_mode="median")
+    return 2 * src.numel() / (ms / 1e3)
+
+
+def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+def check_correctness(
+    loaded: LoadedModel, dev: torch.device, gen: torch.Generator, greedy: bool
+) -> dict[str, Any]:
+    """Triton + graphs vs ReferenceOps on the same weights: teacher-forced logits over TF_POSITIONS
+    positions after a 64-token prompt; with `greedy`, also the greedy tokens of three concurrent requests
+    through LLMEngine (a padded bucket) vs the reference runner on each alone."""
+    vocab = loaded.config.vocab_size
+    tokens = random_tokens(64 + TF_POSITIONS - 1, vocab, gen)
+    dtype = loaded.model.dtype
+    cfg = EngineConfig(model=loaded.source, device=str(dev), dtype=str(dtype).removeprefix("torch."),
+                       num_kv_blocks=64, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    fast = ModelRunner(loaded, cfg, 64)
+    eager = dataclasses.replace(cfg, cuda_graphs=False)
+    ref = ModelRunner(loaded, eager, 64, ops=ReferenceOps())
+    got, want = teacher_forced_logits(fast, tokens, 64), teacher_forced_logits(ref, tokens, 64)
+    result: dict[str, Any] = compare_logits(got, want)
+    last = [BatchItem(tokens, len(tokens) - 1, 1, list(range(-(-len(tokens) // cfg.block_size))), True)]
+    result["runner_step_s"] = median_s(lambda: fast.execute(last), 20, dev)  # rewrites the last slot
+    fast.close()
+    if not greedy:  # bf16: how far each path is from attention computed in fp32 on the same weights
+        oracle = teacher_forced_logits(ModelRunner(loaded, eager, 64, ops=Fp32AttentionOps()), tokens, 64)
+        result["triton_vs_fp32_attention"] = compare_logits(got, oracle)
+        result["reference_vs_fp32_attention"] = compare_logits(want, oracle)
+    else:
+        prompts = [random_tokens(n, vocab, gen) for n in (100, 37, 250)]
+        ref_tokens = [greedy_by_runner(ref, p, 48) for p in prompts]
+        engine = LLMEngine(dataclasses.replace(cfg, num_kv_blocks=256, max_num_seqs=8), loaded)
+        result["greedy_identical"] = run_greedy(engine, prompts, 48) == ref_tokens
+        engine.close()
+        del engine
+    del ref
+    release(dev)
+    return result
+
+
+class Fp32AttentionOps(ReferenceOps):
+    """ReferenceOps with the attention math in fp32 (q, K, V upcast; output cast back): an oracle for
+    the bf16 attention paths, whose own rounding (bf16 scores in the reference) it does not share."""
+
+    def prefill_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return super().prefill_attention(q.float(), kv_layer.float(), meta, scale).to(q.dtype)
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return super().decode_attention(q.float(), kv_layer.float(), meta, scale).to(q.dtype)
+
+
+def run_greedy(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    ids = [RequestId(f"g{i}") for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(engine.new_request(rid, p, params))
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return [out[rid] for rid in ids]
+
+
+def engine_decode(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, skip: int
+) -> tuple[float, int]:
+    """Submit every prompt, step until all finish; (tok/s over the full-batch window, steps timed)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.new_request(RequestId(f"d{len(prompts)}-{i}"), p, params))
+    steps, started, done = [], set(), 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        started |= {o.request_id for o in outs}
+        done += sum(o.finished for o in outs)
+        steps.append(Step(now, sum(len(o.token_ids) for o in outs), len(started) - done))
+    return steady_rate(steps, len(prompts), skip)
+
+
+def attention_bandwidth(c: ModelConfig, dev: torch.device, batch: int = 64, ctx: int = 4096) -> float:
+    """KV bytes/s of one layer's Triton decode attention over batch x ctx tokens (random block order)."""
+    import triton.testing
+    from pdserve.kernels.triton_ops import TritonOps
+
+    block = 16
+    per_seq = ctx // block
+    kv = torch.randn(2, batch * per_seq, block, c.num_kv_heads, c.head_dim, device=dev, dtype=torch.bfloat16)
+    tables = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=dev),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        block_tables=tables, max_query_len=1, max_seq_len=ctx,
+    )  # fmt: skip
+    q = torch.randn(batch, c.num_heads, c.head_dim, device=dev, dtype=torch.bfloat16)
+    ops = TritonOps()
+    ms = triton.testing.do_bench(
+        lambda: ops.decode_attention(q, kv, meta, c.head_dim**-0.5), warmup=50, rep=300, return_mode="median"
+    )
+    return kv.numel() * kv.element_size() / (ms / 1e3)
+
+
+def hf_peer(
+    c: ModelConfig, dev: torch.device, gen: torch.Generator, prefill_len: int, ctx: int
+) -> dict[str, float]:
+    """LlamaForCausalLM of the same config, bf16, random weights, sdpa: prefill seconds and generate tok/s."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling is not None:
+        s = c.rope_scaling
+        rope = {**rope, "rope_type": s.rope_type, "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings}  # fmt: skip
+    fields: dict[str, Any] = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, rope_parameters=rope, attn_implementation="sdpa",
+    )  # fmt: skip
+    hf_cfg = LlamaConfig(**fields)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    long = torch.tensor([random_tokens(prefill_len, c.vocab_size, gen)], device=dev)
+    prompt = torch.tensor([random_tokens(ctx, c.vocab_size, gen)], device=dev)
+    with torch.inference_mode():
+        prefill = median_s(lambda: model(long, logits_to_keep=1), 3, dev)
+        kw: dict[str, Any] = {"do_sample": False, "pad_token_id": 0}
+        t1 = median_s(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw), 2, dev)
+        t64 = median_s(lambda: model.generate(prompt, max_new_tokens=64, min_new_tokens=64, **kw), 1, dev)
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return {"prefill_s": prefill, "generate_tok_s": 63 / (t64 - t1)}
+
+
+def release(dev: torch.device) -> None:
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Decode on one GPU vs the HBM roofline and HF transformers.")
+    parser.add_argument(
+        "--shape", default="llama-3.1-8b", choices=sorted(NAMED_SHAPES), help="main shape, bf16"
+    )
+    parser.add_argument("--check-shape", default="smollm2-135m", choices=sorted(NAMED_SHAPES),
+                        help="shape checked in fp32 against the reference path")  # fmt: skip
+    parser.add_argument("--out", default="gpu_decode.json", help="where the full results go, as JSON")
+    parser.add_argument("--device", default="cuda:0")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not args.device.startswith("cuda"):
+        print(f"gpu_decode: needs a CUDA device, got --device {args.device!r} "
+              f"(CUDA available: {torch.cuda.is_available()})")  # fmt: skip
+        return 2
+    logging.basicConfig(level=logging.INFO, format="[%(name)s %(asctime)s] %(message)s", stream=sys.stdout)
+    dev = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    gen = torch.Generator().manual_seed(0)
+    release(dev)
+    mem_start = torch.cuda.memory_allocated(dev)
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                           "shape": args.shape, "check_shape": args.check_shape}  # fmt: skip
+    rows: list[Row] = []
+    log(f"{res['device']}, torch {torch.__version__}: copy bandwidth")
+    bw = res["copy_bytes_per_s"] = copy_bandwidth(dev)
+    release(dev)
+    rows.append(("HBM copy bandwidth (4 GiB, read + written)", f"{bw / GIB:.0f} GiB/s", "", ""))
+
+    log(f"correctness: {args.check_shape} fp32, Triton + graphs vs reference")
+    small = load_model(f"dummy:{args.check_shape}", device=dev, dtype=torch.float32, seed=0)
+    chk = res["check"] = check_correctness(small, dev, gen, greedy=True)
+    del small
+    release(dev)
+    ok = chk["max_abs_diff"] <= 1e-3 and chk["greedy_identical"]
+    rows.append((f"{args.check_shape} fp32 teacher-forced max abs logit diff ({TF_POSITIONS} pos)",
+                 f"{chk['max_abs_diff']:.1e}", "<= 1e-3", verdict(chk["max_abs_diff"] <= 1e-3)))  # fmt: skip
+    same = chk["greedy_identical"]
+    rows.append((f"{args.check_shape} fp32 greedy tokens, 3 concurrent x 48, engine vs reference",
+                 "identical" if same else "differ", "", verdict(same)))  # fmt: skip
+
+    c = NAMED_SHAPES[args.shape]
+    log("decode attention bandwidth, batch 64 x 4k")
+    att = res["attention_bytes_per_s"] = attention_bandwidth(c, dev)
+    release(dev)
+    rows.append(("decode attention kernel, batch 64 x 4k ctx, bf16 (KV bytes / median time)",
+                 f"{att / GIB:.0f} GiB/s", f"copy {bw / GIB:.0f} GiB/s", f"{att / bw:.0%}"))  # fmt: skip
+
+    log("Hugging Face peer: prefill 4096 and generate")
+    hf = res["hf"] = hf_peer(c, dev, gen, prefill_len=4096, ctx=1024)
+    release(dev)
+
+    log(f"loading dummy:{args.shape} bf16 on the GPU")
+    loaded = load_model(f"dummy:{args.shape}", device=dev, dtype=torch.bfloat16, seed=0)
+    log(f"correctness: {args.shape} bf16, Triton + graphs vs reference")
+    big = res["main_check"] = check_correctness(loaded, dev, gen, greedy=False)
+    abs_ok = big["top1_agreement"] >= 0.99 and big["min_cosine"] >= 0.999
+    rows.append((f"{args.shape} bf16 teacher-forced top-1 agreement / min cosine ({TF_POSITIONS} pos)",
+                 f"{big['top1_agreement']:.1%} / {big['min_cosine']:.5f}", ">= 99% / >= 0.999",
+                 verdict(abs_ok)))  # fmt: skip
+    tri, ref = big["triton_vs_fp32_attention"], big["reference_vs_fp32_attention"]
+    big_ok = tri["top1_agreement"] >= ref["top1_agreement"] and tri["min_cosine"] >= ref["min_cosine"]
+    rows.append((f"{args.shape} bf16 vs fp32-attention oracle: top-1 / min cosine, Triton (vs reference)",
+                 f"{tri['top1_agreement']:.1%} / {tri['min_cosine']:.5f}",
+                 f"reference {ref['top1_agreement']:.1%} / {ref['min_cosine']:.5f}",
+                 f"Triton no farther: {verdict(big_ok)}"))  # fmt: skip
+
+    log("engine: memory plan, KV pool, graph capture")
+    cfg = EngineConfig(model=f"dummy:{args.shape}", device=str(dev), dtype="bfloat16", max_num_seqs=128,
+                       max_num_batched_tokens=8192, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+    engine = LLMEngine(cfg, loaded)
+    graphs = engine.runner.graphs
+    res["kv_pool"] = {"blocks": engine.num_blocks, "tokens": engine.num_blocks * cfg.block_size,
+                      "graph_pool_bytes": graphs.pool_bytes if graphs else 0}  # fmt: skip
+    rows.append(("KV pool (gpu_memory_utilization 0.90, after profiling, graph reserve)",
+                 f"{engine.num_blocks} blocks = {engine.num_blocks * cfg.block_size} tokens",
+                 f"graphs took {res['kv_pool']['graph_pool_bytes'] / 2**20:.0f} MiB", ""))  # fmt: skip
+
+    log("prefill 4096 tokens through the engine")
+    ours = [engine_step_seconds(engine, random_tokens(4096, c.vocab_size, gen)) for _ in range(4)]
+    res["prefill_s"] = prefill = statistics.median(ours[1:])
+    hf_ms = hf["prefill_s"] * 1e3
+    rows.append(("prefill 4096 tokens (one engine step, first token sampled)", f"{prefill * 1e3:.0f} ms",
+                 f"HF sdpa {hf_ms:.0f} ms", f"{hf_ms / 1e3 / prefill:.2f}x HF"))  # fmt: skip
+
+    log("batch-1 decode at 1k context")
+    skip, n_out = 8, 257
+    rate, timed = engine_decode(engine, [random_tokens(1024, c.vocab_size, gen)], n_out, skip)
+    mean_ctx = 1024 + (skip + n_out) / 2
+    step_bytes = (
+        weight_bytes_read(loaded.model, c.tie_word_embeddings)
+        + kv_bytes_per_token(c, torch.bfloat16) * mean_ctx
+    )
+    roof = bw / step_bytes
+    ratio = rate / roof
+    res["batch1"] = {"tok_s": rate, "steps": timed, "mean_ctx": mean_ctx, "bytes_per_step": step_bytes,
+                     "roofline_tok_s": roof, "ratio": ratio}  # fmt: skip
+    rows.append((f"batch-1 decode tok/s at ~{mean_ctx:.0f} ctx (engine loop, {timed} steps)", f"{rate:.1f}",
+                 f"roofline {roof:.1f} ({step_bytes / 1e9:.2f} GB/step)",
+                 f"{ratio:.0%} (>= 80%: {verdict(ratio >= 0.8)})"))  # fmt: skip
+    runner_ms = big["runner_step_s"] * 1e3
+    rows.append(("batch-1 step: ModelRunner.execute (graph replay) vs engine loop", f"{runner_ms:.2f} ms",
+                 f"engine {1e3 / rate:.2f} ms, roofline {1e3 / roof:.2f} ms",
+                 f"runner alone {1e3 / roof / runner_ms:.0%}"))  # fmt: skip
+    hf_rate = hf["generate_tok_s"]
+    rows.append(("HF transformers generate batch-1 tok/s (64 tokens, 1k prompt)", f"{hf_rate:.1f}", "",
+                 f"ours {rate / hf_rate:.1f}x"))  # fmt: skip
+
+    res["throughput"] = {}
+    for batch in (1, 8, 32, 64, 128):
+        log(f"decode throughput, batch {batch} at 2k context")
+        prefill_steps = -(-batch * 2048 // cfg.max_num_batched_tokens)
+        prompts = [random_tokens(2048, c.vocab_size, gen) for _ in range(batch)]
+        rate, timed = engine_decode(engine, prompts, prefill_steps + 40, 4)
+        res["throughput"][batch] = {"tok_s": rate, "steps": timed}
+        rows.append((f"decode throughput, batch {batch}, 2k ctx ({timed} steps)", f"{rate:.0f} tok/s",
+                     f"{rate / batch:.1f} tok/s per sequence", ""))  # fmt: skip
+
+    log("teardown")
+    engine.close()
+    del engine, loaded, graphs
+    release(dev)
+    left = res["memory_left_bytes"] = torch.cuda.memory_allocated(dev) - mem_start
+    mem_ok = left < 64 * 2**20
+    rows.append(("memory allocated after teardown, over the start", f"{left / 2**20:.1f} MiB", "< 64 MiB",
+                 verdict(mem_ok)))  # fmt: skip
+    res["ok"] = {"check": ok, "main_check_absolute": abs_ok, "main_check_vs_oracle": big_ok, "memory": mem_ok,
+                 "batch1_roofline": ratio >= 0.8}  # fmt: skip
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=2)
+    print(markdown(rows), flush=True)
+    return 0 if ok and big_ok and mem_ok else 1
+
+
+def engine_step_seconds(engine: LLMEngine, prompt: list[int]) -> float:
+    """Wall seconds of the one step that prefills `prompt` and samples its only token."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine.add_request(engine.new_request(RequestId(f"p{time.perf_counter_ns()}"), prompt, params))
+    t0 = time.perf_counter()
+    outs = engine.step()
+    seconds = time.perf_counter() - t0
+    assert len(outs) == 1 and outs[0].finished and not engine.has_unfinished(), outs
+    return seconds
+
+
+if __name__ == "__main__":
+    sys.exit(main())

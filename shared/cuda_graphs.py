@@ -1,0 +1,317 @@
+"""Decode under CUDA graphs: one captured forward + logits per batch-size bucket, and the GPU memory plan
+that sizes the KV pool with room left for those graphs.
+
+Invariants: a graph holds the addresses of the weights, the KV tensor and this module's static buffers,
+so none of them moves or is freed while graphs exist (the KV pool is allocated once, before capture, and
+never moves; blocks changing hands in the pool change only table contents, never addresses). A batch of
+n rows replays the smallest bucket >= n; rows n.. of the bucket are padding (token 0, position 0, slot -1
+so no KV is written, seq_len 1 over a table row of valid block ids) and their logits are dropped. The
+metadata inside a graph says max_seq_len = max_model_len, so the decode kernel's split count depends on
+the bucket alone, never on the batch replayed. Everything captured lives in one private memory pool that
+`close()` gives back; `close()` is idempotent. On CPU the same buffers and padding run eagerly (the test
+path).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps
+from pdserve.shared.model import LlamaModel
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+GRAPH_OVERHEAD_BYTES = 16 * MIB
+"""Per captured graph, beyond its activations: an estimate (executable graph, cuBLAS workspace)."""
+SAMPLER_COPIES = 4
+"""The sampler holds at most this many fp32 [max_num_seqs, V] tensors at once: an estimate."""
+
+
+def bucket_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two below max_num_seqs, then max_num_seqs itself: (1, 2, 4, ..., max_num_seqs)."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs}: must be >= 1")
+    sizes = []
+    b = 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_num_seqs)
+
+
+def pick_bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest bucket >= n; buckets ascending."""
+    i = bisect.bisect_left(buckets, n)
+    if n < 1 or i == len(buckets):
+        raise ValueError(f"batch of {n} rows: accepted 1..{buckets[-1]}")
+    return buckets[i]
+
+
+class _Bucket(Protocol):
+    logits: torch.Tensor  # [bucket, V] fp32, valid after replay()
+
+    def replay(self) -> None: ...
+
+
+class _GraphBucket:
+    def __init__(self, fn: Callable[[], torch.Tensor], pool: _POOL_HANDLE) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.logits = fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _EagerBucket:
+    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+        self._fn = fn
+        self.logits = torch.empty(0)
+
+    def replay(self) -> None:
+        self.logits = self._fn()
+
+
+class DecodeGraphs:
+    """Pure-decode steps (one new token per sequence) replayed from captured graphs.
+
+    Build it after the weights are loaded and the KV tensor is allocated; `capture=False` runs the same
+    static-buffer path eagerly (CPU, and the oracle for the graph path in tests).
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        ops: AttentionOps,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        capture: bool,
+    ) -> None:
+        dev = kv_cache.device
+        assert not capture or dev.type == "cuda", f"CUDA graphs need a CUDA KV cache, got {dev}"
+        self.model, self.kv_cache, self.ops = model, kv_cache, ops
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.buckets = bucket_sizes(max_num_seqs)
+        max_bs = self.buckets[-1]
+        self.width = -(-max_model_len // block_size)  # block-table columns
+        pin = dev.type == "cuda"
+        # host staging -> device copies; rows of _i64: input ids, positions, slots
+        self._h_i64 = torch.zeros((3, max_bs), dtype=torch.int64, pin_memory=pin)
+        self._h_seq = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
+        self._h_tab = torch.zeros((max_bs, self.width), dtype=torch.int32, pin_memory=pin)
+        self._h_i64[2].fill_(-1)
+        self._i64 = self._h_i64.to(dev, copy=True)
+        self._seq = self._h_seq.to(dev, copy=True)
+        self._tab = self._h_tab.to(dev, copy=True)
+        self._qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
+        self._fence = torch.cuda.Event() if pin else None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        graphs: dict[int, _Bucket] = {}
+        start, reserved = time.perf_counter(), _reserved(dev)
+        with torch.inference_mode():
+            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
+                graphs[b] = self._build(b)
+        self._graphs: dict[int, _Bucket] | None = graphs
+        self.pool_bytes = _reserved(dev) - reserved
+        """Device memory the capture took (graph pool and workspaces), measured; 0 on CPU."""
+        log.info(
+            "decode %s for batch buckets %s in %.1f s, %.0f MiB",
+            "graphs captured" if capture else "buckets built (eager)",
+            self.buckets, time.perf_counter() - start, self.pool_bytes / MIB,
+        )  # fmt: skip
+
+    def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
+        meta = AttentionMetadata(
+            slot_mapping=self._i64[2, :b],
+            query_start_loc=self._qsl[: b + 1],
+            seq_lens=self._seq[:b],
+            block_tables=self._tab[:b],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+        )
+
+        def fn() -> torch.Tensor:
+            hidden = self.model.forward(self._i64[0, :b], self._i64[1, :b], self.kv_cache, meta, self.ops)
+            return self.model.compute_logits(hidden)  # [b, V] fp32
+
+        return fn
+
+    def _build(self, b: int) -> _Bucket:
+        fn = self._forward_fn(b)
+        if self._pool is None:
+            return _EagerBucket(fn)
+        for _ in range(2):  # compile Triton kernels and create cuBLAS handles outside the capture
+            fn()
+        torch.cuda.synchronize(self.kv_cache.device)
+        return _GraphBucket(fn, self._pool)
+
+    def fits(self, seq_lens: Sequence[int]) -> bool:
+        """Whether a decode batch with these context lengths (new token included) can replay."""
+        return 0 < len(seq_lens) <= self.buckets[-1] and max(seq_lens) <= self.max_model_len
+
+    def run(
+        self, input_ids: Sequence[int], block_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """One decode step: row i feeds token input_ids[i] at position seq_lens[i] - 1 of a sequence whose
+        blocks are block_ids[i]. Returns fp32 logits [n, V] (a copy, so the next replay cannot change it)."""
+        if self._graphs is None:
+            raise RuntimeError("DecodeGraphs.run after close()")
+        n = len(input_ids)
+        assert len(block_ids) == n == len(seq_lens), (n, len(block_ids), len(seq_lens))
+        assert self.fits(seq_lens), f"batch of {n} rows, longest context {max(seq_lens)}: does not fit"
+        b = pick_bucket(self.buckets, n)
+        if self._fence is not None:
+            self._fence.synchronize()  # the previous step's copies have left the staging buffers
+        self._stage(input_ids, block_ids, seq_lens, b)
+        self._i64.copy_(self._h_i64, non_blocking=True)
+        self._seq[:b].copy_(self._h_seq[:b], non_blocking=True)
+        self._tab[:b].copy_(self._h_tab[:b], non_blocking=True)
+        if self._fence is not None:
+            self._fence.record()
+        bucket = self._graphs[b]
+        bucket.replay()
+        return bucket.logits[:n].clone()
+
+    def _stage(
+        self, input_ids: Sequence[int], block_ids: Sequence[Sequence[int]], seq_lens: Sequence[int], b: int
+    ) -> None:
+        n, bs = len(input_ids), self.block_size
+        i64, seq, tab = self._h_i64.numpy(), self._h_seq.numpy(), self._h_tab.numpy()
+        positions = [s - 1 for s in seq_lens]
+        slots = []
+        for i, (pos, blocks) in enumerate(zip(positions, block_ids, strict=True)):
+            used = pos // bs + 1
+            assert len(blocks) >= used, f"row {i}: {len(blocks)} blocks cannot hold position {pos}"
+            tab[i, :used] = blocks[:used]
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+        i64[0, :n], i64[1, :n], i64[2, :n] = input_ids, positions, slots
+        seq[:n] = seq_lens
+        # padding rows; their table rows keep earlier valid block ids (all entries ever written are)
+        i64[0, n:b], i64[1, n:b], i64[2, n:b] = 0, 0, -1
+        seq[n:b] = 1
+
+    def close(self) -> None:
+        """Drops every graph and the private pool; a later `run` raises. Idempotent."""
+        graphs, self._graphs = self._graphs, None
+        if graphs is None:
+            return
+        for bucket in graphs.values():
+            if isinstance(bucket, _GraphBucket):
+                bucket.graph.reset()
+        graphs.clear()
+        self._pool = None
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.device)
+            # capture ran matmuls on a side stream, whose cuBLAS workspace would stay allocated for good
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+
+
+def _reserved(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_reserved(dev)
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """Bytes on one GPU, measured after the weights loaded (estimates are named as such)."""
+
+    total: int
+    used_before_kv: int  # on the device (weights, CUDA context, other processes) before the KV pool
+    activation_peak: int  # measured: the larger of a full-budget prefill and a max-batch decode forward
+    graph_reserve: int  # estimate: the max-batch decode peak plus GRAPH_OVERHEAD_BYTES per graph
+    sampler_reserve: int  # estimate: SAMPLER_COPIES fp32 [max_num_seqs, V]
+    kv_bytes: int  # what the pool may take: total * utilization minus everything above
+
+    def num_blocks(self, bytes_per_block: int) -> int:
+        return self.kv_bytes // bytes_per_block
+
+
+@torch.inference_mode()
+def plan_gpu_memory(
+    model: LlamaModel,
+    ops: AttentionOps,
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    utilization: float,
+    cuda_graphs: bool,
+) -> GpuMemoryPlan:
+    """Runs a prefill of the whole token budget and a decode at max_num_seqs over a scratch KV cache,
+    measures their peak allocation, frees the scratch, and says how many bytes the KV pool may take."""
+    c = model.config
+    dev = model.embed_weight.device
+    prefill_len = min(max_num_batched_tokens, max_model_len)
+    scratch_blocks = -(-prefill_len // block_size) + 1
+    scratch = torch.zeros(
+        (c.num_layers, 2, scratch_blocks, block_size, c.num_kv_heads, c.head_dim),
+        dtype=model.dtype,
+        device=dev,
+    )
+    prefill = _profile_peak(model, ops, scratch, [prefill_len], min(max_num_seqs, prefill_len))
+    decode = _profile_peak(model, ops, scratch, [1] * max_num_seqs, max_num_seqs)
+    del scratch
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(dev)
+    n_graphs = len(bucket_sizes(max_num_seqs)) if cuda_graphs else 0
+    graph_reserve = decode + GRAPH_OVERHEAD_BYTES * n_graphs if cuda_graphs else 0
+    sampler = SAMPLER_COPIES * max_num_seqs * c.vocab_size * 4
+    used = total - free
+    kv = int(total * utilization) - used - max(prefill, decode) - graph_reserve - sampler
+    if kv <= 0:
+        raise RuntimeError(
+            f"no GPU memory left for the KV pool: {used / MIB:.0f} MiB used of {total / MIB:.0f} MiB, "
+            f"activations {max(prefill, decode) / MIB:.0f} MiB, graphs {graph_reserve / MIB:.0f} MiB; "
+            f"raise gpu_memory_utilization ({utilization}) or lower max_num_batched_tokens/max_num_seqs"
+        )
+    return GpuMemoryPlan(total, used, max(prefill, decode), graph_reserve, sampler, kv)
+
+
+def _profile_peak(
+    model: LlamaModel, ops: AttentionOps, kv: torch.Tensor, q_lens: list[int], n_logits: int
+) -> int:
+    """Peak bytes allocated above the current level by one forward of sequences with q_lens new tokens
+    (no cached prefix) plus logits for n_logits rows. Slots wrap inside the scratch cache."""
+    dev = kv.device
+    n_blocks, block_size = kv.shape[2], kv.shape[3]
+    n_tokens = sum(q_lens)
+    width = -(-max(q_lens) // block_size)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    positions = torch.cat([torch.arange(q, device=dev) for q in q_lens])
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n_tokens, device=dev) % (n_blocks * block_size),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
+        block_tables=torch.arange(width, dtype=torch.int32, device=dev).repeat(len(q_lens), 1),
+        max_query_len=max(q_lens),
+        max_seq_len=max(q_lens),
+    )
+    input_ids = torch.zeros(n_tokens, dtype=torch.int64, device=dev)
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    hidden = model.forward(input_ids, positions, kv, meta, ops)
+    model.compute_logits(hidden[:n_logits])
+    torch.cuda.synchronize(dev)
+    return torch.cuda.max_memory_allocated(dev) - base

@@ -1,0 +1,206 @@
+"""Decode graphs: bucket choice, static buffers and padding give the eager runner's logits and KV writes.
+
+CPU tests run DecodeGraphs eagerly (capture=False) on a 2-layer SmolLM2-shaped model with the torch
+reference ops: the same staging, padding and fixed max_seq_len a captured graph replays. GPU tests
+(@pytest.mark.gpu) capture real graphs over the Triton kernels and check the memory comes back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
+from pdserve.shared.dummy_weights import fill_dummy_weights
+from pdserve.shared.loader import LoadedModel
+from pdserve.shared.model import LlamaModel
+from pdserve.shared.model_config import NAMED_SHAPES
+from pdserve.shared.model_runner import BatchItem, ModelRunner
+from pdserve.shared.tokenizer import Tokenizer
+
+BLOCK = 16
+MAX_LEN = 128  # 8 blocks per sequence
+NUM_BLOCKS = 96
+MAX_SEQS = 6  # buckets 1, 2, 4, 6
+
+
+def tiny_loaded(device: torch.device, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    cfg = dataclasses.replace(NAMED_SHAPES["smollm2-135m"], num_layers=2, vocab_size=512)
+    model = LlamaModel(cfg, device, dtype)
+    fill_dummy_weights(model, seed=1)
+    tok = Tokenizer.byte_level(cfg.vocab_size, cfg.eos_token_ids, cfg.bos_token_id)
+    return LoadedModel(cfg, model.eval(), tok, b"tiny", "dummy:tiny")
+
+
+@pytest.fixture(scope="module")
+def cpu_runner() -> ModelRunner:
+    torch.set_num_threads(1)
+    cfg = EngineConfig(model="dummy:tiny", max_num_seqs=MAX_SEQS, cuda_graphs=True, max_model_len=MAX_LEN)
+    runner = ModelRunner(tiny_loaded(torch.device("cpu")), cfg, NUM_BLOCKS, max_model_len=MAX_LEN)
+    assert runner.graphs is None  # CPU never captures
+    return runner
+
+
+def eager_graphs(runner: ModelRunner) -> DecodeGraphs:
+    return DecodeGraphs(
+        runner.model,
+        runner.kv_cache,
+        runner.ops,
+        block_size=BLOCK,
+        max_num_seqs=MAX_SEQS,
+        max_model_len=MAX_LEN,
+        capture=False,
+    )
+
+
+def decode_batch(rng: random.Random, n: int, vocab: int) -> list[BatchItem]:
+    """n sequences at random context lengths over disjoint random blocks; each feeds its last token."""
+    blocks = rng.sample(range(NUM_BLOCKS), n * (MAX_LEN // BLOCK))
+    items = []
+    for i in range(n):
+        seq_len = rng.randint(1, MAX_LEN)
+        own = blocks[i * (MAX_LEN // BLOCK) : i * (MAX_LEN // BLOCK) + -(-seq_len // BLOCK)]
+        tokens = [rng.randrange(vocab) for _ in range(seq_len)]
+        items.append(BatchItem(tokens, seq_len - 1, 1, own, sample=True))
+    return items
+
+
+def test_buckets() -> None:
+    assert bucket_sizes(1) == (1,)
+    assert bucket_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert bucket_sizes(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        bucket_sizes(0)
+    with pytest.raises(ValueError, match="batch of 101 rows"):
+        pick_bucket(bucket_sizes(100), 101)
+
+
+@given(st.integers(1, 300), st.integers(1, 300))
+def test_pick_bucket_is_smallest_fit(max_num_seqs: int, n: int) -> None:
+    buckets = bucket_sizes(max_num_seqs)
+    if n > max_num_seqs:
+        with pytest.raises(ValueError):
+            pick_bucket(buckets, n)
+        return
+    b = pick_bucket(buckets, n)
+    assert b >= n and all(x < n for x in buckets if x < b)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, MAX_SEQS), st.integers(0, 2**32))
+def test_static_path_matches_eager_runner(cpu_runner: ModelRunner, n: int, seed: int) -> None:
+    """Same logits and the same KV cache afterwards: padding rows write nothing, attend harmlessly."""
+    rng = random.Random(seed)
+    items = decode_batch(rng, n, cpu_runner.config.vocab_size)
+    cpu_runner.kv_cache.normal_(generator=torch.Generator().manual_seed(seed))
+    before = cpu_runner.kv_cache.clone()
+    want = cpu_runner.execute(items)
+    kv_eager = cpu_runner.kv_cache.clone()
+    cpu_runner.kv_cache.copy_(before)
+    graphs = eager_graphs(cpu_runner)
+    with torch.inference_mode():
+        got = graphs.run(
+            [it.token_ids[it.start] for it in items],
+            [it.block_ids for it in items],
+            [it.start + 1 for it in items],
+        )
+    assert got.shape == want.shape == (n, cpu_runner.config.vocab_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # matmuls over a padded batch may round differently, so written slots match closely; every other
+    # slot (padding rows write none) is untouched
+    torch.testing.assert_close(cpu_runner.kv_cache, kv_eager, rtol=1e-5, atol=1e-5)
+    written = _written_mask(cpu_runner, items)
+    assert torch.equal(cpu_runner.kv_cache[:, :, ~written], before[:, :, ~written])
+
+
+def _written_mask(runner: ModelRunner, items: list[BatchItem]) -> torch.Tensor:
+    """[num_blocks, block_size] bool: the slot each item's new token goes to."""
+    mask = torch.zeros(NUM_BLOCKS, BLOCK, dtype=torch.bool)
+    for it in items:
+        mask[it.block_ids[it.start // BLOCK], it.start % BLOCK] = True
+    return mask
+
+
+def test_runner_routes_decode_only_batches(cpu_runner: ModelRunner) -> None:
+    """Decode-only batches without a hook go through the graphs (unsampled rows dropped); a batch with a
+    prefill chunk, a layer hook, or a context past max_model_len runs eagerly with the same result."""
+    rng = random.Random(7)
+    items = decode_batch(rng, 5, cpu_runner.config.vocab_size)
+    items[2] = dataclasses.replace(items[2], sample=False)
+    want = cpu_runner.execute(items, layer_hook=lambda layer: None)  # a hook forces the eager path
+    cpu_runner.graphs = graphs = eager_graphs(cpu_runner)
+    calls: list[int] = []
+    real_run = graphs.run
+
+    def counting_run(*args: Any) -> torch.Tensor:
+        calls.append(len(args[0]))
+        return real_run(*args)
+
+    graphs.run = counting_run  # type: ignore[method-assign,assignment]
+    try:
+        got = cpu_runner.execute(items)
+        assert calls == [5] and got.shape[0] == 4
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        mixed = [*items[:2], BatchItem(items[3].token_ids, 0, 3, items[3].block_ids, sample=True)]
+        cpu_runner.execute(mixed)
+        too_long = BatchItem([0] * (MAX_LEN + 1), MAX_LEN, 1, list(range(MAX_LEN // BLOCK + 1)), True)
+        assert not graphs.fits([too_long.start + 1])
+        assert calls == [5]
+    finally:
+        cpu_runner.graphs = None
+    graphs.close()
+    graphs.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        graphs.run([0], [[0]], [1])
+
+
+def test_run_refuses_rows_without_blocks(cpu_runner: ModelRunner) -> None:
+    graphs = eager_graphs(cpu_runner)
+    with pytest.raises(AssertionError, match="cannot hold position 16"), torch.inference_mode():
+        graphs.run([1], [[3]], [17])
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None:
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gc.collect()
+    torch.cuda.empty_cache()
+    start = torch.cuda.memory_allocated(dev)
+    cfg = EngineConfig(
+        model="dummy:tiny", device="cuda", dtype=str(dtype).removeprefix("torch."), max_num_seqs=MAX_SEQS
+    )
+    runner = ModelRunner(tiny_loaded(dev, dtype), cfg, NUM_BLOCKS, max_model_len=MAX_LEN)
+    graphs = runner.graphs
+    assert graphs is not None and graphs.pool_bytes > 0
+    rng = random.Random(3)
+    for n in (1, 3, MAX_SEQS):
+        items = decode_batch(rng, n, runner.config.vocab_size)
+        runner.kv_cache.normal_()
+        before = runner.kv_cache.clone()
+        got = runner.execute(items)
+        kv_graph = runner.kv_cache.clone()
+        runner.kv_cache.copy_(before)
+        want = runner.execute(items, layer_hook=lambda layer: None)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(kv_graph, runner.kv_cache, rtol=tol, atol=tol)
+        written = _written_mask(runner, items).to(dev)
+        assert torch.equal(kv_graph[:, :, ~written], before[:, :, ~written])
+    runner.close()
+    del runner, graphs, got, want, kv_graph, before
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated(dev) - start < 1 << 20
