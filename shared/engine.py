@@ -9,14 +9,17 @@ the decode role enters remotely filled requests through `add_prefilled`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from pdserve.kernels.ops import get_ops
 from pdserve.shared.block_hash import hash_seed, model_fingerprint
 from pdserve.shared.block_pool import BlockEvent, BlockPool, PoolAudit
 from pdserve.shared.config import EngineConfig
+from pdserve.shared.cuda_graphs import plan_gpu_memory
 from pdserve.shared.detokenizer import IncrementalDetokenizer
 from pdserve.shared.loader import LoadedModel, load_model
 from pdserve.shared.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
@@ -25,6 +28,8 @@ from pdserve.shared.sampler import Sampler, SamplingState
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.types import BlockHash, BlockId, RequestId
+
+log = logging.getLogger(__name__)
 
 
 class StepObserver(Protocol):
@@ -89,7 +94,7 @@ class LLMEngine:
             self.pool,
             self.eos_token_ids,
         )
-        self.runner = ModelRunner(self.loaded, cfg, self.num_blocks)
+        self.runner = ModelRunner(self.loaded, cfg, self.num_blocks, max_model_len=self.max_model_len)
         self.sampler = Sampler()
         self.fingerprint = model_fingerprint(
             mc.to_dict(), self.loaded.weights_identity, cfg.dtype, cfg.block_size
@@ -99,11 +104,35 @@ class LLMEngine:
         self._seeds: dict[str | None, BlockHash] = {}
 
     def _size_pool(self) -> int:
-        per_block = kv_bytes_per_block(self.loaded, self.cfg)
-        if self.cfg.torch_device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.cfg.torch_device)
-            return max(2, int(free * self.cfg.gpu_memory_utilization) // per_block)
-        return max(2, self.cfg.kv_cache_bytes // per_block)
+        cfg = self.cfg
+        per_block = kv_bytes_per_block(self.loaded, cfg)
+        if cfg.torch_device.type == "cuda":
+            # after the weights, before the pool and the graphs: measure activations, reserve for capture
+            plan = plan_gpu_memory(
+                self.loaded.model,
+                get_ops(cfg.torch_device),
+                block_size=cfg.block_size,
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                utilization=cfg.gpu_memory_utilization,
+                cuda_graphs=cfg.cuda_graphs,
+            )
+            n = max(2, plan.num_blocks(per_block))
+            log.info(
+                "KV pool: %d blocks = %d tokens (%.2f GiB); GPU %.1f GiB, used %.2f GiB, activations "
+                "%.2f GiB, graph reserve %.2f GiB, sampler reserve %.2f GiB",
+                n, n * cfg.block_size, n * per_block / 2**30, plan.total / 2**30, plan.used_before_kv / 2**30,
+                plan.activation_peak / 2**30, plan.graph_reserve / 2**30, plan.sampler_reserve / 2**30,
+            )  # fmt: skip
+            return n
+        n = max(2, cfg.kv_cache_bytes // per_block)
+        log.info("KV pool: %d blocks = %d tokens (%.2f GiB)", n, n * cfg.block_size, n * per_block / 2**30)
+        return n
+
+    def close(self) -> None:
+        """Releases what the runner captured (CUDA graphs and their pool); the engine must not step after."""
+        self.runner.close()
 
     def hash_seed(self, cache_salt: str | None) -> BlockHash:
         seed = self._seeds.get(cache_salt)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, get_ops
 from pdserve.shared.config import EngineConfig
+from pdserve.shared.cuda_graphs import DecodeGraphs
 from pdserve.shared.loader import LoadedModel
 
 
@@ -35,13 +36,22 @@ def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, cfg: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        cfg: EngineConfig,
+        num_blocks: int,
+        *,
+        max_model_len: int | None = None,
+        ops: AttentionOps | None = None,
+    ) -> None:
+        """`max_model_len` defaults to the config's (capped by the model's); `ops` to `get_ops(device)`."""
         c = loaded.config
         self.model = loaded.model
         self.config = c
         self.block_size = cfg.block_size
         self.device = cfg.torch_device
-        self.ops: AttentionOps = get_ops(self.device)
+        self.ops: AttentionOps = ops or get_ops(self.device)
         self.num_blocks = num_blocks
         # kv_cache: [L, 2, N, B, Hkv, D]
         self.kv_cache = torch.zeros(
@@ -49,12 +59,39 @@ class ModelRunner:
             dtype=cfg.torch_dtype,
             device=self.device,
         )
+        # Pure-decode steps without a layer hook replay CUDA graphs; they hold kv_cache's address, which
+        # is why the pool is allocated once, before capture, and never moves.
+        self.graphs: DecodeGraphs | None = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            limit = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_cache,
+                self.ops,
+                block_size=cfg.block_size,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=max_model_len or limit,
+                capture=True,
+            )
+
+    def close(self) -> None:
+        """Releases the captured graphs and their memory pool (the KV tensor goes with the runner)."""
+        if self.graphs is not None:
+            self.graphs.close()
 
     @torch.inference_mode()
     def execute(
         self, items: Sequence[BatchItem], layer_hook: Callable[[int], None] | None = None
     ) -> torch.Tensor:
         """Runs one step; returns fp32 logits [num sampled items, V] in item order."""
+        if layer_hook is None and self.graphs is not None and all(it.num_tokens == 1 for it in items):
+            seq_lens = [it.start + 1 for it in items]
+            if self.graphs.fits(seq_lens):
+                logits = self.graphs.run(
+                    [it.token_ids[it.start] for it in items], [it.block_ids for it in items], seq_lens
+                )
+                keep = [i for i, it in enumerate(items) if it.sample]
+                return logits if len(keep) == len(items) else logits[keep]
         input_ids, positions, slots = self._token_lists(items)
         meta = self._metadata(items, slots)
         dev = self.device
