@@ -49,6 +49,7 @@ class AsyncEngine:
         self._inbox.put(lambda: None)
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        self.engine.close()  # graphs and their memory pool go with the loop that used them
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs `fn` on the loop thread (between steps) and returns its result."""

@@ -19,7 +19,8 @@ class EngineConfig:
     """A .gguf file, an HF checkpoint directory, or `dummy:<named shape | config.json>`."""
     tokenizer: str | None = None
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """float32 | bfloat16 | float16, or auto: float32 on the CPU, bfloat16 on a GPU."""
     block_size: int = 16
     num_kv_blocks: int | None = None
     """Fixed pool size; None sizes it from `kv_cache_bytes` (CPU) or free GPU memory."""
@@ -36,8 +37,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: a path or dummy:<shape> is required")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: accepted {sorted(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: accepted auto, {', '.join(sorted(_DTYPES))}")
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ValueError(f"device={self.device!r}: accepted 'cpu' or 'cuda[:N]'")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -56,8 +57,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
 
     @property
+    def dtype_name(self) -> str:
+        """The resolved dtype name (what the fingerprint and the KV layout record)."""
+        if self.dtype == "auto":
+            return "float32" if self.device == "cpu" else "bfloat16"
+        return self.dtype
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return _DTYPES[self.dtype_name]
 
     @property
     def torch_device(self) -> torch.device:

@@ -97,7 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded, cfg, self.num_blocks, max_model_len=self.max_model_len)
         self.sampler = Sampler()
         self.fingerprint = model_fingerprint(
-            mc.to_dict(), self.loaded.weights_identity, cfg.dtype, cfg.block_size
+            mc.to_dict(), self.loaded.weights_identity, cfg.dtype_name, cfg.block_size
         )
         self.observer: StepObserver | None = None
         self._live: dict[RequestId, _Live] = {}

@@ -27,7 +27,7 @@ def node_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)

@@ -233,6 +233,6 @@ def engine_kv_layout(engine: LLMEngine) -> dict[str, int | str]:
         "num_kv_heads": c.num_kv_heads,
         "head_dim": c.head_dim,
         "block_size": engine.cfg.block_size,
-        "dtype": engine.cfg.dtype,
+        "dtype": engine.cfg.dtype_name,
         "tp_size": 1,
     }
