@@ -190,7 +190,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
                 sampling = spec.sampling_for(max_tokens, j)
                 jobs.append(ChoiceJob(index, RequestId(f"{base}-{index}"), ids, sampling, placement.route))
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-        run = RequestRun(jobs, salt, deadline, clients, metrics, background)
+        run = RequestRun(jobs, salt, deadline, clients, metrics, background, router)
         head = ResponseHead(spec.kind, base, int(time.time()), spec.model,
                             f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
         choices = {job.index: _Choice() for job in jobs}

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Coroutine, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
@@ -24,6 +24,15 @@ from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.types import NodeId, RequestId
 
 _PREFILL_GRACE_S = 1.0
+_MAX_REROUTES = 2
+
+
+class Rerouter(Protocol):
+    """What RequestRun needs of the router to place a choice again when a node turns it away."""
+
+    def refused(self, node_id: NodeId) -> None: ...
+
+    def place(self, prompt: Sequence[int], cache_salt: str | None) -> Awaitable[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,12 @@ class RequestRun:
         clients: NodeClients,
         metrics: RouterMetrics,
         background: Background,
+        rerouter: Rerouter | None = None,
     ) -> None:
         self._jobs = jobs
+        self._rerouter = rerouter
+        self._started: set[int] = set()
+        """Choices that have delivered a step to the client (they can no longer be placed again)."""
         self._salt = cache_salt
         self.deadline = deadline
         self._clients = clients
@@ -155,6 +168,40 @@ class RequestRun:
         self._open.get(request_id, {}).pop(node_id, None)
 
     async def _run_choice(self, job: ChoiceJob) -> None:
+        """Runs a choice; a node that refuses it before starting (503: draining) gets it placed again, under
+        a fresh node request id so the refused node's abort cannot race the new attempt."""
+        attempt = 0
+        while True:
+            try:
+                await self._run_route(job)
+                return
+            except NodeError as exc:
+                if not self._may_reroute(job, exc, attempt):
+                    await self._queue.put(ChoiceEvent(job.index, None, _node_error(exc, self.deadline)))
+                    return
+                assert self._rerouter is not None
+                self._rerouter.refused(exc.node_id)
+                attempt += 1
+                self._metrics.aborts.labels(reason="rerouted").inc()
+                try:
+                    placement = await self._rerouter.place(job.prompt_token_ids, self._salt)
+                except OpenAIError as err:
+                    await self._queue.put(ChoiceEvent(job.index, None, err))
+                    return
+                job = replace(
+                    job, request_id=RequestId(f"{job.request_id}-r{attempt}"), route=placement.route
+                )
+
+    def _may_reroute(self, job: ChoiceJob, exc: NodeError, attempt: int) -> bool:
+        return (
+            exc.status == 503
+            and self._rerouter is not None
+            and job.index not in self._started
+            and attempt < _MAX_REROUTES
+            and time.time() < self.deadline
+        )
+
+    async def _run_route(self, job: ChoiceJob) -> None:
         route = job.route
         decode = self._clients.get(route.decode.node_id, route.decode.http_url)
         opened = {decode.node_id: decode}
@@ -168,8 +215,8 @@ class RequestRun:
             gauge.inc()
         try:
             await self._run_nodes(job, decode, prefill)
-        except NodeError as exc:
-            await self._queue.put(ChoiceEvent(job.index, None, _node_error(exc, self.deadline)))
+        except NodeError:
+            raise
         except Exception as exc:
             # A bug must fail the request with its cause, never leave the client waiting for the deadline.
             err = OpenAIError(
@@ -240,4 +287,5 @@ class RequestRun:
             if step.finish_reason in ("abort", "error"):
                 await self._queue.put(ChoiceEvent(job.index, None, _step_error(node, step, self.deadline)))
                 return
+            self._started.add(job.index)
             await self._queue.put(ChoiceEvent(job.index, step, None))

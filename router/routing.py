@@ -61,6 +61,8 @@ class Router:
         self._index_ok = True
         self._infos: dict[tuple[NodeId, int], NodeInfoReply] = {}
         self._rotation = 0
+        self._refused: dict[NodeId, float] = {}
+        """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
 
     @property
     def index_ok(self) -> bool:
@@ -91,10 +93,18 @@ class Router:
             self._infos[key] = reply
         return reply
 
+    def refused(self, node_id: NodeId) -> None:
+        """A node turned a request away before starting it (it is draining): route around it at once,
+        without waiting for the cached node list to expire; the index shows the drain within a TTL."""
+        self._refused[node_id] = time.monotonic() + max(self._ttl_s, 5.0)
+
     async def place(self, prompt: Sequence[int], cache_salt: str | None) -> Placement:
         """Route one prompt. OpenAIError 503 when no node can take it."""
         started = time.perf_counter()
-        statuses = [s for s in await self.nodes() if not s.draining]
+        now = time.monotonic()
+        statuses = [
+            s for s in await self.nodes() if not s.draining and self._refused.get(s.info.node_id, 0.0) < now
+        ]
         if not statuses:
             raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
         first = statuses[0].info

@@ -120,12 +120,6 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live:
     live.wait_clean()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a request placed from the router's node list (cached up to --node-list-ttl, 1 s) "
-    "on a node drained meanwhile gets the node's 503 'is draining' as the client's answer; "
-    "router/dispatch.py should re-place a request a node refuses before starting it",
-)
 def test_no_request_fails_right_after_a_drain(live: LiveCluster) -> None:
     """Requests routed within the router's node-list reuse window after `kvctl drain` still succeed."""
     time.sleep(
