@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -25,10 +24,6 @@ import httpx
 from pdserve.launch import MODULES, Cluster, UpConfig, free_port, start_cluster
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SCHEMA_PATHS = (
-    Path(__file__).resolve().parents[2] / "shared" / "openai-schemas.json",
-    Path("/work/shared/openai-schemas.json"),
-)
 
 
 def model_path() -> str:
@@ -44,15 +39,13 @@ def served_model_name() -> str:
 
 
 def openai_schema() -> ModuleType:
-    """tests/openai_schema.py (the router's schema helper), pointed at the schema file beside the clone."""
+    """tests/openai_schema.py (the router's schema helper; it reads ../shared/openai-schemas.json)."""
     spec = importlib.util.spec_from_file_location(
         "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    candidates = module.__dict__["_CANDIDATES"]
-    module.__dict__["_CANDIDATES"] = (*(str(p) for p in SCHEMA_PATHS), *candidates)
     return module
 
 

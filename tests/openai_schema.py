@@ -16,9 +16,9 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
+# The steering repo's shared/ sits beside the clone (in CI and in a developer's checkout): ../shared.
 _CANDIDATES = (
-    os.path.join(os.path.dirname(__file__), "data", "openai-schemas.json"),
-    "/work/shared/openai-schemas.json",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "openai-schemas.json"),
 )
 _URI = "urn:pdserve:openai-schemas"
 
