@@ -1,4 +1,5 @@
-"""The attention-op interface the model calls, and the per-step metadata it reads.
+"""The op interface the model calls (attention, and the fused elementwise ops between its matrix
+products), and the per-step metadata it reads.
 
 Implementations (torch reference, Triton) are chosen once by device in `get_ops`; model code never
 branches on the backend. KV layout, one tensor per layer:
@@ -61,6 +62,33 @@ class AttentionOps(Protocol):
 
     def scatter_blocks(self, src: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Inverse of gather_blocks: src [2, n, block_size, Hkv, D] into the blocks named by block_ids."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, E] -> [T, E] in x's dtype: normalised in fp32, rounded, then scaled by weight [E]."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, E]. residual += x in place (rounded to its dtype); returns
+        (rms_norm(residual), residual)."""
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """Rotate-half RoPE in fp32, then the KV write. qkv: [T, (Hq + 2 Hkv) * D] (q | k | v heads);
+        positions: [T] int64 rows of cos, sin: [P, D/2] fp32 (every position < P). Rotates q in place in
+        qkv and writes rotated k and v to slot slot_mapping[t] (skips -1); qkv's k and v columns are left
+        as they were. Returns q: [T, Hq, D], a view of qkv."""
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2F] (gate | up) -> silu(gate) * up: [T, F], silu rounded before the product."""
 
 
 def check_kv_layer(kv_layer: torch.Tensor) -> None:

@@ -1,15 +1,16 @@
-"""Torch reference attention ops: the oracle for the Triton kernels and the CPU implementation.
+"""Torch reference ops: the oracle for the Triton kernels and the CPU implementation.
 
 Same signatures as `AttentionOps` (kernels/ops.py). Decode attention is batched over sequences (one
 padded gather per layer) because it runs every step; prefill loops over sequences because it is
-compute-bound and its sequences differ in length.
+compute-bound and its sequences differ in length. The elementwise ops round where Hugging Face's Llama
+does (RMSNorm in fp32, rounded before the weight); RoPE runs in fp32 and is rounded once, which in fp32
+is Hugging Face's computation exactly.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
 
 
@@ -78,6 +79,47 @@ class ReferenceOps:
         check_kv_layer(kv_layer)
         assert src.shape == (2, block_ids.shape[0], *kv_layer.shape[2:]), (src.shape, kv_layer.shape)
         kv_layer.index_copy_(1, block_ids.to(kv_layer.device, torch.int64), src.to(kv_layer.dtype))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E]
+        return normed * weight
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert x.shape == residual.shape, (x.shape, residual.shape)
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        check_kv_layer(kv_layer)
+        n_tokens = qkv.shape[0]
+        n_kv, head_dim = kv_layer.shape[3], kv_layer.shape[4]
+        q_cols = num_heads * head_dim
+        assert qkv.shape[1] == q_cols + 2 * n_kv * head_dim, (qkv.shape, num_heads, kv_layer.shape)
+        qk = qkv[:, : q_cols + n_kv * head_dim].view(n_tokens, num_heads + n_kv, head_dim)
+        half = head_dim // 2
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2] fp32
+        x1, x2 = qk[..., :half].float(), qk[..., half:].float()  # [T, Hq + Hkv, D/2] each
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)  # [T, Hq + Hkv, D]
+        q = qk[:, :num_heads]  # q: [T, Hq, D], a view of qkv
+        q.copy_(rotated[:, :num_heads])
+        v = qkv[:, q_cols + n_kv * head_dim :].view(n_tokens, n_kv, head_dim)  # v: [T, Hkv, D]
+        self.write_kv(rotated[:, num_heads:], v, kv_layer, slot_mapping)
+        return q
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        f = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :f]) * gate_up[:, f:]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:

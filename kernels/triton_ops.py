@@ -1,7 +1,8 @@
 """Triton implementation of `AttentionOps` (kernels/ops.py), checked against kernels/reference.py.
 
 Owns the KV-cache write and block gather/scatter kernels and the boundary checks of every op; the
-attention kernels live in kernels/triton_attention.py. Invariants: every op checks shapes, dtypes,
+attention kernels live in kernels/triton_attention.py, the fused norm/RoPE/SiLU kernels in
+kernels/triton_fused.py. Invariants: every op checks shapes, dtypes,
 strides and devices before launching (nothing device-specific is read at import), and no op reads a
 device value on the host, so decode stays capturable in a CUDA graph. Under TRITON_INTERPRET=1 the same
 kernels run on CPU tensors.
@@ -14,6 +15,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from pdserve.kernels import triton_fused
 from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
 from pdserve.kernels.triton_attention import (
     choose_num_splits,
@@ -147,6 +149,70 @@ class TritonOps:
         _check_block_buffer("src", src, kv_layer, ids.shape[0])
         _copy_blocks(src, kv_layer, ids, gather=False)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [T, E] -> [T, E] in x's dtype: normalised in fp32, rounded, then scaled by weight [E]."""
+        _check_rows("x", x, weight)
+        return triton_fused.rms_norm(x, None, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, E]. residual += x in place (rounded to its dtype); returns
+        (rms_norm(residual), residual)."""
+        _check_rows("x", x, weight)
+        _check_rows("residual", residual, weight)
+        assert residual.shape == x.shape, f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}"
+        return triton_fused.rms_norm(x, residual, weight, eps), residual
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
+        """Rotates q in place in qkv [T, (Hq + 2 Hkv) * D], writes rotated k and v to the cache; returns
+        q: [T, Hq, D], a view of qkv. Positions are not range-checked (that would read the device)."""
+        _check_cache(kv_layer)
+        n_kv, head_dim = kv_layer.shape[3], kv_layer.shape[4]
+        width = (num_heads + 2 * n_kv) * head_dim
+        assert head_dim % 2 == 0, f"RoPE needs an even head dim, got {head_dim}"
+        assert qkv.dim() == 2 and qkv.shape[1] == width, (
+            f"qkv must be [T, {width}] for {num_heads} q heads and kv_layer {tuple(kv_layer.shape)}, "
+            f"got {tuple(qkv.shape)}"
+        )
+        _check_float("qkv", qkv, kv_layer.device)
+        assert qkv.stride(1) == 1, f"qkv must be contiguous along its columns, got strides {qkv.stride()}"
+        n_tokens = qkv.shape[0]
+        _check_index("positions", positions, torch.int64, kv_layer.device, (n_tokens,))
+        _check_index("slot_mapping", slot_mapping, torch.int64, kv_layer.device, (n_tokens,))
+        for name, table in (("cos", cos), ("sin", sin)):
+            assert table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == head_dim // 2, (
+                f"{name} must be fp32 [P, {head_dim // 2}], got {table.dtype} {tuple(table.shape)}"
+            )
+            assert table.device == kv_layer.device, (
+                f"{name} is on {table.device} but kv_layer is on {kv_layer.device}"
+            )
+            assert table.stride(1) == 1 and table.stride(0) == cos.stride(0), (
+                f"cos and sin must share row strides with contiguous rows, got {cos.stride()}, {sin.stride()}"
+            )
+        triton_fused.rope_write_kv(qkv, positions, cos, sin, kv_layer, slot_mapping, num_heads)
+        return qkv[:, : num_heads * head_dim].view(n_tokens, num_heads, head_dim)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2F] (gate | up) -> silu(gate) * up: [T, F], silu rounded before the product."""
+        assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, (
+            f"gate_up must be [T, 2F], got {tuple(gate_up.shape)}"
+        )
+        assert gate_up.dtype in _FLOAT_DTYPES, (
+            f"gate_up dtype must be one of {_FLOAT_DTYPES}, got {gate_up.dtype}"
+        )
+        assert gate_up.stride(1) == 1, f"gate_up must be contiguous along its columns, got {gate_up.stride()}"
+        return triton_fused.silu_mul(gate_up)
+
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
     n = ids.shape[0]
@@ -200,6 +266,18 @@ def _check_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMet
     need = -(-meta.max_seq_len // block_size)
     assert tables.shape[1] >= need, (
         f"block_tables has {tables.shape[1]} columns but max_seq_len {meta.max_seq_len} needs {need}"
+    )
+
+
+def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    assert x.dim() == 2 and weight.shape == (x.shape[1],), (
+        f"{name} must be [T, E] with weight [E], got {tuple(x.shape)} and weight {tuple(weight.shape)}"
+    )
+    assert x.dtype in _FLOAT_DTYPES, f"{name} dtype must be one of {_FLOAT_DTYPES}, got {x.dtype}"
+    assert x.device == weight.device, f"{name} is on {x.device} but the weight is on {weight.device}"
+    assert weight.dtype == x.dtype, f"{name} dtype {x.dtype} must equal the weight's {weight.dtype}"
+    assert x.stride(1) == 1 and weight.stride(0) == 1, (
+        f"{name} and weight must be contiguous along E, got strides {x.stride()} and {weight.stride()}"
     )
 
 

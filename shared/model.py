@@ -5,6 +5,9 @@ cos/sin tables (fp32, precomputed up to `max_position_embeddings`). Invariants: 
 step's K/V for layer l into `kv_cache[l]` before attending, then calls `layer_hook(l)`; it returns the
 residual stream before the final norm, which `compute_logits` applies (norm is per row, so the caller
 may select rows first). Nothing in `forward` syncs with the host, so it can be captured in a CUDA graph.
+Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
+RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer's norm to add into the
+residual stream, so the stream is updated in place and only the last add is a separate op.
 """
 
 from __future__ import annotations
@@ -58,14 +61,8 @@ class RMSNorm(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
-        hq, hkv, d, e, f = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.hidden_size,
-            cfg.intermediate_size,
-        )
-        self.num_heads, self.num_kv_heads, self.head_dim, self.ffn = hq, hkv, d, f
+        hq, d, e, f = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        self.num_heads, self.head_dim = hq, d
         self.scale = d**-0.5
         self.input_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
         self.qkv_weight = _param((cfg.qkv_size, e), device, dtype)  # rows: q | k | v
@@ -80,37 +77,36 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         ops: AttentionOps,
-    ) -> torch.Tensor:
-        """h: [T, E] residual stream -> [T, E]. cos, sin: [T, 1, D/2]. kv_layer: [2, N, B, Hkv, D]."""
-        n_tokens = h.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(self.input_norm(h), self.qkv_weight, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
-        qk = _apply_rope(qkv[:, : (hq + hkv) * d].view(n_tokens, hq + hkv, d), cos, sin)  # qk: [T, Hq+Hkv, D]
-        q = qk[:, :hq]  # q: [T, Hq, D]
-        k = qk[:, hq:]  # k: [T, Hkv, D]
-        v = qkv[:, (hq + hkv) * d :].view(n_tokens, hkv, d)  # v: [T, Hkv, D]
-        ops.write_kv(k, v, kv_layer, meta.slot_mapping)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual: [T, E] stream, updated in place; delta: [T, E] the previous layer's MLP output, not
+        yet added (None before the first layer). Returns (this layer's MLP output, residual): the add is
+        left to the next norm, which fuses it. positions: [T] int64; rope: fp32 (cos, sin) [P, D/2];
+        kv_layer: [2, N, B, Hkv, D]."""
+        n_tokens = residual.shape[0]
+        hq, d = self.num_heads, self.head_dim
+        norm = self.input_norm
+        if delta is None:
+            normed = ops.rms_norm(residual, norm.weight, norm.eps)  # normed: [T, E]
+        else:
+            normed, residual = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
+        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
+        # q: [T, Hq, D], rotated in place in qkv; rotated K and V are in kv_layer
+        q = ops.rope_write_kv(qkv, positions, *rope, kv_layer, meta.slot_mapping, hq)
         if meta.is_decode:
             attn = ops.decode_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         else:
             attn = ops.prefill_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
-        h = h + F.linear(attn.reshape(n_tokens, hq * d), self.o_weight, self.o_bias)  # h: [T, E]
-        gate_up = F.linear(self.post_norm(h), self.gate_up_weight)  # gate_up: [T, 2F]
-        act = F.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn :]  # act: [T, F]
-        return h.add_(F.linear(act, self.down_weight))  # h: [T, E]
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, D]; cos, sin: [T, 1, D/2] -> new contiguous [T, H, D]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        o = F.linear(attn.reshape(n_tokens, hq * d), self.o_weight, self.o_bias)  # o: [T, E]
+        normed, residual = ops.add_rms_norm(o, residual, self.post_norm.weight, self.post_norm.eps)
+        gate_up = F.linear(normed, self.gate_up_weight)  # gate_up: [T, 2F]
+        return F.linear(ops.silu_mul(gate_up), self.down_weight), residual  # [T, E], [T, E]
 
 
 class LlamaModel(nn.Module):
@@ -157,14 +153,14 @@ class LlamaModel(nn.Module):
             kv_cache.shape
         )
         assert kv_cache.shape[4:] == (cfg.num_kv_heads, cfg.head_dim), kv_cache.shape
-        cos = self.rope_cos[positions].to(self.dtype).unsqueeze(1)  # cos: [T, 1, D/2]
-        sin = self.rope_sin[positions].to(self.dtype).unsqueeze(1)  # sin: [T, 1, D/2]
-        h = F.embedding(input_ids, self.embed_weight)  # h: [T, E]
+        rope = (self.rope_cos, self.rope_sin)
+        h = F.embedding(input_ids, self.embed_weight)  # h: [T, E] residual stream
+        delta: torch.Tensor | None = None  # [T, E] the last layer's MLP output, not yet in h
         for i, layer in enumerate(self.decoder_layers):
-            h = layer(h, cos, sin, kv_cache[i], meta, ops)
+            delta, h = layer(delta, h, positions, rope, kv_cache[i], meta, ops)
             if layer_hook is not None:
                 layer_hook(i)
-        return h
+        return h if delta is None else h.add_(delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, E] rows of `forward`'s output -> logits [S, V] float32."""

@@ -1,0 +1,152 @@
+"""Triton kernels for the elementwise work between a decoder layer's matrix products, one pass each:
+residual add + RMSNorm, RoPE on q and k with the KV-cache write, and SiLU(gate) x up.
+
+Each kernel rounds where the torch reference (kernels/reference.py) rounds, so the two agree to the last
+bit in fp32 up to summation order and fused multiply-adds: the residual sum is rounded to the model
+dtype before it is normalised, the norm runs in fp32 and is rounded before the weight multiply, RoPE
+runs in fp32 on the fp32 cos/sin tables and is rounded once. Launchers take already-checked tensors
+(kernels/triton_ops.py checks them) and never synchronise with the device, so decode stays capturable
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SILU_BLOCK = 1024  # elements of one row per program
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        # the sum is rounded to the stream's dtype first, as torch's `residual + x` is
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, normed * w.to(tl.float32), mask=mask)
+
+
+@triton.jit
+def _rotate_store(src, dst, c, s, mask, HALF: tl.constexpr):
+    # src, dst: [H, HALF] pointers to the first halves of H heads; c, s: [1, HALF] fp32
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_t, stride_cos, stride_cslot, stride_ch,
+    N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
+    Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cos + offs_d, mask=d_mask, other=0.0)[None, :]
+    row = qkv_ptr + token * stride_t  # q heads, then k heads, then v heads, each 2 * HALF wide
+    offs_q = tl.arange(0, Q_PAD)
+    q = row + offs_q[:, None] * (2 * HALF) + offs_d[None, :]
+    _rotate_store(q, q, c, s, (offs_q < N_Q)[:, None] & d_mask[None, :], HALF)  # q rotated in place
+    slot = tl.load(slots_ptr + token)
+    if slot >= 0:
+        offs_k = tl.arange(0, KV_PAD)
+        kv_mask = (offs_k < N_KV)[:, None] & d_mask[None, :]
+        k = row + (N_Q + offs_k[:, None]) * (2 * HALF) + offs_d[None, :]
+        cache_off = slot * stride_cslot + offs_k[:, None] * stride_ch + offs_d[None, :]
+        _rotate_store(k, k_cache_ptr + cache_off, c, s, kv_mask, HALF)
+        v = k + N_KV * 2 * HALF
+        v_cache = v_cache_ptr + cache_off
+        tl.store(v_cache, tl.load(v, mask=kv_mask, other=0.0), mask=kv_mask)
+        tl.store(v_cache + HALF, tl.load(v + HALF, mask=kv_mask, other=0.0), mask=kv_mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    g = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * stride_in + n_cols + offs, mask=mask, other=0.0).to(tl.float32)
+    # silu is rounded to the output dtype before the multiply, as torch's `silu(gate) * up` is
+    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, act * u, mask=mask)
+
+
+def _norm_warps(n_cols: int) -> int:
+    return 4 if n_cols <= 2048 else 8 if n_cols <= 8192 else 16
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x: [T, E] -> normed [T, E] in x's dtype. With `residual` ([T, E], same dtype), first
+    residual += x in place and normalise the sum. Rows must be contiguous (stride 1 along E)."""
+    n_rows, n_cols = x.shape
+    out = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
+    if n_rows == 0:
+        return out
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(n_rows,)](
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n_cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+        num_warps=_norm_warps(n_cols),
+    )  # fmt: skip
+    return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """qkv: [T, (Hq + 2 Hkv) * D], rows of q | k | v heads; q is rotated in place, rotated k and v go
+    to slot_mapping[t] of kv_layer [2, N, B, Hkv, D] (skipped where -1). positions: [T] int64 rows of
+    cos, sin: [P, D/2] fp32."""
+    n_tokens = qkv.shape[0]
+    if n_tokens == 0:
+        return
+    n_kv, head_dim = kv_layer.shape[3], kv_layer.shape[4]
+    half = head_dim // 2
+    k_cache, v_cache = kv_layer[0], kv_layer[1]  # [N, B, Hkv, D]: slot = block * B + offset
+    _rope_write_kv_kernel[(n_tokens,)](
+        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_Q=num_heads, N_KV=n_kv, HALF=half, Q_PAD=triton.next_power_of_2(num_heads),
+        KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+    )  # fmt: skip
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2F] (gate | up) -> silu(gate) * up [T, F] in gate_up's dtype."""
+    n_rows, n_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n_rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    if n_rows == 0:
+        return out
+    _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, _SILU_BLOCK))](
+        gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=_SILU_BLOCK, num_warps=4
+    )
+    return out

@@ -1,0 +1,207 @@
+"""Fused Triton kernels (add + RMSNorm, RoPE + KV write, SiLU x up) against their torch reference twins,
+on CPU tensors under the Triton interpreter, and a whole decoder through them against the reference ops.
+
+As in tests/test_triton_kernels.py, TRITON_INTERPRET=1 is set before triton is first imported, handed
+to triton's in-process knob and removed from the environment; the numpy >= 2.4 interpreter fix is the
+same upstream patch. Unwritten cache slots hold a large value, so a write to the wrong slot shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np
+import pytest
+import torch
+import triton
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.kernels.triton_fused import _rms_norm_kernel
+from pdserve.kernels.triton_ops import TritonOps
+from pdserve.shared.dummy_weights import fill_dummy_weights
+from pdserve.shared.model import LlamaModel, rope_inv_freq
+from pdserve.shared.model_config import NAMED_SHAPES
+from triton.runtime import interpreter
+from triton.runtime.interpreter import InterpretedFunction
+
+triton.knobs.runtime.interpret = True
+del os.environ["TRITON_INTERPRET"]
+
+
+def _install_numpy24_index_fix() -> None:
+    """triton 3.6.0's interpreter turns a 1-element array into a loop bound with int(array), which
+    numpy >= 2.4 refuses; the upstream fix (triton-lang/triton#9171, PR #9172)."""
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor: type, scope: interpreter._LangPatchScope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+    _install_numpy24_index_fix()
+
+REF = ReferenceOps()
+TRI = TritonOps()
+POISON = 50.0
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: equal up to summation order. bf16: the interpreter narrows fp32 to bf16 by truncation where
+    torch rounds to nearest, 1 ulp (up to 2^-7 relative) per rounding, and a norm rounds twice."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+    tol = 1e-6 if want.dtype == torch.float32 else 2**-6
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_kernels_run_under_the_interpreter() -> None:
+    assert isinstance(_rms_norm_kernel, InterpretedFunction), "triton was imported before this module"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])  # a power of two, and one the kernel pads
+def test_rms_norm_and_add_rms_norm_match_reference(dtype: torch.dtype, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(5, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(5, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    _assert_close(TRI.rms_norm(x, weight, 1e-5), REF.rms_norm(x, weight, 1e-5))
+
+    res_tri, res_ref = residual.clone(), residual.clone()
+    normed_tri, out_tri = TRI.add_rms_norm(x, res_tri, weight, 1e-5)
+    normed_ref, out_ref = REF.add_rms_norm(x, res_ref, weight, 1e-5)
+    assert out_tri is res_tri and out_ref is res_ref  # the stream is updated in place
+    _assert_close(res_tri, residual + x)
+    _assert_close(res_ref, residual + x)
+    _assert_close(normed_tri, normed_ref)
+
+
+def test_rms_norm_strided_rows() -> None:
+    # rows of a wider buffer: the kernel follows the row stride
+    base = torch.randn(4, 80)
+    x, weight = base[:, :64], torch.rand(64) + 0.5
+    _assert_close(TRI.rms_norm(x, weight, 1e-6), REF.rms_norm(x, weight, 1e-6))
+
+
+def _rope_case(
+    dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(head_dim + n_q)
+    n_tokens, max_pos = 6, 300
+    inv_freq = rope_inv_freq(head_dim, 10000.0, None)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [P, D/2]
+    qkv = torch.randn(n_tokens, (n_q + 2 * n_kv) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 1, 17, 299, 5, 128], dtype=torch.int64)
+    # slot -1: a padding row, whose q is still rotated but whose K/V go nowhere
+    slots = torch.tensor([3, 0, 31, -1, 16, 8], dtype=torch.int64)
+    kv = torch.full((2, 3, 16, n_kv, head_dim), POISON, dtype=dtype)
+    return qkv, positions, angles.cos(), angles.sin(), kv, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(4, 2, 16), (6, 3, 12), (8, 8, 64)])
+def test_rope_write_kv_matches_reference(dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int) -> None:
+    qkv, positions, cos, sin, kv, slots = _rope_case(dtype, n_q, n_kv, head_dim)
+    qkv_tri, qkv_ref, kv_tri, kv_ref = qkv.clone(), qkv.clone(), kv.clone(), kv.clone()
+    q_tri = TRI.rope_write_kv(qkv_tri, positions, cos, sin, kv_tri, slots, n_q)
+    q_ref = REF.rope_write_kv(qkv_ref, positions, cos, sin, kv_ref, slots, n_q)
+    assert q_tri.shape == (6, n_q, head_dim) and q_tri.data_ptr() == qkv_tri.data_ptr()  # a view of qkv
+    _assert_close(q_tri, q_ref)
+    _assert_close(kv_tri, kv_ref)
+    q_cols = n_q * head_dim
+    assert torch.equal(qkv_tri[:, q_cols:], qkv[:, q_cols:])  # k and v columns are left as they were
+    assert torch.equal(qkv_ref[:, q_cols:], qkv[:, q_cols:])
+    flat = kv_tri.view(2, -1, n_kv, head_dim)
+    assert (flat[:, [s for s in range(48) if s not in slots.tolist()]] == POISON).all()
+    # V is copied unrotated; position 0 leaves K unrotated too
+    v = qkv[:, q_cols + n_kv * head_dim :].view(6, n_kv, head_dim)
+    assert torch.equal(flat[1, slots[slots >= 0]], v[slots >= 0])
+    assert torch.equal(flat[0, 3], qkv[0, q_cols : q_cols + n_kv * head_dim].view(n_kv, head_dim))
+
+
+def test_rope_is_the_rotate_half_of_hugging_face_in_fp32() -> None:
+    qkv, positions, cos, sin, kv, slots = _rope_case(torch.float32, 4, 2, 16)
+    q = qkv[:, : 4 * 16].view(6, 4, 16)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    rotate_half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
+    want = q * torch.cat((c, c), -1) + rotate_half * torch.cat((s, s), -1)
+    got = TRI.rope_write_kv(qkv.clone(), positions, cos, sin, kv, slots, 4)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(3, 2 * 1500, generator=gen) * 4).to(dtype)  # 1500 spans two column blocks
+    gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0  # exp overflow on either side
+    _assert_close(TRI.silu_mul(gate_up), REF.silu_mul(gate_up))
+
+
+def test_boundary_checks_name_the_bad_value() -> None:
+    qkv, positions, cos, sin, kv, slots = _rope_case(torch.float32, 4, 2, 16)
+    with pytest.raises(AssertionError, match=r"qkv must be \[T, 144\] for 5 q heads"):
+        TRI.rope_write_kv(qkv, positions, cos, sin, kv, slots, 5)
+    with pytest.raises(AssertionError, match=r"positions must be torch.int64"):
+        TRI.rope_write_kv(qkv, positions.int(), cos, sin, kv, slots, 4)
+    with pytest.raises(AssertionError, match=r"cos must be fp32 \[P, 8\]"):
+        TRI.rope_write_kv(qkv, positions, cos.bfloat16(), sin, kv, slots, 4)
+    with pytest.raises(AssertionError, match=r"x dtype torch.bfloat16 must equal the weight's torch.float32"):
+        TRI.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5)
+    with pytest.raises(AssertionError, match=r"residual must be \[T, E\] with weight \[E\]"):
+        TRI.add_rms_norm(torch.ones(2, 8), torch.ones(2, 9), torch.ones(8), 1e-5)
+    with pytest.raises(AssertionError, match=r"gate_up must be \[T, 2F\]"):
+        TRI.silu_mul(torch.ones(2, 7))
+
+
+def _tiny_model(dtype: torch.dtype) -> LlamaModel:
+    cfg = dataclasses.replace(
+        NAMED_SHAPES["smollm2-135m"], num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=160
+    )
+    model = LlamaModel(cfg, torch.device("cpu"), dtype)
+    fill_dummy_weights(model, seed=4)
+    with torch.no_grad():  # norms of 1 would hide a wrong weight multiply
+        for layer in model.decoder_layers:
+            layer.input_norm.weight.uniform_(0.5, 1.5)
+            layer.post_norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _prefill_then_decode(model: LlamaModel, ops: AttentionOps, tokens: list[int]) -> torch.Tensor:
+    """Prefill all but the last token, then decode it; logits [2, V] of both steps' last rows."""
+    c, block = model.config, 16
+    kv = torch.zeros(c.num_layers, 2, 4, block, c.num_kv_heads, c.head_dim, dtype=model.dtype)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    n = len(tokens)
+    rows = []
+    for start, end in ((0, n - 1), (n - 1, n)):
+        pos = torch.arange(start, end)
+        meta = AttentionMetadata(
+            slot_mapping=table[0, pos // block].long() * block + pos % block,
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=table,
+            max_query_len=end - start,
+            max_seq_len=end,
+        )
+        hidden = model.forward(torch.tensor(tokens[start:end]), pos, kv, meta, ops)
+        rows.append(model.compute_logits(hidden[-1:]))
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decoder_through_fused_kernels_matches_reference(dtype: torch.dtype) -> None:
+    torch.set_num_threads(1)
+    model = _tiny_model(dtype)
+    tokens = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.inference_mode():
+        want = _prefill_then_decode(model, REF, tokens)
+        got = _prefill_then_decode(model, TRI, tokens)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
