@@ -9,7 +9,8 @@ token callback; us: the engine step that samples it), decode is the rest.
 - concurrent: --concurrency prompts of mixed lengths submitted at once to one engine, vs HF generating
   the same prompts as one left-padded batch; output tokens/s end to end (target >= 1.5x HF);
 - load: our `load_model` weight time vs HF `from_pretrained`, tokenizer load reported apart (target < 5 s).
-Our engine gets a fresh pool for each run, so the prefix cache never serves a repeat.
+Our engine gets a fresh pool for each run, so the prefix cache never serves a repeat. Runs alternate between
+the two sides (ours, HF, ours, HF...) so that both see the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -156,44 +157,59 @@ class Side:
     tokenizer_s: float
 
 
-def measure_ours(path: str, prompts: list[list[int]], args: argparse.Namespace) -> Side:
-    loads: list[LoadedModel] = [
-        load_model(path, device=torch.device("cpu"), dtype=torch.float32) for _ in range(args.repeats)
-    ]
-    loaded = loads[-1]
-    run_ours(loaded, prompts[:2], 4, args.kv_blocks)  # warm-up
-    one = [run_ours(loaded, prompts[:1], args.max_tokens, args.kv_blocks) for _ in range(args.repeats)]
-    many = [run_ours(loaded, prompts, args.max_tokens, args.kv_blocks) for _ in range(args.repeats)]
-    return Side(
-        median_timing(one),
-        median_timing(many),
-        statistics.median(m.weights_load_s for m in loads),
-        statistics.median(m.tokenizer_load_s for m in loads),
-    )
-
-
-def measure_hf(path: str, prompts: list[list[int]], args: argparse.Namespace) -> Side:
+def load_hf(path: str) -> tuple[Any, float, float]:
+    """transformers' model and tokenizer from the GGUF: (model, weights seconds, tokenizer seconds)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(path)
-    weights_s, tokenizer_s = [], []
-    model: Any = None
-    for _ in range(args.repeats):
-        del model
-        seconds, model = timed(
-            lambda: AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        )
-        weights_s.append(seconds)
-        tokenizer_s.append(timed(lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))[0])
-    model.eval()
-    torch.set_num_threads(args.threads)
-    pad = int(model.generation_config.pad_token_id or 0)
-    run_hf(model, prompts[:2], 4, pad)  # warm-up
-    one = [run_hf(model, prompts[:1], args.max_tokens, pad) for _ in range(args.repeats)]
-    many = [run_hf(model, prompts, args.max_tokens, pad) for _ in range(args.repeats)]
-    return Side(
-        median_timing(one), median_timing(many), statistics.median(weights_s), statistics.median(tokenizer_s)
+    weights_s, model = timed(
+        lambda: AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     )
+    tokenizer_s, _ = timed(lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
+    return model.eval(), weights_s, tokenizer_s
+
+
+def measure(path: str, prompts: list[list[int]], args: argparse.Namespace) -> tuple[Side, Side | None]:
+    """Both sides, interleaved run by run so that both see the same load on a shared machine."""
+    cpu = torch.device("cpu")
+    ours_loads: list[LoadedModel] = []
+    hf_load_s: list[tuple[float, float]] = []
+    hf_model: Any = None
+    for _ in range(args.repeats):
+        ours_loads.append(load_model(path, device=cpu, dtype=torch.float32))
+        if not args.skip_hf:
+            del hf_model  # one HF model alive at a time
+            hf_model, weights_s, tokenizer_s = load_hf(path)
+            hf_load_s.append((weights_s, tokenizer_s))
+    loaded = ours_loads[-1]
+    torch.set_num_threads(args.threads)  # loaders may change it
+    pad = 0 if hf_model is None else int(hf_model.generation_config.pad_token_id or 0)
+    runs: dict[str, list[Timing]] = {"ours1": [], "oursn": [], "hf1": [], "hfn": []}
+    run_ours(loaded, prompts[:2], 4, args.kv_blocks)  # warm-up
+    if hf_model is not None:
+        run_hf(hf_model, prompts[:2], 4, pad)
+    for _ in range(args.repeats):
+        runs["ours1"].append(run_ours(loaded, prompts[:1], args.max_tokens, args.kv_blocks))
+        if hf_model is not None:
+            runs["hf1"].append(run_hf(hf_model, prompts[:1], args.max_tokens, pad))
+        runs["oursn"].append(run_ours(loaded, prompts, args.max_tokens, args.kv_blocks))
+        if hf_model is not None:
+            runs["hfn"].append(run_hf(hf_model, prompts, args.max_tokens, pad))
+    ours = Side(
+        median_timing(runs["ours1"]),
+        median_timing(runs["oursn"]),
+        statistics.median(m.weights_load_s for m in ours_loads),
+        statistics.median(m.tokenizer_load_s for m in ours_loads),
+    )
+    if hf_model is None:
+        return ours, None
+    hf = Side(
+        median_timing(runs["hf1"]),
+        median_timing(runs["hfn"]),
+        statistics.median(w for w, _ in hf_load_s),
+        statistics.median(t for _, t in hf_load_s),
+    )
+    return ours, hf
 
 
 def table(ours: Side, hf: Side | None, n: int) -> list[str]:
@@ -234,8 +250,7 @@ def main() -> None:
     tok = load_tokenizer(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     prompts = prompts[: args.concurrency]
-    ours = measure_ours(path, prompts, args)
-    hf = None if args.skip_hf else measure_hf(path, prompts, args)
+    ours, hf = measure(path, prompts, args)
     load_after = os.getloadavg()
     now = datetime.datetime.now().isoformat(timespec="seconds")
     print(
