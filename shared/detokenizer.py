@@ -3,8 +3,11 @@
 Invariants:
 - The deltas returned by add() and flush(), joined, equal `text` exactly, and `text` only grows.
 - Text is released only when stable: a decode window ending in U+FFFD (an incomplete UTF-8 sequence split
-  across tokens) is held until a later token completes it or flush(); a suffix that is a proper prefix of a
-  stop string is held until it is ruled out (not needed when include_stop_str_in_output).
+  across tokens) is held until a later token completes it, flush(), or MAX_HELD_TOKENS tokens have piled up
+  (no UTF-8 character spans more than 4 bytes, so such a run is invalid for good and is released as U+FFFD;
+  without the bound a run of invalid bytes would grow the window, and each decode, without limit); a suffix
+  that is a proper prefix of a stop string is held until it is ruled out (not needed when
+  include_stop_str_in_output).
 - A stop string ends the request at its first occurrence; the text ends before it (or after it with
   include_stop_str_in_output) and later tokens add nothing. A stop token (params.stop_token_ids, or an EOS
   id unless ignore_eos) ends it too; its own text is dropped unless include_stop_str_in_output.
@@ -20,6 +23,7 @@ from typing import Protocol
 from pdserve.shared.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 6
+MAX_HELD_TOKENS = 8
 _REPLACEMENT = "\ufffd"
 
 
@@ -88,7 +92,10 @@ class IncrementalDetokenizer:
         self._ids.append(token)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+        held = len(self._ids) - self._read_offset
+        if len(new_text) > len(prefix_text) and (
+            not new_text.endswith(_REPLACEMENT) or held >= MAX_HELD_TOKENS
+        ):
             self._decoded += new_text[len(prefix_text) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
 

@@ -55,16 +55,19 @@ class _ByteBackend:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        special = self.special_ids
+        if not special.intersection(ids):
+            return bytes([i & 0xFF for i in ids]).decode("utf-8", errors="replace")
         out: list[str] = []
-        run = bytearray()
+        run: list[int] = []
         for i in ids:
-            if i in self.special_ids:
-                out.append(run.decode("utf-8", errors="replace"))
+            if i in special:
+                out.append(bytes(run).decode("utf-8", errors="replace"))
                 run.clear()
                 out.append("" if skip_special_tokens else f"<|{i}|>")
             else:
-                run.append(i % 256)
-        out.append(run.decode("utf-8", errors="replace"))
+                run.append(i & 0xFF)
+        out.append(bytes(run).decode("utf-8", errors="replace"))
         return "".join(out)
 
     def vocab_size(self) -> int:
