@@ -146,7 +146,7 @@ class DecodeGraphs:
 
         def fn() -> torch.Tensor:
             hidden = self.model.forward(self._i64[0, :b], self._i64[1, :b], self.kv_cache, meta, self.ops)
-            return self.model.compute_logits(hidden)  # [b, V] fp32
+            return self.model.compute_logits(hidden, self.ops)  # [b, V] fp32
 
         return fn
 

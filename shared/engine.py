@@ -205,7 +205,7 @@ class LLMEngine:
             SamplingState(
                 params=s.request.params,
                 prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=tuple(s.request.output_token_ids),
+                output_token_ids=s.request.output_token_ids,
                 position=s.request.num_tokens,
             )
             for s in sampling

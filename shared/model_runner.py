@@ -53,6 +53,12 @@ class ModelRunner:
         self.device = cfg.torch_device
         self.ops: AttentionOps = ops or get_ops(self.device)
         self.num_blocks = num_blocks
+        if self.device.type == "cuda":
+            # Accumulate half-precision matmuls in fp32 end to end: more exact, and for the skinny (M = 1..8)
+            # decode GEMMs cuBLAS then skips its separate split-K reduction kernels. Process-wide; a node
+            # process owns one engine, so this is the engine's setting, made once at construction.
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         # kv_cache: [L, 2, N, B, Hkv, D]
         self.kv_cache = torch.zeros(
             (c.num_layers, 2, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim),
@@ -106,7 +112,7 @@ class ModelRunner:
         # last: index of each sampled item's last token in the flat batch
         ends = torch.tensor(meta.query_start_loc[1:].tolist(), dtype=torch.int64, device=dev) - 1
         sampled = torch.tensor([i for i, it in enumerate(items) if it.sample], dtype=torch.int64, device=dev)
-        return self.model.compute_logits(hidden[ends[sampled]])
+        return self.model.compute_logits(hidden[ends[sampled]], self.ops)
 
     def _token_lists(self, items: Sequence[BatchItem]) -> tuple[list[int], list[int], list[int]]:
         b = self.block_size
