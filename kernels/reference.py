@@ -1,10 +1,10 @@
 """Torch reference ops: the oracle for the Triton kernels and the CPU implementation.
 
 Same signatures as `AttentionOps` (kernels/ops.py). Decode attention is batched over sequences (one
-padded gather per layer) because it runs every step; prefill loops over sequences because it is
-compute-bound and its sequences differ in length. The elementwise ops round where Hugging Face's Llama
-does (RMSNorm in fp32, rounded before the weight); RoPE runs in fp32 and is rounded once, which in fp32
-is Hugging Face's computation exactly.
+padded gather per layer, one fused SDPA call) because it runs every step; prefill loops over sequences
+because it is compute-bound and its sequences differ in length. The elementwise ops round where Hugging
+Face's Llama does (RMSNorm in fp32, rounded before the weight); RoPE runs in fp32 and is rounded once,
+which in fp32 is Hugging Face's computation exactly.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ class ReferenceOps:
         _, n_blocks, block_size, n_kv, head_dim = kv_layer.shape
         assert key.shape == value.shape and key.shape[1:] == (n_kv, head_dim), (key.shape, kv_layer.shape)
         assert slot_mapping.shape == (key.shape[0],)
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
         flat = kv_layer.view(2, n_blocks * block_size, n_kv, head_dim)
-        flat[0, slots] = key[valid].to(kv_layer.dtype)
-        flat[1, slots] = value[valid].to(kv_layer.dtype)
+        if bool((slot_mapping < 0).any()):  # padding rows (slot -1) are rare: mask only then
+            valid = slot_mapping >= 0
+            slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+        flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
+        flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
 
     def prefill_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -62,13 +63,15 @@ class ReferenceOps:
         v = kv_layer[1][tables].flatten(1, 2).transpose(1, 2)
         pos = torch.arange(n_blocks * block_size, device=q.device)
         mask = pos[None, :] < meta.seq_lens[:, None].to(q.device)  # [S, L]
-        group = n_heads // n_kv
-        qg = q.view(n_seqs, n_kv, group, head_dim).to(k.dtype)
-        scores = torch.einsum("skgd,skld->skgl", qg, k) * scale
-        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        out = torch.einsum("skgl,skld->skgd", probs, v)
-        return out.reshape(n_seqs, n_heads, head_dim).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.view(n_seqs, n_heads, 1, head_dim).to(k.dtype),  # [S, Hq, 1, D]
+            k,
+            v,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=n_heads != n_kv,
+        )  # [S, Hq, 1, D]
+        return out.view(n_seqs, n_heads, head_dim).to(q.dtype)
 
     def gather_blocks(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         check_kv_layer(kv_layer)
