@@ -107,7 +107,10 @@ class DecodeHandler(TransferHandler):
             raise RuntimeError(f"transfer {transfer_id} was aborted on the decode node")
         runner = self.rt.engine.runner
         layers = buffer if buffer.dim() == 6 else buffer.unsqueeze(0)
-        # buffer: [n_layers, 2, n, B, Hkv, D] in host memory; the reserved blocks are read by nobody else.
+        # buffer: [n_layers, 2, n, B, Hkv, D], in host memory or already on the cache's device (a GPU
+        # connector receives there; `.to` is then a no-op). The scatter is queued on the current stream,
+        # which the connector waits for before it reuses the buffer. The reserved blocks are read by
+        # nobody else.
         ids = dst_block_ids.to(runner.device)
         for i in range(layers.shape[0]):
             runner.ops.scatter_blocks(layers[i].to(runner.device), runner.kv_cache[layer_start + i], ids)

@@ -1,6 +1,12 @@
-"""A registered `Connector` made of a byte `Transport` plus the one protocol implementation over channels."""
+"""A registered `Connector` made of a byte `Transport` plus the one protocol implementation over channels.
+
+The transport is built per config (`make_transport`), so a transport that needs the node's settings (the
+device payloads land on, the payload timeout) gets them without the protocol code knowing about them.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import ConnectorConfig, KVReceiverServer, KVSender, TransferHandler
@@ -10,13 +16,16 @@ from pdserve.kvtransfer.transport import Transport
 
 
 class ChannelConnector:
-    def __init__(self, transport: Transport) -> None:
-        self.transport = transport
+    def __init__(
+        self, make_transport: Callable[[ConnectorConfig], Transport], checksum_default: bool
+    ) -> None:
+        self.make_transport = make_transport
+        self.checksum_default = checksum_default
 
     def make_sender(self, config: ConnectorConfig, identity: PeerIdentity) -> KVSender:
-        return ChannelSender(self.transport, config, identity)
+        return ChannelSender(self.make_transport(config), config, identity)
 
     def make_server(
         self, config: ConnectorConfig, identity: PeerIdentity, handler: TransferHandler
     ) -> KVReceiverServer:
-        return ChannelServer(self.transport, config, identity, handler)
+        return ChannelServer(self.make_transport(config), config, identity, handler)

@@ -79,8 +79,10 @@ class TransferHandler(Protocol):
     async def on_data(
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
     ) -> None:
-        """dst_block_ids: [n] int64; buffer: [num_layers, 2, n, B, Hkv, D] in the layout's dtype, valid only
-        during the call (e.g. `ops.scatter_blocks(buffer[i], kv_cache[layer_start + i], dst_block_ids)`)."""
+        """dst_block_ids: [n] int64; buffer: [num_layers, 2, n, B, Hkv, D] in the layout's dtype, on
+        `ConnectorConfig.device`, valid only during the call (e.g. `ops.scatter_blocks(buffer[i],
+        kv_cache[layer_start + i], dst_block_ids)`); GPU kernels reading it must be queued on the current
+        stream by the time the call returns (the connector waits for that stream before reusing it)."""
 
     async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
         """Every reserved block has every layer; the request may start decoding. Raising aborts it."""
@@ -102,8 +104,11 @@ class TransferSession(Protocol):
         self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
     ) -> None:
         """buffer: [num_layers, 2, n, B, Hkv, D] or [2, n, B, Hkv, D] (one layer), from `ops.gather_blocks`,
-        block j of it described by descriptors[j]. Returns when the frame is handed to the transport, so the
-        buffer may be reused. Raises TransferAborted when D aborted."""
+        block j of it described by descriptors[j], in host or device memory (the connector stages it through
+        the host if its link needs that). A CUDA buffer must be complete when passed (e.g. wait for an
+        event recorded after the gather): GPU connectors send it without ordering after any stream, so a
+        layer's transfer never waits for compute queued after its gather. Returns when the frame is handed
+        to the transport, so the buffer may be reused. Raises TransferAborted when D aborted."""
 
     async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
         """Send COMPLETE (first token, JSON-able) and return when D acknowledged it."""
@@ -141,13 +146,21 @@ class ConnectorConfig:
 
     kind: str
     auth_token: str
-    checksum: bool = True  # CRC32 every frame; a connection checksums if either end asks for it
+    # CRC32 every frame; a connection checksums if either end asks for it. None: the connector's default
+    # (on for tcp and ucx, off for nccl, whose NVLink/RDMA links check integrity themselves).
+    checksum: bool | None = None
     listen_host: str = "127.0.0.1"
     listen_port: int = 0  # 0: a free port, see KVReceiverServer.address
     connect_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = 5.0  # covers the payload plane's setup (nccl's communicator) too
     ack_grace_s: float = 2.0  # P waits for ACK until the request deadline plus this
     max_payload_bytes: int = 1 << 30
+    # Where received payloads land ("cpu" or "cuda:N"; the node's KV-cache device) and, for nccl, the
+    # GPU of this end's communicator. Sent payloads are read from wherever the caller's buffer lives.
+    device: str = "cpu"
+    # Longest one payload send/recv on a GPU link may stay in flight before the pair is declared dead
+    # and its communicator aborted (the request's deadline bounds P's sends before this does).
+    payload_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.kind not in _REGISTRY:
@@ -156,15 +169,30 @@ class ConnectorConfig:
             raise ValueError("ConnectorConfig.auth_token must be a non-empty shared secret")
         if not 0 <= self.listen_port < 65536:
             raise ValueError(f"listen_port {self.listen_port} must be in [0, 65536)")
-        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s"):
+        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "payload_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"ConnectorConfig.device {self.device!r} is not a torch device") from e
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"ConnectorConfig.device {self.device!r} must be 'cpu' or 'cuda:N'")
+
+    @property
+    def frame_checksum(self) -> bool:
+        """Whether this end asks for checksummed frames (the `checksum` field, or the connector's default)."""
+        if self.checksum is not None:
+            return self.checksum
+        return _connector(self.kind).checksum_default
 
 
 class Connector(Protocol):
     """One registered implementation: builds the two ends."""
+
+    checksum_default: bool  # whether frames are checksummed when the config leaves it open
 
     def make_sender(self, config: ConnectorConfig, identity: PeerIdentity) -> KVSender: ...
 
@@ -177,6 +205,7 @@ class Connector(Protocol):
 _REGISTRY: dict[str, Connector | str] = {
     "tcp": "pdserve.kvtransfer.tcp:CONNECTOR",
     "ucx": "pdserve.kvtransfer.ucx:CONNECTOR",
+    "nccl": "pdserve.kvtransfer.nccl:CONNECTOR",
 }
 
 

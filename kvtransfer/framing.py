@@ -40,12 +40,19 @@ class ByteChannel(Protocol):
     def peer(self) -> str: ...
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
-        """payload: 1-D contiguous uint8 (host memory for TCP) or None."""
+        """payload: 1-D contiguous uint8 in host or device memory, or None; a transport that cannot send
+        device memory stages it through the host. A device payload must be complete (the kernels that wrote it
+        finished) before the call; the call returns once the payload's memory may be reused."""
+
+    async def authenticated(self) -> None:
+        """Called on both ends once the handshake succeeded (after READY), before any other frame: sets up
+        what the transport needs for payloads (nccl's communicator); a no-op for TCP and UCX."""
 
     async def recv_exact(self, nbytes: int) -> bytes: ...
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
-        """A fresh 1-D uint8 tensor of `nbytes` received bytes."""
+        """A 1-D uint8 tensor of `nbytes` received bytes, valid until the next call (a GPU transport reuses
+        one device buffer per connection)."""
 
     def abort(self) -> None:
         """Cut the connection now; pending and later calls raise ConnectionLost."""

@@ -5,7 +5,8 @@ other's version, model fingerprint and KV layout before any proof, refuses with 
 first difference, and raises `HandshakeError`. A proof is HMAC(token, label | role | nonce_p | nonce_d |
 sender node | receiver node); the roles differ, so a proof cannot be reflected back, and the token itself
 never crosses the wire. Until READY every frame is checksummed; afterwards the connection checksums if
-either end's config asks for it.
+either end's config asks for it. Only then does the transport set up its payload plane
+(`ByteChannel.authenticated`), so an unauthenticated peer never gets a communicator.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ async def client_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
     await conn.send(Auth(_proof(token, b"sender", nonce_p, peer.nonce, me.node_id, peer.node_id)))
     await _expect(conn, Ready)
     conn.checksum = checksum or peer.checksum
+    await conn.channel.authenticated()
     return peer
 
 
@@ -108,4 +110,5 @@ async def server_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
         )
     await conn.send(Ready())
     conn.checksum = checksum or peer.checksum
+    await conn.channel.authenticated()
     return peer

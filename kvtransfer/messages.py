@@ -123,11 +123,16 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
 }
 
 
+# Field annotations resolved once: get_type_hints evaluates the string annotations on every call.
+_HINTS: dict[type[Message], dict[str, object]] = {
+    cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()
+}
+
+
 def _to_wire(value: object) -> object:
+    """msgpack packs tuples as arrays itself; only the layout needs turning into a map."""
     if isinstance(value, KVLayout):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if isinstance(value, tuple):
-        return [_to_wire(v) for v in value]
     return value
 
 
@@ -149,6 +154,8 @@ def _check(where: str, annotation: object, value: object) -> object:
         return value
     if origin is tuple and isinstance(value, list):
         item_type = typing.get_args(annotation)[0]
+        if item_type in (int, bytes, str) and all(type(v) is item_type for v in value):
+            return tuple(value)  # the common case (block lists), checked in one pass
         return tuple(_check(f"{where}[{i}]", item_type, v) for i, v in enumerate(value))
     if origin is dict and isinstance(value, dict) and all(type(k) is str for k in value):
         return value
@@ -172,7 +179,7 @@ def decode_header(msg_type: int, header: bytes) -> Message:
         raise ProtocolError(f"{cls.__name__} header is not msgpack: {e}") from e
     if not isinstance(body, dict):
         raise ProtocolError(f"{cls.__name__} header must be a map, got {type(body).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = _HINTS[cls]
     kwargs: dict[str, object] = {}
     for f in dataclasses.fields(cls):
         if f.name in body:

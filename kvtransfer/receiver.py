@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 
+import numpy as np
 import torch
 from pdserve.kvtransfer.common import (
     ChecksumError,
@@ -45,8 +46,11 @@ class _Transfer:
         self.deadline = deadline
         self.lock = asyncio.Lock()
         self.done = False
-        self.received = torch.zeros(layers, len(reply.dst_block_ids), dtype=torch.bool)  # [L, reserved]
+        self.received = np.zeros((layers, len(reply.dst_block_ids)), dtype=np.bool_)  # [L, reserved]
         self.expiry: asyncio.Task[None] | None = None
+        # The last DATA's validated blocks: ((block_indices, dst_blocks), dst ids on the payload's device,
+        # reserved columns), reused while frames name the same blocks.
+        self.blocks: tuple[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor, list[int]] | None = None
 
 
 class ChannelServer:
@@ -133,7 +137,7 @@ class ChannelServer:
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 hello = await server_handshake(
-                    conn, self.config.auth_token, self.identity, self.config.checksum
+                    conn, self.config.auth_token, self.identity, self.config.frame_checksum
                 )
         except TimeoutError:
             log.warning(
@@ -216,11 +220,16 @@ class ChannelServer:
             return f"DATA layers {msg.layer_start}+{msg.num_layers} outside [0, {layout.num_layers})"
         if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
             return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
+        if t.blocks is not None and t.blocks[0] == (msg.block_indices, msg.dst_blocks):
+            return None  # the same blocks as the previous frame (per-layer streaming): checked already
         reserved = reply.dst_block_ids
         for index, dst in zip(msg.block_indices, msg.dst_blocks, strict=True):
             j = index - reply.num_held_blocks
             if not 0 <= j < len(reserved) or reserved[j] != dst:
                 return f"DATA block {index} -> {dst} is not in the reservation"
+        cols = [i - reply.num_held_blocks for i in msg.block_indices]
+        dst_ids = torch.tensor(msg.dst_blocks, dtype=torch.int64, device=payload.device)
+        t.blocks = ((msg.block_indices, msg.dst_blocks), dst_ids, cols)
         return None
 
     async def _data(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> None:
@@ -234,7 +243,8 @@ class ChannelServer:
         buffer = payload.view(lay.torch_dtype).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
-        dst = torch.tensor(msg.dst_blocks, dtype=torch.int64)
+        assert t.blocks is not None
+        _, dst, cols = t.blocks
         async with t.lock:
             if t.done:
                 return
@@ -244,7 +254,6 @@ class ChannelServer:
                 log.exception("on_data(%r) failed", t.tid)
                 failure = f"receiver error in on_data: {e!r}"
             else:
-                cols = [i - t.reply.num_held_blocks for i in msg.block_indices]
                 t.received[msg.layer_start : msg.layer_start + msg.num_layers, cols] = True
                 return
         await self._abort(t, failure, notify=True)
@@ -252,9 +261,7 @@ class ChannelServer:
     async def _complete(self, t: _Transfer, msg: Complete) -> None:
         missing = int((~t.received).sum())
         if missing:
-            await self._abort(
-                t, f"COMPLETE with {missing} of {t.received.numel()} layer-blocks missing", True
-            )
+            await self._abort(t, f"COMPLETE with {missing} of {t.received.size} layer-blocks missing", True)
             return
         async with t.lock:
             if t.done:

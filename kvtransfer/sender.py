@@ -3,7 +3,8 @@
 Invariants: a connection's reader task is the only reader of its channel; a session is registered on its
 connection from construction until it completes, is aborted (by either end) or the connection dies, and
 each of those ends fails its pending waits exactly once with `TransferAborted`. A dead connection is
-dropped from the cache, so the next session to that peer dials again.
+dropped from the cache, so the next session to that peer dials again. No DATA send outlives the request's
+deadline: one still going out then cuts the connection (a half-sent frame would end it anyway).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pdserve.kvtransfer.common import (
     TransferStats,
 )
 from pdserve.kvtransfer.connector import ConnectorConfig
+from pdserve.kvtransfer.device_sync import stream_idle
 from pdserve.kvtransfer.framing import FramedConnection
 from pdserve.kvtransfer.handshake import client_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Message, Open, OpenOk, OpenRefusal
@@ -212,7 +214,19 @@ class ChannelSession:
         )
         if self._first_send is None:
             self._first_send = time.perf_counter()
-        await self._send(msg, buffer.contiguous())
+        if not buffer.is_contiguous():
+            buffer = buffer.contiguous()
+            if buffer.is_cuda:  # the copy must land before a GPU connector reads it
+                await stream_idle(torch.cuda.current_stream(buffer.device))
+        try:
+            async with asyncio.timeout(max(self._deadline - time.time(), 0.0)):
+                await self._send(msg, buffer)
+        except TimeoutError:
+            # A frame cut midway leaves the connection unusable (and a GPU op in flight): drop it whole.
+            reason = "DATA not delivered by the deadline"
+            self._connection.conn.channel.abort()
+            self._fail(reason)
+            raise TransferAborted(self._transfer_id, reason) from None
         self._payload_bytes += buffer.numel() * buffer.element_size()
 
     async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
@@ -263,7 +277,7 @@ class ChannelSender:
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 peer = await client_handshake(
-                    conn, self.config.auth_token, self.identity, self.config.checksum
+                    conn, self.config.auth_token, self.identity, self.config.frame_checksum
                 )
         except TimeoutError:
             channel.abort()

@@ -62,6 +62,14 @@ class TcpChannel:
             filled += len(chunk)
         return out
 
+    async def authenticated(self) -> None:
+        return None
+
+    @property
+    def closed(self) -> bool:
+        """The connection is gone (the peer hung up or it was aborted): nothing more will arrive."""
+        return self._writer.is_closing() or self._reader.at_eof()
+
     def abort(self) -> None:
         self._writer.transport.abort()
 
@@ -104,4 +112,4 @@ class TcpTransport:
         return TcpListener(await asyncio.start_server(accept, host, port))
 
 
-CONNECTOR = ChannelConnector(TcpTransport())
+CONNECTOR = ChannelConnector(lambda config: TcpTransport(), checksum_default=True)

@@ -3,7 +3,8 @@ node's reserved blocks layer by layer while the forward pass runs.
 
 Invariants: the OPEN to D (its just-in-time reservation) goes out when the engine first computes the
 request, not when it is queued; each layer's blocks are copied out of the paged cache on the engine
-thread right after the layer writes them (so later steps may reuse or evict P's blocks freely); blocks D
+thread right after the layer writes them, into a private buffer on the cache's device (so later steps may
+reuse or evict P's blocks freely, and the connector decides whether to stage it through host memory); blocks D
 already holds are never sent; a transfer ends exactly once (COMPLETE+ACK or ABORT), on every path.
 """
 
@@ -27,6 +28,7 @@ from pdserve.kvtransfer.connector import (
     OpenReply,
     TransferSession,
 )
+from pdserve.kvtransfer.device_sync import event_done, stream_idle
 from pdserve.shared.engine import RequestOutput, StepObserver
 from pdserve.shared.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node_runtime import NodeRuntime
@@ -41,8 +43,9 @@ class _Job:
     req: PrefillRequest
     hashes: tuple[BlockHash, ...]
     num_blocks: int
-    chunks: asyncio.Queue[tuple[int, int, list[BlockId], torch.Tensor] | None] = field(
-        default_factory=asyncio.Queue
+    # (layer, first block index, P's block ids, buf, event the gather recorded on a CUDA stream)
+    chunks: asyncio.Queue[tuple[int, int, list[BlockId], torch.Tensor, torch.cuda.Event | None] | None] = (
+        field(default_factory=asyncio.Queue)
     )
     opened: bool = False
     sender_task: asyncio.Task[int] | None = None
@@ -80,9 +83,13 @@ class PrefillObserver(StepObserver):
             runner.ops.gather_blocks(
                 runner.kv_cache[layer], torch.tensor(ids, dtype=torch.int64, device=runner.device), buf
             )
-            if buf.device.type != "cpu":
-                buf = buf.to("cpu", non_blocking=False)
-            self.loop.call_soon_threadsafe(job.chunks.put_nowait, (layer, b0, list(ids), buf))
+            # buf stays where the cache is: the connector stages it through host memory if its link
+            # needs that. The event lets the sender wait (without blocking the loop) for the gather only.
+            event = None
+            if buf.is_cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(buf.device))
+            self.loop.call_soon_threadsafe(job.chunks.put_nowait, (layer, b0, list(ids), buf, event))
 
     def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
         return None
@@ -112,7 +119,9 @@ class PrefillService:
             item = await job.chunks.get()
             if item is None:
                 return len(sent)
-            layer, b0, src_ids, buf = item
+            layer, b0, src_ids, buf, event = item
+            if event is not None:
+                await event_done(event)
             keep = [j for j in range(len(src_ids)) if b0 + j >= reply.num_held_blocks]
             if not keep:
                 continue
@@ -120,7 +129,11 @@ class PrefillService:
                 BlockDescriptor(b0 + j, src_ids[j], reply.dst_block_ids[b0 + j - reply.num_held_blocks])
                 for j in keep
             ]
-            payload = buf if len(keep) == len(src_ids) else buf[:, keep[0] :].contiguous()
+            payload = buf
+            if len(keep) < len(src_ids):
+                payload = buf[:, keep[0] :].contiguous()
+                if payload.is_cuda:  # the copy is queued behind the engine's work: wait for it once
+                    await stream_idle(torch.cuda.current_stream(payload.device))
             await session.send_layers(layer, descs, payload)
             sent.update(b0 + j for j in keep)
 

@@ -1,0 +1,39 @@
+"""Waiting for GPU work from asyncio without blocking the event loop.
+
+GPU transfers finish in tens of microseconds to a few milliseconds, so a waiter first spins (yielding to the
+loop on every turn) and only then backs off to short sleeps: a blocking `synchronize()` would stall every
+other transfer and HTTP request of the node, and a coarse sleep would cost a large share of the bandwidth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import torch
+
+SPIN_S = 0.002  # spin this long before sleeping
+MAX_SLEEP_S = 0.001
+
+
+async def poll(done: Callable[[], bool]) -> None:
+    """Return once `done()` is true; `done` must be cheap (an event or work query)."""
+    start = time.perf_counter()
+    delay = 0.0
+    while not done():
+        if time.perf_counter() - start > SPIN_S:
+            delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
+        await asyncio.sleep(delay)
+
+
+async def event_done(event: torch.cuda.Event) -> None:
+    """Return once the GPU has passed `event` (recorded by the producer of a buffer)."""
+    await poll(event.query)
+
+
+async def stream_idle(stream: torch.cuda.Stream) -> None:
+    """Return once the work queued on `stream` so far has finished (later work is not waited for)."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    await event_done(event)

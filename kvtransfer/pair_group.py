@@ -1,0 +1,252 @@
+"""Control frames over TCP, payloads over a two-rank torch.distributed process group, one per connection.
+
+The transport behind the nccl connector (nccl.py supplies the group). A connection is the TCP connection
+of the TCP connector; every frame's prefix and header travel on it unchanged, and a DATA payload follows
+on the pair's group (P `send`s, D `recv`s into one reused buffer on `ConnectorConfig.device`). Both ends
+handle frames strictly in order, so the n-th payload send meets the n-th payload recv.
+
+Setup, after the v1 handshake authenticated the peer (`authenticated`), before any other frame: D hosts
+a fresh TCPStore (port 0) and writes one 24-byte record on the TCP connection: magic `PDPG`, the store's
+port (u16 LE), 2 pad bytes, 16 random bytes that prefix every store key of this pair. P connects to that
+store at the host it dialed; D is rank 0, P rank 1, world size 2; a 1-byte warm-up payload P -> D makes the
+communicator exist before the first OPEN. Teardown (`abort`/`close`, run when the connection ends, the
+peer dies, or a payload op fails or times out) aborts the group and drops the store and the buffer.
+
+Invariants: a payload op is never left in flight on a live group: a wait that fails, times out
+(`payload_timeout_s`), is cancelled, or sees the control connection close aborts the whole channel, so a
+cut send/recv raises `ConnectionLost` instead of hanging; after `abort()` every call raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.connector import ConnectorConfig
+from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S
+from pdserve.kvtransfer.framing import ByteChannel
+from pdserve.kvtransfer.tcp import TcpChannel, TcpListener, TcpTransport
+
+log = logging.getLogger("pdserve.kvtransfer")
+
+RECORD = struct.Struct("<4sH2x16s")  # magic, store port, pad, key prefix
+RECORD_MAGIC = b"PDPG"
+_LIVE: weakref.WeakSet[PairGroupChannel] = weakref.WeakSet()
+
+
+class PairGroup(Protocol):
+    """One pair's payload group: rank 0 is D, rank 1 is P."""
+
+    def send(self, tensor: torch.Tensor) -> dist.Work: ...
+
+    def recv(self, tensor: torch.Tensor) -> dist.Work: ...
+
+    def done(self, work: dist.Work) -> bool:
+        """Whether `work` finished, without blocking; raises RuntimeError if it failed."""
+
+    def abort(self) -> None:
+        """Tear the group down now, pending ops included (the peer may be dead)."""
+
+
+class GroupBackend(Protocol):
+    name: str
+
+    def connect(self, store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> PairGroup:
+        """Build the group (blocking: called in a worker thread); `timeout_s` bounds the watchdog of
+        backends that have one, and must exceed the channel's own payload timeout."""
+
+
+def live_groups() -> int:
+    """Pair groups currently set up in this process (an audit: 0 once every connection closed)."""
+    return sum(1 for channel in _LIVE if channel.has_group)
+
+
+class PairGroupChannel:
+    def __init__(
+        self, control: TcpChannel, backend: GroupBackend, rank: int, host: str, config: ConnectorConfig
+    ) -> None:
+        self._control = control
+        self._backend = backend
+        self._rank = rank
+        self._host = host  # where P reaches D's store: the host it dialed
+        self._device = torch.device(config.device)
+        self._setup_timeout_s = config.handshake_timeout_s
+        self._payload_timeout_s = config.payload_timeout_s
+        self._store: dist.Store | None = None
+        self._group: PairGroup | None = None
+        self._buffer: torch.Tensor | None = None  # D: [capacity] uint8 on the device, reused per frame
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._dead: str | None = None
+        _LIVE.add(self)
+
+    @property
+    def peer(self) -> str:
+        return self._control.peer
+
+    @property
+    def has_group(self) -> bool:
+        return self._group is not None
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ConnectionLost(f"{self._backend.name} channel to {self.peer} is closed: {self._dead}")
+
+    async def authenticated(self) -> None:
+        self._check()
+        timeout = timedelta(seconds=self._setup_timeout_s)
+        if self._rank == 0:
+            store = await asyncio.to_thread(
+                dist.TCPStore, self._host, 0, 2, True, timeout, wait_for_workers=False
+            )
+            key = os.urandom(16)
+            await self._control.send(RECORD.pack(RECORD_MAGIC, store.port, key), b"", None)
+        else:
+            magic, port, key = RECORD.unpack(await self._control.recv_exact(RECORD.size))
+            if magic != RECORD_MAGIC:
+                raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
+            store = await asyncio.to_thread(dist.TCPStore, self._host, port, 2, False, timeout)
+        self._store = store
+        group_timeout = self._payload_timeout_s + self._setup_timeout_s + 60.0
+        self._group = await asyncio.to_thread(
+            self._backend.connect, dist.PrefixStore(key.hex(), store), self._rank, self._device, group_timeout
+        )
+        warm = torch.zeros(1, dtype=torch.uint8, device=self._device)
+        # The first op creates the communicator (a blocking rendezvous through the store): in a thread.
+        await self._run(lambda group: asyncio.to_thread(self._post, group, warm, self._rank == 1))
+        log.info("%s payload group with %s ready (rank %d)", self._backend.name, self.peer, self._rank)
+
+    @contextlib.contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Ops run on a private stream, so they wait for nothing the engine queued on the current one."""
+        if self._stream is None:
+            yield
+            return
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            yield
+
+    def _post(self, group: PairGroup, tensor: torch.Tensor, send: bool) -> dist.Work:
+        """Queue one op on the private stream. A send's payload is complete already (the caller's contract),
+        so it waits for nothing; a recv waits, on the GPU, for the work queued so far on this thread's
+        current stream, which may still read the buffer's previous frame."""
+        consumer = torch.cuda.current_stream(self._device) if self._stream is not None else None
+        with self._on_stream():
+            if not send and self._stream is not None and consumer is not None:
+                self._stream.wait_stream(consumer)
+            return group.send(tensor) if send else group.recv(tensor)
+
+    async def _run(self, post: Callable[[PairGroup], Awaitable[dist.Work] | dist.Work]) -> None:
+        """Post one payload op and poll it, watching the control connection and the time limit: spinning
+        (yielding to the loop) for SPIN_S, then sleeping up to MAX_SLEEP_S between checks."""
+        self._check()
+        assert self._group is not None, "payload before the pair group was set up"
+        group = self._group
+        start = time.perf_counter()
+        delay = 0.0
+        try:
+            work = post(group)
+            if not isinstance(work, dist.Work):
+                work = await work
+            while not group.done(work):
+                if self._dead is not None:
+                    problem = self._dead
+                elif self._control.closed:
+                    problem = "the control connection closed during a payload"
+                elif time.perf_counter() - start > self._payload_timeout_s:
+                    problem = f"payload not done within {self._payload_timeout_s}s"
+                else:
+                    if time.perf_counter() - start > SPIN_S:
+                        delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
+                    await asyncio.sleep(delay)
+                    continue
+                raise ConnectionLost(f"{self._backend.name} payload with {self.peer} failed: {problem}")
+        except BaseException as e:  # a failed, timed-out or cancelled op: the pair cannot be trusted
+            self._fail(f"{type(e).__name__}: {e}")
+            if isinstance(e, RuntimeError):  # the backend reported the op failed
+                raise ConnectionLost(f"{self._backend.name} payload with {self.peer} failed: {e}") from e
+            raise
+
+    async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
+        self._check()
+        try:
+            await self._control.send(prefix, header, None)
+        except ConnectionLost as e:
+            self._fail(f"control send failed: {e}")
+            raise
+        if payload is None or payload.numel() == 0:
+            return
+        if payload.device != self._device:  # e.g. a host buffer on a GPU link: stage it on the device
+            payload = payload.to(self._device)
+        staged = payload
+        await self._run(lambda group: self._post(group, staged, send=True))
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        self._check()
+        return await self._control.recv_exact(nbytes)
+
+    async def recv_payload(self, nbytes: int) -> torch.Tensor:
+        self._check()
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = None
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        view = self._buffer[:nbytes]
+        await self._run(lambda group: self._post(group, view, send=False))
+        return view
+
+    def _fail(self, reason: str, level: int = logging.WARNING) -> None:
+        if self._dead is None:
+            self._dead = reason
+            log.log(level, "tearing down the %s pair with %s: %s", self._backend.name, self.peer, reason)
+        self._control.abort()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        group, self._group, self._store, self._buffer = self._group, None, None, None
+        if group is not None:
+            try:
+                group.abort()
+            except RuntimeError as e:
+                log.warning("aborting the %s group with %s failed: %s", self._backend.name, self.peer, e)
+
+    def abort(self) -> None:
+        self._fail("connection aborted", logging.INFO)
+
+    async def close(self) -> None:
+        if self._dead is None:
+            self._dead = "closed"
+        self._teardown()
+        await self._control.close()
+
+
+class PairGroupTransport:
+    """Dials and listens like the TCP transport; each connection gets its own pair group."""
+
+    def __init__(self, scheme: str, backend: GroupBackend, config: ConnectorConfig) -> None:
+        self.scheme = scheme
+        self._backend = backend
+        self._config = config
+        self._tcp = TcpTransport()
+
+    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
+        control = await self._tcp.dial(host, port, timeout_s)
+        assert isinstance(control, TcpChannel)
+        return PairGroupChannel(control, self._backend, 1, host, self._config)
+
+    async def listen(
+        self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
+    ) -> TcpListener:
+        async def accept(control: ByteChannel) -> None:
+            assert isinstance(control, TcpChannel)
+            await on_channel(PairGroupChannel(control, self._backend, 0, host, self._config))
+
+        return await self._tcp.listen(host, port, accept)

@@ -1,0 +1,205 @@
+"""The pair-group transport (control over TCP, payloads over a 2-rank process group) on the CPU.
+
+WHAT THIS IS: the nccl connector's code path — rendezvous record after the handshake, TCPStore hosted by D,
+one group per connection, payload ordering, payload timeout, cut control connection, teardown — run with
+torch.distributed's *gloo* backend standing in for NCCL (a test-only `GroupBackend` below), because this
+machine has no GPU. It is no claim that NCCL works: NCCL itself (ProcessGroupNCCL, abort, GPU buffers)
+is exercised only by benchmarks/kv_transfer.py on two GPUs. The protocol suite of
+test_kvtransfer_protocol.py runs unchanged over the stand-in.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import logging
+import re
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from pdserve.kvtransfer.channel_connector import ChannelConnector
+from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.connector import ConnectorConfig, connector_kinds, create_sender, register_connector
+from pdserve.kvtransfer.framing import encode_frame
+from pdserve.kvtransfer.messages import Data, Open, OpenOk
+from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, live_groups
+from pdserve.shared.types import RequestId
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+KIND = "gloo-pair"  # test-only connector kind: the pair-group transport over gloo
+GLOO_TIMEOUT_S = 3.0  # bounds a gloo wait the channel gave up on (gloo has no abort that ends it)
+
+
+class GlooPairGroup:
+    """Test-only stand-in for NcclPairGroup: gloo's p2p `is_completed` only turns true inside `wait`, so a
+    worker thread waits and `done` reports on it."""
+
+    def __init__(self, group: Any) -> None:
+        self._group = group
+        self._peer = 1 - group.rank()
+        self._waits: dict[int, concurrent.futures.Future[Any]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+
+    def send(self, tensor: torch.Tensor) -> dist.Work:
+        return self._group.send([tensor], self._peer, 0)
+
+    def recv(self, tensor: torch.Tensor) -> dist.Work:
+        return self._group.recv([tensor], self._peer, 0)
+
+    def done(self, work: dist.Work) -> bool:
+        waiting = self._waits.get(id(work))
+        if waiting is None:
+            waiting = self._waits[id(work)] = self._pool.submit(work.wait)
+        if not waiting.done():
+            return False
+        del self._waits[id(work)]
+        waiting.result()  # gloo raises RuntimeError on failure
+        return True
+
+    def abort(self) -> None:
+        self._group.abort()
+        self._pool.shutdown(wait=False)
+
+
+class GlooBackend:
+    name = "gloo"
+
+    def connect(self, store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> GlooPairGroup:
+        assert device.type == "cpu", device
+        return GlooPairGroup(ProcessGroupGloo(store, rank, 2, timedelta(seconds=GLOO_TIMEOUT_S)))
+
+
+if KIND not in connector_kinds():
+    register_connector(
+        KIND,
+        ChannelConnector(lambda cfg: PairGroupTransport(KIND, GlooBackend(), cfg), checksum_default=False),
+    )
+
+
+def _protocol_suite() -> ModuleType:
+    path = Path(__file__).with_name("test_kvtransfer_protocol.py")
+    spec = importlib.util.spec_from_file_location("kvtransfer_protocol_suite", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.TRANSPORTS[KIND] = lambda: PairGroupTransport(KIND, GlooBackend(), module.config(KIND))
+    return module
+
+
+SUITE = _protocol_suite()
+SCENARIOS: list[tuple[str, dict[str, Any]]] = [
+    ("test_full_transfer_is_bit_identical", {"checksum": True}),
+    ("test_full_transfer_is_bit_identical", {"checksum": False}),
+    ("test_sessions_are_multiplexed_on_one_connection", {}),
+    ("test_wrong_token_is_refused", {"wrong_side": "sender"}),
+    ("test_wrong_token_is_refused", {"wrong_side": "receiver"}),
+    ("test_receiver_checks_the_senders_proof", {}),
+    (
+        "test_incompatible_peer_is_refused_naming_the_field",
+        {"change": {"fingerprint": b"\x22" * 32}, "code": "fingerprint", "named": "fingerprint"},
+    ),
+    ("test_sender_abort_frees_the_reservation", {}),
+    ("test_open_refusal_reserves_nothing", {}),
+    ("test_receiver_aborts_at_the_deadline", {}),
+    ("test_connection_cut_midway_aborts_exactly_once", {}),
+    ("test_corrupted_frame_aborts_that_transfer", {}),
+    ("test_other_protocol_version_is_refused", {}),
+    ("test_server_stop_aborts_open_transfers_and_sender_reconnects", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), SCENARIOS, ids=[f"{n}-{k}" for n, k in SCENARIOS])
+def test_protocol_suite_over_the_gloo_stand_in(
+    name: str, kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    scenario = getattr(SUITE, name)
+    if "caplog" in scenario.__code__.co_varnames[: scenario.__code__.co_argcount]:
+        kwargs = {**kwargs, "caplog": caplog}
+    scenario(KIND, **kwargs)
+    assert live_groups() == 0, "a pair group outlived its connection"
+
+
+def test_nccl_config_defaults_and_device_check() -> None:
+    assert ConnectorConfig(kind="nccl", auth_token="t").frame_checksum is False
+    assert ConnectorConfig(kind="nccl", auth_token="t", checksum=True).frame_checksum is True
+    assert ConnectorConfig(kind="tcp", auth_token="t").frame_checksum is True
+    with pytest.raises(ValueError, match=re.escape("CUDA ConnectorConfig.device, got 'cpu'")):
+        create_sender(ConnectorConfig(kind="nccl", auth_token="t"), SUITE.identity("p"))
+    with pytest.raises(ValueError, match="'tpu:0'"):
+        ConnectorConfig(kind="tcp", auth_token="t", device="tpu:0")
+
+
+async def _open_with_header_only(server: Any, cut: bool) -> tuple[Any, PairGroupChannel]:
+    """A raw sender that announces a DATA payload on the control connection but never sends it."""
+    conn = await SUITE.raw_sender(KIND, server)
+    channel = conn.channel
+    assert isinstance(channel, PairGroupChannel) and channel.has_group
+    await conn.send(Open("stuck", (), 2, time.time() + 30))
+    reply = (await conn.recv()).msg
+    assert isinstance(reply, OpenOk)
+    msg, payload = SUITE.data_frame("stuck", reply)
+    prefix, header, _ = encode_frame(msg, payload, checksum=True)
+    await channel._control.send(prefix, header, None)
+    if cut:
+        channel._control.abort()
+    return conn, channel
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["peer-gone", "payload-timeout"])
+def test_announced_payload_that_never_comes_aborts_the_pair(
+    cut: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """D waits in a payload recv: the control connection closing, or payload_timeout_s, ends it."""
+    caplog.set_level(logging.WARNING, logger="pdserve.kvtransfer")
+
+    async def scenario() -> None:
+        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=8)
+        server = await SUITE.started(KIND, receiver, payload_timeout_s=0.5)
+        try:
+            t0 = time.monotonic()
+            conn, channel = await _open_with_header_only(server, cut)
+            await SUITE.until(lambda: receiver.aborts, timeout=5.0)
+            waited = time.monotonic() - t0
+            assert [t for t, _ in receiver.aborts] == ["stuck"]
+            assert "connection" in receiver.aborts[0][1]
+            expected = "control connection closed" if cut else "not done within 0.5s"
+            assert expected in caplog.text
+            assert waited < (1.0 if cut else 2.0), waited
+            channel.abort()
+            with pytest.raises(ConnectionLost):
+                await conn.send(Data("stuck", 0, 1, (0,), (0,), (0,)), torch.zeros(8, dtype=torch.uint8))
+            SUITE.audit(receiver, server, 8)
+        finally:
+            await server.stop()
+        await SUITE.until(lambda: live_groups() == 0)
+
+    SUITE.run(scenario())
+
+
+def test_many_payload_frames_keep_their_order() -> None:
+    """Per-layer frames of different sizes land in the right layers (the n-th send meets the n-th recv)."""
+
+    async def scenario() -> None:
+        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=16)
+        server = await SUITE.started(KIND, receiver)
+        sender = create_sender(SUITE.config(KIND), SUITE.identity("prefill-0"))
+        src = SUITE.random_cache(SUITE.LAYOUT, 12, seed=4)
+        try:
+            session = await sender.session(server.address, RequestId("order"))
+            reply, stats = await SUITE.push(session, src, [3, 1, 4, 1 + 9, 5, 9, 2], [], layers_per_frame=1)
+            for j, b in enumerate(reply.dst_block_ids):
+                assert torch.equal(receiver.kv[:, :, b], src[:, :, [3, 1, 4, 10, 5, 9, 2][j]])
+            assert stats.payload_bytes == SUITE.LAYOUT.num_layers * 7 * SUITE.LAYOUT.layer_block_bytes
+            SUITE.audit(receiver, server, 16)
+        finally:
+            await sender.close()
+            await server.stop()
+        assert live_groups() == 0
+
+    SUITE.run(scenario())
