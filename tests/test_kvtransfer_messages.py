@@ -112,6 +112,9 @@ class MemoryChannel:
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         self.parts += [prefix, header] + ([] if payload is None else [payload.numpy().tobytes()])
 
+    async def authenticated(self) -> None:
+        return None
+
     async def recv_exact(self, nbytes: int) -> bytes:
         part = self.parts.pop(0)
         assert len(part) == nbytes
