@@ -24,7 +24,8 @@ async def setup(
     cfg = ConnectorConfig(
         kind=args.connector,
         auth_token=args.auth_token or "",
-        checksum=not args.no_checksum,
+        checksum=False if args.no_checksum else None,  # None: the connector's default (off on NVLink)
+        device=args.device,
         listen_host=args.host,
         listen_port=args.transfer_port,
     )

@@ -20,7 +20,10 @@ async def setup(
     app: FastAPI, rt: NodeRuntime, args: argparse.Namespace
 ) -> tuple[str, Callable[[], Awaitable[None]]]:
     cfg = ConnectorConfig(
-        kind=args.connector, auth_token=args.auth_token or "", checksum=not args.no_checksum
+        kind=args.connector,
+        auth_token=args.auth_token or "",
+        checksum=False if args.no_checksum else None,  # None: the connector's default (off on NVLink)
+        device=args.device,
     )
     identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
     sender = create_sender(cfg, identity)
