@@ -13,6 +13,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pdserve.shared.engine_args import add_engine_args, engine_config
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -26,46 +28,11 @@ def default_model_path() -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", default=None, help="GGUF file, HF directory or dummy:<shape>; default SmolLM2-135M"
-    )
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-
-
-def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch is slow to import)
-    from pdserve.shared.config import EngineConfig
-
-    return EngineConfig(
-        model=args.model or default_model_path(),
-        tokenizer=args.tokenizer,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="run the engine offline on one prompt (or a file of prompts)")
-    add_engine_args(g)
+    add_engine_args(g, model_required=False)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw text prompt")
     src.add_argument("--messages", help='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]')
@@ -127,7 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     try:
-        return run(engine_config(args), prompts, params, args.json)
+        return run(engine_config(args, args.model or default_model_path()), prompts, params, args.json)
     except ModelLoadError as exc:
         raise ValueError(str(exc)) from exc
 

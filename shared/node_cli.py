@@ -7,6 +7,7 @@ import logging
 
 from pdserve.shared.block_index_types import RedisConfig
 from pdserve.shared.config import EngineConfig
+from pdserve.shared.engine_args import add_engine_args, engine_config
 from pdserve.shared.node_runtime import NodeSettings
 
 
@@ -24,18 +25,7 @@ def node_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--no-checksum", action="store_true", help="skip frame checksums (NVLink/RDMA links)")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--model", required=True)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    add_engine_args(p, model_required=True)
     return p
 
 
@@ -47,19 +37,7 @@ def configs(args: argparse.Namespace, role: str) -> tuple[EngineConfig, NodeSett
         import torch
 
         torch.set_num_threads(args.threads)
-    engine = EngineConfig(
-        model=args.model,
-        tokenizer=args.tokenizer,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-    )
+    engine = engine_config(args, args.model)
     redis = None
     if args.redis:
         redis = RedisConfig(url=args.redis, password=args.redis_password, cluster=args.cluster)
