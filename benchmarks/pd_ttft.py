@@ -1,0 +1,171 @@
+"""Time to first and second token, P/D across two devices beside one single node, straight to the node
+processes (no router, no Redis), plus greedy output parity and the nodes' block audits.
+
+A program, not a test: `python benchmarks/pd_ttft.py --model dummy:llama-3.1-8b --dtype bfloat16
+--device-p cuda:0 --device-d cuda:1 --connector nccl` on a two-GPU machine (or `--device-p cpu --device-d cpu
+--connector tcp --model dummy:smollm2-135m` to check it here). For each of N prompts it opens D's
+`/internal/generate` stream and P's `/internal/prefill` at once, as the router does, and times the first
+and second token lines from D; the single node gets the same prompts with `prefill_node_id` None. Prints
+one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+from pdserve.shared.block_index_server import free_port
+from pdserve.shared.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import NodeId, RequestId
+
+
+def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, token: str) -> tuple[
+    subprocess.Popen[bytes], str, int]:  # fmt: skip
+    port, tport = free_port(), free_port()
+    module = "pdserve.prefill_node" if role == "prefill" else "pdserve.decode_node"
+    argv = [sys.executable, "-m", module, "--node-id", node_id, "--port", str(port), "--model", args.model,
+            "--device", device, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
+            "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64), "--auth-token", token,
+            "--connector", args.connector, "--transfer-port", str(tport),
+            "--log-level", "WARNING"]  # fmt: skip
+    if role == "single":
+        argv += ["--role", "single"]
+    return subprocess.Popen(argv), f"http://127.0.0.1:{port}", tport
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"node at {url} exited with {proc.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/internal/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"node at {url} not ready in {timeout_s}s")
+
+
+async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, rid: str, prompt: list[int],
+              max_tokens: int) -> tuple[float, float, list[int]]:  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    deadline = time.time() + 120
+    gen = NodeGenerateRequest(RequestId(rid), tuple(prompt), params, None, deadline,
+                              None if p is None else NodeId("prefill-0"))  # fmt: skip
+    t0 = time.perf_counter()
+    marks: list[float] = []
+    tokens: list[int] = []
+    pre_task = None
+    if p is not None:
+        pre = PrefillRequest(RequestId(rid), tuple(prompt), params, None, deadline, NodeId("decode-0"), p[1])
+        pre_task = asyncio.create_task(client.post(f"{p[0]}/internal/prefill", content=pre.to_json()))
+    async with client.stream("POST", f"{d_url}/internal/generate", content=gen.to_json()) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line:
+                continue
+            step = StepOutput.from_line(line)
+            assert step.error is None, step.error
+            for t in step.token_ids:
+                marks.append(time.perf_counter() - t0)
+                tokens.append(t)
+            if step.finish_reason is not None:
+                break
+    if pre_task is not None:
+        result = json.loads((await pre_task).content)
+        assert result.get("error") is None, result
+    return marks[0], marks[1], tokens
+
+
+async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str
+                  ) -> tuple[list[float], list[float], list[list[int]]]:  # fmt: skip
+    ttft, t2, outs = [], [], []
+    async with httpx.AsyncClient(timeout=300) as client:
+        await one(client, d_url, p, f"{tag}-warm", prompts[0][::-1], max_tokens)
+        for i, prompt in enumerate(prompts):
+            a, b, toks = await one(client, d_url, p, f"{tag}-{i}", prompt, max_tokens)
+            ttft.append(a)
+            t2.append(b)
+            outs.append(toks)
+    return ttft, t2, outs
+
+
+def audit(url: str) -> dict[str, int]:
+    return dict(httpx.get(f"{url}/internal/audit", timeout=10).json())
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device-p", default="cuda:0")
+    ap.add_argument("--device-d", default="cuda:1")
+    ap.add_argument("--connector", default="nccl")
+    ap.add_argument("--requests", type=int, default=20)
+    ap.add_argument("--prompt-tokens", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--kv-blocks", type=int, default=4096)
+    args = ap.parse_args()
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 30000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
+    token = secrets.token_hex(16)
+    rows = []
+    s_proc, s_url, _ = start_node("single", "single-0", args.device_p, args, token)
+    try:
+        wait_ready(s_url, s_proc)
+        s_ttft, s_t2, s_out = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s"))
+        s_audit = audit(s_url)
+    finally:
+        stop([s_proc])
+    p_proc, p_url, _ = start_node("prefill", "prefill-0", args.device_p, args, token)
+    d_proc, d_url, d_tport = start_node("decode", "decode-0", args.device_d, args, token)
+    try:
+        wait_ready(p_url, p_proc)
+        wait_ready(d_url, d_proc)
+        d_addr = f"{args.connector}://127.0.0.1:{d_tport}"
+        pd_ttft, pd_t2, pd_out = asyncio.run(measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd"))
+        time.sleep(0.5)
+        p_audit, d_audit = audit(p_url), audit(d_url)
+    finally:
+        stop([p_proc, d_proc])
+    med = statistics.median
+    rows.append(("time to first token p50 (ms)", med(pd_ttft) * 1e3, med(s_ttft) * 1e3))
+    rows.append(("time to second token p50 (ms)", med(pd_t2) * 1e3, med(s_t2) * 1e3))
+    print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype}, "
+          f"P {args.device_p} -> D {args.device_d} over {args.connector}\n")  # fmt: skip
+    print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
+    for name, pd, single in rows:
+        print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")
+    same = sum(x == y for x, y in zip(pd_out, s_out, strict=True))
+    print(f"| greedy outputs identical, P/D vs single | {same}/{len(prompts)} | | |")
+    for who, au in (("P", p_audit), ("D", d_audit), ("single", s_audit)):
+        print(f"| {who} audit in_use/reserved/pinned/live | {au['in_use']}/{au['reserved']}/{au['pinned']}/"
+              f"{au['live_requests']} | | |")  # fmt: skip
+    clean = all(au["in_use"] == au["reserved"] == au["pinned"] == au["live_requests"] == 0
+                for au in (p_audit, d_audit, s_audit))  # fmt: skip
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
