@@ -112,6 +112,7 @@ class AsyncEngine:
     # ---- loop thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.engine.bind_thread()
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished()
                 self._drain_inbox(block)

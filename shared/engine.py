@@ -76,6 +76,7 @@ class _Live:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.cfg = cfg
+        self.bind_thread()
         self.loaded = loaded or load_model(
             cfg.model,
             device=cfg.torch_device,
@@ -102,6 +103,12 @@ class LLMEngine:
         self.observer: StepObserver | None = None
         self._live: dict[RequestId, _Live] = {}
         self._seeds: dict[str | None, BlockHash] = {}
+
+    def bind_thread(self) -> None:
+        """Makes this engine's GPU the calling thread's current device (torch's current device is per thread,
+        and Triton launches on it): called at construction and by the thread that runs the step loop."""
+        if self.cfg.torch_device.type == "cuda":
+            torch.cuda.set_device(self.cfg.torch_device)
 
     def _size_pool(self) -> int:
         cfg = self.cfg
