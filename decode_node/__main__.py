@@ -37,7 +37,7 @@ async def setup(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = node_parser("pdserve decode")
+    p = node_parser("pdserve decode | single")
     p.add_argument("--role", default="decode", choices=["decode", "single"])
     args = p.parse_args(argv)
     if not args.auth_token:
