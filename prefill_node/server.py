@@ -80,9 +80,12 @@ class PrefillObserver(StepObserver):
             buf = torch.empty(
                 (2, len(ids), *runner.kv_cache.shape[3:]), dtype=runner.kv_cache.dtype, device=runner.device
             )
-            runner.ops.gather_blocks(
-                runner.kv_cache[layer], torch.tensor(ids, dtype=torch.int64, device=runner.device), buf
+            # ids from pinned memory without a sync: a pageable copy would stall the host until the GPU caught
+            # up, holding the GIL, so the transfer's asyncio thread could not send earlier layers meanwhile
+            ids_dev = torch.tensor(ids, dtype=torch.int64, pin_memory=buf.is_cuda).to(
+                runner.device, non_blocking=True
             )
+            runner.ops.gather_blocks(runner.kv_cache[layer], ids_dev, buf)
             # buf stays where the cache is: the connector stages it through host memory if its link
             # needs that. The event lets the sender wait (without blocking the loop) for the gather only.
             event = None

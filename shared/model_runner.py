@@ -97,7 +97,7 @@ class ModelRunner:
                     [it.token_ids[it.start] for it in items], [it.block_ids for it in items], seq_lens
                 )
                 keep = [i for i, it in enumerate(items) if it.sample]
-                return logits if len(keep) == len(items) else logits[keep]
+                return self._wait(logits if len(keep) == len(items) else logits[keep])
         input_ids, positions, slots = self._token_lists(items)
         meta = self._metadata(items, slots)
         dev = self.device
@@ -109,10 +109,21 @@ class ModelRunner:
             self.ops,
             layer_hook,
         )
-        # last: index of each sampled item's last token in the flat batch
-        ends = torch.tensor(meta.query_start_loc[1:].tolist(), dtype=torch.int64, device=dev) - 1
-        sampled = torch.tensor([i for i, it in enumerate(items) if it.sample], dtype=torch.int64, device=dev)
-        return self.model.compute_logits(hidden[ends[sampled]], self.ops)
+        # rows: each sampled item's last token in the flat batch, from host-side counts (no device sync)
+        rows, end = [], 0
+        for it in items:
+            end += it.num_tokens
+            if it.sample:
+                rows.append(end - 1)
+        picked = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
+        return self._wait(self.model.compute_logits(picked, self.ops))
+
+    def _wait(self, logits: torch.Tensor) -> torch.Tensor:
+        """Waits for the step's GPU work with the GIL released (Stream.synchronize drops it; reading a
+        tensor back would hold it), so the node's asyncio thread (KV frames, token streams) runs meanwhile."""
+        if logits.is_cuda:
+            torch.cuda.current_stream(logits.device).synchronize()
+        return logits
 
     def _token_lists(self, items: Sequence[BatchItem]) -> tuple[list[int], list[int], list[int]]:
         b = self.block_size
