@@ -100,28 +100,37 @@ class NodeGenerateRequest:
         _check_token_ids("prompt_token_ids", self.prompt_token_ids, allow_empty=False)
 
     def to_json(self) -> bytes:
-        return _encode(
-            {
-                "request_id": self.request_id,
-                "prompt_token_ids": list(self.prompt_token_ids),
-                "sampling": self.sampling.to_dict(),
-                "cache_salt": self.cache_salt,
-                "deadline": self.deadline,
-                "prefill_node_id": self.prefill_node_id,
-            }
-        )
+        return _encode({**_request_out(self), "prefill_node_id": self.prefill_node_id})
 
     @classmethod
     def from_json(cls, data: bytes | str) -> NodeGenerateRequest:
         d = _decode(data, cls.__name__)
         return cls(
-            request_id=RequestId(_field(d, "request_id", str)),
-            prompt_token_ids=_int_list(d, "prompt_token_ids"),
-            sampling=SamplingParams.from_dict(_field(d, "sampling", dict)),
-            cache_salt=_field(d, "cache_salt", str, optional=True),
-            deadline=float(_field(d, "deadline", (int, float))),
+            **_request_in(d),
             prefill_node_id=_opt_node(d, "prefill_node_id"),
         )
+
+
+def _request_out(msg: NodeGenerateRequest | PrefillRequest) -> dict[str, Any]:
+    """The fields every node request carries, in their wire form."""
+    return {
+        "request_id": msg.request_id,
+        "prompt_token_ids": list(msg.prompt_token_ids),
+        "sampling": msg.sampling.to_dict(),
+        "cache_salt": msg.cache_salt,
+        "deadline": msg.deadline,
+    }
+
+
+def _request_in(d: dict[str, Any]) -> dict[str, Any]:
+    """The fields every node request carries, decoded and type-checked (constructor keywords)."""
+    return {
+        "request_id": RequestId(_field(d, "request_id", str)),
+        "prompt_token_ids": _int_list(d, "prompt_token_ids"),
+        "sampling": SamplingParams.from_dict(_field(d, "sampling", dict)),
+        "cache_salt": _field(d, "cache_salt", str, optional=True),
+        "deadline": float(_field(d, "deadline", (int, float))),
+    }
 
 
 def _opt_node(d: dict[str, Any], key: str) -> NodeId | None:
@@ -153,11 +162,7 @@ class PrefillRequest:
     def to_json(self) -> bytes:
         return _encode(
             {
-                "request_id": self.request_id,
-                "prompt_token_ids": list(self.prompt_token_ids),
-                "sampling": self.sampling.to_dict(),
-                "cache_salt": self.cache_salt,
-                "deadline": self.deadline,
+                **_request_out(self),
                 "decode_node_id": self.decode_node_id,
                 "decode_transfer_addr": self.decode_transfer_addr,
             }
@@ -167,11 +172,7 @@ class PrefillRequest:
     def from_json(cls, data: bytes | str) -> PrefillRequest:
         d = _decode(data, cls.__name__)
         return cls(
-            request_id=RequestId(_field(d, "request_id", str)),
-            prompt_token_ids=_int_list(d, "prompt_token_ids"),
-            sampling=SamplingParams.from_dict(_field(d, "sampling", dict)),
-            cache_salt=_field(d, "cache_salt", str, optional=True),
-            deadline=float(_field(d, "deadline", (int, float))),
+            **_request_in(d),
             decode_node_id=NodeId(_field(d, "decode_node_id", str)),
             decode_transfer_addr=_field(d, "decode_transfer_addr", str),
         )
