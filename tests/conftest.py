@@ -10,7 +10,26 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
+
+
+def _install_numpy24_index_fix() -> None:
+    """triton 3.6.0's interpreter turns a 1-element array into a loop bound with int(array), which numpy
+    >= 2.4 refuses; this is the upstream fix (triton-lang/triton#9171, PR #9172), applied until a triton
+    release carries it. Every attention kernel loops over runtime bounds."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor: type, scope: interpreter._LangPatchScope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
+        _install_numpy24_index_fix()

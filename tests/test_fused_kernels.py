@@ -2,8 +2,8 @@
 on CPU tensors under the Triton interpreter, and a whole decoder through them against the reference ops.
 
 As in tests/test_triton_kernels.py, TRITON_INTERPRET=1 is set before triton is first imported, handed
-to triton's in-process knob and removed from the environment; the numpy >= 2.4 interpreter fix is the
-same upstream patch. Unwritten cache slots hold a large value, so a write to the wrong slot shows.
+to triton's in-process knob and removed from the environment; tests/conftest.py installs the numpy >= 2.4
+interpreter fix. Unwritten cache slots hold a large value, so a write to the wrong slot shows.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np
 import pytest
 import torch
 import triton
@@ -24,27 +23,11 @@ from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.dummy_weights import fill_dummy_weights
 from pdserve.shared.model import LlamaModel, rope_inv_freq
 from pdserve.shared.model_config import NAMED_SHAPES
-from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 
 triton.knobs.runtime.interpret = True
 del os.environ["TRITON_INTERPRET"]
 
-
-def _install_numpy24_index_fix() -> None:
-    """triton 3.6.0's interpreter turns a 1-element array into a loop bound with int(array), which
-    numpy >= 2.4 refuses; the upstream fix (triton-lang/triton#9171, PR #9172)."""
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor: type, scope: interpreter._LangPatchScope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch
-
-
-if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-    _install_numpy24_index_fix()
 
 REF = ReferenceOps()
 TRI = TritonOps()

@@ -13,7 +13,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np
 import pytest
 import torch
 import triton
@@ -26,28 +25,11 @@ from pdserve.kernels.triton_attention import (
     paged_prefill_attention,
 )
 from pdserve.kernels.triton_ops import TritonOps
-from triton.runtime import interpreter
 from triton.runtime.interpreter import InterpretedFunction
 
 triton.knobs.runtime.interpret = True
 del os.environ["TRITON_INTERPRET"]
 
-
-def _install_numpy24_index_fix() -> None:
-    """triton 3.6.0's interpreter turns a scalar (a 1-element array) into a loop bound with int(array),
-    which numpy >= 2.4 refuses; this is the upstream fix (triton-lang/triton#9171, PR #9172), applied
-    until a triton release carries it. Runtime loop bounds are what every attention kernel here uses."""
-    original = interpreter._patch_lang_tensor
-
-    def patch(tensor: type, scope: interpreter._LangPatchScope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patch
-
-
-if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
-    _install_numpy24_index_fix()
 
 REF = ReferenceOps()
 TRI = TritonOps()
