@@ -43,3 +43,4 @@ def fill_dummy_weights(model: LlamaModel, seed: int) -> None:
             param.normal_(0.0, residual_std, generator=gen)
         else:
             param.normal_(0.0, INIT_STD, generator=gen)
+    model.prepare_weights()

@@ -8,6 +8,9 @@ may select rows first). Nothing in `forward` syncs with the host, so it can be c
 Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
 RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer's norm to add into the
 residual stream, so the stream is updated in place and only the last add is a separate op.
+Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
+once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
+until then the handles are the parameters and the product is `F.linear`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+from pdserve.kernels.linear import DenseLinear, Linear, select_linear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps
 from pdserve.shared.model_config import ModelConfig, RopeScaling
 from torch import nn
@@ -74,6 +78,15 @@ class DecoderLayer(nn.Module):
         self.post_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
         self.gate_up_weight = _param((2 * f, e), device, dtype)  # rows: gate | up
         self.down_weight = _param((e, f), device, dtype)
+        self.prepare(DenseLinear())
+
+    def prepare(self, linear: Linear) -> None:
+        """Make the matmul handles of this layer's current weights (detached: not registered twice)."""
+        self.linear = linear
+        self.qkv_w = linear.prepare(self.qkv_weight.detach())
+        self.o_w = linear.prepare(self.o_weight.detach())
+        self.gate_up_w = linear.prepare(self.gate_up_weight.detach())
+        self.down_w = linear.prepare(self.down_weight.detach())
 
     def forward(
         self,
@@ -96,17 +109,18 @@ class DecoderLayer(nn.Module):
             normed = ops.rms_norm(residual, norm.weight, norm.eps)  # normed: [T, E]
         else:
             normed, residual = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
-        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
+        linear = self.linear.linear
+        qkv = linear(normed, self.qkv_w, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
         # q: [T, Hq, D], rotated in place in qkv; rotated K and V are in kv_layer
         q = ops.rope_write_kv(qkv, positions, *rope, kv_layer, meta.slot_mapping, hq)
         if meta.is_decode:
             attn = ops.decode_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         else:
             attn = ops.prefill_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
-        o = F.linear(attn.reshape(n_tokens, hq * d), self.o_weight, self.o_bias)  # o: [T, E]
+        o = linear(attn.reshape(n_tokens, hq * d), self.o_w, self.o_bias)  # o: [T, E]
         normed, residual = ops.add_rms_norm(o, residual, self.post_norm.weight, self.post_norm.eps)
-        gate_up = F.linear(normed, self.gate_up_weight)  # gate_up: [T, 2F]
-        return F.linear(ops.silu_mul(gate_up), self.down_weight), residual  # [T, E], [T, E]
+        gate_up = linear(normed, self.gate_up_w, None)  # gate_up: [T, 2F]
+        return linear(ops.silu_mul(gate_up), self.down_w, None), residual  # [T, E], [T, E]
 
 
 class LlamaModel(nn.Module):
@@ -131,6 +145,16 @@ class LlamaModel(nn.Module):
         )  # [P, D/2]
         self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)  # [P, D/2] fp32
         self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)  # [P, D/2] fp32
+        self.linear: Linear = DenseLinear()
+        self.lm_head_w = self.lm_head_weight.detach()
+
+    def prepare_weights(self) -> None:
+        """Make every matmul's handle from the current weights with the device's best product; loaders call
+        it once the weights are final (a later in-place weight change needs another call)."""
+        self.linear = select_linear(self.embed_weight.device, self.dtype)
+        for layer in self.decoder_layers:
+            layer.prepare(self.linear)
+        self.lm_head_w = self.linear.prepare(self.lm_head_weight.detach())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,7 +190,7 @@ class LlamaModel(nn.Module):
         """hidden: [S, E] rows of `forward`'s output -> logits [S, V] float32. With `ops`, the final norm is
         the fused kernel (one launch instead of four inside a decode step)."""
         normed = self.norm(hidden) if ops is None else ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return F.linear(normed, self.lm_head_weight).float()  # [S, V]
+        return self.linear.linear(normed, self.lm_head_w, None).float()  # [S, V]
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -218,3 +242,4 @@ class LlamaModel(nn.Module):
         )
         if unexpected:
             raise ValueError(f"unexpected weights {unexpected[:5]} ({len(unexpected)} in all)")
+        self.prepare_weights()
