@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -123,48 +124,86 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
 }
 
 
-# Field annotations resolved once: get_type_hints evaluates the string annotations on every call.
-_HINTS: dict[type[Message], dict[str, object]] = {
-    cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()
-}
+# Per message class, its fields resolved once into (name, checker, required): decoding runs on every frame,
+# and get_type_hints / dataclasses.fields per call cost more than the checks themselves.
+_Checker = Callable[[str, object], object]
 
 
-def _to_wire(value: object) -> object:
-    """msgpack packs tuples as arrays itself; only the layout needs turning into a map."""
-    if isinstance(value, KVLayout):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return value
+def _bad(where: str, annotation: object, value: object) -> ProtocolError:
+    return ProtocolError(f"bad {where}: expected {annotation}, got {type(value).__name__} {value!r:.80}")
 
 
-def encode_header(msg: Message) -> bytes:
-    body = {f.name: _to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
-    return typing.cast(bytes, msgpack.packb(body, use_bin_type=True))
+def _checker(annotation: object) -> _Checker:
+    """A function (where, value) -> value converted to `annotation`, raising ProtocolError naming `where`."""
+    if annotation in (int, bool, str, bytes):
 
+        def exact(where: str, value: object) -> object:
+            if type(value) is annotation:  # `is`: a bool is not an int on the wire, nor an int a bool
+                return value
+            raise _bad(where, annotation, value)
 
-def _check(where: str, annotation: object, value: object) -> object:
-    """`value` converted to the annotated type, or ProtocolError naming `where`."""
-    origin = typing.get_origin(annotation)
-    if annotation is int and type(value) is int:
-        return value
-    if annotation is float and type(value) in (int, float):
-        return float(typing.cast(float, value))
-    if annotation is bool and type(value) is bool:
-        return value
-    if annotation in (str, bytes) and type(value) is annotation:
-        return value
-    if origin is tuple and isinstance(value, list):
+        return exact
+    if annotation is float:
+
+        def number(where: str, value: object) -> object:
+            if type(value) in (int, float):
+                return float(typing.cast(float, value))
+            raise _bad(where, annotation, value)
+
+        return number
+    if typing.get_origin(annotation) is tuple:
         item_type = typing.get_args(annotation)[0]
-        if item_type in (int, bytes, str) and all(type(v) is item_type for v in value):
-            return tuple(value)  # the common case (block lists), checked in one pass
-        return tuple(_check(f"{where}[{i}]", item_type, v) for i, v in enumerate(value))
-    if origin is dict and isinstance(value, dict) and all(type(k) is str for k in value):
-        return value
-    if annotation is KVLayout and isinstance(value, dict):
+        item = _checker(item_type)
+
+        def array(where: str, value: object) -> object:
+            if type(value) is not list:
+                raise _bad(where, annotation, value)
+            if not value or set(map(type, value)) == {item_type}:  # block lists: one C-level pass
+                return tuple(value)
+            return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
+
+        return array
+    if typing.get_origin(annotation) is dict:
+
+        def mapping(where: str, value: object) -> object:
+            if isinstance(value, dict) and all(type(k) is str for k in value):
+                return value
+            raise _bad(where, annotation, value)
+
+        return mapping
+    assert annotation is KVLayout, f"no wire encoding for {annotation}"
+
+    def layout(where: str, value: object) -> object:
+        if not isinstance(value, dict):
+            raise _bad(where, annotation, value)
         try:
             return KVLayout(**value)
         except (TypeError, ValueError) as e:
             raise ProtocolError(f"bad {where}: {e}") from e
-    raise ProtocolError(f"bad {where}: expected {annotation}, got {type(value).__name__} {value!r:.80}")
+
+    return layout
+
+
+_CODECS: dict[type[Message], tuple[tuple[str, str, _Checker, bool], ...]] = {
+    cls: tuple(
+        (f.name, f"{cls.__name__}.{f.name}", _checker(hint), f.default is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+        for hint in (typing.get_type_hints(cls)[f.name],)
+    )
+    for cls in MESSAGE_TYPES.values()
+}
+
+
+def encode_header(msg: Message) -> bytes:
+    """The fields as a msgpack map, in declaration order (a frozen dataclass's `__dict__` holds exactly its
+    fields, in that order; msgpack packs tuples as arrays itself; only HELLO's layout needs a nested map)."""
+    body: dict[str, object] = msg.__dict__
+    if isinstance(msg, Hello):
+        body = body | {"layout": dataclasses.asdict(msg.layout)}
+    return typing.cast(bytes, msgpack.packb(body, use_bin_type=True))
+
+
+_ABSENT = object()
 
 
 def decode_header(msg_type: int, header: bytes) -> Message:
@@ -177,15 +216,15 @@ def decode_header(msg_type: int, header: bytes) -> Message:
         body = msgpack.unpackb(header, raw=False, strict_map_key=True)
     except (ValueError, msgpack.UnpackException) as e:
         raise ProtocolError(f"{cls.__name__} header is not msgpack: {e}") from e
-    if not isinstance(body, dict):
+    if type(body) is not dict:
         raise ProtocolError(f"{cls.__name__} header must be a map, got {type(body).__name__}")
-    hints = _HINTS[cls]
     kwargs: dict[str, object] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            kwargs[f.name] = _check(f"{cls.__name__}.{f.name}", hints[f.name], body[f.name])
-        elif f.default is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.__name__} header lacks field {f.name!r}")
+    for name, where, check, required in _CODECS[cls]:
+        value = body.get(name, _ABSENT)
+        if value is not _ABSENT:
+            kwargs[name] = check(where, value)
+        elif required:
+            raise ProtocolError(f"{cls.__name__} header lacks field {name!r}")
     return cls(**kwargs)  # type: ignore[arg-type]
 
 
