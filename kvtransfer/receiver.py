@@ -34,6 +34,7 @@ from pdserve.kvtransfer.transport import Listener, Transport
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
+Cols = slice | list[int]  # a DATA frame's columns among the reserved blocks
 
 
 class _Transfer:
@@ -48,9 +49,15 @@ class _Transfer:
         self.done = False
         self.received = np.zeros((layers, len(reply.dst_block_ids)), dtype=np.bool_)  # [L, reserved]
         self.expiry: asyncio.Task[None] | None = None
-        # The last DATA's validated blocks: ((block_indices, dst_blocks), dst ids on the payload's device,
-        # reserved columns), reused while frames name the same blocks.
-        self.blocks: tuple[tuple[tuple[int, ...], tuple[int, ...]], torch.Tensor, list[int]] | None = None
+        self._dst_ids: torch.Tensor | None = None  # [reserved] int64: dst_block_ids where payloads land
+
+    def dst_ids(self, device: torch.device) -> torch.Tensor:
+        """The reserved destination ids as one tensor on `device`, built at the first DATA (a frame's ids are
+        then a slice of it: no tensor built from a list, no synchronous host-to-device copy per frame)."""
+        if self._dst_ids is None or self._dst_ids.device != device:
+            ids = torch.tensor(self.reply.dst_block_ids, dtype=torch.int64, pin_memory=device.type == "cuda")
+            self._dst_ids = ids.to(device, non_blocking=True)
+        return self._dst_ids
 
 
 class ChannelServer:
@@ -210,7 +217,10 @@ class ChannelServer:
         t.expiry = asyncio.create_task(self._expire(t))
         await conn.send(OpenOk(tid, reply.num_held_blocks, tuple(reply.dst_block_ids)))
 
-    def _data_problem(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> str | None:
+    def _blocks(
+        self, t: _Transfer, msg: Data, payload: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Cols] | str:
+        """(dst ids on the payload's device, reserved columns) of a valid DATA, or what is wrong with it."""
         layout, reply, n = self.identity.layout, t.reply, len(msg.block_indices)
         if payload is None:
             return "DATA without payload"
@@ -220,31 +230,36 @@ class ChannelServer:
             return f"DATA layers {msg.layer_start}+{msg.num_layers} outside [0, {layout.num_layers})"
         if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
             return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
-        if t.blocks is not None and t.blocks[0] == (msg.block_indices, msg.dst_blocks):
-            return None  # the same blocks as the previous frame (per-layer streaming): checked already
         reserved = reply.dst_block_ids
+        first = msg.block_indices[0]
+        j0 = first - reply.num_held_blocks
+        # The usual frame names a run of consecutive blocks: one slice comparison checks it (reserved ids are
+        # distinct, so equal destinations pin every index), and its ids and columns are slices.
+        if (
+            j0 >= 0
+            and msg.dst_blocks == reserved[j0 : j0 + n]
+            and msg.block_indices == tuple(range(first, first + n))
+        ):
+            return t.dst_ids(payload.device)[j0 : j0 + n], slice(j0, j0 + n)
         for index, dst in zip(msg.block_indices, msg.dst_blocks, strict=True):
             j = index - reply.num_held_blocks
             if not 0 <= j < len(reserved) or reserved[j] != dst:
                 return f"DATA block {index} -> {dst} is not in the reservation"
         cols = [i - reply.num_held_blocks for i in msg.block_indices]
-        dst_ids = torch.tensor(msg.dst_blocks, dtype=torch.int64, device=payload.device)
-        t.blocks = ((msg.block_indices, msg.dst_blocks), dst_ids, cols)
-        return None
+        return t.dst_ids(payload.device)[cols], cols
 
     async def _data(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> None:
-        problem = self._data_problem(t, msg, payload)
-        if problem is not None:
-            await self._abort(t, problem, notify=True)
+        blocks = self._blocks(t, msg, payload)
+        if isinstance(blocks, str):
+            await self._abort(t, blocks, notify=True)
             return
         assert payload is not None
+        dst, cols = blocks
         lay, n = self.identity.layout, len(msg.block_indices)
         # buffer: [num_layers, 2, n, block_size, Hkv, D]
         buffer = payload.view(lay.torch_dtype).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
-        assert t.blocks is not None
-        _, dst, cols = t.blocks
         async with t.lock:
             if t.done:
                 return
