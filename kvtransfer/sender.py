@@ -39,6 +39,7 @@ from pdserve.kvtransfer.transport import Transport, parse_address
 from pdserve.shared.types import BlockHash, BlockId, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
+_LATE = "DATA not delivered by the deadline"
 
 
 class _PeerConnection:
@@ -111,6 +112,11 @@ class ChannelSession:
         self._ended: str | None = None  # why the session can no longer be used
         self._first_send: float | None = None
         self._payload_bytes = 0
+        # One timer per session for the deadline (a timeout scope per DATA frame costs more than the
+        # frame's header): `_on_deadline` cuts a send in flight.
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._late = False
+        self._sending = False
 
     @property
     def transfer_id(self) -> RequestId:
@@ -127,6 +133,8 @@ class ChannelSession:
     def _end(self, reason: str) -> None:
         self._ended = reason
         self._connection.sessions.pop(self._transfer_id, None)
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
 
     def _fail(self, reason: str) -> None:
         if self._ended is not None:
@@ -144,7 +152,7 @@ class ChannelSession:
             await self._connection.conn.send(msg, payload)
         except ConnectionLost as e:
             self._fail(f"connection lost while sending: {e}")
-            raise TransferAborted(self._transfer_id, str(e)) from e
+            raise TransferAborted(self._transfer_id, self._ended or str(e)) from e
 
     async def _request(self, msg: Message, until: float, what: str) -> Message:
         """Send `msg` and wait for the reply to it until unix time `until`."""
@@ -168,6 +176,8 @@ class ChannelSession:
             self._end("deadline passed before OPEN")
             raise TransferRefused(self._transfer_id, f"deadline {deadline:.3f} passed before OPEN was sent")
         self._deadline = deadline
+        loop = asyncio.get_running_loop()
+        self._deadline_timer = loop.call_at(loop.time() + deadline - time.time(), self._on_deadline)
         msg = Open(self._transfer_id, tuple(block_hashes), num_blocks, deadline)
         reply = await self._request(msg, deadline, "OPEN reply")
         if isinstance(reply, OpenRefusal):
@@ -180,9 +190,10 @@ class ChannelSession:
             raise TransferAborted(self._transfer_id, f"receiver reserved {self._reply.num_blocks} blocks")
         return self._reply
 
-    def _check_data(
+    def _data_msg(
         self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
-    ) -> None:
+    ) -> Data:
+        """The DATA header of a buffer [nl, 2, n, B, Hkv, D], or ValueError when it breaks the reservation."""
         reply, layout = self._reply, self._connection.layout
         assert reply is not None, "send_layers before open"
         expected = (2, len(descriptors), layout.block_size, layout.num_kv_heads, layout.head_dim)
@@ -192,10 +203,26 @@ class ChannelSession:
             )
         if not 0 <= layer_start < layer_start + buffer.shape[0] <= layout.num_layers:
             raise ValueError(f"layers {layer_start}+{buffer.shape[0]} outside [0, {layout.num_layers})")
-        for d in descriptors:
-            j = d.index - reply.num_held_blocks
-            if not 0 <= j < len(reply.dst_block_ids) or reply.dst_block_ids[j] != d.dst:
-                raise ValueError(f"descriptor {d} does not match the reservation {reply}")
+        indices = tuple([d.index for d in descriptors])
+        dst = tuple([d.dst for d in descriptors])
+        n, reserved = len(indices), reply.dst_block_ids
+        j0 = indices[0] - reply.num_held_blocks if n else -1
+        # A run of consecutive blocks (the usual frame) is checked by one slice comparison, as on D.
+        if j0 < 0 or dst != reserved[j0 : j0 + n] or indices != tuple(range(indices[0], indices[0] + n)):
+            for d in descriptors:
+                j = d.index - reply.num_held_blocks
+                if not 0 <= j < len(reserved) or reserved[j] != d.dst:
+                    raise ValueError(f"descriptor {d} does not match the reservation {reply}")
+        src = tuple([int(d.src) for d in descriptors])
+        return Data(self._transfer_id, layer_start, int(buffer.shape[0]), indices, src, dst)
+
+    def _on_deadline(self) -> None:
+        """The request's deadline passed: a DATA frame still going out cuts the connection (a frame cut
+        midway leaves it unusable, and a GPU op in flight); later sends are refused."""
+        self._late = True
+        if self._sending:
+            self._connection.conn.channel.abort()
+            self._fail(_LATE)
 
     async def send_layers(
         self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
@@ -203,30 +230,21 @@ class ChannelSession:
         self._check_usable()
         if buffer.dim() == 5:
             buffer = buffer.unsqueeze(0)
-        self._check_data(layer_start, descriptors, buffer)
-        msg = Data(
-            self._transfer_id,
-            layer_start,
-            int(buffer.shape[0]),
-            tuple(d.index for d in descriptors),
-            tuple(int(d.src) for d in descriptors),
-            tuple(int(d.dst) for d in descriptors),
-        )
+        msg = self._data_msg(layer_start, descriptors, buffer)
+        if self._late:
+            self._fail(_LATE)
+            raise TransferAborted(self._transfer_id, _LATE)
         if self._first_send is None:
             self._first_send = time.perf_counter()
         if not buffer.is_contiguous():
             buffer = buffer.contiguous()
             if buffer.is_cuda:  # the copy must land before a GPU connector reads it
                 await stream_idle(torch.cuda.current_stream(buffer.device))
+        self._sending = True
         try:
-            async with asyncio.timeout(max(self._deadline - time.time(), 0.0)):
-                await self._send(msg, buffer)
-        except TimeoutError:
-            # A frame cut midway leaves the connection unusable (and a GPU op in flight): drop it whole.
-            reason = "DATA not delivered by the deadline"
-            self._connection.conn.channel.abort()
-            self._fail(reason)
-            raise TransferAborted(self._transfer_id, reason) from None
+            await self._send(msg, buffer)
+        finally:
+            self._sending = False
         self._payload_bytes += buffer.numel() * buffer.element_size()
 
     async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
