@@ -13,7 +13,7 @@ import asyncio
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from pdserve.kvtransfer.common import ChecksumError, ProtocolError
@@ -42,7 +42,9 @@ class ByteChannel(Protocol):
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         """payload: 1-D contiguous uint8 in host or device memory, or None; a transport that cannot send
         device memory stages it through the host. A device payload must be complete (the kernels that wrote it
-        finished) before the call; the call returns once the payload's memory may be reused."""
+        finished) before the call. The call returns once the frame is handed over; a GPU transport may still
+        be reading the payload then (it keeps the tensor alive until its op is done), so the caller must not
+        write into it again."""
 
     async def authenticated(self) -> None:
         """Called on both ends once the handshake succeeded (after READY), before any other frame: sets up
@@ -52,12 +54,23 @@ class ByteChannel(Protocol):
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 tensor of `nbytes` received bytes, valid until the next call (a GPU transport reuses
-        one device buffer per connection)."""
+        one device buffer per connection). A GPU transport may return it while the bytes are still landing:
+        work the caller then queues on its current stream runs after they landed (such a transport is also
+        a `DeferredPayloads`)."""
 
     def abort(self) -> None:
         """Cut the connection now; pending and later calls raise ConnectionLost."""
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeferredPayloads(Protocol):
+    """A channel whose `recv_payload` may return before the bytes landed (nccl on a GPU)."""
+
+    async def flush(self) -> None:
+        """Return once every payload op posted so far has finished (raise ConnectionLost if one failed);
+        D calls it before it handles COMPLETE, so an ACK always means the KV is in D's blocks."""
 
 
 class VersionMismatch(ProtocolError):

@@ -12,14 +12,18 @@ store at the host it dialed; D is rank 0, P rank 1, world size 2; a 1-byte warm-
 communicator exist before the first OPEN. Teardown (`abort`/`close`, run when the connection ends, the
 peer dies, or a payload op fails or times out) aborts the group and drops the store and the buffer.
 
+Pipelining: P's sends (and D's recvs on a GPU, ordered before D's consumers on the GPU itself) are posted
+without waiting, at most MAX_IN_FLIGHT sends per connection; one reaper task polls them in order.
 Invariants: a payload op is never left in flight on a live group: a wait that fails, times out
 (`payload_timeout_s`), is cancelled, or sees the control connection close aborts the whole channel, so a
-cut send/recv raises `ConnectionLost` instead of hanging; after `abort()` every call raises it.
+cut send/recv raises `ConnectionLost` instead of hanging; a posted op's tensor stays referenced until the
+op is seen done or the group is aborted; after `abort()` every call raises `ConnectionLost`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -42,6 +46,7 @@ log = logging.getLogger("pdserve.kvtransfer")
 
 RECORD = struct.Struct("<4sH2x16s")  # magic, store port, pad, key prefix
 RECORD_MAGIC = b"PDPG"
+MAX_IN_FLIGHT = 8  # payload sends posted ahead of their completion, per connection
 _LIVE: weakref.WeakSet[PairGroupChannel] = weakref.WeakSet()
 
 
@@ -88,6 +93,10 @@ class PairGroupChannel:
         self._buffer: torch.Tensor | None = None  # D: [capacity] uint8 on the device, reused per frame
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
         self._dead: str | None = None
+        # Payload ops posted and not yet seen done, oldest first: (work, its tensor, posted at)
+        self._in_flight: collections.deque[tuple[dist.Work, torch.Tensor, float]] = collections.deque()
+        self._reaper: asyncio.Future[None] | None = None
+        self._retired = asyncio.Event()  # set by the reaper each time it retires an op or stops
         _LIVE.add(self)
 
     @property
@@ -123,7 +132,13 @@ class PairGroupChannel:
         )
         warm = torch.zeros(1, dtype=torch.uint8, device=self._device)
         # The first op creates the communicator (a blocking rendezvous through the store): in a thread.
-        await self._run(lambda group: asyncio.to_thread(self._post, group, warm, self._rank == 1))
+        group = self._group
+        try:
+            work = await asyncio.to_thread(self._post, group, warm, self._rank == 1)
+        except BaseException as e:
+            self._fail(f"{type(e).__name__}: {e}")
+            raise
+        await self._wait(work, time.perf_counter())
         log.info("%s payload group with %s ready (rank %d)", self._backend.name, self.peer, self._rank)
 
     @contextlib.contextmanager
@@ -145,27 +160,24 @@ class PairGroupChannel:
                 self._stream.wait_stream(consumer)
             return group.send(tensor) if send else group.recv(tensor)
 
-    async def _run(self, post: Callable[[PairGroup], Awaitable[dist.Work] | dist.Work]) -> None:
-        """Post one payload op and poll it, watching the control connection and the time limit: spinning
-        (yielding to the loop) for SPIN_S, then sleeping up to MAX_SLEEP_S between checks."""
+    async def _wait(self, work: dist.Work, posted: float) -> None:
+        """Poll one posted op until it is done, watching the control connection and the time limit:
+        spinning (yielding to the loop) for SPIN_S, then sleeping up to MAX_SLEEP_S between checks."""
         self._check()
-        assert self._group is not None, "payload before the pair group was set up"
         group = self._group
-        start = time.perf_counter()
+        assert group is not None, "payload before the pair group was set up"
         delay = 0.0
         try:
-            work = post(group)
-            if not isinstance(work, dist.Work):
-                work = await work
-            while not group.done(work):
+            while self._dead is not None or not group.done(work):
+                waited = time.perf_counter() - posted
                 if self._dead is not None:
                     problem = self._dead
                 elif self._control.closed:
                     problem = "the control connection closed during a payload"
-                elif time.perf_counter() - start > self._payload_timeout_s:
+                elif waited > self._payload_timeout_s:
                     problem = f"payload not done within {self._payload_timeout_s}s"
                 else:
-                    if time.perf_counter() - start > SPIN_S:
+                    if waited > SPIN_S:
                         delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
                     await asyncio.sleep(delay)
                     continue
@@ -175,6 +187,38 @@ class PairGroupChannel:
             if isinstance(e, RuntimeError):  # the backend reported the op failed
                 raise ConnectionLost(f"{self._backend.name} payload with {self.peer} failed: {e}") from e
             raise
+
+    def _track(self, work: dist.Work, tensor: torch.Tensor) -> None:
+        """Keep an op in flight (and its tensor alive) until the reaper sees it done."""
+        self._in_flight.append((work, tensor, time.perf_counter()))
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.ensure_future(self._reap())
+
+    async def _reap(self) -> None:
+        """The one poller of tracked ops (a backend may not allow two waits on one op): retires them
+        oldest first (they complete in order); a failure tears the pair down."""
+        try:
+            with contextlib.suppress(ConnectionLost):
+                while self._in_flight and self._dead is None:
+                    work, _, posted = self._in_flight[0]
+                    await self._wait(work, posted)
+                    self._in_flight.popleft()
+                    self._retired.set()
+        finally:
+            if self._dead is not None:
+                self._in_flight.clear()
+            self._retired.set()
+
+    async def _until_in_flight(self, limit: int) -> None:
+        """Wait until at most `limit` tracked ops remain; ConnectionLost if the pair died meanwhile."""
+        while len(self._in_flight) > limit:
+            self._check()
+            self._retired.clear()
+            await self._retired.wait()
+        self._check()
+
+    async def flush(self) -> None:
+        await self._until_in_flight(0)
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         self._check()
@@ -187,8 +231,11 @@ class PairGroupChannel:
             return
         if payload.device != self._device:  # e.g. a host buffer on a GPU link: stage it on the device
             payload = payload.to(self._device)
-        staged = payload
-        await self._run(lambda group: self._post(group, staged, send=True))
+        assert self._group is not None, "payload before the pair group was set up"
+        # Posted, not awaited: the next frame's send queues behind it on the pair's stream, so the link
+        # never idles between frames. The tensor stays referenced until the op is seen done.
+        self._track(self._post(self._group, payload, send=True), payload)
+        await self._until_in_flight(MAX_IN_FLIGHT)
 
     async def recv_exact(self, nbytes: int) -> bytes:
         self._check()
@@ -196,11 +243,19 @@ class PairGroupChannel:
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         self._check()
+        assert self._group is not None, "payload before the pair group was set up"
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         view = self._buffer[:nbytes]
-        await self._run(lambda group: self._post(group, view, send=False))
+        work = self._post(self._group, view, send=False)
+        if self._stream is None:  # host memory: the bytes must be there before the caller reads them
+            await self._wait(work, time.perf_counter())
+            return view
+        # GPU: work the caller queues on its current stream from now on runs after the recv lands, so
+        # the host does not wait per frame; `flush` (before COMPLETE is acknowledged) confirms it.
+        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+        self._track(work, view)
         return view
 
     def _fail(self, reason: str, level: int = logging.WARNING) -> None:
@@ -212,6 +267,7 @@ class PairGroupChannel:
 
     def _teardown(self) -> None:
         group, self._group, self._store, self._buffer = self._group, None, None, None
+        self._in_flight.clear()  # the reaper, if running, sees the channel dead at its next check
         if group is not None:
             try:
                 group.abort()

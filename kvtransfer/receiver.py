@@ -27,7 +27,7 @@ from pdserve.kvtransfer.common import (
     ProtocolError,
 )
 from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
-from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection
+from pdserve.kvtransfer.framing import ByteChannel, DeferredPayloads, Frame, FramedConnection
 from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
 from pdserve.kvtransfer.transport import Listener, Transport
@@ -278,6 +278,8 @@ class ChannelServer:
         if missing:
             await self._abort(t, f"COMPLETE with {missing} of {t.received.size} layer-blocks missing", True)
             return
+        if isinstance(t.conn.channel, DeferredPayloads):  # every payload landed; ConnectionLost if not
+            await t.conn.channel.flush()
         async with t.lock:
             if t.done:
                 return

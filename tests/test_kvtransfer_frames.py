@@ -1,0 +1,132 @@
+"""Per-frame fast paths of the KV-transfer protocol: pipelined payload sends, frames naming scattered blocks,
+and the sender's one deadline timer per session.
+
+Pipelining runs over the pair-group transport with gloo standing in for NCCL (see
+test_kvtransfer_pair_group.py for what that does and does not show); the rest over real TCP sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from pdserve.kvtransfer.connector import BlockDescriptor, TransferAborted, create_sender
+from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups
+from pdserve.kvtransfer.sender import ChannelSession
+from pdserve.shared.types import BlockId, RequestId
+
+
+def _load(name: str) -> ModuleType:
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"kvtransfer_frames_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PAIR = _load("test_kvtransfer_pair_group")  # registers the gloo stand-in connector
+SUITE = PAIR.SUITE
+
+
+class HeldReceiver(SUITE.PagedReceiver):  # type: ignore[name-defined]
+    """Holds its first on_data until released, so D posts no further payload receive meanwhile."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.release = asyncio.Event()
+
+    async def on_data(self, *args: object) -> None:
+        await self.release.wait()
+        await super().on_data(*args)
+
+
+def test_payload_sends_are_pipelined_and_land_in_order() -> None:
+    """P's send_layers returns once a payload is posted: while D is stuck in its first on_data, P still
+    hands over more frames; released, D gets every layer bit for bit, and nothing is left in flight."""
+    layers = SUITE.LAYOUT.num_layers
+    assert layers <= MAX_IN_FLIGHT
+
+    async def scenario() -> None:
+        receiver = HeldReceiver(SUITE.LAYOUT, 8)
+        server = await SUITE.started(PAIR.KIND, receiver)
+        sender = create_sender(SUITE.config(PAIR.KIND), SUITE.identity("prefill-0"))
+        src = SUITE.random_cache(SUITE.LAYOUT, 6, seed=9)
+        try:
+            session = await sender.session(server.address, RequestId("piped"))
+            assert isinstance(session, ChannelSession)
+            push = asyncio.ensure_future(SUITE.push(session, src, [5, 2, 0], []))
+            await SUITE.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)
+            await asyncio.sleep(0.5)
+            assert not push.done(), "COMPLETE was acknowledged while D held the first frame"
+            assert session._payload_bytes == layers * 3 * SUITE.LAYOUT.layer_block_bytes, "P waited"
+            receiver.release.set()
+            reply, stats = await push
+            for j, b in enumerate(reply.dst_block_ids):
+                assert torch.equal(receiver.kv[:, :, b], src[:, :, [5, 2, 0][j]])
+            assert receiver.data_calls == layers and stats.payload_bytes == session._payload_bytes
+            SUITE.audit(receiver, server, 8)
+        finally:
+            await sender.close()
+            await server.stop()
+        assert live_groups() == 0
+
+    SUITE.run(scenario())
+
+
+def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
+    """Frames whose blocks are not one consecutive run take the per-block path and still land exactly."""
+
+    async def scenario() -> None:
+        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, 8)
+        server = await SUITE.started("tcp", receiver)
+        sender = create_sender(SUITE.config("tcp"), SUITE.identity("prefill-0"))
+        src = SUITE.random_cache(SUITE.LAYOUT, 4, seed=3)
+        try:
+            session = await sender.session(server.address, RequestId("scattered"))
+            reply = await session.open([], 4, time.time() + 30)
+            dst = reply.dst_block_ids
+            for layer in range(SUITE.LAYOUT.num_layers):
+                for order in ([3, 0], [2, 1]):
+                    descs = [BlockDescriptor(i, BlockId(i), dst[i]) for i in order]
+                    # buf: [2, n, B, Hkv, D]
+                    await session.send_layers(layer, descs, src[layer][:, order].contiguous())
+            with pytest.raises(ValueError, match="does not match the reservation"):  # P checks first
+                await session.send_layers(0, [BlockDescriptor(0, BlockId(0), dst[1])], src[0][:, :1])
+            await session.complete({"token_id": 1})
+            for i, b in enumerate(dst):
+                assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
+            SUITE.audit(receiver, server, 8)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    SUITE.run(scenario())
+
+
+def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
+    async def scenario() -> None:
+        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, 4)
+        server = await SUITE.started("tcp", receiver)
+        sender = create_sender(SUITE.config("tcp"), SUITE.identity("prefill-0"))
+        src = SUITE.random_cache(SUITE.LAYOUT, 1, seed=5)
+        try:
+            session = await sender.session(server.address, RequestId("late"))
+            reply = await session.open([], 1, time.time() + 0.3)
+            await asyncio.sleep(0.5)
+            descs = [BlockDescriptor(0, BlockId(0), reply.dst_block_ids[0])]
+            with pytest.raises(TransferAborted, match="deadline"):
+                await session.send_layers(0, descs, src[0])
+            await SUITE.until(lambda: receiver.aborts)
+            assert receiver.aborts[0][0] == "late" and "deadline" in receiver.aborts[0][1]
+            SUITE.audit(receiver, server, 4)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    SUITE.run(scenario())
