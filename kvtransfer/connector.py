@@ -108,7 +108,8 @@ class TransferSession(Protocol):
         the host if its link needs that). A CUDA buffer must be complete when passed (e.g. wait for an
         event recorded after the gather): GPU connectors send it without ordering after any stream, so a
         layer's transfer never waits for compute queued after its gather. Returns when the frame is handed
-        to the transport, so the buffer may be reused. Raises TransferAborted when D aborted."""
+        to the transport; a GPU connector may still be sending the buffer then (it keeps it alive), so do
+        not write into it again. Raises TransferAborted when D aborted."""
 
     async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
         """Send COMPLETE (first token, JSON-able) and return when D acknowledged it."""
