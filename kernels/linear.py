@@ -8,8 +8,10 @@ Why two: on a CPU in fp32, oneDNN's matmul over a weight re-laid out once for it
 inductor CPU build does) reads and multiplies 1.5-2.5x faster than `F.linear` over the plain row-major
 weight at the batch sizes of decode (1-64 rows): measured on this project's 2-core AVX-512 machine, 90
 SmolLM2-sized matrices at 16 rows went from 6.7 to 9.8 GB/s of weights, the tied 49152 x 576 head from 24.5
-to 9.6 ms. The packed copy costs the weights' size again in host memory. On a GPU, and for other dtypes, the
-handle is the weight itself and the product is `F.linear` (cuBLAS), so CUDA graphs see the parameters.
+to 9.6 ms. The packed copy costs the weights' size again in host memory. On a GPU the handle is the weight
+itself (CUDA graphs see the parameters); products of up to 16 rows (decode) run the Triton GEMV of
+kernels/triton_gemv.py, which reads the 8B shapes' weights faster than cuBLAS's small-M kernels, and larger
+ones `F.linear` (cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over the weight as stored.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from pdserve.kernels.triton_gemv import MAX_ROWS, gemv
 
 
 class Linear(Protocol):
@@ -63,8 +66,24 @@ class OneDnnPackedLinear:
         return y
 
 
+class GemvLinear:
+    """Triton GEMV for decode-sized products (rows <= 16), cuBLAS for the rest; CUDA."""
+
+    name = "triton-gemv"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if 1 <= x.shape[0] <= MAX_ROWS:
+            return gemv(x if x.stride(-1) == 1 else x.contiguous(), handle, bias)
+        return F.linear(x, handle, bias)
+
+
 def select_linear(device: torch.device, dtype: torch.dtype) -> Linear:
-    """The packed oneDNN product on a CPU with oneDNN in fp32; the dense one everywhere else."""
+    """Triton GEMV + cuBLAS on CUDA; the packed oneDNN product on a CPU with oneDNN in fp32; else dense."""
+    if device.type == "cuda":
+        return GemvLinear()
     if device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available():
         return OneDnnPackedLinear()
     return DenseLinear()

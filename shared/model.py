@@ -148,10 +148,10 @@ class LlamaModel(nn.Module):
         self.linear: Linear = DenseLinear()
         self.lm_head_w = self.lm_head_weight.detach()
 
-    def prepare_weights(self) -> None:
-        """Make every matmul's handle from the current weights with the device's best product; loaders call
-        it once the weights are final (a later in-place weight change needs another call)."""
-        self.linear = select_linear(self.embed_weight.device, self.dtype)
+    def prepare_weights(self, linear: Linear | None = None) -> None:
+        """Make every matmul's handle from the current weights with `linear` (default: the device's best
+        product); loaders call it once the weights are final (a later in-place change needs another call)."""
+        self.linear = linear or select_linear(self.embed_weight.device, self.dtype)
         for layer in self.decoder_layers:
             layer.prepare(self.linear)
         self.lm_head_w = self.linear.prepare(self.lm_head_weight.detach())

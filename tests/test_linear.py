@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.linear import DenseLinear, OneDnnPackedLinear, select_linear
+from pdserve.kernels.linear import DenseLinear, GemvLinear, OneDnnPackedLinear, select_linear
 from pdserve.shared.dummy_weights import fill_dummy_weights
 from pdserve.shared.model import LlamaModel
 from pdserve.shared.model_config import NAMED_SHAPES
@@ -45,7 +45,7 @@ def test_packed_handle_is_a_snapshot_and_shapes_are_checked() -> None:
 def test_selection_by_device_and_dtype() -> None:
     cpu = torch.device("cpu")
     assert isinstance(select_linear(cpu, torch.bfloat16), DenseLinear)
-    assert isinstance(select_linear(torch.device("cuda"), torch.float32), DenseLinear)
+    assert isinstance(select_linear(torch.device("cuda"), torch.bfloat16), GemvLinear)
     want = OneDnnPackedLinear if torch.backends.mkldnn.is_available() else DenseLinear
     assert isinstance(select_linear(cpu, torch.float32), want)
 

@@ -44,6 +44,12 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         copy = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "ids_ptr": "*i64", "src_kv_stride": "i64",
                 "dst_kv_stride": "i64", "BLOCK_ELEMS": 16384, "CHUNK": 1024, "GATHER": gather}  # fmt: skip
         cases.append((ops, "_copy_blocks_kernel", copy))
+    for dtype, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
+        for rows, block_n, block_k in ((1, 2, 4096), (16, 32, 256)):
+            ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
+            gemv = {"HAS_BIAS": rows == 1, "M_PAD": rows, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                    "DOT_DTYPE": dot}  # fmt: skip
+            cases.append(("pdserve.kernels.triton_gemv", "_gemv_kernel", {**ptrs, **gemv}))
     return cases
 
 
