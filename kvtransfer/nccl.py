@@ -55,6 +55,9 @@ class NcclPairGroup:
         work.wait()  # raises if the op failed; the op is done, so this blocks nothing
         return True
 
+    def order_after(self, work: dist.Work) -> None:
+        work.wait()  # ProcessGroupNCCL: the current stream waits for the op's end event; the host does not
+
     def abort(self) -> None:
         self._group.abort()
 

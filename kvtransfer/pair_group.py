@@ -60,6 +60,11 @@ class PairGroup(Protocol):
     def done(self, work: dist.Work) -> bool:
         """Whether `work` finished, without blocking; raises RuntimeError if it failed."""
 
+    def order_after(self, work: dist.Work) -> None:
+        """Make the calling thread's current stream wait, on the GPU, for `work` (no host wait). The op
+        runs on the backend's own stream, not on the stream current when it was posted, so waiting for
+        that stream would not wait for the op."""
+
     def abort(self) -> None:
         """Tear the group down now, pending ops included (the peer may be dead)."""
 
@@ -254,7 +259,8 @@ class PairGroupChannel:
             return view
         # GPU: work the caller queues on its current stream from now on runs after the recv lands, so
         # the host does not wait per frame; `flush` (before COMPLETE is acknowledged) confirms it.
-        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+        with torch.cuda.device(self._device):
+            self._group.order_after(work)
         self._track(work, view)
         return view
 

@@ -62,6 +62,9 @@ class GlooPairGroup:
         waiting.result()  # gloo raises RuntimeError on failure
         return True
 
+    def order_after(self, work: dist.Work) -> None:
+        raise AssertionError("host-memory pairs wait for their payloads on the host")
+
     def abort(self) -> None:
         self._group.abort()
         self._pool.shutdown(wait=False)
