@@ -37,6 +37,8 @@ def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, t
             "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64), "--auth-token", token,
             "--connector", args.connector, "--transfer-port", str(tport),
             "--log-level", "WARNING"]  # fmt: skip
+    if role == "prefill":
+        argv += ["--layers-per-frame", str(args.layers_per_frame)]
     if role == "single":
         argv += ["--role", "single"]
     return subprocess.Popen(argv), f"http://127.0.0.1:{port}", tport
@@ -54,15 +56,31 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) 
     raise RuntimeError(f"node at {url} not ready in {timeout_s}s")
 
 
+TOP_N = 5  # logprobs asked for: the sampled token's and the 5 most likely, per position
+Position = tuple[int, dict[int, float]]  # sampled token id, token id -> logprob (sampled + top N)
+
+
+def logprob_gap(a: list[list[Position]], b: list[list[Position]]) -> float:
+    """Largest |logprob difference| over every position's tokens present in both; inf if any sampled
+    token differs."""
+    worst = 0.0
+    for out_a, out_b in zip(a, b, strict=True):
+        for (tok_a, lp_a), (tok_b, lp_b) in zip(out_a, out_b, strict=True):
+            if tok_a != tok_b:
+                return float("inf")
+            worst = max([worst] + [abs(v - lp_b[k]) for k, v in lp_a.items() if k in lp_b])
+    return worst
+
+
 async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, rid: str, prompt: list[int],
-              max_tokens: int) -> tuple[float, float, list[int]]:  # fmt: skip
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+              max_tokens: int) -> tuple[float, float, list[Position]]:  # fmt: skip
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_N)
     deadline = time.time() + 120
     gen = NodeGenerateRequest(RequestId(rid), tuple(prompt), params, None, deadline,
                               None if p is None else NodeId("prefill-0"))  # fmt: skip
     t0 = time.perf_counter()
     marks: list[float] = []
-    tokens: list[int] = []
+    tokens: list[Position] = []
     pre_task = None
     if p is not None:
         pre = PrefillRequest(RequestId(rid), tuple(prompt), params, None, deadline, NodeId("decode-0"), p[1])
@@ -74,9 +92,10 @@ async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, 
                 continue
             step = StepOutput.from_line(line)
             assert step.error is None, step.error
-            for t in step.token_ids:
+            assert step.logprobs is not None
+            for t, lp in zip(step.token_ids, step.logprobs, strict=True):
                 marks.append(time.perf_counter() - t0)
-                tokens.append(t)
+                tokens.append((t, {x.token_id: x.logprob for x in lp.top} | {t: lp.logprob}))
             if step.finish_reason is not None:
                 break
     if pre_task is not None:
@@ -86,7 +105,7 @@ async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, 
 
 
 async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str
-                  ) -> tuple[list[float], list[float], list[list[int]]]:  # fmt: skip
+                  ) -> tuple[list[float], list[float], list[list[Position]]]:  # fmt: skip
     ttft, t2, outs = [], [], []
     async with httpx.AsyncClient(timeout=300) as client:
         await one(client, d_url, p, f"{tag}-warm", prompts[0][::-1], max_tokens)
@@ -124,6 +143,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--layers-per-frame", type=int, default=4, help="P's KV-transfer frame size in layers")
     args = ap.parse_args()
     import random
 
@@ -153,12 +173,17 @@ def main() -> int:
     rows.append(("time to first token p50 (ms)", med(pd_ttft) * 1e3, med(s_ttft) * 1e3))
     rows.append(("time to second token p50 (ms)", med(pd_t2) * 1e3, med(s_t2) * 1e3))
     print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype}, "
-          f"P {args.device_p} -> D {args.device_d} over {args.connector}\n")  # fmt: skip
+          f"P {args.device_p} -> D {args.device_d} over {args.connector}, "
+          f"{args.layers_per_frame} layer(s) per frame\n")  # fmt: skip
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
     for name, pd, single in rows:
         print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")
-    same = sum(x == y for x, y in zip(pd_out, s_out, strict=True))
+    same = sum([t for t, _ in x] == [t for t, _ in y] for x, y in zip(pd_out, s_out, strict=True))
     print(f"| greedy outputs identical, P/D vs single | {same}/{len(prompts)} | | |")
+    print(
+        f"| max abs logprob difference, P/D vs single (sampled + top {TOP_N}, every position) | "
+        f"{logprob_gap(pd_out, s_out):.3g} | | |"
+    )
     for who, au in (("P", p_audit), ("D", d_audit), ("single", s_audit)):
         print(f"| {who} audit in_use/reserved/pinned/live | {au['in_use']}/{au['reserved']}/{au['pinned']}/"
               f"{au['live_requests']} | | |")  # fmt: skip

@@ -27,7 +27,7 @@ async def setup(
     )
     identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
     sender = create_sender(cfg, identity)
-    service = PrefillService(rt, sender)
+    service = PrefillService(rt, sender, args.layers_per_frame)
     service.attach()
     add_prefill_routes(app, service)
     rt.connector_kind = args.connector
@@ -36,6 +36,13 @@ async def setup(
 
 def main(argv: list[str] | None = None) -> int:
     p = node_parser("pdserve prefill")
+    p.add_argument(
+        "--layers-per-frame",
+        type=int,
+        default=4,
+        help="consecutive layers of a prefill step sent as one KV-transfer frame (1: one per layer); "
+        "4 measured best on two H200s (fewer NCCL kernels spinning beside the prefill's GEMMs)",
+    )
     args = p.parse_args(argv)
     if not args.auth_token:
         p.error("--auth-token is required (the KV-transfer handshake's shared secret)")

@@ -1,5 +1,5 @@
 """The prefill node: computes a prompt's KV, samples the first token, and streams the KV into the decode
-node's reserved blocks layer by layer while the forward pass runs.
+node's reserved blocks while the forward pass runs, a frame per `layers_per_frame` consecutive layers.
 
 Invariants: the OPEN to D (its just-in-time reservation) goes out when the engine first computes the
 request, not when it is queued; each layer's blocks are copied out of the paged cache on the engine
@@ -43,10 +43,13 @@ class _Job:
     req: PrefillRequest
     hashes: tuple[BlockHash, ...]
     num_blocks: int
-    # (layer, first block index, P's block ids, buf, event the gather recorded on a CUDA stream)
+    # (first layer, first block index, P's block ids, buf [n_layers, 2, n, B, Hkv, D], event the last
+    # gather recorded on a CUDA stream): one DATA frame each
     chunks: asyncio.Queue[tuple[int, int, list[BlockId], torch.Tensor, torch.cuda.Event | None] | None] = (
         field(default_factory=asyncio.Queue)
     )
+    # the frame being filled on the engine thread: (first block index, block ids, ids on the device, buf)
+    filling: tuple[int, list[BlockId], torch.Tensor, torch.Tensor] | None = None
     opened: bool = False
     sender_task: asyncio.Task[int] | None = None
     session: TransferSession | None = None
@@ -55,11 +58,14 @@ class _Job:
 class PrefillObserver(StepObserver):
     """Runs on the engine thread; hands gathered layer buffers to the asyncio loop."""
 
-    def __init__(self, rt: NodeRuntime, loop: asyncio.AbstractEventLoop, start_sender: Any) -> None:
+    def __init__(
+        self, rt: NodeRuntime, loop: asyncio.AbstractEventLoop, start_sender: Any, layers_per_frame: int
+    ) -> None:
         self.rt = rt
         self.loop = loop
         self.jobs: dict[RequestId, _Job] = {}
         self.start_sender = start_sender
+        self.layers_per_frame = layers_per_frame
 
     def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
         runner = self.rt.engine.runner
@@ -75,37 +81,54 @@ class PrefillObserver(StepObserver):
             b0, b1 = s.start // bs, -(-end // bs)
             if b1 <= b0:
                 continue
-            ids = s.request.block_ids[b0:b1]
-            # buf: [2, n, B, Hkv, D], a private copy: P's blocks may be reused after this step
-            buf = torch.empty(
-                (2, len(ids), *runner.kv_cache.shape[3:]), dtype=runner.kv_cache.dtype, device=runner.device
-            )
-            # ids from pinned memory without a sync: a pageable copy would stall the host until the GPU caught
-            # up, holding the GIL, so the transfer's asyncio thread could not send earlier layers meanwhile
-            ids_dev = torch.tensor(ids, dtype=torch.int64, pin_memory=buf.is_cuda).to(
-                runner.device, non_blocking=True
-            )
-            runner.ops.gather_blocks(runner.kv_cache[layer], ids_dev, buf)
+            # this step's layers go out in frames of `layers_per_frame` consecutive layers
+            first = layer - layer % self.layers_per_frame
+            n_layers = min(self.layers_per_frame, runner.kv_cache.shape[0] - first)
+            if layer == first:
+                ids = list(s.request.block_ids[b0:b1])
+                # buf: [n_layers, 2, n, B, Hkv, D], a private copy: P's blocks may be reused after this step
+                buf = torch.empty(
+                    (n_layers, 2, len(ids), *runner.kv_cache.shape[3:]),
+                    dtype=runner.kv_cache.dtype,
+                    device=runner.device,
+                )
+                # ids from pinned memory without a sync: a pageable copy would stall the host until the GPU
+                # caught up, holding the GIL, so the transfer's asyncio thread could not send meanwhile
+                ids_dev = torch.tensor(ids, dtype=torch.int64, pin_memory=buf.is_cuda).to(
+                    runner.device, non_blocking=True
+                )
+                job.filling = (b0, ids, ids_dev, buf)
+            assert job.filling is not None and job.filling[0] == b0, "a frame's layers come from one step"
+            _, ids, ids_dev, buf = job.filling
+            runner.ops.gather_blocks(runner.kv_cache[layer], ids_dev, buf[layer - first])
+            if layer < first + n_layers - 1:
+                continue
+            job.filling = None
             # buf stays where the cache is: the connector stages it through host memory if its link
-            # needs that. The event lets the sender wait (without blocking the loop) for the gather only.
+            # needs that. The event lets the sender wait (without blocking the loop) for the gathers only.
             event = None
             if buf.is_cuda:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(buf.device))
-            self.loop.call_soon_threadsafe(job.chunks.put_nowait, (layer, b0, list(ids), buf, event))
+            self.loop.call_soon_threadsafe(job.chunks.put_nowait, (first, b0, ids, buf, event))
 
     def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
         return None
 
 
 class PrefillService:
-    def __init__(self, rt: NodeRuntime, sender: KVSender) -> None:
+    def __init__(self, rt: NodeRuntime, sender: KVSender, layers_per_frame: int = 4) -> None:
+        if layers_per_frame < 1:
+            raise ValueError(f"layers_per_frame must be >= 1, got {layers_per_frame}")
         self.rt = rt
         self.sender = sender
+        self.layers_per_frame = layers_per_frame
         self.observer: PrefillObserver | None = None
 
     def attach(self) -> None:
-        self.observer = PrefillObserver(self.rt, asyncio.get_running_loop(), self._start_sender)
+        self.observer = PrefillObserver(
+            self.rt, asyncio.get_running_loop(), self._start_sender, self.layers_per_frame
+        )
         self.rt.engine.observer = self.observer
 
     def _start_sender(self, job: _Job) -> None:
@@ -133,8 +156,8 @@ class PrefillService:
                 for j in keep
             ]
             payload = buf
-            if len(keep) < len(src_ids):
-                payload = buf[:, keep[0] :].contiguous()
+            if len(keep) < len(src_ids):  # buf: [n_layers, 2, n, B, Hkv, D]; the blocks are dim 2
+                payload = buf[:, :, keep[0] :].contiguous()
                 if payload.is_cuda:  # the copy is queued behind the engine's work: wait for it once
                     await stream_idle(torch.cuda.current_stream(payload.device))
             await session.send_layers(layer, descs, payload)
