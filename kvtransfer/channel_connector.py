@@ -17,10 +17,17 @@ from pdserve.kvtransfer.transport import Transport
 
 class ChannelConnector:
     def __init__(
-        self, make_transport: Callable[[ConnectorConfig], Transport], checksum_default: bool
+        self,
+        make_transport: Callable[[ConnectorConfig], Transport],
+        checksum_default: bool | Callable[[ConnectorConfig], bool],
     ) -> None:
         self.make_transport = make_transport
         self.checksum_default = checksum_default
+
+    def default_checksum(self, config: ConnectorConfig) -> bool:
+        if isinstance(self.checksum_default, bool):
+            return self.checksum_default
+        return self.checksum_default(config)
 
     def make_sender(self, config: ConnectorConfig, identity: PeerIdentity) -> KVSender:
         return ChannelSender(self.make_transport(config), config, identity)

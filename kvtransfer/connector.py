@@ -148,7 +148,8 @@ class ConnectorConfig:
     kind: str
     auth_token: str
     # CRC32 every frame; a connection checksums if either end asks for it. None: the connector's default
-    # (on for tcp and ucx, off for nccl, whose NVLink/RDMA links check integrity themselves).
+    # (on for tcp and for ucx over host memory; off for nccl and for ucx on a GPU, whose NVLink/RDMA links
+    # check integrity themselves, and where a CRC would copy every payload to the host).
     checksum: bool | None = None
     listen_host: str = "127.0.0.1"
     listen_port: int = 0  # 0: a free port, see KVReceiverServer.address
@@ -187,13 +188,14 @@ class ConnectorConfig:
         """Whether this end asks for checksummed frames (the `checksum` field, or the connector's default)."""
         if self.checksum is not None:
             return self.checksum
-        return _connector(self.kind).checksum_default
+        return _connector(self.kind).default_checksum(self)
 
 
 class Connector(Protocol):
     """One registered implementation: builds the two ends."""
 
-    checksum_default: bool  # whether frames are checksummed when the config leaves it open
+    def default_checksum(self, config: ConnectorConfig) -> bool:
+        """Whether frames are checksummed when `config.checksum` leaves it open."""
 
     def make_sender(self, config: ConnectorConfig, identity: PeerIdentity) -> KVSender: ...
 

@@ -17,6 +17,7 @@ import torch
 import ucxx
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import stream_idle
 from pdserve.kvtransfer.framing import ByteChannel
 
@@ -136,4 +137,10 @@ class UcxTransport:
         return UcxListener(ucxx.create_listener(accept, port=port))
 
 
-CONNECTOR = ChannelConnector(lambda config: UcxTransport(config.device), checksum_default=True)
+def _checksum_default(config: ConnectorConfig) -> bool:
+    """On over host memory (TCP, shared memory); off when payloads are GPU memory (cuda_ipc over NVLink,
+    RDMA), whose links check integrity, and where a CRC would copy each payload to the host first."""
+    return torch.device(config.device).type != "cuda"
+
+
+CONNECTOR = ChannelConnector(lambda config: UcxTransport(config.device), checksum_default=_checksum_default)

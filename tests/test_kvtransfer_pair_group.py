@@ -132,6 +132,9 @@ def test_nccl_config_defaults_and_device_check() -> None:
     assert ConnectorConfig(kind="nccl", auth_token="t").frame_checksum is False
     assert ConnectorConfig(kind="nccl", auth_token="t", checksum=True).frame_checksum is True
     assert ConnectorConfig(kind="tcp", auth_token="t").frame_checksum is True
+    assert ConnectorConfig(kind="tcp", auth_token="t", device="cuda:0").frame_checksum is True
+    assert ConnectorConfig(kind="ucx", auth_token="t").frame_checksum is True  # host memory
+    assert ConnectorConfig(kind="ucx", auth_token="t", device="cuda:0").frame_checksum is False
     with pytest.raises(ValueError, match=re.escape("CUDA ConnectorConfig.device, got 'cpu'")):
         create_sender(ConnectorConfig(kind="nccl", auth_token="t"), SUITE.identity("p"))
     with pytest.raises(ValueError, match="'tpu:0'"):
