@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.auth_token:
         p.error("--auth-token is required (the KV-transfer handshake's shared secret)")
+    if args.layers_per_frame < 1:
+        p.error(f"--layers-per-frame must be >= 1, got {args.layers_per_frame}")
     return serve(args, "prefill", setup, PROTOCOL_VERSION)
 
 
