@@ -15,7 +15,7 @@ import dataclasses
 import time
 
 import torch
-import triton.testing
+from pdserve.benchmarks.gpu_decode import copy_bandwidth, kv_bytes_per_token, weight_bytes_read
 from pdserve.kernels.linear import DenseLinear, GemvLinear, Linear
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.loader import LoadedModel, load_model
@@ -24,13 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 
 GIB = 1 << 30
 KINDS = ("gemv", "nvjet", "gemm", "splitk", "decode", "rms", "rope", "silu", "argmax", "index", "copy")
-
-
-def copy_bandwidth(dev: torch.device) -> float:
-    src = torch.empty(4 * GIB, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() / (ms / 1e3)
 
 
 def kind(name: str) -> str:
@@ -91,11 +84,8 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     loaded = load_model(f"dummy:{args.shape}", device=dev, dtype=torch.bfloat16, seed=0)
     c = loaded.config
-    model = loaded.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not c.tie_word_embeddings:
-        weights -= model.embed_weight.numel() * model.embed_weight.element_size()
-    kv = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 2 * args.ctx
+    weights = weight_bytes_read(loaded.model, c.tie_word_embeddings)
+    kv = kv_bytes_per_token(c, torch.bfloat16) * args.ctx
     print(f"copy {bw / GIB:.0f} GiB/s; roofline step {(weights + kv) / bw * 1e3:.3f} ms")
     cfg = EngineConfig(model=loaded.source, device=str(dev), dtype="bfloat16", num_kv_blocks=128,
                        max_num_seqs=1, max_model_len=8192)  # fmt: skip

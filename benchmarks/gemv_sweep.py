@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton.testing
+from pdserve.benchmarks.gpu_decode import copy_bandwidth
 from pdserve.kernels.triton_gemv import GemvConfig, default_config, gemv
 
 GIB = 1 << 30
@@ -33,9 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda:0")
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    src = torch.empty(2 * GIB, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    bw = 2 * src.numel() / (ms(lambda: dst.copy_(src)) / 1e3)
+    bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / GIB:.0f} GiB/s")
     for rows in args.rows:
         grid = (
