@@ -1,13 +1,16 @@
 """A throwaway local redis-server on a free port, for `pdserve up`, tests and benchmarks.
 
-Invariants: the server keeps nothing on disk (`--save '' --appendonly no`, its dir is a temporary
-directory removed on stop); `stop()` ends exactly the process it started, by pid, and is idempotent.
+Invariants: the server keeps nothing on disk (`--save '' --appendonly no`, its dir and its log are in a
+temporary directory removed on stop); `start()` returns only once that process itself answers PING;
+`stop()` ends exactly the process it started, by pid, and is idempotent.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -21,52 +24,98 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class _BindRace(RuntimeError):
+    """redis-server could not bind its port: something took it after free_port() saw it free."""
+
+
 @dataclass
 class LocalRedis:
-    """Start with `start()` (or as a context manager); `url` points at it."""
+    """Start with `start()` (or as a context manager); `url` points at it. With a TLS certificate and
+    key it serves TLS only (the certificate is its own CA; clients are not asked for certificates)."""
 
     binary: str = "/usr/bin/redis-server"
     port: int = 0
     password: str | None = None
-    extra_args: tuple[str, ...] = ()
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     startup_timeout_s: float = 10.0
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _dir: str | None = field(default=None, init=False, repr=False)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls_cert_file else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
     def start(self) -> LocalRedis:
+        """Starts the server; when the port was left to it (0) and another socket takes the free port
+        before redis-server binds it, it tries again on a fresh port (3 tries)."""
         if self._proc is not None:
             raise RuntimeError(f"redis-server already started (pid {self._proc.pid})")
-        self.port = self.port or free_port()
+        chosen = self.port
+        for attempt in range(3):
+            self.port = chosen or free_port()
+            try:
+                return self._start_once()
+            except _BindRace:
+                if chosen or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> LocalRedis:
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        if self.tls_cert_file is not None:
+            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert_file]
+            args += ["--tls-key-file", self.tls_key_file or "", "--tls-ca-cert-file", self.tls_cert_file]
+            args += ["--tls-auth-clients", "no"]
         args += ["--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
         if self.password is not None:
             args += ["--requirepass", self.password]
-        self._proc = subprocess.Popen(
-            [*args, *self.extra_args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        with open(os.path.join(self._dir, "redis.log"), "wb") as log:
+            self._proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
+                err = self._log_tail()
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} exited at start: {err.strip()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.02)
+                message = f"redis-server on port {self.port} exited at start: {err.strip()}"
+                raise (_BindRace if "already in use" in err else RuntimeError)(message)
+            if self._answers_ping():
+                return self
+            time.sleep(0.02)
         self.stop()
         raise RuntimeError(
             f"redis-server on port {self.port} did not accept connections in {self.startup_timeout_s}s"
+        )
+
+    def _log_tail(self) -> str:
+        assert self._dir is not None
+        try:
+            with open(os.path.join(self._dir, "redis.log"), errors="replace") as f:
+                return " | ".join(line.strip() for line in f.readlines()[-3:])
+        except OSError:
+            return ""
+
+    def _answers_ping(self) -> bool:
+        """True once a Redis answers PING on the port (another listener there does not count)."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                conn = raw
+                if self.tls_cert_file is not None:
+                    context = ssl.create_default_context(cafile=self.tls_cert_file)
+                    context.check_hostname = False
+                    conn = context.wrap_socket(raw)
+                conn.sendall(b"PING\r\n")
+                reply = conn.recv(64)
+        except OSError:
+            return False
+        return (
+            reply.startswith((b"+PONG", b"-NOAUTH")) and self._proc is not None and self._proc.poll() is None
         )
 
     def stop(self) -> None:
@@ -78,8 +127,6 @@ class LocalRedis:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stderr is not None:
-                proc.stderr.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Iterator
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pdserve.shared import block_index_server
 from pdserve.shared.block_hash import hash_blocks, hash_seed
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_server import LocalRedis, free_port
@@ -296,6 +298,28 @@ def test_auth_wrong_or_missing_password_fails_clearly() -> None:
         run(body(server))
 
 
+def test_local_redis_moves_to_a_fresh_port_when_its_free_port_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """free_port() can race with another socket; a listener that is not Redis never counts as started."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = iter([taken, free_port()])
+        monkeypatch.setattr(block_index_server, "free_port", lambda: next(ports))
+        with LocalRedis() as server:
+            assert server.port != taken
+            assert (
+                subprocess.run(
+                    ["redis-cli", "-p", str(server.port), "ping"], capture_output=True
+                ).stdout.strip()
+                == b"PONG"
+            )
+        with pytest.raises(RuntimeError, match=f"port {taken} exited at start: .*in use"):
+            LocalRedis(port=taken).start()
+
+
 def test_unreachable_redis_raises_index_unavailable_fast() -> None:
     async def body() -> None:
         async with BlockIndex(RedisConfig(host="127.0.0.1", port=free_port())) as index:
@@ -323,12 +347,8 @@ def test_tls_with_the_servers_ca_works_and_without_it_fails(tmp_path: Any) -> No
     ]
     openssl += ["-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
     subprocess.run(openssl, check=True, capture_output=True)
-    port = free_port()
-    tls = ("--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-           "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no")  # fmt: skip
 
-    async def body() -> None:
-        url = f"rediss://127.0.0.1:{port}/0"
+    async def body(url: str, port: int) -> None:
         async with BlockIndex(RedisConfig(url=url, tls_ca_file=str(cert))) as index:
             assert await index.register(node("p0")) == 1
         async with BlockIndex(RedisConfig(port=port, tls=True, tls_ca_file=str(cert))) as index:
@@ -337,5 +357,6 @@ def test_tls_with_the_servers_ca_works_and_without_it_fails(tmp_path: Any) -> No
             with pytest.raises(IndexUnavailable, match="certificate verify failed"):
                 await index.nodes()
 
-    with LocalRedis(port=port, extra_args=tls):
-        run(body())
+    with LocalRedis(tls_cert_file=str(cert), tls_key_file=str(key)) as server:
+        assert server.url.startswith("rediss://")
+        run(body(server.url, server.port))

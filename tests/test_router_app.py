@@ -13,9 +13,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_server import LocalRedis, free_port
 from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
 from pdserve.shared.loader import load_tokenizer
 from pdserve.shared.node_protocol import (
@@ -73,12 +71,6 @@ LAYOUT: dict[str, int | str] = {
     "dtype": "float32",
     "tp_size": 1,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FakeNodes:
@@ -169,30 +161,14 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            shutil.which("redis-server") or "/usr/bin/redis-server",
-            "--port",
-            str(port),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.time() + 10
-    while (
-        subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() != b"PONG"
-    ):
-        assert time.time() < deadline, "redis-server did not start"
-        time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(10)
+def redis_server() -> Iterator[LocalRedis]:
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server: LocalRedis) -> str:
+    return redis_server.url
 
 
 @dataclass
@@ -473,15 +449,14 @@ def test_deadline_is_one_and_enforced(cluster: Cluster) -> None:
     wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
 
 
-def test_redis_down_routes_load_only(cluster: Cluster, redis_url: str) -> None:
+def test_redis_down_routes_load_only(cluster: Cluster, redis_server: LocalRedis) -> None:
     cluster.set_nodes(["s0"])
     assert httpx.get(cluster.router + "/health", timeout=10).json() == {
         "status": "ok",
         "nodes": 1,
         "index": "ok",
     }
-    port = redis_url.rsplit(":", 1)[1].split("/")[0]
-    subprocess.run(["redis-cli", "-p", port, "shutdown", "nosave"], capture_output=True)
+    redis_server.stop()
     time.sleep(0.1)
     r = cluster.post("/v1/chat/completions", CHAT)
     assert r.status_code == 200, r.text
