@@ -5,10 +5,12 @@ Hugging Face transformers in the same run. Prints one markdown table; `--out` ge
 
 Correctness first: the check shape in fp32 (TF32 off) must give the torch-reference path's logits within
 1e-3 under teacher forcing and identical greedy tokens. The main shape in bf16 is compared with the
-reference (target: top-1 agreement >= 99 % over 256 teacher-forced positions, cosine >= 0.999 at each) and,
-since on random weights any two bf16 attention roundings disagree that much, both are also compared with
-attention computed in fp32: the exit status asks that Triton be no farther from it than the reference is
-(with the fp32 check and the memory check; speed targets are reported, not enforced). Then: copy bandwidth
+reference (the issue's target: top-1 agreement >= 99 % over 256 teacher-forced positions, cosine >= 0.999 at
+each) and, because random weights put that target below bf16's own noise, with a noise floor: the reference
+against itself on an exactly equivalent model (hidden dimension permuted, so only summation order changes).
+The exit status asks that Triton be within twice that floor (top-1 disagreement and 1 - min cosine), with
+the fp32 check and the memory check; speed targets are reported, not enforced. `--check-checkpoint` adds the
+same comparison on trained weights, teacher-forced on English text. Then: copy bandwidth
 (4 GiB, bytes read + written), batch-1 decode tok/s at 1k context out of LLMEngine.step() over the roofline
 (weight bytes read per step, the embedding table excepted, + KV bytes read) / copy bandwidth, throughput
 at batch 1..128 at 2k context, decode-attention bandwidth at batch 64 x 4k, 4,096-token prefill beside HF
@@ -36,6 +38,7 @@ from pdserve.kernels.reference import ReferenceOps
 from pdserve.shared.config import EngineConfig
 from pdserve.shared.engine import LLMEngine
 from pdserve.shared.loader import LoadedModel, load_model
+from pdserve.shared.model import LlamaModel
 from pdserve.shared.model_config import NAMED_SHAPES, ModelConfig
 from pdserve.shared.model_runner import BatchItem, ModelRunner
 from pdserve.shared.sampling_params import SamplingParams
@@ -44,6 +47,7 @@ from pdserve.shared.types import RequestId
 GIB = 1 << 30
 MAX_MODEL_LEN = 8192
 TF_POSITIONS = 256
+TEXT = "docs/architecture.md"  # English prose for teacher forcing a trained checkpoint
 Row = tuple[str, str, str, str]  # metric, value, peer or limit, ratio or check
 
 
@@ -153,14 +157,61 @@ def random_tokens(n: int, vocab: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
 
+@torch.no_grad()
+def permute_hidden(model: LlamaModel, perm: torch.Tensor) -> None:
+    """Reorder the hidden (residual-stream) dimension of every weight by `perm`, in place. The result is
+    exactly the same function; only the sums over the hidden dimension (RMSNorm, and the products that
+    read the stream) add their terms in another order. `torch.argsort(perm)` undoes it."""
+
+    def cols(w: torch.Tensor) -> None:
+        w.copy_(w[:, perm])
+
+    def rows(w: torch.Tensor) -> None:
+        w.copy_(w[perm])
+
+    cols(model.embed_weight)
+    for layer in model.decoder_layers:
+        rows(layer.input_norm.weight)
+        rows(layer.post_norm.weight)
+        cols(layer.qkv_weight)
+        rows(layer.o_weight)
+        if layer.o_bias is not None:
+            rows(layer.o_bias)
+        cols(layer.gate_up_weight)
+        rows(layer.down_weight)
+    rows(model.norm.weight)
+    if model.lm_head_weight is not model.embed_weight:
+        cols(model.lm_head_weight)
+    model.prepare_weights(model.linear)
+
+
+def noise_floor(
+    loaded: LoadedModel, cfg: EngineConfig, tokens: Sequence[int], want: torch.Tensor
+) -> dict[str, float]:
+    """The reference path against itself on an exactly equivalent model (hidden dimension permuted): how far
+    two bf16 computations that differ only in summation order land apart on these weights."""
+    dev = loaded.model.embed_weight.device
+    perm = torch.randperm(loaded.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dev)
+    permute_hidden(loaded.model, perm)
+    try:
+        twin = teacher_forced_logits(ModelRunner(loaded, cfg, 64, ops=ReferenceOps()), tokens, 64)
+    finally:
+        permute_hidden(loaded.model, torch.argsort(perm))
+    return compare_logits(twin, want)
+
+
 def check_correctness(
-    loaded: LoadedModel, dev: torch.device, gen: torch.Generator, greedy: bool
+    loaded: LoadedModel,
+    dev: torch.device,
+    gen: torch.Generator,
+    greedy: bool,
+    tokens: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Triton + graphs vs ReferenceOps on the same weights: teacher-forced logits over TF_POSITIONS
     positions after a 64-token prompt; with `greedy`, also the greedy tokens of three concurrent requests
     through LLMEngine (a padded bucket) vs the reference runner on each alone."""
     vocab = loaded.config.vocab_size
-    tokens = random_tokens(64 + TF_POSITIONS - 1, vocab, gen)
+    tokens = list(tokens) if tokens is not None else random_tokens(64 + TF_POSITIONS - 1, vocab, gen)
     dtype = loaded.model.dtype
     cfg = EngineConfig(model=loaded.source, device=str(dev), dtype=str(dtype).removeprefix("torch."),
                        num_kv_blocks=64, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)  # fmt: skip
@@ -176,6 +227,7 @@ def check_correctness(
         oracle = teacher_forced_logits(ModelRunner(loaded, eager, 64, ops=Fp32AttentionOps()), tokens, 64)
         result["triton_vs_fp32_attention"] = compare_logits(got, oracle)
         result["reference_vs_fp32_attention"] = compare_logits(want, oracle)
+        result["noise_floor"] = noise_floor(loaded, eager, tokens, want)
     else:
         prompts = [random_tokens(n, vocab, gen) for n in (100, 37, 250)]
         ref_tokens = [greedy_by_runner(ref, p, 48) for p in prompts]
@@ -292,6 +344,18 @@ def hf_peer(
     return {"prefill_s": prefill, "generate_tok_s": 63 / (t64 - t1)}
 
 
+def within_floor(got: dict[str, float], floor: dict[str, float]) -> bool:
+    """Triton's distance from the reference is at most twice the reference's distance from itself on an
+    equivalent model, in top-1 disagreement and in 1 - min cosine."""
+    return 1 - got["top1_agreement"] <= 2 * (1 - floor["top1_agreement"]) and 1 - got["min_cosine"] <= 2 * (
+        1 - floor["min_cosine"]
+    )
+
+
+def real_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def release(dev: torch.device) -> None:
     gc.collect()
     torch.cuda.synchronize(dev)
@@ -305,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check-shape", default="smollm2-135m", choices=sorted(NAMED_SHAPES),
                         help="shape checked in fp32 against the reference path")  # fmt: skip
+    parser.add_argument("--check-checkpoint", default=None,
+                        help="also compare Triton and reference in bf16 on these trained weights "
+                             "(GGUF file or HF directory), teacher-forced on English text")  # fmt: skip
     parser.add_argument("--out", default="gpu_decode.json", help="where the full results go, as JSON")
     parser.add_argument("--device", default="cuda:0")
     args = parser.parse_args(argv)
@@ -359,11 +426,33 @@ def main(argv: list[str] | None = None) -> int:
                  f"{big['top1_agreement']:.1%} / {big['min_cosine']:.5f}", ">= 99% / >= 0.999",
                  verdict(abs_ok)))  # fmt: skip
     tri, ref = big["triton_vs_fp32_attention"], big["reference_vs_fp32_attention"]
-    big_ok = tri["top1_agreement"] >= ref["top1_agreement"] and tri["min_cosine"] >= ref["min_cosine"]
     rows.append((f"{args.shape} bf16 vs fp32-attention oracle: top-1 / min cosine, Triton (vs reference)",
                  f"{tri['top1_agreement']:.1%} / {tri['min_cosine']:.5f}",
-                 f"reference {ref['top1_agreement']:.1%} / {ref['min_cosine']:.5f}",
-                 f"Triton no farther: {verdict(big_ok)}"))  # fmt: skip
+                 f"reference {ref['top1_agreement']:.1%} / {ref['min_cosine']:.5f}", ""))  # fmt: skip
+    floor = big["noise_floor"]
+    big_ok = within_floor(big, floor)
+    rows.append((f"{args.shape} bf16 noise floor: reference vs itself on the same model with its hidden "
+                 "dimension permuted (top-1 / min cosine)",
+                 f"{floor['top1_agreement']:.1%} / {floor['min_cosine']:.5f}", "",
+                 f"Triton within 2x the floor: {verdict(big_ok)}"))  # fmt: skip
+    if args.check_checkpoint:
+        log(f"correctness: {args.check_checkpoint} bf16 (trained weights), Triton + graphs vs reference")
+        real = load_model(args.check_checkpoint, device=dev, dtype=torch.bfloat16)
+        with open(TEXT, encoding="utf-8") as f:
+            text = real.tokenizer.encode(f.read(), add_special_tokens=False)[: 64 + TF_POSITIONS - 1]
+        trained = res["checkpoint_check"] = check_correctness(real, dev, gen, greedy=False, tokens=text)
+        del real
+        release(dev)
+        trained_ok = trained["top1_agreement"] >= 0.99 and trained["min_cosine"] >= 0.999
+        rows.append((f"{real_name(args.check_checkpoint)} (trained) bf16 on {TEXT}: top-1 / min cosine "
+                     f"({TF_POSITIONS} pos), Triton vs reference",
+                     f"{trained['top1_agreement']:.1%} / {trained['min_cosine']:.5f}", ">= 99% / >= 0.999",
+                     verdict(trained_ok)))  # fmt: skip
+        floor = trained["noise_floor"]
+        big_ok = big_ok and within_floor(trained, floor)
+        rows.append((f"{real_name(args.check_checkpoint)} bf16 noise floor (hidden dimension permuted)",
+                     f"{floor['top1_agreement']:.1%} / {floor['min_cosine']:.5f}", "",
+                     f"Triton within 2x the floor: {verdict(within_floor(trained, floor))}"))  # fmt: skip
 
     log("engine: memory plan, KV pool, graph capture")
     cfg = EngineConfig(model=f"dummy:{args.shape}", device=str(dev), dtype="bfloat16", max_num_seqs=128,
@@ -424,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     mem_ok = left < 64 * 2**20
     rows.append(("memory allocated after teardown, over the start", f"{left / 2**20:.1f} MiB", "< 64 MiB",
                  verdict(mem_ok)))  # fmt: skip
-    res["ok"] = {"check": ok, "main_check_absolute": abs_ok, "main_check_vs_oracle": big_ok, "memory": mem_ok,
-                 "batch1_roofline": ratio >= 0.8}  # fmt: skip
+    res["ok"] = {"check": ok, "main_check_absolute": abs_ok, "main_check_within_noise_floor": big_ok,
+                 "memory": mem_ok, "batch1_roofline": ratio >= 0.8}  # fmt: skip
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=2)
     print(markdown(rows), flush=True)

@@ -177,11 +177,18 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
         """From a GGUF file's tokenizer metadata (vocabulary, merges, special ids, chat template)."""
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING,
-            convert_gguf_tokenizer,
-        )
         from transformers.integrations.gguf.reader import read_gguf_metadata
+
+        try:  # transformers >= 5.18 moved the tokenizer table and converter next to the GGUF reader
+            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
+        except ImportError:
+            from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
+                GGUF_TOKENIZER_MAPPING,
+                convert_gguf_tokenizer,
+            )
 
         meta, _ = read_gguf_metadata(path, GGUF_STRING_ARRAYS)
         tok_dict = {

@@ -110,3 +110,29 @@ def test_teacher_forcing_and_greedy_through_runners(bench: ModuleType) -> None:
     greedy = bench.greedy_by_runner(fast, tokens[:24], 6)
     assert greedy[0] == int(want[0].argmax())
     assert greedy == bench.greedy_by_runner(ref, tokens[:24], 6)
+
+
+def test_noise_floor_twin_is_the_same_function(bench: ModuleType) -> None:
+    """permute_hidden gives an exactly equivalent model (fp32 logits agree to rounding) and argsort undoes it
+    bit for bit; noise_floor leaves the weights as it found them."""
+    torch.set_num_threads(1)
+    loaded = tiny_loaded()
+    before = {n: p.clone() for n, p in loaded.model.named_parameters()}
+    cfg = EngineConfig(model="dummy:tiny", max_num_seqs=1, max_model_len=256)
+    rng = random.Random(1)
+    tokens = [rng.randrange(loaded.config.vocab_size) for _ in range(72)]
+    want = bench.teacher_forced_logits(ModelRunner(loaded, cfg, 32), tokens, 64)
+    floor = bench.noise_floor(loaded, cfg, tokens, want)
+    assert floor["max_abs_diff"] < 1e-4 and floor["top1_agreement"] == 1.0, floor
+    assert all(torch.equal(p, before[n]) for n, p in loaded.model.named_parameters())
+    perm = torch.randperm(loaded.config.hidden_size)
+    bench.permute_hidden(loaded.model, perm)
+    assert not torch.equal(loaded.model.embed_weight, before["embed_weight"])
+    assert torch.equal(loaded.model.embed_weight, before["embed_weight"][:, perm])
+
+
+def test_within_floor(bench: ModuleType) -> None:
+    floor = {"top1_agreement": 0.9, "min_cosine": 0.998}
+    assert bench.within_floor({"top1_agreement": 0.8, "min_cosine": 0.996}, floor)
+    assert not bench.within_floor({"top1_agreement": 0.79, "min_cosine": 0.999}, floor)
+    assert not bench.within_floor({"top1_agreement": 1.0, "min_cosine": 0.9959}, floor)
