@@ -8,6 +8,7 @@ temporary directory removed on stop); `start()` returns only once that process i
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -16,10 +17,41 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+_LOWEST_PORT = 10000
+_handed_out: set[int] = set()
+_rng = random.SystemRandom()  # independent of any seed a caller set on the random module
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server that binds it later.
+
+    Chosen at random below the kernel's ephemeral range: a port from that range (what binding port 0 gives)
+    can be taken by any outgoing connection before the server, often a process still importing torch,
+    binds it. Never the same port twice in one process, so two servers started together do not collide.
+    """
+    low, _ = _ephemeral_range()
+    tries = 100 if low - _LOWEST_PORT >= 1000 else 0
+    for _ in range(tries):
+        port = _rng.randrange(_LOWEST_PORT, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # no room below the ephemeral range: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

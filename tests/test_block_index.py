@@ -298,6 +298,14 @@ def test_auth_wrong_or_missing_password_fails_clearly() -> None:
         run(body(server))
 
 
+def test_free_port_is_below_the_ephemeral_range_and_never_repeats() -> None:
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(10000 <= p < low for p in ports), ports
+
+
 def test_local_redis_moves_to_a_fresh_port_when_its_free_port_is_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
