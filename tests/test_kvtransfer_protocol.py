@@ -42,7 +42,7 @@ from pdserve.kvtransfer.handshake import client_handshake
 from pdserve.kvtransfer.messages import Abort, Auth, Data, Error, Hello, Open, OpenOk, OpenRefusal
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
-from pdserve.kvtransfer.ucx import UcxTransport
+from pdserve.kvtransfer.ucx import UcxChannel, UcxTransport
 from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
 
 T = TypeVar("T")
@@ -593,3 +593,38 @@ def test_killed_sender_process_aborts_exactly_once(kind: str) -> None:
 
 if __name__ == "__main__":
     asyncio.run(sender_process(*sys.argv[1:4]))
+
+
+def test_ucx_sender_pipelines_payloads_in_order() -> None:
+    """UcxChannel.send returns once a frame's small parts are out: three 1 MiB payloads (UCX's rendezvous
+    protocol, which needs the receiver's matching recv) go out before D reads anything, and D then reads
+    every part in the order it was sent. Closing the sender leaves no payload request behind."""
+
+    async def scenario() -> None:
+        received: list[bytes] = []
+        go, done = asyncio.Event(), asyncio.Event()
+
+        async def on_channel(channel: ByteChannel) -> None:
+            await go.wait()
+            for _ in range(3):
+                received.append(await channel.recv_exact(4) + await channel.recv_exact(3))
+                received.append(bytes((await channel.recv_payload(1 << 20))[:8].numpy()))
+            done.set()
+            await asyncio.sleep(1.0)  # keep the endpoint up while the sender settles
+            await channel.close()
+
+        listener = await UcxTransport().listen("127.0.0.1", 0, on_channel)
+        channel = await UcxTransport().dial("127.0.0.1", listener.port, 5.0)
+        assert isinstance(channel, UcxChannel)
+        payloads = [torch.full((1 << 20,), i + 1, dtype=torch.uint8) for i in range(3)]
+        for i, payload in enumerate(payloads):
+            await asyncio.wait_for(channel.send(b"pfx" + bytes([i]), b"hdr", payload), 10.0)
+        assert not received and len(channel._in_flight) >= 1  # sent ahead of D's reads
+        go.set()
+        await asyncio.wait_for(done.wait(), 10.0)
+        assert received == [x for i in range(3) for x in (b"pfx" + bytes([i]) + b"hdr", bytes([i + 1]) * 8)]
+        await channel.close()
+        assert not channel._in_flight
+        await listener.close()
+
+    run(scenario())
