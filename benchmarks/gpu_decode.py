@@ -449,10 +449,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"{trained['top1_agreement']:.1%} / {trained['min_cosine']:.5f}", ">= 99% / >= 0.999",
                      verdict(trained_ok)))  # fmt: skip
         floor = trained["noise_floor"]
-        big_ok = big_ok and within_floor(trained, floor)
+        trained_floor_ok = within_floor(trained, floor)
+        big_ok = big_ok and trained_floor_ok
         rows.append((f"{real_name(args.check_checkpoint)} bf16 noise floor (hidden dimension permuted)",
                      f"{floor['top1_agreement']:.1%} / {floor['min_cosine']:.5f}", "",
-                     f"Triton within 2x the floor: {verdict(within_floor(trained, floor))}"))  # fmt: skip
+                     f"Triton within 2x the floor: {verdict(trained_floor_ok)}"))  # fmt: skip
 
     log("engine: memory plan, KV pool, graph capture")
     cfg = EngineConfig(model=f"dummy:{args.shape}", device=str(dev), dtype="bfloat16", max_num_seqs=128,

@@ -22,13 +22,12 @@ _handed_out: set[int] = set()
 _rng = random.SystemRandom()  # independent of any seed a caller set on the random module
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def _lowest_ephemeral_port() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
-            low, high = (int(x) for x in f.read().split())
-            return low, high
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
@@ -38,7 +37,7 @@ def free_port() -> int:
     can be taken by any outgoing connection before the server, often a process still importing torch,
     binds it. Never the same port twice in one process, so two servers started together do not collide.
     """
-    low, _ = _ephemeral_range()
+    low = _lowest_ephemeral_port()
     tries = 100 if low - _LOWEST_PORT >= 1000 else 0
     for _ in range(tries):
         port = _rng.randrange(_LOWEST_PORT, low)
@@ -100,11 +99,12 @@ class LocalRedis:
 
     def _start_once(self) -> LocalRedis:
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        listen = ["--port", str(self.port)]
         if self.tls_cert_file is not None:
-            args[1:3] = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert_file]
-            args += ["--tls-key-file", self.tls_key_file or "", "--tls-ca-cert-file", self.tls_cert_file]
-            args += ["--tls-auth-clients", "no"]
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert_file]
+            listen += ["--tls-key-file", self.tls_key_file or "", "--tls-ca-cert-file", self.tls_cert_file]
+            listen += ["--tls-auth-clients", "no"]
+        args = [self.binary, *listen, "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
         if self.password is not None:
             args += ["--requirepass", self.password]
