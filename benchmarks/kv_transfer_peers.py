@@ -36,7 +36,7 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.kvtransfer.nccl import NcclBackend
-from pdserve.kvtransfer.pair_group import live_groups
+from pdserve.kvtransfer.pair_group import live_groups, wait_aborted
 from pdserve.shared.types import BlockId, NodeId, RequestId
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
@@ -161,6 +161,7 @@ async def serve(device: torch.device, victim: bool) -> None:
     for server in servers.values():
         await server.stop()
     sync(device)
+    await asyncio.to_thread(wait_aborted, 5.0)
     emit(
         "AUDIT",
         open_transfers=sum(len(s.open_transfer_ids()) for s in servers.values()),
@@ -256,6 +257,7 @@ async def drive(device: torch.device, ready: dict[str, Any], victim: dict[str, A
         await overlap(device, kind, ready["servers"][kind], kv)
     if victim:
         await kill_d_midway(device, victim["servers"]["nccl"], kv)
+    await asyncio.to_thread(wait_aborted, 5.0)
     emit(
         "SENDER_AUDIT",
         live_groups=live_groups(),
@@ -414,11 +416,13 @@ async def kill_d_midway(device: torch.device, address: str, kv: torch.Tensor) ->
         await push(sender, address, "victim", per_layer, kv)
     except TransferAborted as e:
         outcome = f"TransferAborted: {e.reason[:160]}"
+    seconds = time.perf_counter() - t0
+    await asyncio.to_thread(wait_aborted, 5.0)
     emit(
         "RESULT",
         path="nccl: D killed mid-transfer",
         outcome=outcome,
-        seconds=time.perf_counter() - t0,
+        seconds=seconds,
         live_groups_after=live_groups(),
     )
     await sender.close()

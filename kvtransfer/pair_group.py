@@ -12,6 +12,10 @@ store at the host it dialed; D is rank 0, P rank 1, world size 2; a 1-byte warm-
 communicator exist before the first OPEN. Teardown (`abort`/`close`, run when the connection ends, the
 peer dies, or a payload op fails or times out) aborts the group and drops the store and the buffer.
 
+Teardown runs the group's abort in a thread of its own: ncclCommAbort takes about 0.5 s (measured on two
+H200s), and on the event loop it would stall every request the node serves meanwhile. `live_groups` counts
+a group until its abort has returned, and `close` returns only then.
+
 Pipelining: P's sends (and D's recvs on a GPU, ordered before D's consumers on the GPU itself) are posted
 without waiting, at most MAX_IN_FLIGHT sends per connection; one reaper task polls them in order.
 Invariants: a payload op is never left in flight on a live group: a wait that fails, times out
@@ -28,6 +32,7 @@ import contextlib
 import logging
 import os
 import struct
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -48,6 +53,7 @@ RECORD = struct.Struct("<4sH2x16s")  # magic, store port, pad, key prefix
 RECORD_MAGIC = b"PDPG"
 MAX_IN_FLIGHT = 8  # payload sends posted ahead of their completion, per connection
 _LIVE: weakref.WeakSet[PairGroupChannel] = weakref.WeakSet()
+_ABORTING: set[threading.Thread] = set()  # group aborts still running
 
 
 class PairGroup(Protocol):
@@ -78,8 +84,17 @@ class GroupBackend(Protocol):
 
 
 def live_groups() -> int:
-    """Pair groups currently set up in this process (an audit: 0 once every connection closed)."""
-    return sum(1 for channel in _LIVE if channel.has_group)
+    """Pair groups set up in this process or still being aborted (an audit: 0 once every connection closed
+    and its teardown finished)."""
+    return sum(1 for channel in _LIVE if channel.has_group) + len(_ABORTING)
+
+
+def wait_aborted(timeout_s: float) -> None:
+    """Block until every group abort started so far has returned, or `timeout_s` passed (for audits at
+    shutdown; from asyncio, run it in a thread)."""
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_ABORTING):
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class PairGroupChannel:
@@ -102,6 +117,7 @@ class PairGroupChannel:
         self._in_flight: collections.deque[tuple[dist.Work, torch.Tensor, float]] = collections.deque()
         self._reaper: asyncio.Future[None] | None = None
         self._retired = asyncio.Event()  # set by the reaper each time it retires an op or stops
+        self._aborting: threading.Thread | None = None  # this channel's group abort, once torn down
         _LIVE.add(self)
 
     @property
@@ -275,10 +291,18 @@ class PairGroupChannel:
         group, self._group, self._store, self._buffer = self._group, None, None, None
         self._in_flight.clear()  # the reaper, if running, sees the channel dead at its next check
         if group is not None:
-            try:
-                group.abort()
-            except RuntimeError as e:
-                log.warning("aborting the %s group with %s failed: %s", self._backend.name, self.peer, e)
+            thread = threading.Thread(target=self._abort_group, args=(group,), name="pair-group-abort")
+            _ABORTING.add(thread)
+            self._aborting = thread
+            thread.start()
+
+    def _abort_group(self, group: PairGroup) -> None:
+        try:
+            group.abort()
+        except RuntimeError as e:
+            log.warning("aborting the %s group with %s failed: %s", self._backend.name, self.peer, e)
+        finally:
+            _ABORTING.discard(threading.current_thread())
 
     def abort(self) -> None:
         self._fail("connection aborted", logging.INFO)
@@ -288,6 +312,8 @@ class PairGroupChannel:
             self._dead = "closed"
         self._teardown()
         await self._control.close()
+        if self._aborting is not None:
+            await asyncio.to_thread(self._aborting.join)
 
 
 class PairGroupTransport:

@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 from pdserve.kvtransfer.connector import BlockDescriptor, TransferAborted, create_sender
-from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups
+from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups, wait_aborted
 from pdserve.kvtransfer.sender import ChannelSession
 from pdserve.shared.types import BlockId, RequestId
 
@@ -74,6 +74,7 @@ def test_payload_sends_are_pipelined_and_land_in_order() -> None:
         finally:
             await sender.close()
             await server.stop()
+        await asyncio.to_thread(wait_aborted, 5.0)
         assert live_groups() == 0
 
     SUITE.run(scenario())

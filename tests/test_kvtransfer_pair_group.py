@@ -10,6 +10,7 @@ test_kvtransfer_protocol.py runs unchanged over the stand-in.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import importlib.util
 import logging
@@ -28,7 +29,7 @@ from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig, connector_kinds, create_sender, register_connector
 from pdserve.kvtransfer.framing import encode_frame
 from pdserve.kvtransfer.messages import Data, Open, OpenOk
-from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, live_groups
+from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, live_groups, wait_aborted
 from pdserve.shared.types import RequestId
 from torch._C._distributed_c10d import ProcessGroupGloo
 
@@ -72,10 +73,11 @@ class GlooPairGroup:
 
 class GlooBackend:
     name = "gloo"
+    group_type: type[GlooPairGroup] = GlooPairGroup
 
     def connect(self, store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> GlooPairGroup:
         assert device.type == "cpu", device
-        return GlooPairGroup(ProcessGroupGloo(store, rank, 2, timedelta(seconds=GLOO_TIMEOUT_S)))
+        return self.group_type(ProcessGroupGloo(store, rank, 2, timedelta(seconds=GLOO_TIMEOUT_S)))
 
 
 if KIND not in connector_kinds():
@@ -125,6 +127,7 @@ def test_protocol_suite_over_the_gloo_stand_in(
     if "caplog" in scenario.__code__.co_varnames[: scenario.__code__.co_argcount]:
         kwargs = {**kwargs, "caplog": caplog}
     scenario(KIND, **kwargs)
+    wait_aborted(5.0)
     assert live_groups() == 0, "a pair group outlived its connection"
 
 
@@ -206,6 +209,73 @@ def test_many_payload_frames_keep_their_order() -> None:
         finally:
             await sender.close()
             await server.stop()
+        await asyncio.to_thread(wait_aborted, 5.0)
         assert live_groups() == 0
+
+    SUITE.run(scenario())
+
+
+ABORT_S = 0.5  # how long ncclCommAbort took on two H200s
+SLOW_KIND = "gloo-pair-slow-abort"
+
+
+class SlowAbortGlooPairGroup(GlooPairGroup):
+    def abort(self) -> None:
+        time.sleep(ABORT_S)  # like ncclCommAbort: blocks its caller, holds no lock the loop needs
+        super().abort()
+
+
+class SlowAbortGlooBackend(GlooBackend):
+    group_type = SlowAbortGlooPairGroup
+
+
+if SLOW_KIND not in connector_kinds():
+    register_connector(
+        SLOW_KIND,
+        ChannelConnector(
+            lambda cfg: PairGroupTransport(SLOW_KIND, SlowAbortGlooBackend(), cfg), checksum_default=False
+        ),
+    )
+
+
+def test_group_teardown_does_not_stall_the_event_loop() -> None:
+    """Tearing a pair down (here: the sender closes, then D stops) runs each group's slow abort in a
+    thread: the event loop keeps ticking, `live_groups` counts a group until its abort returned, and
+    `close` returns only after it."""
+
+    async def scenario() -> None:
+        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=8)
+        server = await SUITE.started(SLOW_KIND, receiver)
+        sender = create_sender(SUITE.config(SLOW_KIND), SUITE.identity("prefill-0"))
+        gaps: list[float] = []
+
+        async def tick() -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        try:
+            session = await sender.session(server.address, RequestId("one"))
+            await SUITE.push(session, SUITE.random_cache(SUITE.LAYOUT, 4, seed=2), [1, 3], [])
+            gaps.clear()
+            t0 = time.monotonic()
+            # P's group: its abort runs in a thread and close waits for it; D sees the connection end and
+            # aborts its group in a thread too. Both are counted until their aborts returned.
+            closing = asyncio.ensure_future(sender.close())
+            await SUITE.until(lambda: live_groups() == 2, timeout=ABORT_S * 0.8)
+            await closing
+            assert time.monotonic() - t0 >= ABORT_S
+            await asyncio.to_thread(wait_aborted, 5.0)
+            assert live_groups() == 0
+            assert max(gaps) < ABORT_S / 2, f"the event loop stalled for {max(gaps):.3f} s"
+            SUITE.audit(receiver, server, 8)
+        finally:
+            ticker.cancel()
+            await sender.close()
+            await server.stop()
 
     SUITE.run(scenario())
