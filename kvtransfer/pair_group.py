@@ -311,9 +311,9 @@ class PairGroupChannel:
         if self._dead is None:
             self._dead = "closed"
         self._teardown()
-        await self._control.close()
-        if self._aborting is not None:
+        if self._aborting is not None:  # the group is gone before the peer sees the connection close
             await asyncio.to_thread(self._aborting.join)
+        await self._control.close()
 
 
 class PairGroupTransport:
