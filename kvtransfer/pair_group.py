@@ -117,6 +117,8 @@ class PairGroupChannel:
         self._in_flight: collections.deque[tuple[dist.Work, torch.Tensor, float]] = collections.deque()
         self._reaper: asyncio.Future[None] | None = None
         self._retired = asyncio.Event()  # set by the reaper each time it retires an op or stops
+        self._waiting = 0  # callers waiting in _until_in_flight: the reaper polls fast while > 0
+        self._hurry = asyncio.Event()  # set when a caller starts waiting: cuts the reaper's sleep short
         self._aborting: threading.Thread | None = None  # this channel's group abort, once torn down
         _LIVE.add(self)
 
@@ -159,7 +161,7 @@ class PairGroupChannel:
         except BaseException as e:
             self._fail(f"{type(e).__name__}: {e}")
             raise
-        await self._wait(work, time.perf_counter())
+        await self._wait(work, time.perf_counter(), lambda: True)
         log.info("%s payload group with %s ready (rank %d)", self._backend.name, self.peer, self._rank)
 
     @contextlib.contextmanager
@@ -181,13 +183,17 @@ class PairGroupChannel:
                 self._stream.wait_stream(consumer)
             return group.send(tensor) if send else group.recv(tensor)
 
-    async def _wait(self, work: dist.Work, posted: float) -> None:
-        """Poll one posted op until it is done, watching the control connection and the time limit:
-        spinning (yielding to the loop) for SPIN_S, then sleeping up to MAX_SLEEP_S between checks."""
+    async def _wait(self, work: dist.Work, posted: float, urgent: Callable[[], bool]) -> None:
+        """Poll one posted op until it is done, watching the control connection and the time limit. While
+        `urgent()` (a caller waits for the op), it polls on every turn of the loop, for up to SPIN_S in a
+        row; otherwise, and after that, it sleeps up to MAX_SLEEP_S between checks, waking at once when
+        `_hurry` is set. Spinning only for a waiting caller keeps an idle node's loop (and the GIL, which
+        its engine thread needs) free while payloads stream in the background."""
         self._check()
         group = self._group
         assert group is not None, "payload before the pair group was set up"
         delay = 0.0
+        spin_start: float | None = None  # when the current run of urgent polling began
         try:
             while self._dead is not None or not group.done(work):
                 waited = time.perf_counter() - posted
@@ -197,10 +203,17 @@ class PairGroupChannel:
                     problem = "the control connection closed during a payload"
                 elif waited > self._payload_timeout_s:
                     problem = f"payload not done within {self._payload_timeout_s}s"
+                elif urgent() and (spin_start is None or time.perf_counter() - spin_start <= SPIN_S):
+                    spin_start = time.perf_counter() if spin_start is None else spin_start
+                    delay = 0.0
+                    await asyncio.sleep(0)
+                    continue
                 else:
-                    if waited > SPIN_S:
-                        delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
-                    await asyncio.sleep(delay)
+                    spin_start = None if not urgent() else spin_start
+                    delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
+                    self._hurry.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._hurry.wait(), delay)
                     continue
                 raise ConnectionLost(f"{self._backend.name} payload with {self.peer} failed: {problem}")
         except BaseException as e:  # a failed, timed-out or cancelled op: the pair cannot be trusted
@@ -222,7 +235,7 @@ class PairGroupChannel:
             with contextlib.suppress(ConnectionLost):
                 while self._in_flight and self._dead is None:
                     work, _, posted = self._in_flight[0]
-                    await self._wait(work, posted)
+                    await self._wait(work, posted, lambda: self._waiting > 0)
                     self._in_flight.popleft()
                     self._retired.set()
         finally:
@@ -231,11 +244,20 @@ class PairGroupChannel:
             self._retired.set()
 
     async def _until_in_flight(self, limit: int) -> None:
-        """Wait until at most `limit` tracked ops remain; ConnectionLost if the pair died meanwhile."""
-        while len(self._in_flight) > limit:
-            self._check()
-            self._retired.clear()
-            await self._retired.wait()
+        """Wait until at most `limit` tracked ops remain; ConnectionLost if the pair died meanwhile. The
+        reaper polls fast while this waits."""
+        self._check()
+        if len(self._in_flight) <= limit:
+            return
+        self._waiting += 1
+        self._hurry.set()
+        try:
+            while len(self._in_flight) > limit:
+                self._check()
+                self._retired.clear()
+                await self._retired.wait()
+        finally:
+            self._waiting -= 1
         self._check()
 
     async def flush(self) -> None:
@@ -271,7 +293,7 @@ class PairGroupChannel:
         view = self._buffer[:nbytes]
         work = self._post(self._group, view, send=False)
         if self._stream is None:  # host memory: the bytes must be there before the caller reads them
-            await self._wait(work, time.perf_counter())
+            await self._wait(work, time.perf_counter(), lambda: True)
             return view
         # GPU: work the caller queues on its current stream from now on runs after the recv lands, so
         # the host does not wait per frame; `flush` (before COMPLETE is acknowledged) confirms it.
