@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 from pdserve.shared.node_protocol import (
+    CLIENT_KEEPALIVE_S,
     AbortRequest,
     NodeGenerateRequest,
     NodeInfoReply,
@@ -45,7 +46,11 @@ class NodeClient:
         self._connect_timeout_s = connect_timeout_s
         self._http = httpx.AsyncClient(
             base_url=http_url,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=CLIENT_KEEPALIVE_S,
+            ),
             timeout=httpx.Timeout(_INFO_TIMEOUT_S, connect=connect_timeout_s),
         )
 

@@ -7,7 +7,10 @@ PrefillRequest; reply PrefillResult), `POST /internal/abort` (body AbortRequest)
 any other version and any field of the wrong type, naming it. Invariants: messages are frozen and valid
 once built; `deadline` is absolute unix seconds (the ONE deadline of the request, shared by every node);
 logprobs are finite floats >= -9999.0 (OpenAI's floor: -inf is clamped on encode, NaN is refused). A top
-logprob entry travels as the JSON array [token text, token id, logprob, bytes].
+logprob entry travels as the JSON array [token text, token id, logprob, bytes]. Connections: the router drops
+an idle pooled connection after CLIENT_KEEPALIVE_S and a node keeps one open for NODE_KEEPALIVE_S, which is
+longer, so the router never reuses a connection the node is closing (that race cut requests with a bare
+ReadError when both sides used 5 s).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.types import NodeId, RequestId
 
 PROTOCOL_VERSION = 1
+CLIENT_KEEPALIVE_S = 5.0  # the router's pools drop a connection idle this long
+NODE_KEEPALIVE_S = 65  # a node's HTTP server closes a connection idle this long: beyond CLIENT_KEEPALIVE_S
 LOGPROB_FLOOR = -9999.0
 FinishReason = Literal["stop", "length", "abort", "error"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")

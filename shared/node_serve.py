@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 from pdserve.shared.engine import LLMEngine
 from pdserve.shared.node_cli import configs
+from pdserve.shared.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node_runtime import NodeRuntime, add_common_routes, engine_kv_layout
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,14 @@ def serve(args: argparse.Namespace, role: str, setup: RoleSetup, protocol_versio
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     add_common_routes(app, rt)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        lifespan="on",
+        timeout_keep_alive=NODE_KEEPALIVE_S,
+    )
     server = uvicorn.Server(config)
     asyncio.run(server.serve())
     return 0

@@ -7,6 +7,7 @@ the drain tests run last because a drained node stays drained.
 
 from __future__ import annotations
 
+import http.client
 import re
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pdserve.shared.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     kvctl,
@@ -118,6 +120,25 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live:
     stats = kvctl(live.redis_url, "stats")
     assert stats["nodes"][holder]["local_tokens"] >= 256
     live.wait_clean()
+
+
+def test_node_keeps_an_idle_connection_longer_than_the_routers_pool(live: LiveCluster) -> None:
+    """A node's HTTP server outlives the router's keep-alive: a connection idle past the router's pool expiry
+    still carries the next request, so the router never reuses a connection the node is closing."""
+    url = httpx.URL(live.nodes[PREFILL[0]].url)
+    assert url.host is not None and url.port is not None
+    conn = http.client.HTTPConnection(url.host, url.port, timeout=10)
+    try:
+        for i in range(2):
+            if i:
+                time.sleep(CLIENT_KEEPALIVE_S + 1.0)  # a 5 s server keep-alive closes the connection here
+            conn.request("GET", "/internal/info")
+            reply = conn.getresponse()
+            assert reply.status == 200
+            reply.read()
+    finally:
+        conn.close()
+    assert NODE_KEEPALIVE_S > CLIENT_KEEPALIVE_S + 1.0
 
 
 def test_no_request_fails_right_after_a_drain(live: LiveCluster) -> None:
