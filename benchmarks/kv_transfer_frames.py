@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.connector import (
-    BlockDescriptor,
     ConnectorConfig,
+    FrameBlocks,
     KVLayout,
     OpenReply,
     PeerIdentity,
@@ -148,7 +148,10 @@ async def serve(kind: str, profile: bool) -> None:
 async def one_transfer(session: TransferSession, blocks: int, per_frame: int) -> tuple[float, float, int]:
     """(seconds inside send_layers, seconds waiting for ACK, frames) of one transfer."""
     reply = await session.open([], blocks, time.time() + 60)
-    descs = [BlockDescriptor(i, BlockId(i), reply.dst_block_ids[i]) for i in range(blocks)]
+    frame_blocks = [
+        FrameBlocks.run(reply, b0, [BlockId(i) for i in range(b0, min(b0 + per_frame, blocks))])
+        for b0 in range(0, blocks, per_frame)
+    ]
     # buffers: [2, n, B, Hkv, D] per frame, made before the clock starts
     bufs = [
         torch.randn(2, per_frame, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim).to(torch.bfloat16)
@@ -156,9 +159,9 @@ async def one_transfer(session: TransferSession, blocks: int, per_frame: int) ->
     ]
     sending, frames = 0.0, 0
     for layer in range(LAYOUT.num_layers):
-        for j, b0 in enumerate(range(0, blocks, per_frame)):
+        for j in range(len(frame_blocks)):
             t0 = time.perf_counter()
-            await session.send_layers(layer, descs[b0 : b0 + per_frame], bufs[j])
+            await session.send_layers(layer, frame_blocks[j], bufs[j])
             sending += time.perf_counter() - t0
             frames += 1
     t0 = time.perf_counter()

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import ucxx
 from pdserve.kernels.ops import get_ops
 from pdserve.kvtransfer.connector import (
-    BlockDescriptor,
     ConnectorConfig,
+    FrameBlocks,
     KVLayout,
     OpenReply,
     PeerIdentity,
@@ -237,8 +237,9 @@ async def push(
                 event = torch.cuda.Event()
                 event.record()
                 await event_done(event)
-        descs = [BlockDescriptor(i, BlockId(src[i]), reply.dst_block_ids[i]) for i in indices]
-        await session.send_layers(layer, descs, buf)
+        src_ids = tuple(BlockId(src[i]) for i in indices)
+        blocks = FrameBlocks(tuple(indices), src_ids, tuple(reply.dst_block_ids[i] for i in indices))
+        await session.send_layers(layer, blocks, buf)
     stats = await session.complete({"token_id": 1})
     return stats.seconds, time.perf_counter() - t0
 
@@ -274,18 +275,15 @@ async def prefill_like(session: Any, kv: torch.Tensor, mode: str, weights: tuple
     ops, device = get_ops(kv.device), kv.device
     src = torch.tensor(src_blocks(), device=device)
     reply = None if mode == "compute only" else await session.open([], PROMPT_BLOCKS, time.time() + 120)
-    descs = (
-        []
-        if reply is None
-        else [BlockDescriptor(i, BlockId(b), reply.dst_block_ids[i]) for i, b in enumerate(src_blocks())]
-    )
+    p_blocks = [BlockId(b) for b in src_blocks()]
+    blocks = FrameBlocks((), (), ()) if reply is None else FrameBlocks.run(reply, 0, p_blocks)
     chunk = torch.empty((LAYOUT.num_layers, 2, PROMPT_BLOCKS, *kv.shape[3:]), dtype=kv.dtype, device=device)
     queue: asyncio.Queue[tuple[int, torch.cuda.Event] | None] = asyncio.Queue()
 
     async def stream() -> None:
         while (item := await queue.get()) is not None:
             await event_done(item[1])
-            await session.send_layers(item[0], descs, chunk[item[0]])
+            await session.send_layers(item[0], blocks, chunk[item[0]])
 
     sync(device)
     t0 = time.perf_counter()
@@ -307,7 +305,7 @@ async def prefill_like(session: Any, kv: torch.Tensor, mode: str, weights: tuple
         event = torch.cuda.Event()
         event.record()
         await event_done(event)
-        await session.send_layers(0, descs, chunk)
+        await session.send_layers(0, blocks, chunk)
     if reply is None:
         sync(device)
     else:

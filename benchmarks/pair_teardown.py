@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from pdserve.kvtransfer.connector import (
-    BlockDescriptor,
     ConnectorConfig,
+    FrameBlocks,
     KVLayout,
     OpenReply,
     PeerIdentity,
@@ -103,8 +103,7 @@ async def sender(address: str, d: subprocess.Popen[str]) -> dict[str, Any]:
     buf = torch.zeros((LAYOUT.num_layers, 2, BLOCKS, 16, 8, 128), dtype=torch.bfloat16, device="cuda:0")
     session = await kv_sender.session(address, RequestId("one"))
     reply = await session.open([], BLOCKS, time.time() + 60)
-    descs = [BlockDescriptor(i, BlockId(i), reply.dst_block_ids[i]) for i in range(BLOCKS)]
-    await session.send_layers(0, descs, buf)
+    await session.send_layers(0, FrameBlocks.run(reply, 0, [BlockId(i) for i in range(BLOCKS)]), buf)
     await session.complete({"token_id": 1})
     assert d.stdin is not None
     d.stdin.write("\n")

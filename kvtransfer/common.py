@@ -8,6 +8,7 @@ dst_block_ids[i - num_held_blocks].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -100,12 +101,32 @@ class OpenReply:
 
 
 @dataclass(frozen=True)
-class BlockDescriptor:
-    """One block of a DATA frame: its index within the transfer, its block on P, its block on D."""
+class FrameBlocks:
+    """The blocks of one DATA frame, as three columns (one object per frame, not one per block: a frame of a
+    long prompt names thousands of blocks): block j of the frame's buffer is block `indices[j]` of the
+    transfer (its position in the prompt), block `src[j]` of P's cache and block `dst[j]` of D's."""
 
-    index: int
-    src: BlockId
-    dst: BlockId
+    indices: tuple[int, ...]
+    src: tuple[BlockId, ...]
+    dst: tuple[BlockId, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.indices) == len(self.src) == len(self.dst):
+            raise ValueError(
+                f"FrameBlocks columns differ in length: {len(self.indices)}, {len(self.src)}, {len(self.dst)}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @classmethod
+    def run(cls, reply: OpenReply, first: int, src: Sequence[BlockId]) -> FrameBlocks:
+        """Blocks first, first + 1, ... of the transfer (none of them held by D), held on P at `src`, going
+        to the blocks D reserved for them."""
+        j = first - reply.num_held_blocks
+        if j < 0 or j + len(src) > len(reply.dst_block_ids):
+            raise ValueError(f"blocks {first}+{len(src)} are not all reserved by {reply}")
+        return cls(tuple(range(first, first + len(src))), tuple(src), reply.dst_block_ids[j : j + len(src)])
 
 
 @dataclass(frozen=True)

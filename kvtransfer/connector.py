@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 from pdserve.kvtransfer.common import (
-    BlockDescriptor,
     ChecksumError,
     ConnectionLost,
+    FrameBlocks,
     HandshakeError,
     KVLayout,
     KVTransferError,
@@ -34,11 +34,11 @@ from pdserve.kvtransfer.common import (
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 __all__ = [
-    "BlockDescriptor",
     "ChecksumError",
     "ConnectionLost",
     "Connector",
     "ConnectorConfig",
+    "FrameBlocks",
     "HandshakeError",
     "KVLayout",
     "KVReceiverServer",
@@ -100,12 +100,10 @@ class TransferSession(Protocol):
     async def open(self, block_hashes: Sequence[BlockHash], num_blocks: int, deadline: float) -> OpenReply:
         """Reserve on D; raises TransferRefused. deadline: unix seconds, the request's one deadline."""
 
-    async def send_layers(
-        self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
-    ) -> None:
+    async def send_layers(self, layer_start: int, blocks: FrameBlocks, buffer: torch.Tensor) -> None:
         """buffer: [num_layers, 2, n, B, Hkv, D] or [2, n, B, Hkv, D] (one layer), from `ops.gather_blocks`,
-        block j of it described by descriptors[j], in host or device memory (the connector stages it through
-        the host if its link needs that). A CUDA buffer must be complete when passed (e.g. wait for an
+        block j of it described by column j of `blocks`, in host or device memory (the connector stages it
+        through the host if its link needs that). A CUDA buffer must be complete when passed (e.g. wait for an
         event recorded after the gather): GPU connectors send it without ordering after any stream, so a
         layer's transfer never waits for compute queued after its gather. Returns when the frame is handed
         to the transport; a GPU connector may still be sending the buffer then (it keeps it alive), so do

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from pdserve.kvtransfer.common import (
-    BlockDescriptor,
     ConnectionLost,
+    FrameBlocks,
     HandshakeError,
     KVLayout,
     KVTransferError,
@@ -190,31 +190,26 @@ class ChannelSession:
             raise TransferAborted(self._transfer_id, f"receiver reserved {self._reply.num_blocks} blocks")
         return self._reply
 
-    def _data_msg(
-        self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
-    ) -> Data:
+    def _data_msg(self, layer_start: int, blocks: FrameBlocks, buffer: torch.Tensor) -> Data:
         """The DATA header of a buffer [nl, 2, n, B, Hkv, D], or ValueError when it breaks the reservation."""
         reply, layout = self._reply, self._connection.layout
         assert reply is not None, "send_layers before open"
-        expected = (2, len(descriptors), layout.block_size, layout.num_kv_heads, layout.head_dim)
+        expected = (2, len(blocks), layout.block_size, layout.num_kv_heads, layout.head_dim)
         if tuple(buffer.shape[1:]) != expected or buffer.dtype != layout.torch_dtype:
             raise ValueError(
                 f"buffer {tuple(buffer.shape)} {buffer.dtype} != [nl, *{expected}] {layout.dtype}"
             )
         if not 0 <= layer_start < layer_start + buffer.shape[0] <= layout.num_layers:
             raise ValueError(f"layers {layer_start}+{buffer.shape[0]} outside [0, {layout.num_layers})")
-        indices = tuple([d.index for d in descriptors])
-        dst = tuple([d.dst for d in descriptors])
-        n, reserved = len(indices), reply.dst_block_ids
+        indices, dst, n, reserved = blocks.indices, blocks.dst, len(blocks), reply.dst_block_ids
         j0 = indices[0] - reply.num_held_blocks if n else -1
         # A run of consecutive blocks (the usual frame) is checked by one slice comparison, as on D.
         if j0 < 0 or dst != reserved[j0 : j0 + n] or indices != tuple(range(indices[0], indices[0] + n)):
-            for d in descriptors:
-                j = d.index - reply.num_held_blocks
-                if not 0 <= j < len(reserved) or reserved[j] != d.dst:
-                    raise ValueError(f"descriptor {d} does not match the reservation {reply}")
-        src = tuple([int(d.src) for d in descriptors])
-        return Data(self._transfer_id, layer_start, int(buffer.shape[0]), indices, src, dst)
+            for index, d in zip(indices, dst, strict=True):
+                j = index - reply.num_held_blocks
+                if not 0 <= j < len(reserved) or reserved[j] != d:
+                    raise ValueError(f"block {index} -> {d} does not match the reservation {reply}")
+        return Data(self._transfer_id, layer_start, int(buffer.shape[0]), indices, blocks.src, dst)
 
     def _on_deadline(self) -> None:
         """The request's deadline passed: a DATA frame still going out cuts the connection (a frame cut
@@ -224,13 +219,11 @@ class ChannelSession:
             self._connection.conn.channel.abort()
             self._fail(_LATE)
 
-    async def send_layers(
-        self, layer_start: int, descriptors: Sequence[BlockDescriptor], buffer: torch.Tensor
-    ) -> None:
+    async def send_layers(self, layer_start: int, blocks: FrameBlocks, buffer: torch.Tensor) -> None:
         self._check_usable()
         if buffer.dim() == 5:
             buffer = buffer.unsqueeze(0)
-        msg = self._data_msg(layer_start, descriptors, buffer)
+        msg = self._data_msg(layer_start, blocks, buffer)
         if self._late:
             self._fail(_LATE)
             raise TransferAborted(self._transfer_id, _LATE)

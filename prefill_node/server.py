@@ -22,7 +22,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pdserve.kvtransfer.connector import (
-    BlockDescriptor,
+    FrameBlocks,
     KVSender,
     KVTransferError,
     OpenReply,
@@ -148,20 +148,17 @@ class PrefillService:
             layer, b0, src_ids, buf, event = item
             if event is not None:
                 await event_done(event)
-            keep = [j for j in range(len(src_ids)) if b0 + j >= reply.num_held_blocks]
-            if not keep:
+            skip = max(0, reply.num_held_blocks - b0)  # the frame's leading blocks that D already holds
+            if skip >= len(src_ids):
                 continue
-            descs = [
-                BlockDescriptor(b0 + j, src_ids[j], reply.dst_block_ids[b0 + j - reply.num_held_blocks])
-                for j in keep
-            ]
+            blocks = FrameBlocks.run(reply, b0 + skip, src_ids[skip:])
             payload = buf
-            if len(keep) < len(src_ids):  # buf: [n_layers, 2, n, B, Hkv, D]; the blocks are dim 2
-                payload = buf[:, :, keep[0] :].contiguous()
+            if skip:  # buf: [n_layers, 2, n, B, Hkv, D]; the blocks are dim 2
+                payload = buf[:, :, skip:].contiguous()
                 if payload.is_cuda:  # the copy is queued behind the engine's work: wait for it once
                     await stream_idle(torch.cuda.current_stream(payload.device))
-            await session.send_layers(layer, descs, payload)
-            sent.update(b0 + j for j in keep)
+            await session.send_layers(layer, blocks, payload)
+            sent.update(blocks.indices)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         engine = self.rt.engine

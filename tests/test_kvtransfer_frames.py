@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import BlockDescriptor, TransferAborted, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, OpenReply, TransferAborted, create_sender
 from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups, wait_aborted
 from pdserve.kvtransfer.sender import ChannelSession
 from pdserve.shared.types import BlockId, RequestId
@@ -94,11 +94,12 @@ def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
             dst = reply.dst_block_ids
             for layer in range(SUITE.LAYOUT.num_layers):
                 for order in ([3, 0], [2, 1]):
-                    descs = [BlockDescriptor(i, BlockId(i), dst[i]) for i in order]
+                    ids = tuple(BlockId(i) for i in order)
+                    blocks = FrameBlocks(tuple(order), ids, tuple(dst[i] for i in order))
                     # buf: [2, n, B, Hkv, D]
-                    await session.send_layers(layer, descs, src[layer][:, order].contiguous())
+                    await session.send_layers(layer, blocks, src[layer][:, order].contiguous())
             with pytest.raises(ValueError, match="does not match the reservation"):  # P checks first
-                await session.send_layers(0, [BlockDescriptor(0, BlockId(0), dst[1])], src[0][:, :1])
+                await session.send_layers(0, FrameBlocks((0,), (BlockId(0),), (dst[1],)), src[0][:, :1])
             await session.complete({"token_id": 1})
             for i, b in enumerate(dst):
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
@@ -120,9 +121,8 @@ def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
             session = await sender.session(server.address, RequestId("late"))
             reply = await session.open([], 1, time.time() + 0.3)
             await asyncio.sleep(0.5)
-            descs = [BlockDescriptor(0, BlockId(0), reply.dst_block_ids[0])]
             with pytest.raises(TransferAborted, match="deadline"):
-                await session.send_layers(0, descs, src[0])
+                await session.send_layers(0, FrameBlocks.run(reply, 0, [BlockId(0)]), src[0])
             await SUITE.until(lambda: receiver.aborts)
             assert receiver.aborts[0][0] == "late" and "deadline" in receiver.aborts[0][1]
             SUITE.audit(receiver, server, 4)
@@ -131,3 +131,18 @@ def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
             await server.stop()
 
     SUITE.run(scenario())
+
+
+def test_frame_blocks_columns_and_runs() -> None:
+    """A frame names its blocks as three equal columns; `run` takes D's reserved ids for consecutive blocks
+    past the held prefix and refuses blocks the reservation does not cover."""
+    reply = OpenReply(2, (BlockId(7), BlockId(3), BlockId(9)))  # D holds blocks 0-1; 2, 3, 4 go to 7, 3, 9
+    blocks = FrameBlocks.run(reply, 3, [BlockId(40), BlockId(41)])
+    assert blocks == FrameBlocks((3, 4), (BlockId(40), BlockId(41)), (BlockId(3), BlockId(9)))
+    assert len(blocks) == 2
+    with pytest.raises(ValueError, match="not all reserved"):
+        FrameBlocks.run(reply, 1, [BlockId(1), BlockId(2)])  # block 1 is held by D
+    with pytest.raises(ValueError, match="not all reserved"):
+        FrameBlocks.run(reply, 4, [BlockId(1), BlockId(2)])  # block 5 is past the prompt
+    with pytest.raises(ValueError, match="differ in length"):
+        FrameBlocks((0, 1), (BlockId(0),), (BlockId(7), BlockId(3)))

@@ -21,9 +21,9 @@ import pytest
 import torch
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.connector import (
-    BlockDescriptor,
     ConnectionLost,
     ConnectorConfig,
+    FrameBlocks,
     HandshakeError,
     KVLayout,
     KVReceiverServer,
@@ -147,9 +147,7 @@ async def push(
     layout_layers = src_kv.shape[0]
     reply = await session.open(hashes, len(src_blocks), time.time() + 30)
     todo = list(range(reply.num_held_blocks, reply.num_blocks))
-    descriptors = [
-        BlockDescriptor(i, BlockId(src_blocks[i]), reply.dst_block_ids[j]) for j, i in enumerate(todo)
-    ]
+    blocks = FrameBlocks.run(reply, reply.num_held_blocks, [BlockId(src_blocks[i]) for i in todo])
     src_ids = torch.tensor([src_blocks[i] for i in todo], dtype=torch.int64)
     ops = ReferenceOps()
     for start in range(0, layout_layers, layers_per_frame):
@@ -158,7 +156,7 @@ async def push(
         buffer = torch.empty((stop - start, 2, len(todo), *src_kv.shape[3:]), dtype=src_kv.dtype)
         for layer in range(start, stop):
             ops.gather_blocks(src_kv[layer], src_ids, buffer[layer - start])
-        await session.send_layers(start, descriptors, buffer)
+        await session.send_layers(start, blocks, buffer)
     stats = await session.complete(first_token or {"token_id": 7, "logprob": -0.25})
     return reply, stats
 
@@ -348,7 +346,7 @@ def test_sender_abort_frees_the_reservation(kind: str) -> None:
             await until(lambda: receiver.aborts)
             assert receiver.aborts == [("r", "sender aborted: client disconnected")]
             with pytest.raises(TransferAborted):
-                await session.send_layers(0, [], torch.empty(0))
+                await session.send_layers(0, FrameBlocks((), (), ()), torch.empty(0))
             assert len(reply.dst_block_ids) == 3
             audit(receiver, server, 8)
         finally:
@@ -529,10 +527,10 @@ async def sender_process(kind: str, address: str, mode: str) -> None:
         await sender.close()
         return
     reply = await session.open(block_hashes(4, salt=9), len(XPROC_BLOCKS), time.time() + 60)
-    descriptors = [BlockDescriptor(i, BlockId(XPROC_BLOCKS[i]), b) for i, b in enumerate(reply.dst_block_ids)]
+    blocks = FrameBlocks.run(reply, 0, [BlockId(b) for b in XPROC_BLOCKS])
     buffer = torch.empty((2, len(XPROC_BLOCKS), *src.shape[3:]), dtype=src.dtype)  # [2, n, B, Hkv, D]
     ReferenceOps().gather_blocks(src[0], torch.tensor(XPROC_BLOCKS), buffer)
-    await session.send_layers(0, descriptors, buffer)
+    await session.send_layers(0, blocks, buffer)
     print("sent", flush=True)
     await asyncio.sleep(3600)  # killed by the test
 
