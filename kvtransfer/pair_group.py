@@ -196,20 +196,22 @@ class PairGroupChannel:
         spin_start: float | None = None  # when the current run of urgent polling began
         try:
             while self._dead is not None or not group.done(work):
-                waited = time.perf_counter() - posted
+                now = time.perf_counter()
+                waited, hurried = now - posted, urgent()
+                if not hurried:
+                    spin_start = None
                 if self._dead is not None:
                     problem = self._dead
                 elif self._control.closed:
                     problem = "the control connection closed during a payload"
                 elif waited > self._payload_timeout_s:
                     problem = f"payload not done within {self._payload_timeout_s}s"
-                elif urgent() and (spin_start is None or time.perf_counter() - spin_start <= SPIN_S):
-                    spin_start = time.perf_counter() if spin_start is None else spin_start
+                elif hurried and (spin_start is None or now - spin_start <= SPIN_S):
+                    spin_start = now if spin_start is None else spin_start
                     delay = 0.0
                     await asyncio.sleep(0)
                     continue
                 else:
-                    spin_start = None if not urgent() else spin_start
                     delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
                     self._hurry.clear()
                     with contextlib.suppress(TimeoutError):
