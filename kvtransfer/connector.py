@@ -161,6 +161,9 @@ class ConnectorConfig:
     # Longest one payload send/recv on a GPU link may stay in flight before the pair is declared dead
     # and its communicator aborted (the request's deadline bounds P's sends before this does).
     payload_timeout_s: float = 60.0
+    # cuda_ipc: the receive window D allocates per connection on `device`; it bounds one frame's payload
+    # (P splits larger buffers by layers) and, with the frames in flight, how far P may run ahead of D.
+    window_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if self.kind not in _REGISTRY:
@@ -174,6 +177,8 @@ class ConnectorConfig:
                 raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
+        if self.window_bytes <= 0:
+            raise ValueError(f"window_bytes must be > 0, got {self.window_bytes}")
         try:
             device = torch.device(self.device)
         except RuntimeError as e:
@@ -207,6 +212,7 @@ _REGISTRY: dict[str, Connector | str] = {
     "tcp": "pdserve.kvtransfer.tcp:CONNECTOR",
     "ucx": "pdserve.kvtransfer.ucx:CONNECTOR",
     "nccl": "pdserve.kvtransfer.nccl:CONNECTOR",
+    "cuda_ipc": "pdserve.kvtransfer.cuda_ipc:CONNECTOR",
 }
 
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import typing
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -73,6 +75,22 @@ class DeferredPayloads(Protocol):
         D calls it before it handles COMPLETE, so an ACK always means the KV is in D's blocks."""
 
 
+@runtime_checkable
+class EarlyPayloads(Protocol):
+    """A channel that can start moving a frame's payload before the frame's header exists (cuda_ipc): the
+    payload then moves while the header is checked and encoded."""
+
+    @property
+    def payload_limit(self) -> int:
+        """The largest payload one frame may carry."""
+
+    async def start_payload(self, payload: torch.Tensor) -> None:
+        """Begin moving `payload` (1-D uint8) as the next frame's; the next `send` carries it."""
+
+    def drop_payload(self) -> None:
+        """The started payload's frame will not be sent (its header could not be built)."""
+
+
 class VersionMismatch(ProtocolError):
     def __init__(self, peer_version: int) -> None:
         super().__init__(f"peer speaks protocol v{peer_version}, this node v{PROTOCOL_VERSION}")
@@ -123,10 +141,26 @@ class FramedConnection:
         self.checksum = True  # until the handshake settles it, every frame is checked
         self.max_payload_bytes = max_payload_bytes
         self._send_lock = asyncio.Lock()
+        self._early = isinstance(channel, EarlyPayloads)
 
     async def send(self, msg: Message, payload: torch.Tensor | None = None) -> None:
         prefix, header, body = encode_frame(msg, payload, self.checksum)
         async with self._send_lock:
+            await self.channel.send(prefix, header, body)
+
+    async def send_built(self, build: Callable[[], Message], payload: torch.Tensor) -> None:
+        """Send the frame of `build()` carrying `payload`. On an `EarlyPayloads` channel (and unless frames
+        are checksummed) the payload starts moving first; an exception from `build` sends nothing."""
+        early = self._early and not self.checksum
+        async with self._send_lock:
+            if early:
+                await typing.cast(EarlyPayloads, self.channel).start_payload(as_bytes(payload))
+            try:
+                prefix, header, body = encode_frame(build(), payload, self.checksum)
+            except BaseException:
+                if early:
+                    typing.cast(EarlyPayloads, self.channel).drop_payload()
+                raise
             await self.channel.send(prefix, header, body)
 
     async def recv(self) -> Frame:

@@ -20,7 +20,7 @@ def node_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--redis-password", default=None)
     p.add_argument("--cluster", default="default")
     p.add_argument("--transfer-port", type=int, default=0)
-    p.add_argument("--connector", default="tcp", help="KV connector kind (tcp, ucx, ...)")
+    p.add_argument("--connector", default="tcp", help="KV connector kind: tcp, ucx, nccl or cuda_ipc")
     p.add_argument("--auth-token", default=None, help="shared secret of the KV-transfer handshake")
     p.add_argument("--no-checksum", action="store_true", help="skip frame checksums (NVLink/RDMA links)")
     p.add_argument("--heartbeat-s", type=float, default=1.0)

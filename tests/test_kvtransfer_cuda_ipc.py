@@ -1,0 +1,200 @@
+"""The cuda_ipc connector: the window's placement rule everywhere, the connector itself on a GPU.
+
+The GPU tests run D (a paged cache on the GPU) in this process and P as this file's script in a second
+process (CUDA IPC memory cannot be opened by the process that exported it), on the first GPU or, with two,
+the second one. The window is made small so that frames are split by layers, the ring wraps many times and
+more frames than event slots are in flight over a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, TransferSession, create_sender
+from pdserve.kvtransfer.cuda_ipc import ALIGN, SLOTS, WindowRing, live_windows
+from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.tests.test_kvtransfer_protocol import (
+    LAYOUT,
+    PagedReceiver,
+    audit,
+    block_hashes,
+    config,
+    identity,
+    random_cache,
+    run,
+    started,
+    until,
+)
+
+WINDOW = 4 * 1024  # bytes: one layer of 4 blocks is 1536 B, so a 3-layer frame is split and the ring wraps
+TRANSFERS = 12  # x 4 layers = 48 frames > SLOTS
+BLOCKS = 4 * TRANSFERS  # D's cache: every transfer's 4 blocks stay in use (completed requests)
+
+
+def test_ring_places_frames_in_order_and_wraps() -> None:
+    ring = WindowRing(4096)
+    assert ring.place(1000) == (0, 0, -1)
+    assert ring.place(1000) == (1, 1024, -1)  # aligned up
+    assert ring.place(1500) == (2, 2048, -1)
+    # 3584 + 1000 > 4096: wraps to 0, over frame 0's bytes, which must be released first
+    assert ring.place(1000) == (3, 0, 0)
+    assert ring.place(100) == (4, 1024, 1)  # then over frame 1's
+    assert ring.place(2000) == (5, 1536, 2)  # frames 1 and 2's: the newest of them counts
+    assert ALIGN == 512
+
+
+def test_ring_bounds_frames_in_flight_by_the_event_slots() -> None:
+    ring = WindowRing(1 << 30)
+    musts = [ring.place(ALIGN)[2] for _ in range(SLOTS + 3)]
+    assert musts[:SLOTS] == [-1] * SLOTS
+    assert musts[SLOTS:] == [0, 1, 2]  # frame k reuses frame k - SLOTS's event slots
+
+
+def test_ring_undo_forgets_the_last_frame_and_refuses_oversized_ones() -> None:
+    ring = WindowRing(4096)
+    ring.place(3000)
+    assert ring.place(2000) == (1, 0, 0)
+    ring.undo()
+    assert ring.place(500) == (1, 3072, -1)  # as if the 2000 B frame had never been placed
+    with pytest.raises(ValueError, match="does not fit"):
+        ring.place(4097)
+
+
+def test_cuda_ipc_needs_a_gpu_device() -> None:
+    with pytest.raises(ValueError, match="needs a CUDA"):
+        create_sender(config("cuda_ipc", device="cpu"), identity("prefill-0"))
+
+
+def _devices() -> tuple[str, str]:
+    """(D's device, P's device)."""
+    return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+
+async def _sender_process(address: str, mode: str, device: str) -> None:
+    """P, as a script. full: TRANSFERS transfers; abort: one frame, then abort; hang: one frame, then wait
+    to be killed. Prints its own audit once closed."""
+    sender = create_sender(config("cuda_ipc", device=device, window_bytes=WINDOW), identity("prefill-0"))
+    src = random_cache(LAYOUT, 12, seed=5).to(device)
+    try:
+        for t in range(TRANSFERS if mode == "full" else 1):
+            session = await sender.session(address, RequestId(f"ipc-{t}"))
+            blocks = [(t + 3 * i) % 12 for i in range(4)]
+            await _push_on_gpu(
+                session, src, blocks, block_hashes(3, salt=t), layers=None if mode == "full" else 1
+            )
+            if mode == "abort":
+                await session.abort("client went away")
+            elif mode == "hang":
+                print("sent", flush=True)
+                await asyncio.sleep(60)
+    finally:
+        await sender.close()
+    print(json.dumps({"live_windows": live_windows()}), flush=True)
+
+
+async def _push_on_gpu(
+    session: TransferSession,
+    src: torch.Tensor,
+    blocks: list[int],
+    hashes: list[BlockHash],
+    layers: int | None,
+) -> None:
+    """`push` of the protocol suite with the buffers on the cache's GPU: frames of 3 layers, each complete
+    (synchronized) before it is sent, as the connector requires; `layers`: stop after that many layers,
+    without completing."""
+    reply = await session.open(hashes, len(blocks), time.time() + 30)
+    todo = list(range(reply.num_held_blocks, reply.num_blocks))
+    frame_blocks = FrameBlocks.run(reply, reply.num_held_blocks, [BlockId(blocks[i]) for i in todo])
+    ids = torch.tensor([blocks[i] for i in todo], dtype=torch.int64, device=src.device)
+    ops = ReferenceOps()
+    for start in range(0, layers or LAYOUT.num_layers, 3):
+        stop = min(start + 3, layers or LAYOUT.num_layers)
+        buffer = torch.empty((stop - start, 2, len(todo), *src.shape[3:]), dtype=src.dtype, device=src.device)
+        for layer in range(start, stop):
+            ops.gather_blocks(src[layer], ids, buffer[layer - start])
+        torch.cuda.synchronize(src.device)
+        await session.send_layers(start, frame_blocks, buffer)
+    if layers is None:
+        await session.complete({"token_id": 7, "logprob": -0.25})
+
+
+class GpuReceiver(PagedReceiver):
+    def __init__(self, device: str) -> None:
+        super().__init__(LAYOUT, num_blocks=BLOCKS)
+        self.kv = self.kv.to(device)
+
+
+async def _spawn(address: str, mode: str, device: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, __file__, address, mode, device, stdout=asyncio.subprocess.PIPE
+    )
+
+
+@contextlib.asynccontextmanager
+async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
+    """D's server on the first GPU; yields (receiver, server, P's device); D holds no window afterwards."""
+    d_device, p_device = _devices()
+    receiver = GpuReceiver(d_device)
+    server = await started("cuda_ipc", receiver, device=d_device, window_bytes=WINDOW)
+    try:
+        yield receiver, server, p_device
+    finally:
+        await server.stop()
+    await until(lambda: live_windows() == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_ipc needs a GPU")
+def test_cuda_ipc_transfers_are_bit_identical_across_processes() -> None:
+    async def scenario() -> None:
+        async with _serving() as (receiver, server, p_device):
+            proc = await _spawn(server.address, "full", p_device)
+            out, _ = await proc.communicate()
+            assert proc.returncode == 0, out
+            assert json.loads(out.decode().strip().splitlines()[-1]) == {"live_windows": 0}
+            src = random_cache(LAYOUT, 12, seed=5)
+            for t in range(TRANSFERS):
+                dst = receiver.reserved[f"ipc-{t}"]
+                for j, s in enumerate((t + 3 * i) % 12 for i in range(4)):
+                    assert torch.equal(receiver.kv[:, :, dst[j]].cpu(), src[:, :, s]), (t, j)
+            assert len(receiver.completed) == TRANSFERS
+            # frames of 3 layers (4608 B) are split to fit the 4096 B window: 2 + 1 layers, then 1 layer
+            assert receiver.data_calls == TRANSFERS * 3
+            await until(lambda: not server.open_transfer_ids())
+            audit(receiver, server, BLOCKS)
+
+    run(scenario(), timeout=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_ipc needs a GPU")
+@pytest.mark.parametrize("mode", ["abort", "hang"])
+def test_cuda_ipc_aborted_or_killed_sender_frees_the_reservation_once(mode: str) -> None:
+    async def scenario() -> None:
+        async with _serving() as (receiver, server, p_device):
+            proc = await _spawn(server.address, mode, p_device)
+            if mode == "hang":
+                assert proc.stdout is not None
+                assert await proc.stdout.readline() == b"sent\n"
+                await until(lambda: receiver.data_calls == 1)
+                proc.kill()
+            out, _ = await proc.communicate()
+            assert proc.returncode == (0 if mode == "abort" else -9), out
+            await until(lambda: receiver.aborts)
+            await asyncio.sleep(0.3)
+            assert [t for t, _ in receiver.aborts] == ["ipc-0"]
+            audit(receiver, server, BLOCKS)
+
+    run(scenario(), timeout=120)
+
+
+if __name__ == "__main__":
+    asyncio.run(_sender_process(*sys.argv[1:4]))
