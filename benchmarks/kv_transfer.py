@@ -2,14 +2,16 @@
 
 A program, not a test: `python benchmarks/kv_transfer.py [--out results.json]` on a machine with two GPUs.
 It measures, in this process, the raw GPU0 -> GPU1 copy (`Tensor.copy_` across devices), then starts D
-(`kv_transfer_peers.py recv`, GPU1), a second D that kills itself at its first DATA (`victim`, GPU1), and P
-(`send`, GPU0), which times raw NCCL send/recv and raw ucxx send/recv (each message answered by a 1-byte
-ack) and every connector (nccl, ucx, tcp) moving 512 MiB as one frame into a sink, and the KV of a
-4096-token prompt of the Llama-3.1-8B shape between paged caches: per layer (gather kernel -> frame ->
-scatter kernel), one chunk (32 gathers, one frame, 32 scatters) and one frame per block. Connector
-bandwidth = payload / (first DATA send -> D's ACK); `wall` adds the gathers. D checks every paged transfer
-bit for bit, and both ends audit what is left (blocks, open transfers, pair groups, GPU memory).
-Targets (issue 6): each connector >= 90 % of its library's raw send/recv; the best >= 90 % of the raw copy.
+(`kv_transfer_peers.py recv`, GPU1), one D per kind (nccl, cuda_ipc) that kills itself at its first DATA
+(`victim`, GPU1), and P (`send`, GPU0), which times raw NCCL send/recv and raw ucxx send/recv (each message
+answered by a 1-byte ack) and every connector (nccl, cuda_ipc, ucx, tcp) moving 512 MiB as one frame into a
+sink, and the KV of a 4096-token prompt of the Llama-3.1-8B shape between paged caches: per layer (gather
+kernel -> frame -> scatter kernel), one chunk (32 gathers, one frame, 32 scatters) and one frame per block.
+Connector bandwidth = payload / (first DATA send -> D's ACK); `wall` adds the gathers. D checks every paged
+transfer bit for bit, and both ends audit what is left (blocks, open transfers, pair groups, IPC windows,
+GPU memory).
+Targets (issue 6): each connector >= 90 % of its library's raw send/recv (cuda_ipc's library is the copy
+itself); the best >= 90 % of the raw copy.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _pct(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     raw = {r["path"]: r for r in rows if r["path"].startswith("raw") and r["size"] == 512 * MIB}
-    own = {"nccl": "raw nccl send/recv", "ucx": "raw ucxx send/recv"}
+    own = {"nccl": "raw nccl send/recv", "ucx": "raw ucxx send/recv", "cuda_ipc": "raw copy GPU0->GPU1"}
     out = [
         "| path | size | GiB/s | median ms | wall GiB/s | vs own raw | vs raw copy |",
         "|---|---|---|---|---|---|---|",
@@ -91,15 +93,23 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write every figure and audit as JSON here")
+    p.add_argument(
+        "--connectors",
+        default="nccl,cuda_ipc,ucx,tcp",
+        help="comma-separated connector kinds to measure (the raw rows always run)",
+    )
     args = p.parse_args()
     assert torch.cuda.device_count() >= 2, "needs two GPUs"
     rows: list[dict[str, Any]] = [raw_copy(size) for size in SIZES]
-    recv, victim = start("recv", "cuda:1"), start("victim", "cuda:1")
+    kinds = args.connectors.split(",")
+    recv = start("recv", "cuda:1", args.connectors)
+    victims = {kind: start("victim", "cuda:1", kind) for kind in ("nccl", "cuda_ipc") if kind in kinds}
     extra: dict[str, Any] = {}
     overlaps: list[dict[str, Any]] = []
     try:
-        ready, victim_ready = read_line(recv, "READY"), read_line(victim, "READY")
-        send = start("send", "cuda:0", json.dumps(ready), json.dumps(victim_ready))
+        ready = read_line(recv, "READY")
+        victims_ready = {kind: read_line(proc, "READY") for kind, proc in victims.items()}
+        send = start("send", "cuda:0", json.dumps(ready), json.dumps(victims_ready))
         assert send.stdout is not None
         for line in send.stdout:
             kind, _, body = line.partition(" ")
@@ -117,10 +127,10 @@ def main() -> None:
         extra["receiver_audit"] = read_line(recv, "AUDIT")
         extra["receiver_rc"] = recv.wait(timeout=60)
     finally:
-        for proc in (recv, victim):
+        for proc in (recv, *victims.values()):
             if proc.poll() is None:
                 proc.kill()
-        extra["victim_rc"] = victim.wait()
+        extra["victim_rc"] = {kind: proc.wait() for kind, proc in victims.items()}
     when = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     print(f"# KV transfer, {when}, {platform.node()}, {gpus}, torch {torch.__version__}")

@@ -34,6 +34,7 @@ from pdserve.kvtransfer.connector import (
     create_sender,
     create_server,
 )
+from pdserve.kvtransfer.cuda_ipc import live_windows
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.kvtransfer.nccl import NcclBackend
 from pdserve.kvtransfer.pair_group import live_groups, wait_aborted
@@ -133,10 +134,10 @@ def raw_nccl_recv(store: dist.Store, device: torch.device) -> None:
     group.abort()
 
 
-async def serve(device: torch.device, victim: bool) -> None:
+async def serve(device: torch.device, kinds: list[str], victim: bool) -> None:
+    """D: a server per connector kind; a victim's dies at its first DATA."""
     handler = BenchHandler(device, die_on_data=victim)
     identity = PeerIdentity(NodeId("bench-d"), b"\x01" * 32, LAYOUT)
-    kinds = ["nccl"] if victim else ["nccl", "ucx", "tcp"]
     servers = {k: create_server(config(k, str(device)), identity, handler) for k in kinds}
     for server in servers.values():
         await server.start()
@@ -168,6 +169,7 @@ async def serve(device: torch.device, victim: bool) -> None:
         free_blocks=len(handler.free),
         total_blocks=CACHE_BLOCKS,
         live_groups=live_groups(),
+        live_windows=live_windows(),
         verified=handler.verified,
         cuda_allocated_mib=torch.cuda.memory_allocated(device) / MIB,
     )
@@ -249,19 +251,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def drive(device: torch.device, ready: dict[str, Any], victim: dict[str, Any]) -> None:
+async def drive(device: torch.device, ready: dict[str, Any], victims: dict[str, Any]) -> None:
     await asyncio.to_thread(raw_nccl_send, ready["nccl_port"], device)
     await raw_ucx_send(ready["ucx_port"], device)
     kv = pattern_cache(device)
     await connectors(device, ready["servers"], kv)
-    for kind in ("nccl", "ucx"):
-        await overlap(device, kind, ready["servers"][kind], kv)
-    if victim:
-        await kill_d_midway(device, victim["servers"]["nccl"], kv)
+    for kind in ready["servers"]:
+        if kind != "tcp":
+            await overlap(device, kind, ready["servers"][kind], kv)
+    for kind, victim in victims.items():
+        await kill_d_midway(device, kind, victim["servers"][kind], kv)
     await asyncio.to_thread(wait_aborted, 5.0)
+    sync(device)  # raises if a dead peer left this process's CUDA context broken
+    torch.cuda.empty_cache()  # buffers freed behind a copy stream's last use are counted only once processed
     emit(
         "SENDER_AUDIT",
         live_groups=live_groups(),
+        live_windows=live_windows(),
         cuda_allocated_mib=torch.cuda.memory_allocated(device) / MIB,
     )
 
@@ -402,9 +408,10 @@ async def connectors(device: torch.device, servers: dict[str, str], kv: torch.Te
         await sender.close()
 
 
-async def kill_d_midway(device: torch.device, address: str, kv: torch.Tensor) -> None:
-    """D dies at its first DATA: P's next send must fail promptly, not hang, and leave no group behind."""
-    sender = create_sender(config("nccl", str(device)), PeerIdentity(NodeId("bench-p"), b"\x01" * 32, LAYOUT))
+async def kill_d_midway(device: torch.device, kind: str, address: str, kv: torch.Tensor) -> None:
+    """D dies at its first DATA: P's next send must fail promptly, not hang, and leave no group or window
+    behind."""
+    sender = create_sender(config(kind, str(device)), PeerIdentity(NodeId("bench-p"), b"\x01" * 32, LAYOUT))
     t0 = time.perf_counter()
     outcome = "completed (unexpected)"
     try:
@@ -415,25 +422,24 @@ async def kill_d_midway(device: torch.device, address: str, kv: torch.Tensor) ->
     except TransferAborted as e:
         outcome = f"TransferAborted: {e.reason[:160]}"
     seconds = time.perf_counter() - t0
+    await sender.close()
     await asyncio.to_thread(wait_aborted, 5.0)
     emit(
         "RESULT",
-        path="nccl: D killed mid-transfer",
+        path=f"{kind}: D killed mid-transfer",
         outcome=outcome,
         seconds=seconds,
         live_groups_after=live_groups(),
+        live_windows_after=live_windows(),
     )
-    await sender.close()
 
 
 def main() -> None:
     role, device = sys.argv[1], torch.device(sys.argv[2])
     torch.cuda.set_device(device)
     torch.empty(1, device=device)  # the CUDA context exists before UCX starts
-    if role == "recv":
-        asyncio.run(serve(device, victim=False))
-    elif role == "victim":
-        asyncio.run(serve(device, victim=True))
+    if role in ("recv", "victim"):
+        asyncio.run(serve(device, sys.argv[3].split(","), victim=role == "victim"))
     else:
         asyncio.run(drive(device, json.loads(sys.argv[3]), json.loads(sys.argv[4])))
 
