@@ -105,6 +105,8 @@ class UpConfig:
     threads_per_node: int = 1
     extra_node_args: tuple[str, ...] = ()
     demo: bool = False
+    # more flags for the nodes of one role ("prefill", "decode", "single"), after extra_node_args
+    role_node_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
@@ -136,6 +138,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
             "--threads",
             str(cfg.threads_per_node),
             *cfg.extra_node_args,
+            *dict(cfg.role_node_args).get(role, ()),
         ]
         if role == "single":
             argv += ["--role", "single"]

@@ -1,7 +1,8 @@
 """P/D (1 prefill + 1 decode node) against one `single` node, as a client sees them through the router.
 
 A program, not a test: `python benchmarks/cluster_cpu.py [--requests 20] [--prompt-tokens 200] ...` starts
-both clusters (each with its own redis-server and router; SmolLM2 on CPU, --threads torch threads per node),
+both clusters (each with its own redis-server and router; SmolLM2 on CPU, --threads torch threads per node;
+`--node-args` and `--prefill-args`/`--decode-args`/`--single-args` add node flags, e.g. GPUs and a connector),
 then sends the same prompts to both, one request at a time, alternating which cluster goes first, so that
 load from other processes on the machine falls on both alike. Each request streams (greedy, ignore_eos, so
 every request yields exactly --max-tokens tokens); the client records the time to the first and to the
@@ -18,6 +19,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -27,6 +29,8 @@ from dataclasses import dataclass
 import httpx
 from pdserve.cli import default_model_path
 from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
+
+ROLES = ("prefill", "decode", "single")
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads per node")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--node-args", default="", help="more flags for every node, e.g. '--dtype bfloat16'")
+    for role in ROLES:
+        p.add_argument(f"--{role}-args", default="", help=f"more flags for the {role} node(s)")
     args = p.parse_args(argv)
     if args.requests < 1 or args.prompt_tokens < 1 or args.max_tokens < 2 or args.warmup < 0:
         p.error("--requests, --prompt-tokens >= 1, --max-tokens >= 2 and --warmup >= 0 required")
@@ -120,7 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     bases: dict[str, str] = {}
     try:
         for key, (prefill, decode) in (("pd", (1, 1)), ("single", (0, 1))):
-            cfg = UpConfig(model, free_port(), prefill, decode, args.threads)
+            cfg = UpConfig(
+                model,
+                free_port(),
+                prefill,
+                decode,
+                args.threads,
+                extra_node_args=tuple(shlex.split(args.node_args)),
+                role_node_args=tuple(
+                    (role, tuple(shlex.split(getattr(args, f"{role}_args")))) for role in ROLES
+                ),
+            )
             t0 = time.perf_counter()
             bases[key] = start_cluster(cfg, clusters[key])
             print(f"started {key} cluster in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
@@ -139,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# P/D vs single through the router, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
     print(f"machine: {cpu}, {platform.system()} {platform.release()}; model {name}; torch threads per node "
           f"{args.threads}")  # fmt: skip
+    flags = {role: getattr(args, f"{role}_args") for role in ROLES if getattr(args, f"{role}_args")}
+    if args.node_args or flags:
+        print(f"node flags: {args.node_args!r} for every node, {flags} by role")
     print(f"workload: {args.requests} requests per cluster (after {args.warmup} warm-up), one at a time, "
           f"{args.prompt_tokens}-token distinct prompts, {args.max_tokens} output tokens, greedy, "
           "streamed\n")  # fmt: skip
