@@ -142,6 +142,8 @@ class FramedConnection:
         self.max_payload_bytes = max_payload_bytes
         self._send_lock = asyncio.Lock()
         self._early = isinstance(channel, EarlyPayloads)
+        # the largest payload one frame may carry on this channel (None: max_payload_bytes)
+        self.payload_limit = typing.cast(EarlyPayloads, channel).payload_limit if self._early else None
 
     async def send(self, msg: Message, payload: torch.Tensor | None = None) -> None:
         prefix, header, body = encode_frame(msg, payload, self.checksum)

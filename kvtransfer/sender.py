@@ -33,7 +33,7 @@ from pdserve.kvtransfer.common import (
 )
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import SPIN_S, stream_idle
-from pdserve.kvtransfer.framing import EarlyPayloads, FramedConnection
+from pdserve.kvtransfer.framing import FramedConnection
 from pdserve.kvtransfer.handshake import client_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Message, Open, OpenOk, OpenRefusal
 from pdserve.kvtransfer.transport import Transport, parse_address
@@ -230,8 +230,7 @@ class ChannelSession:
         self._check_usable()
         if buffer.dim() == 5:
             buffer = buffer.unsqueeze(0)
-        channel = self._connection.conn.channel
-        limit = channel.payload_limit if isinstance(channel, EarlyPayloads) else None
+        limit = self._connection.conn.payload_limit
         nbytes = buffer.numel() * buffer.element_size()
         if limit is not None and nbytes > limit and buffer.shape[0] > 1:
             # the channel's frames are bounded (cuda_ipc's window): send the layers in groups that fit
