@@ -1,0 +1,151 @@
+"""The sender's side of early-payload channels (`framing.EarlyPayloads`, what cuda_ipc is), on the CPU.
+
+A TCP channel that also declares a frame limit and is told about each payload before its header stands in
+for cuda_ipc's window: the session must split buffers larger than the limit into layer groups that fit, and
+a frame whose header cannot be built must be dropped from the channel without a byte of it sent.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.kvtransfer.channel_connector import ChannelConnector
+from pdserve.kvtransfer.connector import (
+    ConnectorConfig,
+    FrameBlocks,
+    connector_kinds,
+    create_sender,
+    register_connector,
+)
+from pdserve.kvtransfer.framing import ByteChannel
+from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
+from pdserve.shared.types import BlockId, RequestId
+from pdserve.tests.test_kvtransfer_protocol import (
+    LAYOUT,
+    PagedReceiver,
+    audit,
+    block_hashes,
+    config,
+    identity,
+    push,
+    random_cache,
+    run,
+    started,
+)
+
+KIND = "tcp-early"
+LIMIT = 4096  # bytes per frame: one layer of 4 blocks is 1536 B, so 2 layers fit and 3 do not
+CHANNELS: list[EarlyTcpChannel] = []
+
+
+class EarlyTcpChannel(TcpChannel):
+    """TCP, plus the early-payload calls: it records them and checks they come in the promised order."""
+
+    payload_limit = LIMIT
+
+    def __init__(self, channel: TcpChannel) -> None:
+        super().__init__(channel._reader, channel._writer)
+        self.started: list[int] = []  # payload sizes, in the order start_payload saw them
+        self.dropped = 0
+        self._pending: torch.Tensor | None = None
+        CHANNELS.append(self)
+
+    async def start_payload(self, payload: torch.Tensor) -> None:
+        assert self._pending is None, "a payload was started while another one was pending"
+        assert payload.numel() <= self.payload_limit, f"{payload.numel()} B over the frame limit"
+        self._pending = payload
+        self.started.append(payload.numel())
+
+    def drop_payload(self) -> None:
+        assert self._pending is not None, "drop without a started payload"
+        self._pending = None
+        self.dropped += 1
+
+    async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
+        if payload is not None:
+            pending = self._pending
+            assert pending is not None and (payload.data_ptr(), payload.numel()) == (
+                pending.data_ptr(),
+                pending.numel(),
+            ), "send carries another payload than the one started"
+            self._pending = None
+        await super().send(prefix, header, payload)
+
+
+class EarlyTcpTransport(TcpTransport):
+    scheme = KIND
+
+    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
+        channel = await super().dial(host, port, timeout_s)
+        assert isinstance(channel, TcpChannel)
+        return EarlyTcpChannel(channel)
+
+
+if KIND not in connector_kinds():
+    register_connector(KIND, ChannelConnector(lambda cfg: EarlyTcpTransport(), checksum_default=False))
+
+
+def _config() -> ConnectorConfig:
+    return config(KIND, checksum=False)
+
+
+def test_buffers_over_the_frame_limit_are_split_into_layer_groups_that_fit() -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(KIND, receiver, checksum=False)
+        sender = create_sender(_config(), identity("prefill-0"))
+        src = random_cache(LAYOUT, 12, seed=9)
+        blocks = [3, 8, 1, 10]
+        try:
+            session = await sender.session(server.address, RequestId("split"))
+            reply, stats = await push(session, src, blocks, block_hashes(3), layers_per_frame=3)
+            # 3 layers (4608 B) do not fit: 2 + 1 layers; then the last layer alone
+            assert CHANNELS[-1].started == [2 * 1536, 1536, 1536]
+            assert receiver.data_calls == 3
+            assert stats.payload_bytes == LAYOUT.num_layers * 4 * LAYOUT.layer_block_bytes
+            for j, b in enumerate(blocks):
+                assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
+            audit(receiver, server, 16)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
+def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None:
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(KIND, receiver, checksum=False)
+        sender = create_sender(_config(), identity("prefill-0"))
+        src = random_cache(LAYOUT, 12, seed=10)
+        try:
+            session = await sender.session(server.address, RequestId("bad-frame"))
+            reply = await session.open(block_hashes(1), 2, time.time() + 30)
+            buffer = torch.empty((1, 2, 2, *src.shape[3:]), dtype=src.dtype)
+            ops = ReferenceOps()
+            ops.gather_blocks(src[0], torch.tensor([4, 6]), buffer[0])
+            wrong = FrameBlocks((0, 1), (BlockId(4), BlockId(6)), (BlockId(99), BlockId(98)))
+            with pytest.raises(ValueError, match="does not match the reservation"):
+                await session.send_layers(0, wrong, buffer)
+            channel = CHANNELS[-1]
+            assert channel.started == [buffer.numel() * buffer.element_size()] and channel.dropped == 1
+            assert receiver.data_calls == 0
+            right = FrameBlocks.run(reply, 0, [BlockId(4), BlockId(6)])
+            await session.send_layers(0, right, buffer)
+            for layer in range(1, LAYOUT.num_layers):
+                ops.gather_blocks(src[layer], torch.tensor([4, 6]), buffer[0])
+                await session.send_layers(layer, right, buffer.clone())
+            await session.complete({"token_id": 1})
+            for j, b in enumerate([4, 6]):
+                assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
+            assert receiver.data_calls == LAYOUT.num_layers and channel.dropped == 1
+            audit(receiver, server, 16)
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
