@@ -50,7 +50,7 @@ import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
-from pdserve.kvtransfer.device_sync import poll
+from pdserve.kvtransfer.device_sync import on_stream, poll
 from pdserve.kvtransfer.framing import ByteChannel
 from pdserve.kvtransfer.tcp import TcpChannel, TcpListener, TcpTransport
 
@@ -179,23 +179,6 @@ class IpcChannel:
     def _on_device(self) -> Iterator[None]:
         with torch.cuda.device(self._device):
             yield
-
-    @contextlib.contextmanager
-    def _on_copy_stream(self) -> Iterator[None]:
-        """P's copy stream as the current one. When this end's device is current already (the usual case),
-        a plain set and restore: torch.cuda.device plus torch.cuda.stream cost ~40 µs per frame on the GPU
-        machines' cores, before the copy could start."""
-        assert self._stream is not None
-        previous = torch.cuda.current_stream()
-        if previous.device != self._device:
-            with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-                yield
-            return
-        torch.cuda.set_stream(self._stream)
-        try:
-            yield
-        finally:
-            torch.cuda.set_stream(previous)
 
     async def _send_record(self, record: dict[str, Any]) -> None:
         body = msgpack.packb(record, use_bin_type=True)
@@ -340,7 +323,7 @@ class IpcChannel:
         except BaseException:
             self._ring.undo()
             raise
-        with self._on_copy_stream():
+        with on_stream(self._stream):
             freed = self._freed[must % SLOTS] if must >= 0 else None
             if freed is not None and not freed.query():  # D's consumers still read those bytes
                 self._stream.wait_event(freed)

@@ -1,4 +1,4 @@
-"""Waiting for GPU work from asyncio without blocking the event loop.
+"""Waiting for GPU work from asyncio without blocking the event loop, and switching streams cheaply.
 
 GPU transfers finish in tens of microseconds to a few milliseconds, so a waiter first spins (yielding to the
 loop on every turn) and only then backs off to short sleeps: a blocking `synchronize()` would stall every
@@ -8,8 +8,9 @@ other transfer and HTTP request of the node, and a coarse sleep would cost a lar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,3 +38,20 @@ async def stream_idle(stream: torch.cuda.Stream) -> None:
     event = torch.cuda.Event()
     event.record(stream)
     await event_done(event)
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    """Make `stream` (and its device) current for the block. When its device is current already (the usual
+    case on a node), a plain set and restore: torch.cuda.device plus torch.cuda.stream took ~40 µs on the GPU
+    machines' cores, in front of every payload op."""
+    previous = torch.cuda.current_stream()
+    if previous.device != stream.device:
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+            yield
+        return
+    torch.cuda.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(previous)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
-from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S
+from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S, on_stream
 from pdserve.kvtransfer.framing import ByteChannel
 from pdserve.kvtransfer.tcp import TcpChannel, TcpListener, TcpTransport
 
@@ -170,7 +170,7 @@ class PairGroupChannel:
         if self._stream is None:
             yield
             return
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+        with on_stream(self._stream):
             yield
 
     def _post(self, group: PairGroup, tensor: torch.Tensor, send: bool) -> dist.Work:

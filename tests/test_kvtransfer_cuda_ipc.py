@@ -35,7 +35,7 @@ from pdserve.tests.test_kvtransfer_protocol import (
 )
 
 WINDOW = 4 * 1024  # bytes: one layer of 4 blocks is 1536 B, so a 3-layer frame is split and the ring wraps
-TRANSFERS = 12  # x 4 layers = 48 frames > SLOTS
+TRANSFERS = 12  # x 3 frames = 36 frames > SLOTS
 BLOCKS = 4 * TRANSFERS  # D's cache: every transfer's 4 blocks stay in use (completed requests)
 
 
