@@ -42,7 +42,7 @@ import os
 import struct
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -51,8 +51,7 @@ from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import on_stream, poll
-from pdserve.kvtransfer.framing import ByteChannel
-from pdserve.kvtransfer.tcp import TcpChannel, TcpListener, TcpTransport
+from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -466,32 +465,15 @@ def _unmapping(stream: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-class IpcTransport:
+class IpcTransport(ControlTransport):
     """Dials and listens like the TCP transport; each connection gets its own window."""
-
-    scheme = "cuda_ipc"
 
     def __init__(self, config: ConnectorConfig) -> None:
         if torch.device(config.device).type != "cuda":
             raise ValueError(
                 f"the cuda_ipc connector needs a CUDA ConnectorConfig.device, got {config.device!r}"
             )
-        self._config = config
-        self._tcp = TcpTransport()
-
-    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
-        control = await self._tcp.dial(host, port, timeout_s)
-        assert isinstance(control, TcpChannel)
-        return IpcChannel(control, 1, self._config)
-
-    async def listen(
-        self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
-    ) -> TcpListener:
-        async def accept(control: ByteChannel) -> None:
-            assert isinstance(control, TcpChannel)
-            await on_channel(IpcChannel(control, 0, self._config))
-
-        return await self._tcp.listen(host, port, accept)
+        super().__init__("cuda_ipc", lambda control, rank, host: IpcChannel(control, rank, config))
 
 
 CONNECTOR = ChannelConnector(IpcTransport, checksum_default=False)

@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Protocol
 
@@ -44,8 +44,7 @@ import torch.distributed as dist
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S, on_stream
-from pdserve.kvtransfer.framing import ByteChannel
-from pdserve.kvtransfer.tcp import TcpChannel, TcpListener, TcpTransport
+from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -340,25 +339,10 @@ class PairGroupChannel:
         await self._control.close()
 
 
-class PairGroupTransport:
+class PairGroupTransport(ControlTransport):
     """Dials and listens like the TCP transport; each connection gets its own pair group."""
 
     def __init__(self, scheme: str, backend: GroupBackend, config: ConnectorConfig) -> None:
-        self.scheme = scheme
-        self._backend = backend
-        self._config = config
-        self._tcp = TcpTransport()
-
-    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
-        control = await self._tcp.dial(host, port, timeout_s)
-        assert isinstance(control, TcpChannel)
-        return PairGroupChannel(control, self._backend, 1, host, self._config)
-
-    async def listen(
-        self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
-    ) -> TcpListener:
-        async def accept(control: ByteChannel) -> None:
-            assert isinstance(control, TcpChannel)
-            await on_channel(PairGroupChannel(control, self._backend, 0, host, self._config))
-
-        return await self._tcp.listen(host, port, accept)
+        super().__init__(
+            scheme, lambda control, rank, host: PairGroupChannel(control, backend, rank, host, config)
+        )

@@ -112,4 +112,29 @@ class TcpTransport:
         return TcpListener(await asyncio.start_server(accept, host, port))
 
 
+class ControlTransport:
+    """Dials and listens like the TCP transport, each connection then wrapped in a channel that carries
+    payloads another way (nccl's pair group, cuda_ipc's window): `wrap(control, rank, host)`, rank 1 on the
+    dialing end (P), 0 on the accepting end (D), host the one dialed or listened on."""
+
+    def __init__(self, scheme: str, wrap: Callable[[TcpChannel, int, str], ByteChannel]) -> None:
+        self.scheme = scheme
+        self._wrap = wrap
+        self._tcp = TcpTransport()
+
+    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
+        control = await self._tcp.dial(host, port, timeout_s)
+        assert isinstance(control, TcpChannel)
+        return self._wrap(control, 1, host)
+
+    async def listen(
+        self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
+    ) -> TcpListener:
+        async def accept(control: ByteChannel) -> None:
+            assert isinstance(control, TcpChannel)
+            await on_channel(self._wrap(control, 0, host))
+
+        return await self._tcp.listen(host, port, accept)
+
+
 CONNECTOR = ChannelConnector(lambda config: TcpTransport(), checksum_default=True)
