@@ -28,7 +28,7 @@ class KVLayout:
     """One rank's paged KV cache: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
     `num_kv_heads` counts the heads this rank holds: heads [kv_head_start, kv_head_start + num_kv_heads)
-    of the model, rank `tp_rank` of `tp_size`. Two ends exchange KV only if every field is equal (v1).
+    of the model, rank `tp_rank` of `tp_size`. Two ends exchange KV only if every field is equal.
     """
 
     num_layers: int

@@ -1,13 +1,13 @@
-"""The cuda_ipc connector: v1 frames over TCP, DATA payloads copied by P straight into a window of D's GPU
+"""The cuda_ipc connector: frames over TCP, DATA payloads copied by P straight into a window of D's GPU
 memory through CUDA IPC (the copy engines, over NVLink between two GPUs of one host).
 
 Why a push: a copy-engine copy moves 512 MiB GPU0 -> GPU1 faster than NCCL's send/recv on two H200s (about
 360 against 325 GiB/s), and it needs nothing posted by D first: P starts the copy as soon as it has the
-payload, before it checks and encodes the frame's header (`EarlyPayloads`). Both ends must run on one
-host; CUDA opens IPC memory of a GPU the process does not otherwise see, so per-process
+payload, before it checks and encodes the frame's header (framing's payload-first DATA). Both ends must
+run on one host; CUDA opens IPC memory of a GPU the process does not otherwise see, so per-process
 CUDA_VISIBLE_DEVICES is fine.
 
-Setup (`authenticated`, after the v1 handshake): D allocates its window (`ConnectorConfig.window_bytes` on
+Setup (`authenticated`, after the handshake): D allocates its window (`ConnectorConfig.window_bytes` on
 its device) and exports it with torch's IPC handle, creates SLOTS interprocess "freed" events and a
 one-word shared-memory progress counter, and writes one SETUP record on the TCP connection; P maps the
 window into its own device's address space, opens the events, and answers with SLOTS interprocess "copied"
@@ -16,11 +16,11 @@ events of its own. Records are a u32 length and a msgpack map, checked field by 
 Frames: payload k of a connection lands at an offset both ends compute alike (`WindowRing`), so no offset
 travels. P waits on the host until D has released frame `must` (the newest earlier frame whose bytes the new
 one overwrites, or frame k - SLOTS), makes its copy stream wait on the GPU for "freed"[must] (unless that
-event has passed already), copies, records "copied"[k], then writes the header. D, on the header, makes its
+event has passed already), copies, records "copied"[k], then writes the frame. D, on the frame, makes its
 current stream wait for "copied"[k] and hands out the window's view; when the caller comes back for the next
-frame (or flushes), the consumers it queued on that stream read the view, so D records "freed"[k] after them
-and publishes k + 1 in the counter. Neither host waits for the GPU, except D's `flush` (before it
-acknowledges COMPLETE), which polls the last "copied" event.
+frame (framing's `release_payload`) or flushes, the consumers it queued on that stream read the view, so D
+records "freed"[k] after them and publishes k + 1 in the counter. Neither host waits for the GPU, except D's
+`flush` (before it acknowledges COMPLETE), which polls the last "copied" event.
 
 Invariants: payloads are copied and consumed in frame order on both ends; P never writes window bytes that
 an unreleased frame still occupies (GPU-ordered through "freed"); an event slot is re-recorded only after D
@@ -50,7 +50,7 @@ import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
-from pdserve.kvtransfer.device_sync import on_stream, poll
+from pdserve.kvtransfer.device_sync import on_device, on_stream, poll
 from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -152,7 +152,6 @@ class IpcChannel:
         self._counter: mmap.mmap | None = None  # frames D released so far (int64)
         self._shm_path: str | None = None  # D: the counter's file until P mapped it
         self._stream: torch.cuda.Stream | None = None  # P: the copy stream
-        self._started: int | None = None  # P: seq of the payload started for the frame being sent
         self._held: tuple[int, torch.cuda.Stream] | None = None  # D: payload handed out, its consumer stream
         self._last: int | None = None  # D: seq of the newest payload received
         self._dead: str | None = None
@@ -173,11 +172,6 @@ class IpcChannel:
     def _check(self) -> None:
         if self._dead is not None:
             raise ConnectionLost(f"cuda_ipc channel to {self.peer} is closed: {self._dead}")
-
-    @contextlib.contextmanager
-    def _on_device(self) -> Iterator[None]:
-        with torch.cuda.device(self._device):
-            yield
 
     async def _send_record(self, record: dict[str, Any]) -> None:
         body = msgpack.packb(record, use_bin_type=True)
@@ -208,7 +202,7 @@ class IpcChannel:
         log.info("cuda_ipc window with %s ready (%d B, rank %d)", self.peer, self._window_bytes, self._rank)
 
     async def _setup_receiver(self) -> None:
-        with self._on_device():
+        with on_device(self._device):
             torch.cuda.ipc_collect()  # windows of closed connections whose peer has let go by now
             self._window = torch.empty(self._window_bytes, dtype=torch.uint8, device=self._device)
             shared = self._window.untyped_storage()._share_cuda_()
@@ -238,7 +232,7 @@ class IpcChannel:
             }
         )
         reply = await self._recv_record()
-        with self._on_device():
+        with on_device(self._device):
             copied = _event_list(reply, "copied")
             self._copied = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in copied]
         self._unlink()
@@ -254,7 +248,7 @@ class IpcChannel:
         finally:
             os.close(fd)
         index = self._device.index if self._device.index is not None else torch.cuda.current_device()
-        with self._on_device():
+        with on_device(self._device):
             # Mapped into this process's own device: copies into it run on this GPU's copy engines (mapped
             # as the owner's device, they were measured ten times slower).
             storage = torch.UntypedStorage._new_shared_cuda(
@@ -309,9 +303,8 @@ class IpcChannel:
 
     # P's side
 
-    async def start_payload(self, payload: torch.Tensor) -> None:
-        """Copy `payload` (1-D uint8) into D's window as the next frame's payload; `send` follows."""
-        self._check()
+    async def _copy(self, payload: torch.Tensor) -> None:
+        """Copy `payload` (1-D uint8) into D's window as this connection's next payload."""
         assert self._window is not None and self._stream is not None, "payload before setup"
         if payload.device != self._device:  # e.g. a host buffer: stage it on this end's GPU
             payload = payload.to(self._device)
@@ -319,7 +312,7 @@ class IpcChannel:
         try:
             if must >= 0 and self._released() <= must:
                 await self._until(lambda: self._released() > must, time.perf_counter(), "window space")
-        except BaseException:
+        except BaseException:  # nothing was copied or sent: the frame never happened
             self._ring.undo()
             raise
         with on_stream(self._stream):
@@ -329,20 +322,13 @@ class IpcChannel:
             self._window.narrow(0, offset, payload.numel()).copy_(payload, non_blocking=True)
             self._copied[seq % SLOTS].record(self._stream)
         payload.record_stream(self._stream)  # its memory is not reused before the copy read it
-        self._started = seq
-
-    def drop_payload(self) -> None:
-        """The started payload's frame is not sent: D never learns of it, so the ring forgets it (its bytes
-        landed in window space no frame of D's occupies)."""
-        if self._started is not None:
-            self._started = None
-            self._ring.undo()
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
+        """The copy is queued (and its "copied" event recorded) before the frame goes on the control
+        connection, so D's wait on that event, made when the frame arrives, names this copy."""
         self._check()
-        if payload is not None and payload.numel() > 0 and self._started is None:
-            await self.start_payload(payload)
-        self._started = None
+        if payload is not None and payload.numel() > 0:
+            await self._copy(payload)
         try:
             await self._control.send(prefix, header, None)
         except ConnectionLost as e:
@@ -351,26 +337,25 @@ class IpcChannel:
 
     # D's side
 
-    def _release(self) -> None:
-        """The caller came back: its consumers of the last payload are queued on their stream. Mark the
-        window bytes free after them and tell P."""
+    def release_payload(self) -> None:
+        """The caller came back for the next frame: its consumers of the last payload are queued on their
+        stream. Mark the window bytes free after them and tell P."""
         if self._held is None:
             return
         seq, consumer = self._held
         self._held = None
-        with self._on_device():
+        with on_device(self._device):
             self._freed[seq % SLOTS].record(consumer)
         assert self._counter is not None
         COUNTER.pack_into(self._counter, 0, seq + 1)
 
     async def recv_exact(self, nbytes: int) -> bytes:
         self._check()
-        self._release()
         return await self._control.recv_exact(nbytes)
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         self._check()
-        self._release()
+        self.release_payload()
         if self._window is None or self._rank != 0:
             raise ConnectionLost(f"{self.peer} sent a payload to the end that has no window")
         try:
@@ -386,7 +371,7 @@ class IpcChannel:
 
     async def flush(self) -> None:
         self._check()
-        self._release()
+        self.release_payload()
         last = self._last
         if last is not None:
             await self._until(self._copied[last % SLOTS].query, time.perf_counter(), "a payload")

@@ -41,6 +41,16 @@ async def stream_idle(stream: torch.cuda.Stream) -> None:
 
 
 @contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """Make `device` current for the block; nothing to do (and nothing paid) when it is current already."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+@contextlib.contextmanager
 def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     """Make `stream` (and its device) current for the block. When its device is current already (the usual
     case on a node), a plain set and restore: torch.cuda.device plus torch.cuda.stream took ~40 µs on the GPU

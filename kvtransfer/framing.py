@@ -1,17 +1,23 @@
 """Frames over a byte channel: a 24-byte prefix, a msgpack header, an optional raw payload, a CRC32.
 
 A transport only moves the three parts of a frame in order (`ByteChannel`); everything the protocol says
-about framing (magic, version, sizes, checksum) lives here, once, for every connector. Invariants: frames on
-one connection are sent whole and never interleaved (one send lock per `FramedConnection`); a frame with
-a bad checksum is reported as `ChecksumError` after its bytes were consumed, so the stream stays in sync
-whenever the prefix itself was intact.
+about framing (magic, version, sizes, checksum) lives here, once, for every connector.
+
+Payload first: on a connection without checksums, a DATA frame travels as two frames. The first carries the
+payload and no header (flag PAYLOAD_FIRST), so it leaves P before P has checked and encoded the header, and
+D can post its receive for it at once; the second carries the header and no payload (flag HEADER_AFTER),
+or, when P could not build the header, nothing at all: D then drops the payload it received.
+
+Invariants: frames on one connection are sent whole and never interleaved (one send lock per
+`FramedConnection`, held across both halves of a payload-first DATA); a frame with a bad checksum is
+reported as `ChecksumError` after its bytes were consumed, so the stream stays in sync whenever the prefix
+itself was intact; a PAYLOAD_FIRST frame is always followed by its HEADER_AFTER frame.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
-import typing
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +27,7 @@ import torch
 from pdserve.kvtransfer.common import ChecksumError, ProtocolError
 from pdserve.kvtransfer.messages import (
     PROTOCOL_VERSION,
+    Data,
     Message,
     decode_header,
     encode_header,
@@ -32,11 +39,14 @@ PREFIX = struct.Struct("<4sBBBxIQI")  # magic, version, type, flags, pad, header
 PREFIX_SIZE = PREFIX.size  # 24
 CRC_COVERED = PREFIX_SIZE - 4  # the checksum covers the prefix up to (not including) itself
 FLAG_CHECKSUM = 0x01
+FLAG_PAYLOAD_FIRST = 0x02  # a DATA frame's payload, without its header (which follows)
+FLAG_HEADER_AFTER = 0x04  # the header of the preceding payload-first frame (none: that frame is dropped)
 MAX_HEADER_BYTES = 16 << 20
 
 
 class ByteChannel(Protocol):
-    """One connection of a transport. `send` parts are read back with the same sizes, in order."""
+    """One connection of a transport. `send` parts are read back with the same sizes, in order; an empty
+    part is not read back (framing never asks for 0 bytes)."""
 
     @property
     def peer(self) -> str: ...
@@ -76,19 +86,21 @@ class DeferredPayloads(Protocol):
 
 
 @runtime_checkable
-class EarlyPayloads(Protocol):
-    """A channel that can start moving a frame's payload before the frame's header exists (cuda_ipc): the
-    payload then moves while the header is checked and encoded."""
+class BoundedPayloads(Protocol):
+    """A channel whose frames carry at most `payload_limit` payload bytes (cuda_ipc's window)."""
 
     @property
-    def payload_limit(self) -> int:
-        """The largest payload one frame may carry."""
+    def payload_limit(self) -> int: ...
 
-    async def start_payload(self, payload: torch.Tensor) -> None:
-        """Begin moving `payload` (1-D uint8) as the next frame's; the next `send` carries it."""
 
-    def drop_payload(self) -> None:
-        """The started payload's frame will not be sent (its header could not be built)."""
+@runtime_checkable
+class HeldPayloads(Protocol):
+    """A channel whose received payload stays where it landed until the caller is done with it (cuda_ipc's
+    window): framing releases it as the caller comes back for the next frame."""
+
+    def release_payload(self) -> None:
+        """Every consumer of the last payload is queued on the caller's current stream (or ran): its
+        memory may be reused after them. A no-op when no payload is held."""
 
 
 class VersionMismatch(ProtocolError):
@@ -141,31 +153,34 @@ class FramedConnection:
         self.checksum = True  # until the handshake settles it, every frame is checked
         self.max_payload_bytes = max_payload_bytes
         self._send_lock = asyncio.Lock()
-        self._early = isinstance(channel, EarlyPayloads)
         # the largest payload one frame may carry on this channel (None: max_payload_bytes)
-        self.payload_limit = typing.cast(EarlyPayloads, channel).payload_limit if self._early else None
+        self.payload_limit = channel.payload_limit if isinstance(channel, BoundedPayloads) else None
+        self._held = channel if isinstance(channel, HeldPayloads) else None
 
     async def send(self, msg: Message, payload: torch.Tensor | None = None) -> None:
         prefix, header, body = encode_frame(msg, payload, self.checksum)
         async with self._send_lock:
             await self.channel.send(prefix, header, body)
 
-    async def send_built(self, build: Callable[[], Message], payload: torch.Tensor) -> None:
-        """Send the frame of `build()` carrying `payload`. On an `EarlyPayloads` channel (and unless frames
-        are checksummed) the payload starts moving first; an exception from `build` sends nothing."""
-        early = self._early and not self.checksum
+    async def send_built(self, build: Callable[[], Data], payload: torch.Tensor) -> None:
+        """Send the DATA frame of `build()` carrying `payload`. Without checksums the payload goes first, so
+        it moves while `build` checks and encodes the header; an exception from `build` then sends the empty
+        HEADER_AFTER that tells D to drop the payload, and is re-raised (with checksums, nothing is sent)."""
         async with self._send_lock:
-            if early:
-                await typing.cast(EarlyPayloads, self.channel).start_payload(as_bytes(payload))
+            if self.checksum:
+                await self.channel.send(*encode_frame(build(), payload, True))
+                return
+            body = as_bytes(payload)
+            first = PREFIX.pack(MAGIC, PROTOCOL_VERSION, Data.TYPE, FLAG_PAYLOAD_FIRST, 0, body.numel(), 0)
+            await self.channel.send(first, b"", body)
             try:
-                prefix, header, body = encode_frame(build(), payload, self.checksum)
-            except BaseException:
-                if early:
-                    typing.cast(EarlyPayloads, self.channel).drop_payload()
+                header = encode_header(build())
+            except Exception:
+                await self.channel.send(_header_after(0), b"", None)
                 raise
-            await self.channel.send(prefix, header, body)
+            await self.channel.send(_header_after(len(header)), header, None)
 
-    async def recv(self) -> Frame:
+    async def _prefix(self) -> tuple[bytes, int, int, int, int, int, int]:
         raw = await self.channel.recv_exact(PREFIX_SIZE)
         magic, version, msg_type, flags, header_len, payload_len, crc = PREFIX.unpack(raw)
         if magic != MAGIC:
@@ -175,20 +190,64 @@ class FramedConnection:
                 f"frame too large: header {header_len} B (max {MAX_HEADER_BYTES}), "
                 f"payload {payload_len} B (max {self.max_payload_bytes})"
             )
-        header = await self.channel.recv_exact(header_len)
-        payload = await self.channel.recv_payload(payload_len) if payload_len else None
-        if version != PROTOCOL_VERSION:  # raised once the frame is consumed, so an ERROR reply can follow
-            raise VersionMismatch(version)
-        if flags & FLAG_CHECKSUM:
-            parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
-            if payload is not None:
-                parts.append(payload.cpu())
-            actual = _crc(parts)
-            if actual != crc:
-                raise ChecksumError(
-                    f"frame type {msg_type} failed its checksum: crc32 {actual:#010x}, sent {crc:#010x}",
-                    transfer_id_of(msg_type, header),
-                )
-        elif self.checksum:
-            raise ProtocolError(f"frame type {msg_type} carries no checksum on a checksummed connection")
-        return Frame(decode_header(msg_type, header), payload)
+        return raw, version, msg_type, flags, header_len, payload_len, crc
+
+    async def _header(self, nbytes: int) -> bytes:
+        return await self.channel.recv_exact(nbytes) if nbytes else b""
+
+    async def recv(self) -> Frame:
+        """The next frame. The caller is done with the previous frame's payload: its consumers are queued."""
+        while True:
+            if self._held is not None:
+                self._held.release_payload()
+            raw, version, msg_type, flags, header_len, payload_len, crc = await self._prefix()
+            if flags & FLAG_PAYLOAD_FIRST:
+                frame = await self._payload_first(version, msg_type, flags, header_len, payload_len)
+                if frame is None:  # P could not build its header: the payload is dropped
+                    continue
+                return frame
+            if flags & FLAG_HEADER_AFTER:
+                raise ProtocolError(f"frame type {msg_type} flagged HEADER_AFTER without a payload before it")
+            header = await self._header(header_len)
+            payload = await self.channel.recv_payload(payload_len) if payload_len else None
+            if version != PROTOCOL_VERSION:  # raised once the frame is consumed, so an ERROR reply can follow
+                raise VersionMismatch(version)
+            if flags & FLAG_CHECKSUM:
+                parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
+                if payload is not None:
+                    parts.append(payload.cpu())
+                actual = _crc(parts)
+                if actual != crc:
+                    raise ChecksumError(
+                        f"frame type {msg_type} failed its checksum: crc32 {actual:#010x}, sent {crc:#010x}",
+                        transfer_id_of(msg_type, header),
+                    )
+            elif self.checksum:
+                raise ProtocolError(f"frame type {msg_type} carries no checksum on a checksummed connection")
+            return Frame(decode_header(msg_type, header), payload)
+
+    async def _payload_first(
+        self, version: int, msg_type: int, flags: int, header_len: int, payload_len: int
+    ) -> Frame | None:
+        """The payload of a payload-first DATA, then its HEADER_AFTER frame; None when P dropped it."""
+        if version != PROTOCOL_VERSION or self.checksum:
+            raise ProtocolError(f"a payload-first frame on a v{version}, checksum={self.checksum} connection")
+        if msg_type != Data.TYPE or flags != FLAG_PAYLOAD_FIRST or header_len or not payload_len:
+            raise ProtocolError(
+                f"bad payload-first frame: type {msg_type}, flags {flags:#x}, header {header_len} B, "
+                f"payload {payload_len} B"
+            )
+        payload = await self.channel.recv_payload(payload_len)
+        _, version, msg_type, flags, header_len, payload_len, _ = await self._prefix()
+        if (version, msg_type, flags, payload_len) != (PROTOCOL_VERSION, Data.TYPE, FLAG_HEADER_AFTER, 0):
+            raise ProtocolError(
+                f"a payload-first frame followed by type {msg_type}, flags {flags:#x}, "
+                f"payload {payload_len} B instead of its header"
+            )
+        if not header_len:
+            return None
+        return Frame(decode_header(msg_type, await self._header(header_len)), payload)
+
+
+def _header_after(header_len: int) -> bytes:
+    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, Data.TYPE, FLAG_HEADER_AFTER, header_len, 0, 0)

@@ -1,4 +1,4 @@
-"""The v1 handshake: identity and layout check, then mutual HMAC-SHA256 challenge-response.
+"""The handshake: identity and layout check, then mutual HMAC-SHA256 challenge-response.
 
 Order: P HELLO(nonce_p) -> D HELLO(nonce_d, proof_d) -> P AUTH(proof_p) -> D READY. Each end checks the
 other's version, model fingerprint and KV layout before any proof, refuses with an ERROR frame naming the

@@ -1,4 +1,4 @@
-"""The NCCL connector: v1 frames over TCP, DATA payloads over a NCCL communicator per P-D pair.
+"""The NCCL connector: the protocol's frames over TCP, DATA payloads over a NCCL communicator per P-D pair.
 
 The pair's group is a `ProcessGroupNCCL` (world size 2: D rank 0, P rank 1) on a PrefixStore over a
 TCPStore that D hosts for that connection (pair_group.py has the setup and teardown). Payloads are GPU

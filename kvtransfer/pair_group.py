@@ -5,7 +5,7 @@ of the TCP connector; every frame's prefix and header travel on it unchanged, an
 on the pair's group (P `send`s, D `recv`s into one reused buffer on `ConnectorConfig.device`). Both ends
 handle frames strictly in order, so the n-th payload send meets the n-th payload recv.
 
-Setup, after the v1 handshake authenticated the peer (`authenticated`), before any other frame: D hosts
+Setup, after the handshake authenticated the peer (`authenticated`), before any other frame: D hosts
 a fresh TCPStore (port 0) and writes one 24-byte record on the TCP connection: magic `PDPG`, the store's
 port (u16 LE), 2 pad bytes, 16 random bytes that prefix every store key of this pair. P connects to that
 store at the host it dialed; D is rank 0, P rank 1, world size 2; a 1-byte warm-up payload P -> D makes the
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
-from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S, on_stream
+from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S, on_device, on_stream
 from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -298,7 +298,7 @@ class PairGroupChannel:
             return view
         # GPU: work the caller queues on its current stream from now on runs after the recv lands, so
         # the host does not wait per frame; `flush` (before COMPLETE is acknowledged) confirms it.
-        with torch.cuda.device(self._device):
+        with on_device(self._device):
             self._group.order_after(work)
         self._track(work, view)
         return view

@@ -6,12 +6,13 @@ takes `__cuda_array_interface__` objects): cuda_ipc within a host, RDMA across h
 reused (the previous frame's consumers, queued on the current stream, finish before it is overwritten).
 ucxx listens on every interface; the address names `listen_host`.
 
-Pipelining (host payloads): `send` posts a frame's parts (prefix, header, payload) as UCX requests in order
-and returns once the small parts are out; the payload's request stays in flight (it holds the tensor) while
-the caller goes on to the next frame or COMPLETE, at most MAX_IN_FLIGHT per connection. A UCX endpoint
-matches messages of one tag in the order they were posted, and asyncio starts tasks in the order they were
-created, so creating every part's task before awaiting any keeps the wire order. GPU payloads are sent part
-by part, each awaited: posted ahead, cuda_ipc frames measured slower on two H200s (docs/benchmarks.md).
+Pipelining: `send` posts a frame's non-empty parts (prefix, header, payload) as UCX requests in order and
+returns once the small parts are out; the payload's request stays in flight (it holds the tensor) while the
+caller goes on, so a payload-first DATA's payload moves while P builds its header. Host payloads: at most
+MAX_IN_FLIGHT per connection. GPU payloads: one at a time (a new one is posted once the previous finished;
+eight in flight measured slower on two H200s, docs/benchmarks.md). A UCX endpoint matches messages of one
+tag in the order they were posted, and asyncio starts tasks in the order they were created, so creating
+every part's task before awaiting any keeps the wire order.
 D still waits for each payload to land before it reads the next frame, so an ACK means every payload arrived.
 Invariants: after `abort()` (or any UCX error, including a payload that failed in flight) every pending and
 later call raises `ConnectionLost`; a payload's tensor stays referenced until UCX is done with its request,
@@ -34,7 +35,7 @@ from pdserve.kvtransfer.device_sync import stream_idle
 from pdserve.kvtransfer.framing import ByteChannel
 
 _UCX_ERRORS = (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled)
-MAX_IN_FLIGHT = 8  # payload sends posted ahead of their completion, per connection
+MAX_IN_FLIGHT = 8  # host payload sends posted ahead of their completion, per connection
 _ORPHANS: set[asyncio.Future[None]] = set()  # payload sends of aborted channels, held until they finish
 
 
@@ -70,19 +71,15 @@ class UcxChannel:
         if self._ep.closed:
             self._closed = True
             raise ConnectionLost(f"UCX endpoint to {self._peer} is closed")
-        parts = [np.frombuffer(prefix, dtype=np.uint8), np.frombuffer(header, dtype=np.uint8)]
+        parts = [np.frombuffer(part, dtype=np.uint8) for part in (prefix, header) if part]
+        body = payload if payload is not None and payload.numel() > 0 else None
         try:
-            if payload is not None and payload.is_cuda:
-                # GPU payloads go one part at a time, each awaited: posted ahead, cuda_ipc frames measured
-                # slower on two H200s (docs/benchmarks.md)
-                for part in parts:
-                    await self._ep.send(part)
-                if payload.numel() > 0:
-                    await self._ep.send(payload)
-                return
+            if body is not None and body.is_cuda:
+                while self._in_flight:  # GPU payloads one at a time
+                    await self._in_flight.popleft()
             small = [asyncio.ensure_future(self._ep.send(part)) for part in parts]
-            if payload is not None and payload.numel() > 0:
-                big = asyncio.ensure_future(self._ep.send(payload.numpy()))
+            if body is not None:
+                big = asyncio.ensure_future(self._ep.send(body if body.is_cuda else body.numpy()))
                 big.add_done_callback(self._payload_done)
                 self._in_flight.append(big)
             await asyncio.gather(*small)

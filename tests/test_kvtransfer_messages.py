@@ -11,9 +11,18 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from pdserve.kvtransfer.common import ChecksumError, KVLayout, ProtocolError
-from pdserve.kvtransfer.framing import PREFIX, PREFIX_SIZE, FramedConnection, VersionMismatch, encode_frame
+from pdserve.kvtransfer.framing import (
+    FLAG_HEADER_AFTER,
+    FLAG_PAYLOAD_FIRST,
+    PREFIX,
+    PREFIX_SIZE,
+    FramedConnection,
+    VersionMismatch,
+    encode_frame,
+)
 from pdserve.kvtransfer.messages import (
     MESSAGE_TYPES,
+    PROTOCOL_VERSION,
     Abort,
     Ack,
     Auth,
@@ -110,7 +119,10 @@ class MemoryChannel:
         return "memory"
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
-        self.parts += [prefix, header] + ([] if payload is None else [payload.numpy().tobytes()])
+        # an empty header is no part: framing never reads 0 bytes
+        self.parts += (
+            [prefix] + ([header] if header else []) + ([] if payload is None else [payload.numpy().tobytes()])
+        )
 
     async def authenticated(self) -> None:
         return None
@@ -169,7 +181,7 @@ def test_prefix_is_24_bytes_and_checked() -> None:
     magic, version, msg_type, flags, header_len, payload_len, _crc = PREFIX.unpack(prefix)
     assert (magic, version, msg_type, flags, header_len, payload_len) == (
         b"PDKV",
-        1,
+        PROTOCOL_VERSION,
         Ready.TYPE,
         1,
         len(header),
@@ -184,3 +196,99 @@ def test_prefix_is_24_bytes_and_checked() -> None:
     channel.parts = [prefix[:20] + struct.pack("<I", 0), header]
     with pytest.raises(ChecksumError):
         asyncio.run(conn.recv())
+
+
+def test_without_checksums_a_data_payload_goes_before_its_header() -> None:
+    channel = MemoryChannel()
+    conn = FramedConnection(channel, 1 << 20)
+    conn.checksum = False
+    payload = torch.arange(64, dtype=torch.uint8)
+    msg = EXAMPLES[8]
+    assert isinstance(msg, Data)
+    asyncio.run(conn.send_built(lambda: msg, payload))
+    first, body, after, header = channel.parts
+    assert (
+        PREFIX.unpack(first)[2:6] == (Data.TYPE, FLAG_PAYLOAD_FIRST, 0, 64)
+        and body == payload.numpy().tobytes()
+    )
+    assert PREFIX.unpack(after)[2:6] == (Data.TYPE, FLAG_HEADER_AFTER, len(header), 0)
+    frame = asyncio.run(conn.recv())
+    assert frame.msg == msg and frame.payload is not None and torch.equal(frame.payload, payload)
+    assert channel.parts == []
+
+
+def test_a_payload_whose_header_failed_is_dropped_by_d() -> None:
+    channel = MemoryChannel()
+    conn = FramedConnection(channel, 1 << 20)
+    conn.checksum = False
+
+    def fail() -> Data:
+        raise ValueError("bad descriptor")
+
+    with pytest.raises(ValueError, match="bad descriptor"):
+        asyncio.run(conn.send_built(fail, torch.ones(32, dtype=torch.uint8)))
+    assert PREFIX.unpack(channel.parts[-1])[3:6] == (FLAG_HEADER_AFTER, 0, 0)
+    asyncio.run(conn.send(Ready()))
+    frame = asyncio.run(conn.recv())  # the dropped payload is consumed and skipped
+    assert frame.msg == Ready() and frame.payload is None and channel.parts == []
+
+
+def test_payload_first_frames_out_of_order_are_protocol_errors() -> None:
+    channel = MemoryChannel()
+    conn = FramedConnection(channel, 1 << 20)
+    conn.checksum = False
+    first = PREFIX.pack(b"PDKV", PROTOCOL_VERSION, Data.TYPE, FLAG_PAYLOAD_FIRST, 0, 8, 0)
+    ready_prefix, ready_header, _ = encode_frame(Ready(), None, checksum=False)
+    channel.parts = [first, bytes(8), ready_prefix, ready_header]
+    with pytest.raises(ProtocolError, match="instead of its header"):
+        asyncio.run(conn.recv())
+    channel.parts = [PREFIX.pack(b"PDKV", PROTOCOL_VERSION, Data.TYPE, FLAG_HEADER_AFTER, 0, 0, 0)]
+    with pytest.raises(ProtocolError, match="without a payload before it"):
+        asyncio.run(conn.recv())
+    channel.parts = [
+        PREFIX.pack(b"PDKV", PROTOCOL_VERSION, Ready.TYPE, FLAG_PAYLOAD_FIRST, 0, 8, 0),
+        bytes(8),
+    ]
+    with pytest.raises(ProtocolError, match="bad payload-first frame"):
+        asyncio.run(conn.recv())
+    conn.checksum = True
+    channel.parts = [first, bytes(8)]
+    with pytest.raises(ProtocolError, match="checksum=True"):
+        asyncio.run(conn.recv())
+
+
+class HoldingChannel(MemoryChannel):
+    """A channel that holds each received payload until framing releases it (as cuda_ipc does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def release_payload(self) -> None:
+        self.calls.append("release")
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        self.calls.append(f"read {nbytes}")
+        return await super().recv_exact(nbytes)
+
+    async def recv_payload(self, nbytes: int) -> torch.Tensor:
+        self.calls.append(f"payload {nbytes}")
+        return torch.frombuffer(bytearray(await super().recv_exact(nbytes)), dtype=torch.uint8)
+
+
+def test_a_held_payload_is_released_only_when_the_next_frame_is_read() -> None:
+    """Releasing between a payload-first frame and its header would free the payload before its consumers
+    were queued."""
+    channel = HoldingChannel()
+    conn = FramedConnection(channel, 1 << 20)
+    conn.checksum = False
+    msg = EXAMPLES[8]
+    assert isinstance(msg, Data)
+    asyncio.run(conn.send_built(lambda: msg, torch.ones(16, dtype=torch.uint8)))
+    asyncio.run(conn.send(Ready()))
+    header_len = len(channel.parts[3])
+    asyncio.run(conn.recv())
+    assert channel.calls == ["release", "read 24", "payload 16", "read 24", f"read {header_len}"]
+    channel.calls.clear()
+    asyncio.run(conn.recv())
+    assert channel.calls[0] == "release" and channel.calls.count("release") == 1

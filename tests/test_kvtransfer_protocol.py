@@ -39,7 +39,17 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.framing import ByteChannel, FramedConnection, encode_frame
 from pdserve.kvtransfer.handshake import client_handshake
-from pdserve.kvtransfer.messages import Abort, Auth, Data, Error, Hello, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Auth,
+    Data,
+    Error,
+    Hello,
+    Open,
+    OpenOk,
+    OpenRefusal,
+)
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
 from pdserve.kvtransfer.ucx import UcxChannel, UcxTransport
@@ -290,7 +300,8 @@ def test_receiver_checks_the_senders_proof(kind: str) -> None:
         conn = FramedConnection(await TRANSPORTS[kind]().dial(host, port, 5.0), 1 << 20)
         try:
             me = identity("forger")
-            await conn.send(Hello(1, me.node_id, me.fingerprint, me.layout, os.urandom(32), True))
+            hello = Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, os.urandom(32), True)
+            await conn.send(hello)
             assert isinstance((await conn.recv()).msg, Hello)  # D proves itself first
             await conn.send(Auth(b"\0" * 32))  # a sender that does not know the token
             refusal = (await conn.recv()).msg
@@ -465,6 +476,8 @@ def test_corrupted_frame_aborts_that_transfer(kind: str, caplog: pytest.LogCaptu
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_other_protocol_version_is_refused(kind: str) -> None:
+    FUTURE = PROTOCOL_VERSION + 1
+
     async def scenario() -> None:
         server = await started(kind, PagedReceiver(LAYOUT, 4))
         host, port = parse_address(server.address, kind)
@@ -472,11 +485,13 @@ def test_other_protocol_version_is_refused(kind: str) -> None:
         me = identity("future")
         try:
             prefix, header, _ = encode_frame(
-                Hello(2, me.node_id, me.fingerprint, me.layout, os.urandom(32), True), None, checksum=False
+                Hello(FUTURE, me.node_id, me.fingerprint, me.layout, os.urandom(32), True),
+                None,
+                checksum=False,
             )
-            await conn.channel.send(prefix[:4] + b"\x02" + prefix[5:], header, None)
+            await conn.channel.send(prefix[:4] + bytes([FUTURE]) + prefix[5:], header, None)
             refusal = (await conn.recv()).msg
-            assert isinstance(refusal, Error) and refusal.code == "version" and "v2" in refusal.detail
+            assert isinstance(refusal, Error) and refusal.code == "version" and f"v{FUTURE}" in refusal.detail
         finally:
             conn.channel.abort()
             await server.stop()

@@ -1,8 +1,10 @@
-"""The sender's side of early-payload channels (`framing.EarlyPayloads`, what cuda_ipc is), on the CPU.
+"""Payload-first DATA frames and bounded payloads (`framing.BoundedPayloads`, what cuda_ipc is), on the CPU.
 
-A TCP channel that also declares a frame limit and is told about each payload before its header stands in
-for cuda_ipc's window: the session must split buffers larger than the limit into layer groups that fit, and
-a frame whose header cannot be built must be dropped from the channel without a byte of it sent.
+Without checksums a DATA frame's payload leaves before its header (framing.py). A TCP channel that also
+declares a frame limit and records what it sends stands in for cuda_ipc's window: the session must split
+buffers larger than the limit into layer groups that fit, every payload must go out before its header, and
+a frame whose header cannot be built must reach D as a payload that D drops, with the session going on.
+A payload-first frame that is not followed by its header is a protocol error that ends the connection.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pdserve.kvtransfer.connector import (
     create_sender,
     register_connector,
 )
-from pdserve.kvtransfer.framing import ByteChannel
+from pdserve.kvtransfer.framing import FLAG_HEADER_AFTER, FLAG_PAYLOAD_FIRST, PREFIX, ByteChannel
 from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
 from pdserve.shared.types import BlockId, RequestId
 from pdserve.tests.test_kvtransfer_protocol import (
@@ -42,37 +44,27 @@ CHANNELS: list[EarlyTcpChannel] = []
 
 
 class EarlyTcpChannel(TcpChannel):
-    """TCP, plus the early-payload calls: it records them and checks they come in the promised order."""
+    """TCP with a frame limit, recording the frames it sends."""
 
     payload_limit = LIMIT
 
     def __init__(self, channel: TcpChannel) -> None:
         super().__init__(channel._reader, channel._writer)
-        self.started: list[int] = []  # payload sizes, in the order start_payload saw them
-        self.dropped = 0
-        self._pending: torch.Tensor | None = None
+        self.sent: list[tuple[int, int, int]] = []  # (flags, header bytes, payload bytes) per frame
         CHANNELS.append(self)
 
-    async def start_payload(self, payload: torch.Tensor) -> None:
-        assert self._pending is None, "a payload was started while another one was pending"
-        assert payload.numel() <= self.payload_limit, f"{payload.numel()} B over the frame limit"
-        self._pending = payload
-        self.started.append(payload.numel())
-
-    def drop_payload(self) -> None:
-        assert self._pending is not None, "drop without a started payload"
-        self._pending = None
-        self.dropped += 1
-
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
-        if payload is not None:
-            pending = self._pending
-            assert pending is not None and (payload.data_ptr(), payload.numel()) == (
-                pending.data_ptr(),
-                pending.numel(),
-            ), "send carries another payload than the one started"
-            self._pending = None
+        flags = PREFIX.unpack(prefix)[3]
+        nbytes = 0 if payload is None else payload.numel()
+        assert nbytes <= self.payload_limit, f"{nbytes} B over the frame limit"
+        self.sent.append((flags, len(header), nbytes))
         await super().send(prefix, header, payload)
+
+    def payloads(self) -> list[int]:
+        return [n for _, _, n in self.sent if n]
+
+    def dropped(self) -> int:
+        return sum(1 for flags, h, _ in self.sent if flags == FLAG_HEADER_AFTER and h == 0)
 
 
 class EarlyTcpTransport(TcpTransport):
@@ -103,7 +95,13 @@ def test_buffers_over_the_frame_limit_are_split_into_layer_groups_that_fit() -> 
             session = await sender.session(server.address, RequestId("split"))
             reply, stats = await push(session, src, blocks, block_hashes(3), layers_per_frame=3)
             # 3 layers (4608 B) do not fit: 2 + 1 layers; then the last layer alone
-            assert CHANNELS[-1].started == [2 * 1536, 1536, 1536]
+            channel = CHANNELS[-1]
+            assert channel.payloads() == [2 * 1536, 1536, 1536]
+            data = [(f, h, n) for f, h, n in channel.sent if f & (FLAG_PAYLOAD_FIRST | FLAG_HEADER_AFTER)]
+            assert [f for f, _, _ in data] == [FLAG_PAYLOAD_FIRST, FLAG_HEADER_AFTER] * 3
+            assert all(h == 0 and n > 0 for f, h, n in data[::2]) and all(
+                h > 0 and n == 0 for _, h, n in data[1::2]
+            )
             assert receiver.data_calls == 3
             assert stats.payload_bytes == LAYOUT.num_layers * 4 * LAYOUT.layer_block_bytes
             for j, b in enumerate(blocks):
@@ -132,7 +130,7 @@ def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None
             with pytest.raises(ValueError, match="does not match the reservation"):
                 await session.send_layers(0, wrong, buffer)
             channel = CHANNELS[-1]
-            assert channel.started == [buffer.numel() * buffer.element_size()] and channel.dropped == 1
+            assert channel.payloads() == [buffer.numel() * buffer.element_size()] and channel.dropped() == 1
             assert receiver.data_calls == 0
             right = FrameBlocks.run(reply, 0, [BlockId(4), BlockId(6)])
             await session.send_layers(0, right, buffer)
@@ -142,7 +140,7 @@ def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None
             await session.complete({"token_id": 1})
             for j, b in enumerate([4, 6]):
                 assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
-            assert receiver.data_calls == LAYOUT.num_layers and channel.dropped == 1
+            assert receiver.data_calls == LAYOUT.num_layers and channel.dropped() == 1
             audit(receiver, server, 16)
         finally:
             await sender.close()
