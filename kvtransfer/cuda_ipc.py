@@ -18,8 +18,8 @@ travels. P waits on the host until D has released frame `must` (the newest earli
 one overwrites, or frame k - SLOTS), makes its copy stream wait on the GPU for "freed"[must] (unless that
 event has passed already), copies, records "copied"[k], then writes the frame. D, on the frame, makes its
 current stream wait for "copied"[k] and hands out the window's view; when the caller comes back for the next
-frame (framing's `release_payload`) or flushes, the consumers it queued on that stream read the view, so D
-records "freed"[k] after them and publishes k + 1 in the counter. Neither host waits for the GPU, except D's
+frame (framing's `release_payload`), the consumers it queued on that stream read the view, so D records
+"freed"[k] after them and publishes k + 1 in the counter. Neither host waits for the GPU, except D's
 `flush` (before it acknowledges COMPLETE), which polls the last "copied" event.
 
 Invariants: payloads are copied and consumed in frame order on both ends; P never writes window bytes that
@@ -354,8 +354,9 @@ class IpcChannel:
         return await self._control.recv_exact(nbytes)
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
+        """The next payload's view of the window; framing released the previous one before this frame."""
         self._check()
-        self.release_payload()
+        assert self._held is None, "a payload is still held: framing releases it before the next frame"
         if self._window is None or self._rank != 0:
             raise ConnectionLost(f"{self.peer} sent a payload to the end that has no window")
         try:
@@ -371,7 +372,6 @@ class IpcChannel:
 
     async def flush(self) -> None:
         self._check()
-        self.release_payload()
         last = self._last
         if last is not None:
             await self._until(self._copied[last % SLOTS].query, time.perf_counter(), "a payload")
