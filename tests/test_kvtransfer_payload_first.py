@@ -38,12 +38,12 @@ from pdserve.tests.test_kvtransfer_protocol import (
     started,
 )
 
-KIND = "tcp-early"
+KIND = "tcp-bounded"
 LIMIT = 4096  # bytes per frame: one layer of 4 blocks is 1536 B, so 2 layers fit and 3 do not
-CHANNELS: list[EarlyTcpChannel] = []
+CHANNELS: list[BoundedTcpChannel] = []
 
 
-class EarlyTcpChannel(TcpChannel):
+class BoundedTcpChannel(TcpChannel):
     """TCP with a frame limit, recording the frames it sends."""
 
     payload_limit = LIMIT
@@ -67,17 +67,17 @@ class EarlyTcpChannel(TcpChannel):
         return sum(1 for flags, h, _ in self.sent if flags == FLAG_HEADER_AFTER and h == 0)
 
 
-class EarlyTcpTransport(TcpTransport):
+class BoundedTcpTransport(TcpTransport):
     scheme = KIND
 
     async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
         channel = await super().dial(host, port, timeout_s)
         assert isinstance(channel, TcpChannel)
-        return EarlyTcpChannel(channel)
+        return BoundedTcpChannel(channel)
 
 
 if KIND not in connector_kinds():
-    register_connector(KIND, ChannelConnector(lambda cfg: EarlyTcpTransport(), checksum_default=False))
+    register_connector(KIND, ChannelConnector(lambda cfg: BoundedTcpTransport(), checksum_default=False))
 
 
 def _config() -> ConnectorConfig:
