@@ -86,6 +86,15 @@ class DeferredPayloads(Protocol):
 
 
 @runtime_checkable
+class LandingPayloads(Protocol):
+    """A channel whose `recv_payload` may return before the bytes landed, and which cannot order the caller's
+    GPU work after them (ucx on a GPU): the caller awaits `landed` before anything reads the payload."""
+
+    async def landed(self) -> None:
+        """Return once the last payload returned has fully arrived (raise ConnectionLost if it failed)."""
+
+
+@runtime_checkable
 class BoundedPayloads(Protocol):
     """A channel whose frames carry at most `payload_limit` payload bytes (cuda_ipc's window)."""
 
@@ -215,6 +224,8 @@ class FramedConnection:
             if flags & FLAG_CHECKSUM:
                 parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
                 if payload is not None:
+                    if isinstance(self.channel, LandingPayloads):
+                        await self.channel.landed()
                     parts.append(payload.cpu())
                 actual = _crc(parts)
                 if actual != crc:

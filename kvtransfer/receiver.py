@@ -27,7 +27,7 @@ from pdserve.kvtransfer.common import (
     ProtocolError,
 )
 from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
-from pdserve.kvtransfer.framing import ByteChannel, DeferredPayloads, Frame, FramedConnection
+from pdserve.kvtransfer.framing import ByteChannel, DeferredPayloads, Frame, FramedConnection, LandingPayloads
 from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
 from pdserve.kvtransfer.transport import Listener, Transport
@@ -254,6 +254,8 @@ class ChannelServer:
             await self._abort(t, blocks, notify=True)
             return
         assert payload is not None
+        if isinstance(t.conn.channel, LandingPayloads):  # checked above while the bytes landed
+            await t.conn.channel.landed()
         dst, cols = blocks
         lay, n = self.identity.layout, len(msg.block_indices)
         # buffer: [num_layers, 2, n, block_size, Hkv, D]

@@ -1,28 +1,40 @@
-"""The UCX connector (ucxx): the same frames, each part one tagged UCX message, payloads as raw buffers.
+"""The UCX connector (ucxx): frames over a TCP control connection, DATA payloads over a UCX endpoint.
 
-Host payloads go over UCX's TCP/shared-memory transports. A CUDA payload is sent as device memory (ucxx
-takes `__cuda_array_interface__` objects): cuda_ipc within a host, RDMA across hosts. With a CUDA
+Each connection is the TCP connection of the TCP connector, which carries every frame's prefix and header,
+plus one UCX endpoint that carries only payloads, as tagged messages in frame order. Host payloads go over
+UCX's TCP/shared-memory transports. A CUDA payload is sent as device memory (ucxx takes
+`__cuda_array_interface__` objects): cuda_ipc within a host, RDMA across hosts. With a CUDA
 `ConnectorConfig.device`, D receives into one device buffer per connection, grown to the largest frame and
-reused (the previous frame's consumers, queued on the current stream, finish before it is overwritten).
-ucxx listens on every interface; the address names `listen_host`.
+reused. Why not the frames themselves over UCX: each part was then one UCX request, and every request an
+asyncio hop; after the payload, D read four such parts and wrote two more before P saw its ACK (0.6 ms on
+two H200s, docs/benchmarks.md), where the TCP stream hands D every frame that already arrived in one read.
 
-Pipelining: `send` posts a frame's non-empty parts (prefix, header, payload) as UCX requests in order and
-returns once the small parts are out; the payload's request stays in flight (it holds the tensor) while the
-caller goes on, so a payload-first DATA's payload moves while P builds its header. Host payloads: at most
-MAX_IN_FLIGHT per connection. GPU payloads: one at a time (a new one is posted once the previous finished;
-eight in flight measured slower on two H200s, docs/benchmarks.md). A UCX endpoint matches messages of one
-tag in the order they were posted, and asyncio starts tasks in the order they were created, so creating
-every part's task before awaiting any keeps the wire order.
-D still waits for each payload to land before it reads the next frame, so an ACK means every payload arrived.
-Invariants: after `abort()` (or any UCX error, including a payload that failed in flight) every pending and
-later call raises `ConnectionLost`; a payload's tensor stays referenced until UCX is done with its request,
-also after `abort()`; `close()` returns with no request of the channel left.
+Setup (`authenticated`, after the handshake, before any other frame): D's transport runs one ucxx
+listener; D writes a 24-byte record on the TCP connection: magic `PDUX`, the listener's port (u16 LE), 2 pad
+bytes, 16 random bytes. P opens a UCX endpoint to that port at the host it dialed and sends the 16 bytes as
+its first message; D's listener hands the endpoint to the connection that wrote them, and drops an endpoint
+whose bytes match none. Both ends give up after `handshake_timeout_s`.
+
+Payloads: P posts each payload as a UCX send once its prefix is written, and goes on (a payload-first DATA's
+payload then moves while P builds its header): host payloads at most MAX_IN_FLIGHT per connection, GPU
+payloads one at a time (a new one is posted once the previous finished; eight in flight measured slower on
+two H200s). On a GPU, D posts its receive when it reads the payload's prefix and returns at once, so the
+receiver checks the header while the bytes land; UCX cannot order GPU work after a receive, so the caller
+awaits `landed()` before the payload's consumers run, and `flush()` before COMPLETE is acknowledged. Host
+payloads are received whole before `recv_payload` returns (their checksum is computed at once).
+Invariants: at most one receive is posted per connection, and the previous one has landed, and its
+consumers on the current stream finished, before the next is posted into the same buffer; after `abort()`
+(or any UCX error, a payload still in flight included) every pending and later call raises
+`ConnectionLost`; a payload's tensor stays referenced until UCX is done with its request, also after
+`abort()`; `close()` returns with no request of the channel left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
+import struct
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -33,81 +45,111 @@ from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import stream_idle
 from pdserve.kvtransfer.framing import ByteChannel
+from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel, TcpListener
 
 _UCX_ERRORS = (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled)
+RECORD = struct.Struct("<4sH2x16s")  # magic, UCX listener port, pad, key
+RECORD_MAGIC = b"PDUX"
+KEY_BYTES = 16
 MAX_IN_FLIGHT = 8  # host payload sends posted ahead of their completion, per connection
-_ORPHANS: set[asyncio.Future[None]] = set()  # payload sends of aborted channels, held until they finish
+_ORPHANS: set[asyncio.Future[None]] = set()  # payload requests of aborted channels, held until they finish
 
 
 class UcxChannel:
-    def __init__(self, endpoint: ucxx.Endpoint, peer: str, device: torch.device) -> None:
-        self._ep = endpoint
-        self._peer = peer
-        self._closed = False
-        self._device = device
-        self._buffer: torch.Tensor | None = None  # [capacity] uint8 on a CUDA device, reused per frame
-        self._in_flight: collections.deque[asyncio.Future[None]] = collections.deque()  # payload sends
+    def __init__(self, control: TcpChannel, rank: int, host: str, transport: UcxTransport) -> None:
+        self._control = control
+        self._rank = rank  # 1 on P (it dialed), 0 on D
+        self._host = host  # where P reaches D's UCX listener: the host it dialed
+        self._transport = transport
+        self._device = transport.device
+        self._ep: ucxx.Endpoint | None = None
+        self._dead: str | None = None
+        self._buffer: torch.Tensor | None = None  # D: [capacity] uint8 on a CUDA device, reused per frame
+        self._in_flight: collections.deque[asyncio.Future[None]] = collections.deque()  # P's payload sends
+        self._landing: asyncio.Future[None] | None = None  # D's posted receive, until seen landed
 
     @property
     def peer(self) -> str:
-        return self._peer
+        return self._control.peer
 
     def _check(self) -> None:
-        if self._closed:
-            raise ConnectionLost(f"UCX endpoint to {self._peer} is closed")
+        if self._dead is not None:
+            raise ConnectionLost(f"UCX channel to {self.peer} is closed: {self._dead}")
 
-    def _lost(self, what: str, e: BaseException) -> ConnectionLost:
-        self._closed = True
-        return ConnectionLost(f"UCX {what} {self._peer} failed: {e!r}")
+    def _endpoint(self) -> ucxx.Endpoint:
+        self._check()
+        assert self._ep is not None, "payload before the UCX endpoint was set up"
+        return self._ep
+
+    async def authenticated(self) -> None:
+        self._check()
+        timeout = self._transport.setup_timeout_s
+        try:
+            if self._rank == 0:
+                key = os.urandom(KEY_BYTES)
+                endpoint = self._transport.expect(key)
+                try:
+                    await self._control.send(
+                        RECORD.pack(RECORD_MAGIC, self._transport.ucx_port, key), b"", None
+                    )
+                    self._ep = await asyncio.wait_for(endpoint, timeout)
+                finally:
+                    self._transport.forget(key)
+                return
+            magic, port, key = RECORD.unpack(await self._control.recv_exact(RECORD.size))
+            if magic != RECORD_MAGIC:
+                raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
+            self._transport.bind_device()
+            self._ep = await ucxx.create_endpoint(self._host, port, connect_timeout=timeout)
+            await asyncio.wait_for(self._ep.send(np.frombuffer(key, dtype=np.uint8)), timeout)
+        except (*_UCX_ERRORS, TimeoutError, OSError) as e:
+            self._fail(f"UCX endpoint setup failed: {e!r}")
+            raise ConnectionLost(f"UCX endpoint with {self.peer} not set up: {e!r}") from e
+        except BaseException as e:
+            self._fail(f"UCX endpoint setup failed: {e!r}")
+            raise
 
     def _payload_done(self, future: asyncio.Future[None]) -> None:
-        """A payload send failed in flight: the frame is cut, so is the connection."""
-        if not future.cancelled() and future.exception() is not None and not self._closed:
-            self._closed = True
-            self._ep.abort()
+        """A payload request failed in flight: the frame is cut, so is the connection."""
+        if not future.cancelled() and future.exception() is not None:
+            self._fail(f"a payload failed: {future.exception()!r}")
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         self._check()
-        if self._ep.closed:
-            self._closed = True
-            raise ConnectionLost(f"UCX endpoint to {self._peer} is closed")
-        parts = [np.frombuffer(part, dtype=np.uint8) for part in (prefix, header) if part]
         body = payload if payload is not None and payload.numel() > 0 else None
+        endpoint = None if body is None else self._endpoint()  # handshake frames come before the endpoint
         try:
             if body is not None and body.is_cuda:
                 while self._in_flight:  # GPU payloads one at a time
                     await self._in_flight.popleft()
-            small = [asyncio.ensure_future(self._ep.send(part)) for part in parts]
-            if body is not None:
-                big = asyncio.ensure_future(self._ep.send(body if body.is_cuda else body.numpy()))
-                big.add_done_callback(self._payload_done)
-                self._in_flight.append(big)
-            await asyncio.gather(*small)
+            await self._control.send(prefix, header, None)
+            if body is None or endpoint is None:
+                return
+            big = asyncio.ensure_future(endpoint.send(body if body.is_cuda else body.numpy()))
+            big.add_done_callback(self._payload_done)
+            self._in_flight.append(big)
+            await asyncio.sleep(0)  # the request is posted now, not when the caller next waits
             while self._in_flight and (self._in_flight[0].done() or len(self._in_flight) > MAX_IN_FLIGHT):
                 await self._in_flight.popleft()
         except _UCX_ERRORS as e:
-            raise self._lost("send to", e) from e
+            self._fail(f"a payload send failed: {e!r}")
+            raise ConnectionLost(f"UCX send to {self.peer} failed: {e!r}") from e
+        except ConnectionLost as e:
+            self._fail(f"control send failed: {e}")
+            raise
         self._check()
 
-    async def authenticated(self) -> None:
-        return None
-
-    async def _recv_into(self, array: np.ndarray | torch.Tensor) -> None:
-        self._check()  # a peer-closed endpoint may still deliver what already arrived: ucxx probes for it
-        try:
-            await self._ep.recv(array)
-        except _UCX_ERRORS as e:
-            raise self._lost("receive from", e) from e
-
     async def recv_exact(self, nbytes: int) -> bytes:
-        buf = np.empty(nbytes, dtype=np.uint8)
-        await self._recv_into(buf)
-        return buf.tobytes()
+        self._check()
+        return await self._control.recv_exact(nbytes)
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
+        endpoint = self._endpoint()
+        await self.landed()  # the previous receive may still be writing into the buffer
         if self._device.type == "cpu":
             out = torch.empty(nbytes, dtype=torch.uint8)
-            await self._recv_into(out.numpy())
+            self._landing = asyncio.ensure_future(endpoint.recv(out.numpy()))
+            await self.landed()
             return out
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = None
@@ -115,68 +157,149 @@ class UcxChannel:
         # UCX writes on its own streams: kernels still reading the previous frame must be done first.
         await stream_idle(torch.cuda.current_stream(self._device))
         view = self._buffer[:nbytes]
-        await self._recv_into(view)
+        self._landing = asyncio.ensure_future(endpoint.recv(view))
+        await asyncio.sleep(0)  # posted now: the bytes move while the caller reads the header
         return view
 
-    def abort(self) -> None:
-        self._closed = True
-        self._buffer = None
-        self._ep.abort()
-        # The aborted endpoint fails their requests soon; until then UCX may still read their tensors, so
+    async def landed(self) -> None:
+        """Return once the payload `recv_payload` returned last has arrived; ConnectionLost if it failed,
+        the channel died, or it took longer than `payload_timeout_s`."""
+        landing = self._landing
+        if landing is None:
+            self._check()
+            return
+        try:
+            if not landing.done():
+                await asyncio.wait_for(asyncio.shield(landing), self._transport.payload_timeout_s)
+            landing.result()
+        except TimeoutError:
+            self._fail(f"payload not done within {self._transport.payload_timeout_s}s")
+            raise ConnectionLost(f"UCX payload from {self.peer} not done in time") from None
+        except _UCX_ERRORS as e:
+            self._fail(f"a payload receive failed: {e!r}")
+            raise ConnectionLost(f"UCX receive from {self.peer} failed: {e!r}") from e
+        self._landing = None
+        self._check()
+
+    async def flush(self) -> None:
+        await self.landed()
+
+    def _fail(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        self._control.abort()
+        if self._ep is not None:
+            self._ep.abort()
+        # The aborted endpoint fails their requests soon; until then UCX may still use their tensors, so
         # they stay referenced (not cancelled) until they finish.
-        for future in self._in_flight:
-            _ORPHANS.add(future)
-            future.add_done_callback(_ORPHANS.discard)
+        pending = [*self._in_flight, *([self._landing] if self._landing is not None else [])]
+        for future in pending:
+            if not future.done():
+                _ORPHANS.add(future)
+                future.add_done_callback(_ORPHANS.discard)
         self._in_flight.clear()
+        self._landing = None
+        self._buffer = None
+
+    def abort(self) -> None:
+        self._fail("connection aborted")
 
     async def close(self) -> None:
-        self._closed = True
+        if self._dead is None:
+            self._dead = "closed"
+        pending = [*self._in_flight, *([self._landing] if self._landing is not None else [])]
+        self._in_flight.clear()
+        self._landing = None
         self._buffer = None
-        await self._ep.close()  # ends the requests still in flight; then they can be collected
-        pending, self._in_flight = list(self._in_flight), collections.deque()
+        if self._ep is not None:
+            await self._ep.close()  # ends the requests still in flight; then they can be collected
         await asyncio.gather(*pending, return_exceptions=True)
+        await self._control.close()
 
 
 class UcxListener:
-    def __init__(self, listener: ucxx.Listener) -> None:
-        self._listener = listener
+    def __init__(self, control: TcpListener, transport: UcxTransport) -> None:
+        self._control = control
+        self._transport = transport
 
     @property
     def port(self) -> int:
-        return int(self._listener.port)
+        return self._control.port
 
     async def close(self) -> None:
-        self._listener.close()
+        await self._control.close()
+        self._transport.close_listener()
 
 
 class UcxTransport:
+    """TCP control connections (a ControlTransport) with a UCX endpoint each; D's end runs the ucxx listener
+    those endpoints connect to."""
+
     scheme = "ucx"
 
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self, config: ConnectorConfig) -> None:
+        self._control = ControlTransport(
+            self.scheme, lambda control, rank, host: UcxChannel(control, rank, host, self)
+        )
+        self.device = torch.device(config.device)
+        self.setup_timeout_s = config.handshake_timeout_s
+        self.payload_timeout_s = config.payload_timeout_s
+        self._listener: ucxx.Listener | None = None
+        self._expected: dict[bytes, asyncio.Future[ucxx.Endpoint]] = {}
 
-    def _bind_device(self) -> None:
+    def bind_device(self) -> None:
         """UCX's CUDA transports work in the current CUDA context: make it this node's GPU's."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
-        self._bind_device()
+    @property
+    def ucx_port(self) -> int:
+        assert self._listener is not None, "D's UCX listener is not running"
+        return int(self._listener.port)
+
+    def expect(self, key: bytes) -> asyncio.Future[ucxx.Endpoint]:
+        """The endpoint that will present `key`, once it connected."""
+        future: asyncio.Future[ucxx.Endpoint] = asyncio.get_running_loop().create_future()
+        self._expected[key] = future
+        return future
+
+    def forget(self, key: bytes) -> None:
+        self._expected.pop(key, None)
+
+    async def _accept(self, endpoint: ucxx.Endpoint) -> None:
+        key = np.empty(KEY_BYTES, dtype=np.uint8)
         try:
-            endpoint = await ucxx.create_endpoint(host, port, connect_timeout=timeout_s)
-        except (*_UCX_ERRORS, TimeoutError, OSError) as e:
-            raise ConnectionLost(f"cannot connect to ucx://{host}:{port}: {e!r}") from e
-        return UcxChannel(endpoint, f"{host}:{port}", self.device)
+            await asyncio.wait_for(endpoint.recv(key), self.setup_timeout_s)
+        except (*_UCX_ERRORS, TimeoutError):
+            endpoint.abort()
+            return
+        future = self._expected.pop(key.tobytes(), None)
+        if future is None or future.done():
+            endpoint.abort()
+            return
+        future.set_result(endpoint)
+
+    async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
+        self.bind_device()
+        return await self._control.dial(host, port, timeout_s)
 
     async def listen(
         self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
     ) -> UcxListener:
-        self._bind_device()
+        self.bind_device()
+        assert self._listener is None, "one listener per transport"
+        self._listener = ucxx.create_listener(self._accept, port=0)
+        try:
+            control = await self._control.listen(host, port, on_channel)
+        except BaseException:
+            self.close_listener()
+            raise
+        return UcxListener(control, self)
 
-        async def accept(endpoint: ucxx.Endpoint) -> None:
-            await on_channel(UcxChannel(endpoint, f"ucx-endpoint-{endpoint.uid:#x}", self.device))
-
-        return UcxListener(ucxx.create_listener(accept, port=port))
+    def close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
 
 def _checksum_default(config: ConnectorConfig) -> bool:
@@ -185,4 +308,4 @@ def _checksum_default(config: ConnectorConfig) -> bool:
     return torch.device(config.device).type != "cuda"
 
 
-CONNECTOR = ChannelConnector(lambda config: UcxTransport(config.device), checksum_default=_checksum_default)
+CONNECTOR = ChannelConnector(UcxTransport, checksum_default=_checksum_default)

@@ -132,10 +132,27 @@ class GpuReceiver(PagedReceiver):
         self.kv = self.kv.to(device)
 
 
-async def _spawn(address: str, mode: str, device: str) -> asyncio.subprocess.Process:
+async def _spawn(address: str, mode: str, device: str, script: str = __file__) -> asyncio.subprocess.Process:
+    """P: `script` run as `script address mode device` (its `_sender_process`)."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, __file__, address, mode, device, stdout=asyncio.subprocess.PIPE
+        sys.executable, script, address, mode, device, stdout=asyncio.subprocess.PIPE
     )
+
+
+async def _kill_at_first_frame(proc: asyncio.subprocess.Process, receiver: PagedReceiver) -> None:
+    """Kill P once it said it sent its first frame and D handled that frame."""
+    assert proc.stdout is not None
+    assert await proc.stdout.readline() == b"sent\n"
+    await until(lambda: receiver.data_calls == 1)
+    proc.kill()
+
+
+async def _aborted_once(receiver: PagedReceiver, server: KVReceiverServer, transfer_id: str) -> None:
+    """D aborted that transfer, and only once, and every block is accounted for."""
+    await until(lambda: receiver.aborts)
+    await asyncio.sleep(0.3)
+    assert [t for t, _ in receiver.aborts] == [transfer_id]
+    audit(receiver, server, BLOCKS)
 
 
 @contextlib.asynccontextmanager
@@ -182,16 +199,10 @@ def test_cuda_ipc_aborted_or_killed_sender_frees_the_reservation_once(mode: str)
         async with _serving() as (receiver, server, p_device):
             proc = await _spawn(server.address, mode, p_device)
             if mode == "hang":
-                assert proc.stdout is not None
-                assert await proc.stdout.readline() == b"sent\n"
-                await until(lambda: receiver.data_calls == 1)
-                proc.kill()
+                await _kill_at_first_frame(proc, receiver)
             out, _ = await proc.communicate()
             assert proc.returncode == (0 if mode == "abort" else -9), out
-            await until(lambda: receiver.aborts)
-            await asyncio.sleep(0.3)
-            assert [t for t, _ in receiver.aborts] == ["ipc-0"]
-            audit(receiver, server, BLOCKS)
+            await _aborted_once(receiver, server, "ipc-0")
 
     run(scenario(), timeout=120)
 

@@ -14,11 +14,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 import torch
+import ucxx
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.connector import (
     ConnectionLost,
@@ -172,7 +174,10 @@ async def push(
 
 
 KINDS = ["tcp", "ucx"]
-TRANSPORTS: dict[str, type[Transport]] = {"tcp": TcpTransport, "ucx": UcxTransport}
+TRANSPORTS: dict[str, Callable[[], Transport]] = {
+    "tcp": TcpTransport,
+    "ucx": lambda: UcxTransport(config("ucx")),
+}
 
 
 async def until(predicate: Any, timeout: float = 10.0) -> None:
@@ -609,15 +614,19 @@ if __name__ == "__main__":
 
 
 def test_ucx_sender_pipelines_payloads_in_order() -> None:
-    """UcxChannel.send returns once a frame's small parts are out: three 1 MiB payloads (UCX's rendezvous
-    protocol, which needs the receiver's matching recv) go out before D reads anything, and D then reads
-    every part in the order it was sent. Closing the sender leaves no payload request behind."""
+    """UcxChannel.send returns once a frame's prefix is written and its payload posted: three 1 MiB payloads
+    (UCX's rendezvous protocol, which needs the receiver's matching recv) go out before D reads anything, and
+    D then reads every frame's control bytes (over TCP) and payload (over UCX) in the order they were sent.
+    Closing the sender leaves no payload request behind."""
 
     async def scenario() -> None:
         received: list[bytes] = []
         go, done = asyncio.Event(), asyncio.Event()
+        accepted: asyncio.Future[ByteChannel] = asyncio.get_running_loop().create_future()
 
         async def on_channel(channel: ByteChannel) -> None:
+            accepted.set_result(channel)
+            await channel.authenticated()
             await go.wait()
             for _ in range(3):
                 received.append(await channel.recv_exact(4) + await channel.recv_exact(3))
@@ -626,9 +635,11 @@ def test_ucx_sender_pipelines_payloads_in_order() -> None:
             await asyncio.sleep(1.0)  # keep the endpoint up while the sender settles
             await channel.close()
 
-        listener = await UcxTransport().listen("127.0.0.1", 0, on_channel)
-        channel = await UcxTransport().dial("127.0.0.1", listener.port, 5.0)
+        d_transport, p_transport = UcxTransport(config("ucx")), UcxTransport(config("ucx"))
+        listener = await d_transport.listen("127.0.0.1", 0, on_channel)
+        channel = await p_transport.dial("127.0.0.1", listener.port, 5.0)
         assert isinstance(channel, UcxChannel)
+        await asyncio.wait_for(channel.authenticated(), 10.0)
         payloads = [torch.full((1 << 20,), i + 1, dtype=torch.uint8) for i in range(3)]
         for i, payload in enumerate(payloads):
             await asyncio.wait_for(channel.send(b"pfx" + bytes([i]), b"hdr", payload), 10.0)
@@ -638,6 +649,40 @@ def test_ucx_sender_pipelines_payloads_in_order() -> None:
         assert received == [x for i in range(3) for x in (b"pfx" + bytes([i]) + b"hdr", bytes([i + 1]) * 8)]
         await channel.close()
         assert not channel._in_flight
+        await listener.close()
+
+    run(scenario())
+
+
+def test_ucx_endpoint_with_an_unknown_key_is_dropped() -> None:
+    """D's UCX listener hands an endpoint only to the connection whose record named its key: a peer that
+    connects with other bytes gets nothing, and the connection that waits for its endpoint gives up after
+    the handshake timeout with ConnectionLost."""
+
+    async def scenario() -> None:
+        d_transport = UcxTransport(config("ucx", handshake_timeout_s=1.0))
+        outcome: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+        async def on_channel(channel: ByteChannel) -> None:
+            try:
+                await channel.authenticated()
+            except ConnectionLost as e:
+                outcome.set_result(e)
+            else:
+                outcome.set_result(None)
+            channel.abort()
+
+        listener = await d_transport.listen("127.0.0.1", 0, on_channel)
+        control = await TcpTransport().dial("127.0.0.1", listener.port, 5.0)
+        record = await control.recv_exact(24)
+        assert record[:4] == b"PDUX"
+        port = int.from_bytes(record[4:6], "little")
+        endpoint = await ucxx.create_endpoint("127.0.0.1", port)
+        await endpoint.send(np.frombuffer(os.urandom(16), dtype=np.uint8))  # not the key D sent
+        failure = await asyncio.wait_for(outcome, 10.0)
+        assert isinstance(failure, ConnectionLost)
+        endpoint.abort()
+        control.abort()
         await listener.close()
 
     run(scenario())

@@ -1,0 +1,136 @@
+"""The ucx connector on a GPU: payloads land in D's device buffer while D checks their headers.
+
+D (a paged cache on the GPU) runs in this process and P as this file's script in a second process, on the
+first GPU or, with two, the second one (UCX moves the bytes with cuda_ipc). CI has no GPU and skips these;
+it covers the ucx connector over host memory with the protocol suite (test_kvtransfer_protocol.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, create_sender
+from pdserve.shared.types import BlockId, RequestId
+from pdserve.tests.test_kvtransfer_cuda_ipc import (
+    BLOCKS,
+    GpuReceiver,
+    _aborted_once,
+    _devices,
+    _kill_at_first_frame,
+    _push_on_gpu,
+    _spawn,
+)
+from pdserve.tests.test_kvtransfer_protocol import (
+    LAYOUT,
+    audit,
+    block_hashes,
+    config,
+    identity,
+    random_cache,
+    run,
+    started,
+    until,
+)
+
+TRANSFERS = 12  # of 4 blocks each: GpuReceiver's cache holds BLOCKS = 48, and completed requests keep theirs
+
+
+def _src_blocks(t: int) -> list[int]:
+    return [(t + 3 * i) % 12 for i in range(4)]
+
+
+async def _sender_process(address: str, mode: str, device: str) -> None:
+    """P, as a script. full: TRANSFERS transfers of two frames each; drop: one transfer whose first frame's
+    header cannot be built (its payload goes, D drops it), then the real frames; hang: one frame, then wait
+    to be killed."""
+    sender = create_sender(config("ucx", device=device), identity("prefill-0"))
+    src = random_cache(LAYOUT, 12, seed=5).to(device)
+    try:
+        if mode == "drop":
+            session = await sender.session(address, RequestId("ucx-0"))
+            reply = await session.open(block_hashes(3, salt=0), 4, time.time() + 30)
+            assert reply.num_held_blocks == 0
+            todo = [BlockId(b) for b in _src_blocks(0)]
+            wrong = FrameBlocks(tuple(range(4)), tuple(todo), tuple(BlockId(10_000 + i) for i in range(4)))
+            buffer = torch.zeros((1, 2, 4, *src.shape[3:]), dtype=src.dtype, device=device)
+            with contextlib.suppress(ValueError):
+                await session.send_layers(0, wrong, buffer)
+            print("dropped", flush=True)
+            right = FrameBlocks.run(reply, 0, todo)
+            for layer in range(LAYOUT.num_layers):
+                ids = torch.tensor(_src_blocks(0), device=device)
+                await session.send_layers(layer, right, src[layer][:, ids].unsqueeze(0).contiguous())
+            await session.complete({"token_id": 7})
+        for t in range(TRANSFERS if mode == "full" else 1 if mode == "hang" else 0):
+            session = await sender.session(address, RequestId(f"ucx-{t}"))
+            layers = None if mode == "full" else 1
+            await _push_on_gpu(session, src, _src_blocks(t), block_hashes(3, salt=t), layers=layers)
+            if mode == "hang":
+                print("sent", flush=True)
+                await asyncio.sleep(60)
+    finally:
+        await sender.close()
+    print(json.dumps({"closed": True}), flush=True)
+
+
+@contextlib.asynccontextmanager
+async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
+    d_device, p_device = _devices()
+    receiver = GpuReceiver(d_device)
+    server = await started("ucx", receiver, device=d_device)
+    try:
+        yield receiver, server, p_device
+    finally:
+        await server.stop()
+
+
+def _check_landed(receiver: GpuReceiver, t: int) -> None:
+    src = random_cache(LAYOUT, 12, seed=5)
+    dst = receiver.reserved[f"ucx-{t}"]
+    for j, s in enumerate(_src_blocks(t)):
+        assert torch.equal(receiver.kv[:, :, dst[j]].cpu(), src[:, :, s]), (t, j)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="ucx on a GPU needs one")
+@pytest.mark.parametrize("mode", ["full", "drop"])
+def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str) -> None:
+    async def scenario() -> None:
+        async with _serving() as (receiver, server, p_device):
+            proc = await _spawn(server.address, mode, p_device, __file__)
+            out, _ = await proc.communicate()
+            assert proc.returncode == 0, out
+            count = TRANSFERS if mode == "full" else 1
+            for t in range(count):
+                _check_landed(receiver, t)
+            assert len(receiver.completed) == count
+            # full: frames of 3 layers and 1 layer; drop: one frame per layer (the dropped one never arrives)
+            assert receiver.data_calls == (2 * TRANSFERS if mode == "full" else LAYOUT.num_layers)
+            await until(lambda: not server.open_transfer_ids())
+            audit(receiver, server, BLOCKS)
+
+    run(scenario(), timeout=120)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="ucx on a GPU needs one")
+def test_ucx_gpu_killed_sender_frees_the_reservation_once() -> None:
+    async def scenario() -> None:
+        async with _serving() as (receiver, server, p_device):
+            proc = await _spawn(server.address, "hang", p_device, __file__)
+            await _kill_at_first_frame(proc, receiver)
+            await proc.communicate()
+            await _aborted_once(receiver, server, "ucx-0")
+
+    run(scenario(), timeout=120)
+
+
+if __name__ == "__main__":
+    asyncio.run(_sender_process(*sys.argv[1:4]))
