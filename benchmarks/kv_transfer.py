@@ -2,14 +2,14 @@
 
 A program, not a test: `python benchmarks/kv_transfer.py [--out results.json]` on a machine with two GPUs.
 It measures, in this process, the raw GPU0 -> GPU1 copy (`Tensor.copy_` across devices), then starts D
-(`kv_transfer_peers.py recv`, GPU1), one D per kind (nccl, cuda_ipc) that kills itself at its first DATA
-(`victim`, GPU1), and P (`send`, GPU0), which times raw NCCL send/recv and raw ucxx send/recv (each message
-answered by a 1-byte ack) and every connector (nccl, cuda_ipc, ucx, tcp) moving 512 MiB as one frame into a
-sink, and the KV of a 4096-token prompt of the Llama-3.1-8B shape between paged caches: per layer (gather
-kernel -> frame -> scatter kernel), one chunk (32 gathers, one frame, 32 scatters) and one frame per block.
-Connector bandwidth = payload / (first DATA send -> D's ACK); `wall` adds the gathers. D checks every paged
-transfer bit for bit, and both ends audit what is left (blocks, open transfers, pair groups, IPC windows,
-GPU memory).
+(`kv_transfer_peers.py recv`, GPU1), one D per GPU kind (nccl, cuda_ipc, ucx) that kills itself at its first
+DATA (`victim`, GPU1), and P (`send`, GPU0), which times raw NCCL send/recv and raw ucxx send/recv (each
+message answered by a 1-byte ack) and every connector (nccl, cuda_ipc, ucx, tcp) moving 512 MiB as one frame
+into a sink, and the KV of a 4096-token prompt of the Llama-3.1-8B shape between paged caches: per layer
+(gather kernel -> frame -> scatter kernel), one chunk (32 gathers, one frame, 32 scatters) and one frame per
+block. Connector bandwidth = payload / (first DATA send -> D's ACK); `wall` adds the gathers. D checks every
+paged transfer bit for bit, and both ends audit what is left (blocks, open transfers, pair groups, IPC
+windows, GPU memory).
 Targets (issue 6): each connector >= 90 % of its library's raw send/recv (cuda_ipc's library is the copy
 itself); the best >= 90 % of the raw copy.
 """
@@ -103,7 +103,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = [raw_copy(size) for size in SIZES]
     kinds = args.connectors.split(",")
     recv = start("recv", "cuda:1", args.connectors)
-    victims = {kind: start("victim", "cuda:1", kind) for kind in ("nccl", "cuda_ipc") if kind in kinds}
+    victims = {kind: start("victim", "cuda:1", kind) for kind in ("nccl", "cuda_ipc", "ucx") if kind in kinds}
     extra: dict[str, Any] = {}
     overlaps: list[dict[str, Any]] = []
     try:
