@@ -66,9 +66,10 @@ class ByteChannel(Protocol):
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 tensor of `nbytes` received bytes, valid until the next call (a GPU transport reuses
-        one device buffer per connection). A GPU transport may return it while the bytes are still landing:
-        work the caller then queues on its current stream runs after they landed (such a transport is also
-        a `DeferredPayloads`)."""
+        one device buffer per connection). A GPU transport may return it while the bytes are still landing
+        (such a transport is also a `DeferredPayloads`): then either work the caller queues on its current
+        stream runs after they landed (nccl), or the caller must await `LandingPayloads.landed()` first
+        (ucx)."""
 
     def abort(self) -> None:
         """Cut the connection now; pending and later calls raise ConnectionLost."""
