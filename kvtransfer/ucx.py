@@ -76,6 +76,11 @@ class UcxChannel:
         if self._dead is not None:
             raise ConnectionLost(f"UCX channel to {self.peer} is closed: {self._dead}")
 
+    def _lost(self, reason: str) -> ConnectionLost:
+        """Tear the channel down for `reason`; the error to raise."""
+        self._fail(reason)
+        return ConnectionLost(f"UCX channel to {self.peer} failed: {reason}")
+
     def _endpoint(self) -> ucxx.Endpoint:
         self._check()
         assert self._ep is not None, "payload before the UCX endpoint was set up"
@@ -103,8 +108,7 @@ class UcxChannel:
             self._ep = await ucxx.create_endpoint(self._host, port, connect_timeout=timeout)
             await asyncio.wait_for(self._ep.send(np.frombuffer(key, dtype=np.uint8)), timeout)
         except (*_UCX_ERRORS, TimeoutError, OSError) as e:
-            self._fail(f"UCX endpoint setup failed: {e!r}")
-            raise ConnectionLost(f"UCX endpoint with {self.peer} not set up: {e!r}") from e
+            raise self._lost(f"UCX endpoint setup failed: {e!r}") from e
         except BaseException as e:
             self._fail(f"UCX endpoint setup failed: {e!r}")
             raise
@@ -132,8 +136,7 @@ class UcxChannel:
             while self._in_flight and (self._in_flight[0].done() or len(self._in_flight) > MAX_IN_FLIGHT):
                 await self._in_flight.popleft()
         except _UCX_ERRORS as e:
-            self._fail(f"a payload send failed: {e!r}")
-            raise ConnectionLost(f"UCX send to {self.peer} failed: {e!r}") from e
+            raise self._lost(f"a payload send failed: {e!r}") from e
         except ConnectionLost as e:
             self._fail(f"control send failed: {e}")
             raise
@@ -173,11 +176,9 @@ class UcxChannel:
                 await asyncio.wait_for(asyncio.shield(landing), self._transport.payload_timeout_s)
             landing.result()
         except TimeoutError:
-            self._fail(f"payload not done within {self._transport.payload_timeout_s}s")
-            raise ConnectionLost(f"UCX payload from {self.peer} not done in time") from None
+            raise self._lost(f"payload not done within {self._transport.payload_timeout_s}s") from None
         except _UCX_ERRORS as e:
-            self._fail(f"a payload receive failed: {e!r}")
-            raise ConnectionLost(f"UCX receive from {self.peer} failed: {e!r}") from e
+            raise self._lost(f"a payload receive failed: {e!r}") from e
         self._landing = None
         self._check()
 
