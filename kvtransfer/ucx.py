@@ -193,14 +193,19 @@ class UcxChannel:
             self._ep.abort()
         # The aborted endpoint fails their requests soon; until then UCX may still use their tensors, so
         # they stay referenced (not cancelled) until they finish.
-        pending = [*self._in_flight, *([self._landing] if self._landing is not None else [])]
-        for future in pending:
+        for future in self._take_requests():
             if not future.done():
                 _ORPHANS.add(future)
                 future.add_done_callback(_ORPHANS.discard)
+
+    def _take_requests(self) -> list[asyncio.Future[None]]:
+        """The channel's payload requests still held (sends, then the receive), now the caller's; the
+        receive buffer is dropped with them (a request in flight keeps its own view of it)."""
+        taken = [*self._in_flight, *([self._landing] if self._landing is not None else [])]
         self._in_flight.clear()
         self._landing = None
         self._buffer = None
+        return taken
 
     def abort(self) -> None:
         self._fail("connection aborted")
@@ -208,10 +213,7 @@ class UcxChannel:
     async def close(self) -> None:
         if self._dead is None:
             self._dead = "closed"
-        pending = [*self._in_flight, *([self._landing] if self._landing is not None else [])]
-        self._in_flight.clear()
-        self._landing = None
-        self._buffer = None
+        pending = self._take_requests()
         if self._ep is not None:
             await self._ep.close()  # ends the requests still in flight; then they can be collected
         await asyncio.gather(*pending, return_exceptions=True)
