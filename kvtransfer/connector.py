@@ -161,8 +161,9 @@ class ConnectorConfig:
     # Longest one payload send/recv on a GPU link may stay in flight before the pair is declared dead
     # and its communicator aborted (the request's deadline bounds P's sends before this does).
     payload_timeout_s: float = 60.0
-    # cuda_ipc: the receive window D allocates per connection on `device`; it bounds one frame's payload
+    # The receive window D allocates per connection on `device`. cuda_ipc: it bounds one frame's payload
     # (P splits larger buffers by layers) and, with the frames in flight, how far P may run ahead of D.
+    # ucx: payloads up to this size land in it through a receive D posted before they were sent.
     window_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:

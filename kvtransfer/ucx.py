@@ -3,30 +3,42 @@
 Each connection is the TCP connection of the TCP connector, which carries every frame's prefix and header,
 plus one UCX endpoint that carries only payloads, as tagged messages in frame order. Host payloads go over
 UCX's TCP/shared-memory transports. A CUDA payload is sent as device memory (ucxx takes
-`__cuda_array_interface__` objects): cuda_ipc within a host, RDMA across hosts. With a CUDA
-`ConnectorConfig.device`, D receives into one device buffer per connection, grown to the largest frame and
-reused. Why not the frames themselves over UCX: each part was then one UCX request, and every request an
-asyncio hop; after the payload, D read four such parts and wrote two more before P saw its ACK (0.6 ms on
-two H200s, docs/benchmarks.md), where the TCP stream hands D every frame that already arrived in one read.
+`__cuda_array_interface__` objects): cuda_ipc within a host, RDMA across hosts. Payloads land on
+`ConnectorConfig.device` (GPU or host memory). Why not the frames themselves over UCX: each part was then
+one UCX request, and every request an asyncio hop; after the payload, D read four such parts and wrote two
+more before P saw its ACK (0.6 ms on two H200s, docs/benchmarks.md), where the TCP stream hands D every
+frame that already arrived in one read.
 
 Setup (`authenticated`, after the handshake, before any other frame): D's transport runs one ucxx
-listener; D writes a 24-byte record on the TCP connection: magic `PDUX`, the listener's port (u16 LE), 2 pad
-bytes, 16 random bytes. P opens a UCX endpoint to that port at the host it dialed and sends the 16 bytes as
-its first message; D's listener hands the endpoint to the connection that wrote them, and drops an endpoint
-whose bytes match none. Both ends give up after `handshake_timeout_s`.
+listener; D writes a 32-byte record on the TCP connection: magic `PDUX`, the listener's port (u16 LE), 2 pad
+bytes, D's receive window in bytes (u64 LE), 16 random bytes. P opens a UCX endpoint to that port at the
+host it dialed and sends the 16 bytes as its first message; D's listener hands the endpoint to the
+connection that wrote them, and drops an endpoint whose bytes match none. Both ends give up after
+`handshake_timeout_s`.
 
-Payloads: P posts each payload as a UCX send once its prefix is written, and goes on (a payload-first DATA's
-payload then moves while P builds its header): host payloads at most MAX_IN_FLIGHT per connection, GPU
+Standing receive: D keeps one receive posted ahead, before P sends anything, into a buffer of
+`ConnectorConfig.window_bytes` (its "slot", allocated at setup), so a payload of up to that size starts
+moving the moment P posts it, and D's reading of its prefix is off the payload's path. UCX matches a tagged
+message to the receive posted first with its tag, whatever its size as long as it fits: P sends payloads
+that fit D's window (the record says how large it is) with tag WINDOW, larger ones with tag LATE, and D posts
+a LATE receive of the exact size when it reads such a payload's prefix. The slot's next receive is posted
+once the caller released the payload in it (`release_payload`, as framing comes back for the next frame, or
+the next `recv_payload`), the previous receive ended, and, on a GPU, the consumers the caller queued on its
+current stream finished (UCX writes on its own streams, so D waits for them on the host, in a task).
+Measured on two H200s: D posted its receive 255 µs after P's send began when it did so at the prefix.
+
+Payloads: P posts each payload as a UCX send and then writes its prefix, and goes on (a payload-first
+DATA's payload then moves while P builds its header): host payloads at most MAX_IN_FLIGHT per connection, GPU
 payloads one at a time (a new one is posted once the previous finished; eight in flight measured slower on
-two H200s). On a GPU, D posts its receive when it reads the payload's prefix and returns at once, so the
-receiver checks the header while the bytes land; UCX cannot order GPU work after a receive, so the caller
-awaits `landed()` before the payload's consumers run, and `flush()` before COMPLETE is acknowledged. Host
-payloads are received whole before `recv_payload` returns (their checksum is computed at once).
-Invariants: at most one receive is posted per connection, and the previous one has landed, and its
-consumers on the current stream finished, before the next is posted into the same buffer; after `abort()`
-(or any UCX error, a payload still in flight included) every pending and later call raises
-`ConnectionLost`; a payload's tensor stays referenced until UCX is done with its request, also after
-`abort()`; `close()` returns with no request of the channel left.
+two H200s). On a GPU, D returns the payload's view at once, so the receiver checks the header while the
+bytes land; UCX cannot order GPU work after a receive, so the caller awaits `landed()` before the payload's
+consumers run, and `flush()` before COMPLETE is acknowledged. Host payloads are received whole before
+`recv_payload` returns (their checksum is computed at once).
+Invariants: D has at most one WINDOW receive and one LATE receive posted, and a receive is posted into a
+buffer only after the previous one into it ended and its consumers finished; P's payloads with tag WINDOW
+never exceed D's window; after `abort()` (or any UCX error, a payload still in flight included) every
+pending and later call raises `ConnectionLost`; a payload's tensor stays referenced until UCX is done with
+its request, also after `abort()`; `close()` returns with no request of the channel left.
 """
 
 from __future__ import annotations
@@ -43,14 +55,15 @@ import ucxx
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
-from pdserve.kvtransfer.device_sync import stream_idle
+from pdserve.kvtransfer.device_sync import event_done, stream_idle
 from pdserve.kvtransfer.framing import ByteChannel
 from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel, TcpListener
 
 _UCX_ERRORS = (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled)
-RECORD = struct.Struct("<4sH2x16s")  # magic, UCX listener port, pad, key
+RECORD = struct.Struct("<4sH2xQ16s")  # magic, UCX listener port, pad, D's window, key
 RECORD_MAGIC = b"PDUX"
 KEY_BYTES = 16
+WINDOW, LATE = 1, 2  # payload tags: fits D's window (its standing receive), larger (posted at the prefix)
 MAX_IN_FLIGHT = 8  # host payload sends posted ahead of their completion, per connection
 _ORPHANS: set[asyncio.Future[None]] = set()  # payload requests of aborted channels, held until they finish
 
@@ -64,9 +77,15 @@ class UcxChannel:
         self._device = transport.device
         self._ep: ucxx.Endpoint | None = None
         self._dead: str | None = None
-        self._buffer: torch.Tensor | None = None  # D: [capacity] uint8 on a CUDA device, reused per frame
+        self._window = transport.window_bytes  # D: payloads up to this size land in the slot
+        self._peer_window = 0  # P: D's window, from its record
+        self._slot: torch.Tensor | None = None  # D: [window] uint8, where the standing receive writes
+        self._standing: asyncio.Future[None] | None = None  # D: the slot's receive, posted ahead
+        self._held: asyncio.Future[None] | None = None  # D: the slot's receive whose payload the caller has
+        self._reposting: asyncio.Future[None] | None = None  # D: posts the next standing receive
+        self._buffer: torch.Tensor | None = None  # D: LATE payloads on a GPU, grown to the largest, reused
         self._in_flight: collections.deque[asyncio.Future[None]] = collections.deque()  # P's payload sends
-        self._landing: asyncio.Future[None] | None = None  # D's posted receive, until seen landed
+        self._landing: asyncio.Future[None] | None = None  # D: the last payload's receive, until seen landed
 
     @property
     def peer(self) -> str:
@@ -95,13 +114,15 @@ class UcxChannel:
                 endpoint = self._transport.expect(key)
                 try:
                     await self._control.send(
-                        RECORD.pack(RECORD_MAGIC, self._transport.ucx_port, key), b"", None
+                        RECORD.pack(RECORD_MAGIC, self._transport.ucx_port, self._window, key), b"", None
                     )
                     self._ep = await asyncio.wait_for(endpoint, timeout)
                 finally:
                     self._transport.forget(key)
+                self._slot = torch.empty(self._window, dtype=torch.uint8, device=self._device)
+                self._post_standing()
                 return
-            magic, port, key = RECORD.unpack(await self._control.recv_exact(RECORD.size))
+            magic, port, self._peer_window, key = RECORD.unpack(await self._control.recv_exact(RECORD.size))
             if magic != RECORD_MAGIC:
                 raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
             self._transport.bind_device()
@@ -123,16 +144,16 @@ class UcxChannel:
         body = payload if payload is not None and payload.numel() > 0 else None
         endpoint = None if body is None else self._endpoint()  # handshake frames come before the endpoint
         try:
-            if body is not None and body.is_cuda:
-                while self._in_flight:  # GPU payloads one at a time
-                    await self._in_flight.popleft()
+            if body is not None and endpoint is not None:
+                if body.is_cuda:
+                    while self._in_flight:  # GPU payloads one at a time
+                        await self._in_flight.popleft()
+                tag = WINDOW if body.numel() <= self._peer_window else LATE
+                big = asyncio.ensure_future(endpoint.send(body if body.is_cuda else body.numpy(), tag=tag))
+                big.add_done_callback(self._payload_done)
+                self._in_flight.append(big)
+                await asyncio.sleep(0)  # posted now: a WINDOW payload moves before D reads its prefix
             await self._control.send(prefix, header, None)
-            if body is None or endpoint is None:
-                return
-            big = asyncio.ensure_future(endpoint.send(body if body.is_cuda else body.numpy()))
-            big.add_done_callback(self._payload_done)
-            self._in_flight.append(big)
-            await asyncio.sleep(0)  # the request is posted now, not when the caller next waits
             while self._in_flight and (self._in_flight[0].done() or len(self._in_flight) > MAX_IN_FLIGHT):
                 await self._in_flight.popleft()
         except _UCX_ERRORS as e:
@@ -146,12 +167,52 @@ class UcxChannel:
         self._check()
         return await self._control.recv_exact(nbytes)
 
+    def _post_standing(self) -> None:
+        """Post the slot's receive for the next payload that fits the window."""
+        assert self._slot is not None and self._standing is None
+        slot = self._slot if self._slot.is_cuda else self._slot.numpy()
+        self._standing = asyncio.ensure_future(self._endpoint().recv(slot, tag=WINDOW))
+
+    async def _repost(self, held: asyncio.Future[None], consumers: torch.cuda.Event | None) -> None:
+        """Post the next standing receive once `held` (the slot's last receive) ended and, on a GPU, the GPU
+        passed `consumers`; its failure is reported by `landed`, or the channel is dead already."""
+        if not held.done():
+            await asyncio.wait([held])
+        if consumers is not None:
+            await event_done(consumers)
+        if self._dead is None and not (held.cancelled() or held.exception() is not None):
+            self._post_standing()
+
+    def release_payload(self) -> None:
+        """The caller is done with the slot's payload (its consumers are queued on its current stream): the
+        next standing receive may be posted once they finished. A no-op when the slot holds nothing."""
+        held, self._held = self._held, None
+        if held is None or self._dead is not None:
+            return
+        consumers = None
+        if self._device.type == "cuda":
+            consumers = torch.cuda.Event()
+            consumers.record(torch.cuda.current_stream(self._device))
+        self._reposting = asyncio.ensure_future(self._repost(held, consumers))
+
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         endpoint = self._endpoint()
-        await self.landed()  # the previous receive may still be writing into the buffer
+        self.release_payload()  # the previous payload is the caller's no longer
+        await self.landed()  # the previous receive may still be writing into its buffer
+        if nbytes <= self._window:
+            if self._reposting is not None:
+                await asyncio.wait([self._reposting])  # an abort cancels it: then _check raises
+                self._reposting = None
+            self._check()
+            assert self._slot is not None and self._standing is not None, "no standing receive posted"
+            self._landing = self._held = self._standing
+            self._standing = None
+            if self._device.type == "cpu":
+                await self.landed()
+            return self._slot[:nbytes]
         if self._device.type == "cpu":
             out = torch.empty(nbytes, dtype=torch.uint8)
-            self._landing = asyncio.ensure_future(endpoint.recv(out.numpy()))
+            self._landing = asyncio.ensure_future(endpoint.recv(out.numpy(), tag=LATE))
             await self.landed()
             return out
         if self._buffer is None or self._buffer.numel() < nbytes:
@@ -160,7 +221,7 @@ class UcxChannel:
         # UCX writes on its own streams: kernels still reading the previous frame must be done first.
         await stream_idle(torch.cuda.current_stream(self._device))
         view = self._buffer[:nbytes]
-        self._landing = asyncio.ensure_future(endpoint.recv(view))
+        self._landing = asyncio.ensure_future(endpoint.recv(view, tag=LATE))
         await asyncio.sleep(0)  # posted now: the bytes move while the caller reads the header
         return view
 
@@ -199,12 +260,15 @@ class UcxChannel:
                 future.add_done_callback(_ORPHANS.discard)
 
     def _take_requests(self) -> list[asyncio.Future[None]]:
-        """The channel's payload requests still held (sends, then the receive), now the caller's; the
-        receive buffer is dropped with them (a request in flight keeps its own view of it)."""
-        taken = [*self._in_flight, *([self._landing] if self._landing is not None else [])]
+        """The channel's payload requests still held (sends, then receives), now the caller's; the receive
+        buffers are dropped with them (a request in flight keeps its own view of its buffer)."""
+        if self._reposting is not None:  # dead already: it would post nothing
+            self._reposting.cancel()
+        receives = (self._landing, self._held, self._standing)
+        taken = [*self._in_flight, *dict.fromkeys(r for r in receives if r is not None)]
         self._in_flight.clear()
-        self._landing = None
-        self._buffer = None
+        self._landing = self._held = self._standing = self._reposting = None
+        self._buffer = self._slot = None
         return taken
 
     def abort(self) -> None:
@@ -247,6 +311,7 @@ class UcxTransport:
         self.device = torch.device(config.device)
         self.setup_timeout_s = config.handshake_timeout_s
         self.payload_timeout_s = config.payload_timeout_s
+        self.window_bytes = config.window_bytes
         self._listener: ucxx.Listener | None = None
         self._expected: dict[bytes, asyncio.Future[ucxx.Endpoint]] = {}
 

@@ -54,7 +54,7 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
-from pdserve.kvtransfer.ucx import UcxChannel, UcxTransport
+from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport
 from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
 
 T = TypeVar("T")
@@ -674,7 +674,7 @@ def test_ucx_endpoint_with_an_unknown_key_is_dropped() -> None:
 
         listener = await d_transport.listen("127.0.0.1", 0, on_channel)
         control = await TcpTransport().dial("127.0.0.1", listener.port, 5.0)
-        record = await control.recv_exact(24)
+        record = await control.recv_exact(RECORD.size)
         assert record[:4] == b"PDUX"
         port = int.from_bytes(record[4:6], "little")
         endpoint = await ucxx.create_endpoint("127.0.0.1", port)
@@ -684,5 +684,40 @@ def test_ucx_endpoint_with_an_unknown_key_is_dropped() -> None:
         endpoint.abort()
         control.abort()
         await listener.close()
+
+    run(scenario())
+
+
+def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
+    """D's standing receive takes the payloads that fit its window (tag WINDOW), a receive posted at the
+    prefix takes larger ones (tag LATE): with a 2 KiB window, each transfer's 3-layer frames (4.5 KiB) and
+    1-layer frames (1.5 KiB) alternate on one connection, three sessions at once, and every block arrives
+    bit for bit."""
+
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started("ucx", receiver, window_bytes=2048)
+        sender = create_sender(config("ucx"), identity("prefill-0"))
+        src = random_cache(LAYOUT, 12, seed=5)
+        assert 4 * LAYOUT.layer_block_bytes <= 2048 < 3 * 4 * LAYOUT.layer_block_bytes
+        try:
+            for round_ in range(2):
+                tids = [RequestId(f"w{round_}-{i}") for i in range(3)]
+                sessions = [await sender.session(server.address, tid) for tid in tids]
+                picks = [[i, i + 3, i + 6, 11 - i] for i in range(3)]
+                results = await asyncio.gather(
+                    *(
+                        push(s, src, picks[i], block_hashes(4, salt=10 * round_ + i), layers_per_frame=3)
+                        for i, s in enumerate(sessions)
+                    )
+                )
+                for i, (reply, _) in enumerate(results):
+                    for j, b in enumerate(reply.dst_block_ids):
+                        assert torch.equal(receiver.kv[:, :, b], src[:, :, picks[i][j]])
+                    receiver.free.extend(reply.dst_block_ids)
+            assert len(receiver.completed) == 6
+        finally:
+            await sender.close()
+            await server.stop()
 
     run(scenario())

@@ -81,10 +81,10 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
+async def _serving(window_bytes: int = 512 << 20) -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
     d_device, p_device = _devices()
     receiver = GpuReceiver(d_device)
-    server = await started("ucx", receiver, device=d_device)
+    server = await started("ucx", receiver, device=d_device, window_bytes=window_bytes)
     try:
         yield receiver, server, p_device
     finally:
@@ -100,10 +100,13 @@ def _check_landed(receiver: GpuReceiver, t: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ucx on a GPU needs one")
-@pytest.mark.parametrize("mode", ["full", "drop"])
-def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "window_bytes"), [("full", 512 << 20), ("full", 2048), ("drop", 512 << 20)])
+def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_bytes: int) -> None:
+    """With a 2 KiB window, the 3-layer frames (4.5 KiB) take D's LATE receive and the 1-layer frames its
+    standing one; with the default window every frame lands through the standing receive."""
+
     async def scenario() -> None:
-        async with _serving() as (receiver, server, p_device):
+        async with _serving(window_bytes) as (receiver, server, p_device):
             proc = await _spawn(server.address, mode, p_device, __file__)
             out, _ = await proc.communicate()
             assert proc.returncode == 0, out
