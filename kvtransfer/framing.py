@@ -11,7 +11,8 @@ or, when P could not build the header, nothing at all: D then drops the payload 
 Invariants: frames on one connection are sent whole and never interleaved (one send lock per
 `FramedConnection`, held across both halves of a payload-first DATA); a frame with a bad checksum is
 reported as `ChecksumError` after its bytes were consumed, so the stream stays in sync whenever the prefix
-itself was intact; a PAYLOAD_FIRST frame is always followed by its HEADER_AFTER frame.
+itself was intact; a PAYLOAD_FIRST frame is always followed by its HEADER_AFTER frame; a payload is received
+only once the previous one was released (at the next `recv`, or by the function `defer_release` returned).
 """
 
 from __future__ import annotations
@@ -165,7 +166,12 @@ class FramedConnection:
         self._send_lock = asyncio.Lock()
         # the largest payload one frame may carry on this channel (None: max_payload_bytes)
         self.payload_limit = channel.payload_limit if isinstance(channel, BoundedPayloads) else None
+        # the channel's capabilities, checked once (a runtime Protocol check costs microseconds per call)
+        self.landing = channel if isinstance(channel, LandingPayloads) else None
+        self.deferred = channel if isinstance(channel, DeferredPayloads) else None
         self._held = channel if isinstance(channel, HeldPayloads) else None
+        self._released = asyncio.Event()  # clear while a `defer_release` caller still uses the last payload
+        self._released.set()
 
     async def send(self, msg: Message, payload: torch.Tensor | None = None) -> None:
         prefix, header, body = encode_frame(msg, payload, self.checksum)
@@ -205,10 +211,28 @@ class FramedConnection:
     async def _header(self, nbytes: int) -> bytes:
         return await self.channel.recv_exact(nbytes) if nbytes else b""
 
-    async def recv(self) -> Frame:
-        """The next frame. The caller is done with the previous frame's payload: its consumers are queued."""
-        while True:
+    def defer_release(self) -> Callable[[], None]:
+        """Keep the payload `recv` returned last beyond the next `recv` (its consumers are queued later, by a
+        task): frames without a payload are still read, the next payload only once the returned function
+        was called (exactly once, after those consumers were queued)."""
+        self._released.clear()
+
+        def release() -> None:
             if self._held is not None:
+                self._held.release_payload()
+            self._released.set()
+
+        return release
+
+    async def _payload(self, nbytes: int) -> torch.Tensor:
+        await self._released.wait()
+        return await self.channel.recv_payload(nbytes)
+
+    async def recv(self) -> Frame:
+        """The next frame. Unless it called `defer_release`, the caller is done with the previous frame's
+        payload: its consumers are queued."""
+        while True:
+            if self._held is not None and self._released.is_set():
                 self._held.release_payload()
             raw, version, msg_type, flags, header_len, payload_len, crc = await self._prefix()
             if flags & FLAG_PAYLOAD_FIRST:
@@ -219,14 +243,14 @@ class FramedConnection:
             if flags & FLAG_HEADER_AFTER:
                 raise ProtocolError(f"frame type {msg_type} flagged HEADER_AFTER without a payload before it")
             header = await self._header(header_len)
-            payload = await self.channel.recv_payload(payload_len) if payload_len else None
+            payload = await self._payload(payload_len) if payload_len else None
             if version != PROTOCOL_VERSION:  # raised once the frame is consumed, so an ERROR reply can follow
                 raise VersionMismatch(version)
             if flags & FLAG_CHECKSUM:
                 parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
                 if payload is not None:
-                    if isinstance(self.channel, LandingPayloads):
-                        await self.channel.landed()
+                    if self.landing is not None:
+                        await self.landing.landed()
                     parts.append(payload.cpu())
                 actual = _crc(parts)
                 if actual != crc:
@@ -249,7 +273,7 @@ class FramedConnection:
                 f"bad payload-first frame: type {msg_type}, flags {flags:#x}, header {header_len} B, "
                 f"payload {payload_len} B"
             )
-        payload = await self.channel.recv_payload(payload_len)
+        payload = await self._payload(payload_len)
         _, version, msg_type, flags, header_len, payload_len, _ = await self._prefix()
         if (version, msg_type, flags, payload_len) != (PROTOCOL_VERSION, Data.TYPE, FLAG_HEADER_AFTER, 0):
             raise ProtocolError(

@@ -4,7 +4,11 @@ State of an accepted transfer: OPEN -> (DATA)* -> COMPLETED | ABORTED. Invariant
 taken under the transfer's lock, so exactly one of `on_complete` (then ACK) or `on_abort` runs per accepted
 transfer and no handler call for it overlaps another; a transfer is in `_transfers` exactly while it is OPEN;
 DATA may only name reserved destination blocks, and COMPLETE is accepted only once every (layer, reserved
-block) pair has arrived. Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
+block) pair has arrived. On a channel whose payloads land after `recv` returned them (ucx), a DATA frame
+is checked at once and delivered (`on_data`) by a task once its bytes landed, while the next frames are
+read; a COMPLETE read meanwhile is finished by the last such task of its transfer (its ACK then leaves
+before the channel may post its next receive), and the next payload waits for that frame's release.
+Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
 error, the connection dropping, and `stop()`.
 """
 
@@ -14,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -27,7 +32,7 @@ from pdserve.kvtransfer.common import (
     ProtocolError,
 )
 from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
-from pdserve.kvtransfer.framing import ByteChannel, DeferredPayloads, Frame, FramedConnection, LandingPayloads
+from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection, LandingPayloads
 from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
 from pdserve.kvtransfer.transport import Listener, Transport
@@ -49,6 +54,8 @@ class _Transfer:
         self.done = False
         self.received = np.zeros((layers, len(reply.dst_block_ids)), dtype=np.bool_)  # [L, reserved]
         self.expiry: asyncio.Task[None] | None = None
+        self.landing = 0  # DATA frames whose bytes are still landing (delivered by a task)
+        self.complete: Complete | None = None  # COMPLETE, read while some DATA was still landing
         self._dst_ids: torch.Tensor | None = None  # [reserved] int64: dst_block_ids where payloads land
 
     def dst_ids(self, device: torch.device) -> torch.Tensor:
@@ -72,6 +79,7 @@ class ChannelServer:
         self._transfers: dict[str, _Transfer] = {}
         self._opening: set[str] = set()
         self._connections: dict[ByteChannel, asyncio.Future[None]] = {}
+        self._landings: set[asyncio.Future[None]] = set()  # the delivery tasks of payloads still landing
         self._stopping = False  # connections arriving during stop() are cut at once
 
     @property
@@ -95,6 +103,7 @@ class ChannelServer:
         for channel in list(self._connections):
             channel.abort()
         await asyncio.gather(*self._connections.values())
+        await asyncio.gather(*self._landings)  # their channels are cut: they end at once
         await asyncio.sleep(0)  # let the transports' accept wrappers around _serve return
         if self._listener is not None:
             await self._listener.close()
@@ -171,7 +180,8 @@ class ChannelServer:
         if not isinstance(msg, Data | Complete | Abort):
             raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
         t = self._transfers.get(msg.transfer_id)
-        if t is None or t.conn is not conn:  # e.g. DATA still in flight after the deadline aborted it
+        # e.g. DATA still in flight after the deadline aborted it, or after COMPLETE
+        if t is None or t.conn is not conn or t.complete is not None:
             log.debug(
                 "dropping %s for transfer %r that is not open here", type(msg).__name__, msg.transfer_id
             )
@@ -254,14 +264,49 @@ class ChannelServer:
             await self._abort(t, blocks, notify=True)
             return
         assert payload is not None
-        if isinstance(t.conn.channel, LandingPayloads):  # checked above while the bytes landed
-            await t.conn.channel.landed()
-        dst, cols = blocks
         lay, n = self.identity.layout, len(msg.block_indices)
         # buffer: [num_layers, 2, n, block_size, Hkv, D]
         buffer = payload.view(lay.torch_dtype).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
+        landing = t.conn.landing
+        if landing is None:
+            await self._deliver(t, msg, buffer, blocks)
+            return
+        # The bytes are still landing (the checks above ran meanwhile): deliver them from a task, so the next
+        # frames, COMPLETE typically, are read and checked before they land, not after.
+        release = t.conn.defer_release()
+        t.landing += 1
+        task = asyncio.ensure_future(self._land(t, msg, buffer, blocks, landing, release))
+        self._landings.add(task)
+        task.add_done_callback(self._landings.discard)
+
+    async def _land(
+        self,
+        t: _Transfer,
+        msg: Data,
+        buffer: torch.Tensor,
+        blocks: tuple[torch.Tensor, Cols],
+        landing: LandingPayloads,
+        release: Callable[[], None],
+    ) -> None:
+        try:
+            # A failed landing kills the connection: its reader then aborts the connection's transfers.
+            with contextlib.suppress(ConnectionLost):
+                await landing.landed()
+                await self._deliver(t, msg, buffer, blocks)
+                t.landing -= 1
+                if not t.landing and t.complete is not None:
+                    await self._finish(t, t.complete)
+        finally:
+            release()
+
+    async def _deliver(
+        self, t: _Transfer, msg: Data, buffer: torch.Tensor, blocks: tuple[torch.Tensor, Cols]
+    ) -> None:
+        """Hand a landed payload (as [num_layers, 2, n, block_size, Hkv, D]) to `on_data` and mark its
+        layer-blocks received."""
+        dst, cols = blocks
         async with t.lock:
             if t.done:
                 return
@@ -276,12 +321,19 @@ class ChannelServer:
         await self._abort(t, failure, notify=True)
 
     async def _complete(self, t: _Transfer, msg: Complete) -> None:
+        if t.landing:  # the last DATA still landing finishes the transfer once it was delivered
+            t.complete = msg
+            return
+        await self._finish(t, msg)
+
+    async def _finish(self, t: _Transfer, msg: Complete) -> None:
+        """COMPLETE once every DATA before it was delivered: nothing missing, then on_complete and ACK."""
         missing = int((~t.received).sum())
         if missing:
             await self._abort(t, f"COMPLETE with {missing} of {t.received.size} layer-blocks missing", True)
             return
-        if isinstance(t.conn.channel, DeferredPayloads):  # every payload landed; ConnectionLost if not
-            await t.conn.channel.flush()
+        if t.conn.deferred is not None:  # every payload landed; ConnectionLost if not
+            await t.conn.deferred.flush()
         async with t.lock:
             if t.done:
                 return
