@@ -68,6 +68,14 @@ MAX_IN_FLIGHT = 8  # host payload sends posted ahead of their completion, per co
 _ORPHANS: set[asyncio.Future[None]] = set()  # payload requests of aborted channels, held until they finish
 
 
+def _settle(request: asyncio.Future[None]) -> None:
+    """Let go of an aborted channel's request once it finished, reading its outcome (it failed, most likely:
+    nobody waits for it any more, and asyncio would report the error as never retrieved)."""
+    _ORPHANS.discard(request)
+    if not request.cancelled():
+        request.exception()
+
+
 class UcxChannel:
     def __init__(self, control: TcpChannel, rank: int, host: str, transport: UcxTransport) -> None:
         self._control = control
@@ -255,9 +263,11 @@ class UcxChannel:
         # The aborted endpoint fails their requests soon; until then UCX may still use their tensors, so
         # they stay referenced (not cancelled) until they finish.
         for future in self._take_requests():
-            if not future.done():
+            if future.done():
+                _settle(future)
+            else:
                 _ORPHANS.add(future)
-                future.add_done_callback(_ORPHANS.discard)
+                future.add_done_callback(_settle)
 
     def _take_requests(self) -> list[asyncio.Future[None]]:
         """The channel's payload requests still held (sends, then receives), now the caller's; the receive
