@@ -279,7 +279,13 @@ class ChannelServer:
         t.landing += 1
         task = asyncio.ensure_future(self._land(t, msg, buffer, blocks, landing, release))
         self._landings.add(task)
-        task.add_done_callback(self._landings.discard)
+        task.add_done_callback(self._landed)
+
+    def _landed(self, task: asyncio.Future[None]) -> None:
+        """A delivery task ended. One that raised is a bug: logged; its transfer ends at its deadline."""
+        self._landings.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("delivering a landed payload failed", exc_info=task.exception())
 
     async def _land(
         self,

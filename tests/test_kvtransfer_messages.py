@@ -292,3 +292,32 @@ def test_a_held_payload_is_released_only_when_the_next_frame_is_read() -> None:
     channel.calls.clear()
     asyncio.run(conn.recv())
     assert channel.calls[0] == "release" and channel.calls.count("release") == 1
+
+
+def test_a_deferred_payload_holds_back_the_next_payload_until_released() -> None:
+    """The receiver keeps a payload that is still landing past the next `recv` (defer_release): frames without
+    a payload are read meanwhile, but the next payload only after the release, which frees the held one."""
+    msg = EXAMPLES[8]
+    assert isinstance(msg, Data)
+
+    async def scenario() -> None:
+        channel = HoldingChannel()
+        conn = FramedConnection(channel, 1 << 20)
+        conn.checksum = False
+        await conn.send_built(lambda: msg, torch.ones(16, dtype=torch.uint8))
+        await conn.send(Ready())
+        await conn.send_built(lambda: msg, torch.full((16,), 2, dtype=torch.uint8))
+        assert isinstance((await conn.recv()).msg, Data)
+        release = conn.defer_release()
+        channel.calls.clear()
+        assert isinstance((await conn.recv()).msg, Ready)
+        assert "release" not in channel.calls
+        second = asyncio.ensure_future(conn.recv())
+        await asyncio.sleep(0.01)
+        assert not second.done() and channel.calls[-1] == "read 24"  # its prefix, not its payload
+        release()
+        frame = await second
+        assert frame.payload is not None and frame.payload.tolist() == [2] * 16
+        assert channel.calls.index("release") < channel.calls.index("payload 16")
+
+    asyncio.run(scenario())
