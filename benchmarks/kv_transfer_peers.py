@@ -9,6 +9,7 @@ pattern D can recompute, so D checks every transferred block bit for bit. Result
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ from pdserve.kvtransfer.cuda_ipc import live_windows
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.kvtransfer.nccl import NcclBackend
 from pdserve.kvtransfer.pair_group import live_groups, wait_aborted
+from pdserve.kvtransfer.ucx import ucx_context
 from pdserve.shared.types import BlockId, NodeId, RequestId
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
@@ -136,6 +138,13 @@ def raw_nccl_recv(store: dist.Store, device: torch.device) -> None:
 
 async def serve(device: torch.device, kinds: list[str], victim: bool) -> None:
     """D: a server per connector kind; a victim's dies at its first DATA."""
+    async with contextlib.AsyncExitStack() as raw_context:
+        await _serve(device, kinds, victim, raw_context)
+
+
+async def _serve(
+    device: torch.device, kinds: list[str], victim: bool, raw_context: contextlib.AsyncExitStack
+) -> None:
     handler = BenchHandler(device, die_on_data=victim)
     identity = PeerIdentity(NodeId("bench-d"), b"\x01" * 32, LAYOUT)
     servers = {k: create_server(config(k, str(device)), identity, handler) for k in kinds}
@@ -153,7 +162,10 @@ async def serve(device: torch.device, kinds: list[str], victim: bool) -> None:
                     await ep.send(ack)
             await ep.close()
 
+        # raw ucxx runs in the UCX context the connector uses, held until this process ends
+        await raw_context.enter_async_context(ucx_context(config("ucx", str(device))))
         listener = ucxx.create_listener(raw_ucx, port=0)
+        raw_context.callback(listener.close)
         store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=120), wait_for_workers=False)
         threading.Thread(target=raw_nccl_recv, args=(store, device), daemon=True).start()
         ready |= {"ucx_port": listener.port, "nccl_port": store.port}
@@ -175,9 +187,10 @@ async def serve(device: torch.device, kinds: list[str], victim: bool) -> None:
     )
 
 
-def gib_s(nbytes: int, seconds: list[float]) -> dict[str, float]:
+def gib_s(nbytes: int, seconds: list[float]) -> dict[str, Any]:
     med = statistics.median(seconds)
-    return {"gib_s": nbytes / med / 2**30, "median_ms": med * 1e3, "reps": len(seconds)}
+    every = [round(s * 1e3, 4) for s in seconds]
+    return {"gib_s": nbytes / med / 2**30, "median_ms": med * 1e3, "reps": len(seconds), "ms": every}
 
 
 def raw_nccl_send(port: int, device: torch.device) -> None:
@@ -253,7 +266,12 @@ def sync(device: torch.device) -> None:
 
 async def drive(device: torch.device, ready: dict[str, Any], victims: dict[str, Any]) -> None:
     await asyncio.to_thread(raw_nccl_send, ready["nccl_port"], device)
-    await raw_ucx_send(ready["ucx_port"], device)
+    async with ucx_context(config("ucx", str(device))):  # raw ucxx in the connector's UCX context
+        await raw_ucx_send(ready["ucx_port"], device)
+        await _drive(device, ready, victims)
+
+
+async def _drive(device: torch.device, ready: dict[str, Any], victims: dict[str, Any]) -> None:
     kv = pattern_cache(device)
     await connectors(device, ready["servers"], kv)
     for kind in ready["servers"]:

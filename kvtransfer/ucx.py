@@ -45,9 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import functools
+import logging
 import os
 import struct
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import torch
@@ -55,10 +60,11 @@ import ucxx
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
-from pdserve.kvtransfer.device_sync import event_done, stream_idle
+from pdserve.kvtransfer.device_sync import SPIN_S, event_done, stream_idle
 from pdserve.kvtransfer.framing import ByteChannel
 from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel, TcpListener
 
+log = logging.getLogger("pdserve.kvtransfer")
 _UCX_ERRORS = (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled)
 RECORD = struct.Struct("<4sH2xQ16s")  # magic, UCX listener port, pad, D's window, key
 RECORD_MAGIC = b"PDUX"
@@ -68,10 +74,109 @@ MAX_IN_FLIGHT = 8  # host payload sends posted ahead of their completion, per co
 _ORPHANS: set[asyncio.Future[None]] = set()  # payload requests of aborted channels, held until they finish
 
 
-def _settle(request: asyncio.Future[None]) -> None:
+def progress_mode(config: ConnectorConfig) -> str:
+    """The ucxx progress mode `config` asks for ("auto" resolved by its device)."""
+    if config.ucx_progress != "auto":
+        return config.ucx_progress
+    return "thread-polling" if torch.device(config.device).type == "cuda" else "thread"
+
+
+class _Context:
+    """This process's UCX context, shared by every ucx transport (UCX has one per process; the first progress
+    mode holds). Requests complete through ucxx's Python futures, which its notifier thread sets on the event
+    loop: without them ucxx awaits a request by turning the loop without pause, so D's standing receive
+    kept an idle node's loop busy for good, and a Python thread beside it (the node's engine) ran 4.4x
+    slower (benchmarks/ucx_idle_loop.py). The notifier serves one event loop: it starts with the first user (a
+    listener, a set-up channel, a request of an aborted channel still in flight) and stops, in a thread of
+    its own (it takes up to a second), when the last one goes; the next loop (a test's) starts it anew."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.generation = 0  # counts starts: a user hands back the generation it joined
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stopping: threading.Thread | None = None
+
+    async def acquire(self, mode: str) -> int:
+        """Become a user (starting the context on this loop if it has none); the generation to hand back."""
+        loop = asyncio.get_running_loop()
+        if self.users and loop is not self.loop:
+            if self.loop is not None and not self.loop.is_closed():
+                raise RuntimeError("ucx serves one event loop per process at a time")
+            log.warning("%d UCX users of a closed event loop were never closed; starting afresh", self.users)
+            self.users = 0
+            self._stop()
+        if self.users == 0:
+            if self.stopping is not None:
+                await asyncio.to_thread(self.stopping.join)
+                self.stopping = None
+            self._start(mode)
+            self.loop = loop
+            self.generation += 1
+        self.users += 1
+        return self.generation
+
+    def retain(self, generation: int) -> None:
+        """One more user, joining the `generation` an existing user holds."""
+        if generation == self.generation and self.users:
+            self.users += 1
+
+    def release(self, generation: int) -> None:
+        if generation != self.generation or not self.users:  # a user of a context started afresh since
+            return
+        self.users -= 1
+        if not self.users:
+            self._stop()
+
+    def at_exit(self) -> None:
+        """At interpreter exit, before it waits for threads: end the notifier if a user is left."""
+        if self.users:
+            self.users = 0
+            self._stop()
+        if self.stopping is not None:
+            self.stopping.join()
+
+    def _stop(self) -> None:
+        self.loop = None
+        self.stopping = threading.Thread(target=ucxx.stop_notifier_thread, name="ucx-notifier-stop")
+        self.stopping.start()
+
+    def _start(self, mode: str) -> None:
+        try:
+            ucxx.init(progress_mode=mode, enable_python_future=True)
+        except RuntimeError:  # started by an earlier loop, whose users all went: restart its notifier here
+            context = ucxx.core._get_ctx()
+            if not context.enable_python_future:
+                raise RuntimeError(
+                    "ucxx was started without Python futures before the ucx connector"
+                ) from None
+            if context.progress_mode != mode:
+                log.warning(
+                    "UCX runs with progress mode %r already; %r is ignored", context.progress_mode, mode
+                )
+            context.start_notifier_thread()
+        else:
+            # a process that exits with users left (a crash path) must not wait on the notifier forever
+            threading._register_atexit(CONTEXT.at_exit)  # type: ignore[attr-defined]
+
+
+CONTEXT = _Context()
+
+
+@contextlib.asynccontextmanager
+async def ucx_context(config: ConnectorConfig) -> AsyncIterator[None]:
+    """Hold this process's UCX context for raw ucxx use beside the connector (benchmarks)."""
+    generation = await CONTEXT.acquire(progress_mode(config))
+    try:
+        yield
+    finally:
+        CONTEXT.release(generation)
+
+
+def _settle(generation: int, request: asyncio.Future[None]) -> None:
     """Let go of an aborted channel's request once it finished, reading its outcome (it failed, most likely:
     nobody waits for it any more, and asyncio would report the error as never retrieved)."""
     _ORPHANS.discard(request)
+    CONTEXT.release(generation)
     if not request.cancelled():
         request.exception()
 
@@ -94,6 +199,8 @@ class UcxChannel:
         self._buffer: torch.Tensor | None = None  # D: LATE payloads on a GPU, grown to the largest, reused
         self._in_flight: collections.deque[asyncio.Future[None]] = collections.deque()  # P's payload sends
         self._landing: asyncio.Future[None] | None = None  # D: the last payload's receive, until seen landed
+        self._context: int | None = None  # as a user of CONTEXT (its generation), from setup to the end
+        self._closing = False  # close() lets go of CONTEXT itself, once its requests ended
 
     @property
     def peer(self) -> str:
@@ -116,6 +223,7 @@ class UcxChannel:
     async def authenticated(self) -> None:
         self._check()
         timeout = self._transport.setup_timeout_s
+        self._context = await CONTEXT.acquire(self._transport.progress_mode)
         try:
             if self._rank == 0:
                 key = os.urandom(KEY_BYTES)
@@ -241,6 +349,10 @@ class UcxChannel:
             self._check()
             return
         try:
+            if not landing.done():  # a caller waits for these bytes: watch for them on every turn, briefly
+                spin_until = time.perf_counter() + SPIN_S
+                while not landing.done() and time.perf_counter() < spin_until:
+                    await asyncio.sleep(0)
             if not landing.done():
                 await asyncio.wait_for(asyncio.shield(landing), self._transport.payload_timeout_s)
             landing.result()
@@ -263,11 +375,20 @@ class UcxChannel:
         # The aborted endpoint fails their requests soon; until then UCX may still use their tensors, so
         # they stay referenced (not cancelled) until they finish.
         for future in self._take_requests():
+            assert self._context is not None, "payload requests before the UCX setup"
+            CONTEXT.retain(self._context)  # until it finished: its completion comes through the notifier
             if future.done():
-                _settle(future)
+                _settle(self._context, future)
             else:
                 _ORPHANS.add(future)
-                future.add_done_callback(_settle)
+                future.add_done_callback(functools.partial(_settle, self._context))
+        if not self._closing:
+            self._release_context()
+
+    def _release_context(self) -> None:
+        if self._context is not None:
+            CONTEXT.release(self._context)
+            self._context = None
 
     def _take_requests(self) -> list[asyncio.Future[None]]:
         """The channel's payload requests still held (sends, then receives), now the caller's; the receive
@@ -287,10 +408,12 @@ class UcxChannel:
     async def close(self) -> None:
         if self._dead is None:
             self._dead = "closed"
+        self._closing = True
         pending = self._take_requests()
         if self._ep is not None:
             await self._ep.close()  # ends the requests still in flight; then they can be collected
         await asyncio.gather(*pending, return_exceptions=True)
+        self._release_context()
         await self._control.close()
 
 
@@ -322,7 +445,9 @@ class UcxTransport:
         self.setup_timeout_s = config.handshake_timeout_s
         self.payload_timeout_s = config.payload_timeout_s
         self.window_bytes = config.window_bytes
+        self.progress_mode = progress_mode(config)
         self._listener: ucxx.Listener | None = None
+        self._listener_context = 0  # the CONTEXT generation the listener joined
         self._expected: dict[bytes, asyncio.Future[ucxx.Endpoint]] = {}
 
     def bind_device(self) -> None:
@@ -366,7 +491,12 @@ class UcxTransport:
     ) -> UcxListener:
         self.bind_device()
         assert self._listener is None, "one listener per transport"
-        self._listener = ucxx.create_listener(self._accept, port=0)
+        self._listener_context = await CONTEXT.acquire(self.progress_mode)
+        try:
+            self._listener = ucxx.create_listener(self._accept, port=0)
+        except BaseException:
+            CONTEXT.release(self._listener_context)
+            raise
         try:
             control = await self._control.listen(host, port, on_channel)
         except BaseException:
@@ -378,6 +508,7 @@ class UcxTransport:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+            CONTEXT.release(self._listener_context)
 
 
 def _checksum_default(config: ConnectorConfig) -> bool:

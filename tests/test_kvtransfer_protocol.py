@@ -55,7 +55,7 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
-from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport
+from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport, progress_mode
 from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
 
 T = TypeVar("T")
@@ -727,3 +727,40 @@ def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
             await server.stop()
 
     run(scenario())
+
+
+def test_an_idle_ucx_connection_leaves_the_event_loop_idle() -> None:
+    """With D's standing receive posted and nothing sent, neither end's event loop turns: the thread that runs
+    it uses (almost) no CPU while it sleeps. ucxx awaiting a request without Python futures spun the loop
+    without pause, which took the GIL from the node's engine thread every few microseconds."""
+
+    async def scenario() -> None:
+        accepted: asyncio.Future[ByteChannel] = asyncio.get_running_loop().create_future()
+
+        async def on_channel(channel: ByteChannel) -> None:
+            await channel.authenticated()
+            accepted.set_result(channel)
+
+        d_transport = UcxTransport(config("ucx", window_bytes=1 << 20))
+        listener = await d_transport.listen("127.0.0.1", 0, on_channel)
+        p_channel = await UcxTransport(config("ucx")).dial("127.0.0.1", listener.port, 5.0)
+        await asyncio.wait_for(p_channel.authenticated(), 10.0)
+        d_channel = await asyncio.wait_for(accepted, 10.0)
+        assert isinstance(d_channel, UcxChannel) and d_channel._standing is not None
+        cpu = time.thread_time()
+        await asyncio.sleep(1.0)
+        assert time.thread_time() - cpu < 0.2  # a spinning loop uses the whole second
+        await p_channel.close()
+        await d_channel.close()
+        await listener.close()
+
+    run(scenario())
+
+
+def test_ucx_progress_mode_follows_the_config() -> None:
+    """The "auto" mode polls on a GPU and sleeps on host memory; an unknown mode is refused at config time."""
+    assert progress_mode(config("ucx")) == "thread"
+    assert progress_mode(config("ucx", device="cuda:0")) == "thread-polling"
+    assert progress_mode(config("ucx", ucx_progress="thread-polling")) == "thread-polling"
+    with pytest.raises(ValueError, match="ucx_progress"):
+        config("ucx", ucx_progress="busy")
