@@ -49,7 +49,14 @@ def raw_copy(size: int, reps: int = 10) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
     assert torch.equal(dst[:1024].cpu(), src[:1024].cpu())
     med = statistics.median(times)
-    return {"path": "raw copy GPU0->GPU1", "size": size, "gib_s": size / med / 2**30, "median_ms": med * 1e3}
+    every = [round(t * 1e3, 4) for t in times]
+    return {
+        "path": "raw copy GPU0->GPU1",
+        "size": size,
+        "gib_s": size / med / 2**30,
+        "median_ms": med * 1e3,
+        "ms": every,
+    }
 
 
 def start(role: str, device: str, *args: str) -> subprocess.Popen[str]:
