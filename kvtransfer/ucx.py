@@ -172,6 +172,22 @@ async def ucx_context(config: ConnectorConfig) -> AsyncIterator[None]:
         CONTEXT.release(generation)
 
 
+class _RequestFailed(Exception):
+    """A UCX request failed (cancelled by an endpoint's end, or an error); the message names ucxx's error."""
+
+
+async def _request(op: Awaitable[object]) -> None:
+    """Await one ucxx send or receive. ucxx keeps a failed request's exception for as long as the worker
+    lives (in the Python future its C++ request set), and the traceback it gathers on the way up names every
+    frame it passed, with their locals: the buffer among them (measured: each closed connection left its
+    512 MiB slot allocated on D). So the error stops here, its traceback dropped, and a fresh one goes on."""
+    try:
+        await op
+    except _UCX_ERRORS as e:
+        e.__traceback__ = None
+        raise _RequestFailed(repr(e)) from None
+
+
 def _settle(generation: int, request: asyncio.Future[None]) -> None:
     """Let go of an aborted channel's request once it finished, reading its outcome (it failed, most likely:
     nobody waits for it any more, and asyncio would report the error as never retrieved)."""
@@ -243,8 +259,8 @@ class UcxChannel:
                 raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
             self._transport.bind_device()
             self._ep = await ucxx.create_endpoint(self._host, port, connect_timeout=timeout)
-            await asyncio.wait_for(self._ep.send(np.frombuffer(key, dtype=np.uint8)), timeout)
-        except (*_UCX_ERRORS, TimeoutError, OSError) as e:
+            await asyncio.wait_for(_request(self._ep.send(np.frombuffer(key, dtype=np.uint8))), timeout)
+        except (*_UCX_ERRORS, _RequestFailed, TimeoutError, OSError) as e:
             raise self._lost(f"UCX endpoint setup failed: {e!r}") from e
         except BaseException as e:
             self._fail(f"UCX endpoint setup failed: {e!r}")
@@ -265,15 +281,17 @@ class UcxChannel:
                     while self._in_flight:  # GPU payloads one at a time
                         await self._in_flight.popleft()
                 tag = WINDOW if body.numel() <= self._peer_window else LATE
-                big = asyncio.ensure_future(endpoint.send(body if body.is_cuda else body.numpy(), tag=tag))
+                big = asyncio.ensure_future(
+                    _request(endpoint.send(body if body.is_cuda else body.numpy(), tag=tag))
+                )
                 big.add_done_callback(self._payload_done)
                 self._in_flight.append(big)
                 await asyncio.sleep(0)  # posted now: a WINDOW payload moves before D reads its prefix
             await self._control.send(prefix, header, None)
             while self._in_flight and (self._in_flight[0].done() or len(self._in_flight) > MAX_IN_FLIGHT):
                 await self._in_flight.popleft()
-        except _UCX_ERRORS as e:
-            raise self._lost(f"a payload send failed: {e!r}") from e
+        except _RequestFailed as e:
+            raise self._lost(f"a payload send failed: {e}") from None
         except ConnectionLost as e:
             self._fail(f"control send failed: {e}")
             raise
@@ -287,7 +305,7 @@ class UcxChannel:
         """Post the slot's receive for the next payload that fits the window."""
         assert self._slot is not None and self._standing is None
         slot = self._slot if self._slot.is_cuda else self._slot.numpy()
-        self._standing = asyncio.ensure_future(self._endpoint().recv(slot, tag=WINDOW))
+        self._standing = asyncio.ensure_future(_request(self._endpoint().recv(slot, tag=WINDOW)))
 
     async def _repost(self, held: asyncio.Future[None], consumers: torch.cuda.Event | None) -> None:
         """Post the next standing receive once `held` (the slot's last receive) ended and, on a GPU, the GPU
@@ -328,7 +346,7 @@ class UcxChannel:
             return self._slot[:nbytes]
         if self._device.type == "cpu":
             out = torch.empty(nbytes, dtype=torch.uint8)
-            self._landing = asyncio.ensure_future(endpoint.recv(out.numpy(), tag=LATE))
+            self._landing = asyncio.ensure_future(_request(endpoint.recv(out.numpy(), tag=LATE)))
             await self.landed()
             return out
         if self._buffer is None or self._buffer.numel() < nbytes:
@@ -337,7 +355,7 @@ class UcxChannel:
         # UCX writes on its own streams: kernels still reading the previous frame must be done first.
         await stream_idle(torch.cuda.current_stream(self._device))
         view = self._buffer[:nbytes]
-        self._landing = asyncio.ensure_future(endpoint.recv(view, tag=LATE))
+        self._landing = asyncio.ensure_future(_request(endpoint.recv(view, tag=LATE)))
         await asyncio.sleep(0)  # posted now: the bytes move while the caller reads the header
         return view
 
@@ -358,8 +376,8 @@ class UcxChannel:
             landing.result()
         except TimeoutError:
             raise self._lost(f"payload not done within {self._transport.payload_timeout_s}s") from None
-        except _UCX_ERRORS as e:
-            raise self._lost(f"a payload receive failed: {e!r}") from e
+        except _RequestFailed as e:
+            raise self._lost(f"a payload receive failed: {e}") from None
         self._landing = None
         self._check()
 
@@ -472,8 +490,8 @@ class UcxTransport:
     async def _accept(self, endpoint: ucxx.Endpoint) -> None:
         key = np.empty(KEY_BYTES, dtype=np.uint8)
         try:
-            await asyncio.wait_for(endpoint.recv(key), self.setup_timeout_s)
-        except (*_UCX_ERRORS, TimeoutError):
+            await asyncio.wait_for(_request(endpoint.recv(key)), self.setup_timeout_s)
+        except (_RequestFailed, TimeoutError):
             endpoint.abort()
             return
         future = self._expected.pop(key.tobytes(), None)

@@ -764,3 +764,35 @@ def test_ucx_progress_mode_follows_the_config() -> None:
     assert progress_mode(config("ucx", ucx_progress="thread-polling")) == "thread-polling"
     with pytest.raises(ValueError, match="ucx_progress"):
         config("ucx", ucx_progress="busy")
+
+
+def test_a_closed_ucx_connection_leaves_no_window_behind() -> None:
+    """After a transfer and the connection's end (P closes, then D stops), nothing references D's window:
+    ucxx keeps a failed request's exception for good, so its traceback, which named the receive's buffer
+    (the window), must not travel with it."""
+    window = (3 << 20) + 4096  # a size no other buffer here has
+
+    def windows_alive() -> int:
+        gc.collect()
+        storages = {
+            o.untyped_storage().data_ptr()
+            for o in gc.get_objects()
+            if type(o) is torch.Tensor and o.untyped_storage().nbytes() == window
+        }
+        return len(storages)
+
+    async def scenario() -> None:
+        handler = PagedReceiver(LAYOUT, 32)
+        server = await started("ucx", handler, window_bytes=window)
+        sender = create_sender(config("ucx"), identity("prefill-0"))
+        src = random_cache(LAYOUT, 16, seed=5)
+        for i in range(3):
+            await push(await sender.session(server.address, RequestId(f"t{i}")), src, [1, 2, 3], [])
+        assert windows_alive() == 1  # D's, while the connection lives
+        await sender.close()
+        await until(lambda: not server.open_transfer_ids())
+        await server.stop()
+        await asyncio.sleep(0.2)  # the cancelled standing receive reaches its end
+        assert windows_alive() == 0
+
+    run(scenario())
