@@ -367,7 +367,10 @@ class UcxChannel:
             self._check()
             return
         try:
-            if not landing.done():  # a caller waits for these bytes: watch for them on every turn, briefly
+            # A caller waits for these bytes: on a GPU, watch for them on every turn, briefly (measured with
+            # this on two H200s). Not on host memory: the notifier thread that sets the future needs the GIL
+            # the turning loop holds (4 KiB frames took 712 against 592 us with it, 2-core CPU VM).
+            if not landing.done() and self._device.type == "cuda":
                 spin_until = time.perf_counter() + SPIN_S
                 while not landing.done() and time.perf_counter() < spin_until:
                     await asyncio.sleep(0)
