@@ -3,8 +3,9 @@
 A program, not a test: `python benchmarks/ucx_idle_loop.py` (CPU is enough). One process holds both ends of a
 ucx connection (host memory, D's standing receive posted, nothing sent) while a Python thread runs small torch
 ops, as a node's engine thread does; it reports that thread's time per step with and without the
-connection. An event loop that turns without pause (ucxx awaiting a request without Python
-futures) takes the GIL from that thread every few microseconds.
+connection, and with the loop kept turning by a task (as any spin-wait does). An event loop that turns
+without pause (ucxx awaiting a request without Python futures, or a spin) takes the GIL from that thread
+every few microseconds.
 """
 
 from __future__ import annotations
@@ -42,11 +43,24 @@ async def measure() -> float:
     return out[0]
 
 
+async def turning() -> float:
+    """The engine thread's µs per step while a task keeps the loop turning (what a spin-wait does)."""
+    task = asyncio.ensure_future(measure())
+    while not task.done():
+        await asyncio.sleep(0)
+    return task.result()
+
+
 async def main(reps: int) -> None:
     torch.set_num_threads(1)
-    rows: dict[str, list[float]] = {"no connection": [], "idle ucx connection": []}
+    rows: dict[str, list[float]] = {
+        "no connection": [],
+        "no connection, loop turning without pause": [],
+        "idle ucx connection": [],
+    }
     for _ in range(reps):
         rows["no connection"].append(await measure())
+        rows["no connection, loop turning without pause"].append(await turning())
     config = ConnectorConfig(kind="ucx", auth_token="bench", window_bytes=1 << 20)
     d_transport, p_transport = UcxTransport(config), UcxTransport(config)
     accepted: asyncio.Future[ByteChannel] = asyncio.get_running_loop().create_future()
