@@ -38,7 +38,10 @@ Invariants: D has at most one WINDOW receive and one LATE receive posted, and a 
 buffer only after the previous one into it ended and its consumers finished; P's payloads with tag WINDOW
 never exceed D's window; after `abort()` (or any UCX error, a payload still in flight included) every
 pending and later call raises `ConnectionLost`; a payload's tensor stays referenced until UCX is done with
-its request, also after `abort()`; `close()` returns with no request of the channel left.
+its request, also after `abort()`; `close()` returns with no request of the channel left. Requests complete
+through ucxx's Python futures (`_Context`), so no loop turns while a request waits (a GPU landing with a
+caller waiting excepted, for SPIN_S), and each is awaited through `_request`, so no ucxx error that ucxx
+keeps refers to a buffer.
 """
 
 from __future__ import annotations
