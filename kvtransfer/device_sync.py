@@ -42,8 +42,8 @@ async def stream_idle(stream: torch.cuda.Stream) -> None:
 
 @contextlib.contextmanager
 def on_device(device: torch.device) -> Iterator[None]:
-    """Make `device` current for the block; nothing to do (and nothing paid) when it is current already."""
-    if device.index is None or device.index == torch.cuda.current_device():
+    """Make `device` current for the block; nothing to do (one C call) when it is current already."""
+    if device.index is None or device.index == torch._C._cuda_getDevice():
         yield
         return
     with torch.cuda.device(device):
@@ -52,16 +52,17 @@ def on_device(device: torch.device) -> Iterator[None]:
 
 @contextlib.contextmanager
 def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
-    """Make `stream` (and its device) current for the block. When its device is current already (the usual
-    case on a node), a plain set and restore: torch.cuda.device plus torch.cuda.stream took ~40 µs on the GPU
-    machines' cores, in front of every payload op."""
-    previous = torch.cuda.current_stream()
-    if previous.device != stream.device:
-        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-            yield
-        return
-    torch.cuda.set_stream(stream)
+    """Make `stream` (and its device) current for the block, then restore both. Straight through torch's C
+    bindings: on a core that just woke from an idle wait (the usual state of a node's loop when a frame
+    comes), torch.cuda.current_stream plus set_stream took 36 µs against 6 µs for the calls beneath them
+    (median on the H200 host), in front of every payload op."""
+    index = stream.device_index
+    device = torch._C._cuda_getDevice()
+    previous = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
+    torch._C._cuda_setStream(stream.stream_id, index, stream.device_type)  # makes `index` current too
     try:
         yield
     finally:
-        torch.cuda.set_stream(previous)
+        torch._C._cuda_setStream(*previous)
+        if device != index:
+            torch._C._cuda_setDevice(device)
