@@ -166,6 +166,8 @@ class ChannelSession:
             while not waiter.done() and time.perf_counter() < spin_until:
                 await asyncio.sleep(0)
         try:
+            if waiter.done():  # seen while spinning: no timeout scope to set up
+                return waiter.result()
             return await asyncio.wait_for(waiter, max(until - time.time(), 0.0))
         except TimeoutError:
             await self.abort(f"no {what} from receiver by the deadline")
