@@ -9,9 +9,10 @@ CUDA_VISIBLE_DEVICES is fine.
 
 Setup (`authenticated`, after the handshake): D allocates its window (`ConnectorConfig.window_bytes` on
 its device) and exports it with torch's IPC handle, creates SLOTS interprocess "freed" events and a
-one-word shared-memory progress counter, and writes one SETUP record on the TCP connection; P maps the
-window into its own device's address space, opens the events, and answers with SLOTS interprocess "copied"
-events of its own. Records are a u32 length and a msgpack map, checked field by field.
+shared-memory file (doorbell.py) holding a one-word progress counter and the ACK doorbell, and writes one
+SETUP record on the TCP connection; P maps the window into its own device's address space, maps the file
+read-only, opens the events, and answers with SLOTS interprocess "copied" events of its own. Records are a
+u32 length and a msgpack map, checked field by field.
 
 Frames: payload k of a connection lands at an offset both ends compute alike (`WindowRing`), so no offset
 travels. P waits on the host until D has released frame `must` (the newest earlier frame whose bytes the new
@@ -38,7 +39,6 @@ import collections
 import contextlib
 import logging
 import mmap
-import os
 import struct
 import time
 import weakref
@@ -51,6 +51,7 @@ from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import on_device, on_stream, poll
+from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, Doorbell, SharedFile, open_shared
 from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
@@ -60,9 +61,9 @@ ALIGN = 512  # window offsets are multiples of this
 RECORD_LEN = struct.Struct("<I")
 MAX_RECORD_BYTES = 1 << 16
 SETUP_MAGIC = "pdserve-cuda-ipc-1"
-SHM_DIR = "/dev/shm"
 SHM_PREFIX = "pdserve-ipc-"
 COUNTER = struct.Struct("<q")
+SHM_BYTES = COUNTER.size + DOORBELL_BYTES  # the progress counter, then the ACK doorbell
 _LIVE: weakref.WeakSet[IpcChannel] = weakref.WeakSet()
 _DROPPING: set[asyncio.Task[None]] = set()  # P mappings waiting for their copies to end
 
@@ -149,8 +150,9 @@ class IpcChannel:
         self._window: torch.Tensor | None = None  # [window_bytes] uint8: D's own, or P's mapping of it
         self._freed: list[torch.cuda.Event] = []  # D records, P waits
         self._copied: list[torch.cuda.Event] = []  # P records, D waits
-        self._counter: mmap.mmap | None = None  # frames D released so far (int64)
-        self._shm_path: str | None = None  # D: the counter's file until P mapped it
+        self._counter: mmap.mmap | None = None  # frames D released so far (int64), then the doorbell
+        self._shared: SharedFile | None = None  # D: the counter's file until P mapped it
+        self._doorbell: Doorbell | None = None
         self._stream: torch.cuda.Stream | None = None  # P: the copy stream
         self._held: tuple[int, torch.cuda.Stream] | None = None  # D: payload handed out, its consumer stream
         self._last: int | None = None  # D: seq of the newest payload received
@@ -208,14 +210,9 @@ class IpcChannel:
             shared = self._window.untyped_storage()._share_cuda_()
             self._freed = [_event() for _ in range(SLOTS)]
             freed = _handles(self._freed)
-        name = f"{SHM_PREFIX}{os.urandom(16).hex()}"
-        self._shm_path = os.path.join(SHM_DIR, name)
-        fd = os.open(self._shm_path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, COUNTER.size)
-            self._counter = mmap.mmap(fd, COUNTER.size)
-        finally:
-            os.close(fd)
+        self._shared = SharedFile(SHM_PREFIX, SHM_BYTES)
+        self._counter = self._shared.mapping
+        self._doorbell = Doorbell(self._counter, COUNTER.size)
         _, handle, size, offset, rc_handle, rc_offset, event, event_sync = shared
         await self._send_record(
             {
@@ -228,7 +225,7 @@ class IpcChannel:
                 "event": bytes(event or b""),
                 "event_sync": bool(event_sync),
                 "freed": freed,
-                "progress": name,
+                "progress": self._shared.token,
             }
         )
         reply = await self._recv_record()
@@ -239,14 +236,13 @@ class IpcChannel:
 
     async def _setup_sender(self) -> None:
         record = await self._recv_record()
-        name = _field(record, "progress", str)
-        if not name.startswith(SHM_PREFIX) or "/" in name:
-            raise ConnectionLost(f"cuda_ipc setup record: bad progress counter name {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
         try:
-            self._counter = mmap.mmap(fd, COUNTER.size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+            self._counter = open_shared(SHM_PREFIX, _field(record, "progress", bytes), SHM_BYTES)
+        except ValueError as e:
+            raise ConnectionLost(f"cuda_ipc setup record: {e}") from None
+        if self._counter is None:
+            raise ConnectionLost(f"{self.peer}'s progress counter is not on this host (cuda_ipc needs one)")
+        self._doorbell = Doorbell(self._counter, COUNTER.size)
         index = self._device.index if self._device.index is not None else torch.cuda.current_device()
         with on_device(self._device):
             # Mapped into this process's own device: copies into it run on this GPU's copy engines (mapped
@@ -349,6 +345,13 @@ class IpcChannel:
         assert self._counter is not None
         COUNTER.pack_into(self._counter, 0, seq + 1)
 
+    def ring_ack(self, key: bytes) -> None:
+        if self._doorbell is not None:
+            self._doorbell.ring(key)
+
+    def ack_rung(self, key: bytes) -> bool:
+        return self._doorbell is not None and self._doorbell.rung(key)
+
     async def recv_exact(self, nbytes: int) -> bytes:
         self._check()
         return await self._control.recv_exact(nbytes)
@@ -379,10 +382,9 @@ class IpcChannel:
     # teardown
 
     def _unlink(self) -> None:
-        if self._shm_path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._shm_path)
-            self._shm_path = None
+        if self._shared is not None:
+            self._shared.unlink()
+            self._shared = None
 
     def _fail(self, reason: str, level: int = logging.WARNING) -> None:
         if self._dead is None:
@@ -398,6 +400,7 @@ class IpcChannel:
         self._unlink()
         self._held = None
         self._freed, self._copied = [], []
+        self._doorbell = None
         if self._counter is not None:
             self._counter.close()
             self._counter = None

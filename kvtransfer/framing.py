@@ -114,6 +114,18 @@ class HeldPayloads(Protocol):
         memory may be reused after them. A no-op when no payload is held."""
 
 
+@runtime_checkable
+class AckDoorbell(Protocol):
+    """A channel with an ACK doorbell (doorbell.py), when its ends share a host: D rings a transfer's key
+    just before that transfer's ACK frame, and P, spinning for the ACK, may find it there first."""
+
+    def ring_ack(self, key: bytes) -> None:
+        """D: the transfer of `key` is acknowledged (its ACK frame follows)."""
+
+    def ack_rung(self, key: bytes) -> bool:
+        """P: whether D rang `key` (always False when the peer is on another host)."""
+
+
 class VersionMismatch(ProtocolError):
     def __init__(self, peer_version: int) -> None:
         super().__init__(f"peer speaks protocol v{peer_version}, this node v{PROTOCOL_VERSION}")
@@ -170,6 +182,7 @@ class FramedConnection:
         self.landing = channel if isinstance(channel, LandingPayloads) else None
         self.deferred = channel if isinstance(channel, DeferredPayloads) else None
         self._held = channel if isinstance(channel, HeldPayloads) else None
+        self.doorbell = channel if isinstance(channel, AckDoorbell) else None
         self._released = asyncio.Event()  # clear while a `defer_release` caller still uses the last payload
         self._released.set()
 

@@ -1,4 +1,4 @@
-"""The messages of KV-transfer protocol v3 and their header encoding (docs/kv_transfer_protocol.md).
+"""The messages of KV-transfer protocol v4 and their header encoding (docs/kv_transfer_protocol.md).
 
 Each message is a frozen dataclass with a one-byte wire type; its header is a msgpack map of its fields
 (tuples as arrays, bytes as bin, `KVLayout` as a nested map). Decoding checks every field's wire type against
@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import msgpack
 from pdserve.kvtransfer.common import KVLayout, ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,13 @@ on the pair's group (P `send`s, D `recv`s into one reused buffer on `ConnectorCo
 handle frames strictly in order, so the n-th payload send meets the n-th payload recv.
 
 Setup, after the handshake authenticated the peer (`authenticated`), before any other frame: D hosts
-a fresh TCPStore (port 0) and writes one 24-byte record on the TCP connection: magic `PDPG`, the store's
-port (u16 LE), 2 pad bytes, 16 random bytes that prefix every store key of this pair. P connects to that
-store at the host it dialed; D is rank 0, P rank 1, world size 2; a 1-byte warm-up payload P -> D makes the
-communicator exist before the first OPEN. Teardown (`abort`/`close`, run when the connection ends, the
-peer dies, or a payload op fails or times out) aborts the group and drops the store and the buffer.
+a fresh TCPStore (port 0) and writes one 40-byte record on the TCP connection: magic `PDPG`, the store's
+port (u16 LE), 2 pad bytes, 16 random bytes that prefix every store key of this pair, and the 16-byte token
+of D's ACK doorbell file (doorbell.py; zeros when D could not make one). P maps that file if it is on this
+host, connects to the store at the host it dialed; D is rank 0, P rank 1, world size 2; a 1-byte warm-up
+payload P -> D makes the communicator exist before the first OPEN, and once it arrived D unlinks the file.
+Teardown (`abort`/`close`, run when the connection ends, the peer dies, or a payload op fails or times
+out) aborts the group and drops the store, the buffer and the doorbell.
 
 Teardown runs the group's abort in a thread of its own: ncclCommAbort takes about 0.5 s (measured on two
 H200s), and on the event loop it would stall every request the node serves meanwhile. `live_groups` counts
@@ -30,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -44,13 +47,15 @@ import torch.distributed as dist
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S, on_device, on_stream
+from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, NAME_BYTES, Doorbell, SharedFile, open_shared
 from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
 
-RECORD = struct.Struct("<4sH2x16s")  # magic, store port, pad, key prefix
+RECORD = struct.Struct("<4sH2x16s16s")  # magic, store port, pad, key prefix, doorbell token
 RECORD_MAGIC = b"PDPG"
 MAX_IN_FLIGHT = 8  # payload sends posted ahead of their completion, per connection
+DOORBELL_PREFIX = "pdserve-ack-"
 _LIVE: weakref.WeakSet[PairGroupChannel] = weakref.WeakSet()
 _ABORTING: set[threading.Thread] = set()  # group aborts still running
 
@@ -110,6 +115,9 @@ class PairGroupChannel:
         self._setup_timeout_s = config.handshake_timeout_s
         self._payload_timeout_s = config.payload_timeout_s
         self._store: dist.Store | None = None
+        self._shared: SharedFile | None = None  # D: the doorbell's file, until P mapped it
+        self._bell_mapping: mmap.mmap | None = None  # D's own mapping, or P's read-only one
+        self._doorbell: Doorbell | None = None
         self._group: PairGroup | None = None
         self._buffer: torch.Tensor | None = None  # D: [capacity] uint8 on the device, reused per frame
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
@@ -143,12 +151,23 @@ class PairGroupChannel:
                 dist.TCPStore, self._host, 0, 2, True, timeout, wait_for_workers=False
             )
             key = os.urandom(16)
-            await self._control.send(RECORD.pack(RECORD_MAGIC, store.port, key), b"", None)
+            try:
+                self._shared = SharedFile(DOORBELL_PREFIX, DOORBELL_BYTES)
+            except OSError as e:
+                log.warning("no ACK doorbell with %s (%s): ACKs take the control connection", self.peer, e)
+            else:
+                self._bell_mapping = self._shared.mapping
+            token = self._shared.token if self._shared is not None else bytes(NAME_BYTES)
+            await self._control.send(RECORD.pack(RECORD_MAGIC, store.port, key, token), b"", None)
         else:
-            magic, port, key = RECORD.unpack(await self._control.recv_exact(RECORD.size))
+            magic, port, key, token = RECORD.unpack(await self._control.recv_exact(RECORD.size))
             if magic != RECORD_MAGIC:
                 raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
+            if any(token):  # None when D is on another host
+                self._bell_mapping = open_shared(DOORBELL_PREFIX, token, DOORBELL_BYTES)
             store = await asyncio.to_thread(dist.TCPStore, self._host, port, 2, False, timeout)
+        if self._bell_mapping is not None:
+            self._doorbell = Doorbell(self._bell_mapping, 0)
         self._store = store
         group_timeout = self._payload_timeout_s + self._setup_timeout_s + 60.0
         self._group = await asyncio.to_thread(
@@ -163,6 +182,8 @@ class PairGroupChannel:
             self._fail(f"{type(e).__name__}: {e}")
             raise
         await self._wait(work, time.perf_counter(), lambda: True)
+        if self._shared is not None:  # P mapped the doorbell before it sent the warm-up payload
+            self._shared.unlink()
         log.info("%s payload group with %s ready (rank %d)", self._backend.name, self.peer, self._rank)
 
     @contextlib.contextmanager
@@ -284,6 +305,13 @@ class PairGroupChannel:
         self._track(self._post(self._group, payload, send=True), payload)
         await self._until_in_flight(MAX_IN_FLIGHT)
 
+    def ring_ack(self, key: bytes) -> None:
+        if self._doorbell is not None:
+            self._doorbell.ring(key)
+
+    def ack_rung(self, key: bytes) -> bool:
+        return self._doorbell is not None and self._doorbell.rung(key)
+
     async def recv_exact(self, nbytes: int) -> bytes:
         self._check()
         return await self._control.recv_exact(nbytes)
@@ -314,6 +342,13 @@ class PairGroupChannel:
         self._teardown()
 
     def _teardown(self) -> None:
+        self._doorbell = None
+        if self._shared is not None:
+            self._shared.unlink()
+            self._shared = None
+        if self._bell_mapping is not None:
+            self._bell_mapping.close()
+            self._bell_mapping = None
         group, self._group, self._store, self._buffer = self._group, None, None, None
         self._in_flight.clear()  # the reaper, if running, sees the channel dead at its next check
         if group is not None:

@@ -1,14 +1,14 @@
 """D's side of the protocol over any byte transport: the transfer server and its per-transfer state machine.
 
 State of an accepted transfer: OPEN -> (DATA)* -> COMPLETED | ABORTED. Invariants: the terminal decision is
-taken under the transfer's lock, so exactly one of `on_complete` (then ACK) or `on_abort` runs per accepted
-transfer and no handler call for it overlaps another; a transfer is in `_transfers` exactly while it is OPEN;
-DATA may only name reserved destination blocks, and COMPLETE is accepted only once every (layer, reserved
-block) pair has arrived. On a channel whose payloads land after `recv` returned them (ucx), a DATA frame
-is checked at once and delivered (`on_data`) by a task once its bytes landed, while the next frames are
-read; a COMPLETE read meanwhile is finished by the last such task of its transfer (its ACK then leaves
-before the channel may post its next receive), and the next payload waits for that frame's release.
-Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
+taken under the transfer's lock, so exactly one of `on_complete` (then ACK, rung on the channel's doorbell
+first when it has one) or `on_abort` runs per accepted transfer and no handler call for it overlaps another; a
+transfer is in `_transfers` exactly while it is OPEN; DATA may only name reserved destination blocks, and
+COMPLETE is accepted only once every (layer, reserved block) pair has arrived. On a channel whose payloads
+land after `recv` returned them (ucx), a DATA frame is checked at once and delivered (`on_data`) by a task
+once its bytes landed, while the next frames are read; a COMPLETE read meanwhile is finished by the last such
+task of its transfer (its ACK then leaves before the channel may post its next receive), and the next payload
+waits for that frame's release. Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
 error, the connection dropping, and `stop()`.
 """
 
@@ -32,6 +32,7 @@ from pdserve.kvtransfer.common import (
     ProtocolError,
 )
 from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
+from pdserve.kvtransfer.doorbell import ack_key
 from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection, LandingPayloads
 from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
@@ -350,6 +351,8 @@ class ChannelServer:
                 failure = f"receiver error in on_complete: {e!r}"
             else:
                 self._end(t)
+                if t.conn.doorbell is not None:  # a peer on this host may take the ACK from there
+                    t.conn.doorbell.ring_ack(ack_key(t.tid, t.deadline))
                 with contextlib.suppress(ConnectionLost):
                     await t.conn.send(Ack(t.tid))
                 return

@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import importlib.util
 import logging
+import os
 import re
 import time
 from datetime import timedelta
@@ -24,11 +25,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from pdserve.kvtransfer import pair_group, sender
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig, connector_kinds, create_sender, register_connector
-from pdserve.kvtransfer.framing import encode_frame
-from pdserve.kvtransfer.messages import Data, Open, OpenOk
+from pdserve.kvtransfer.doorbell import SHM_DIR
+from pdserve.kvtransfer.framing import FramedConnection, encode_frame
+from pdserve.kvtransfer.messages import Ack, Data, Message, Open, OpenOk
 from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, live_groups, wait_aborted
 from pdserve.shared.types import RequestId
 from torch._C._distributed_c10d import ProcessGroupGloo
@@ -279,3 +282,62 @@ def test_group_teardown_does_not_stall_the_event_loop() -> None:
             await server.stop()
 
     SUITE.run(scenario())
+
+
+def _doorbell_files() -> list[str]:
+    return [name for name in os.listdir(SHM_DIR) if name.startswith(pair_group.DOORBELL_PREFIX)]
+
+
+async def _one_transfer(tid: str) -> None:
+    """One 2-block transfer over the gloo pair, checked block for block and audited on both ends."""
+    receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=8)
+    server = await SUITE.started(KIND, receiver)
+    kv_sender = create_sender(SUITE.config(KIND), SUITE.identity("prefill-0"))
+    src = SUITE.random_cache(SUITE.LAYOUT, 4, seed=5)
+    try:
+        session = await kv_sender.session(server.address, RequestId(tid))
+        reply, _ = await SUITE.push(session, src, [2, 0], [])
+        assert not _doorbell_files(), "D unlinks the doorbell's file once the pair is set up"
+        for j, b in enumerate(reply.dst_block_ids):
+            assert torch.equal(receiver.kv[:, :, b], src[:, :, [2, 0][j]])
+        SUITE.audit(receiver, server, 8)
+    finally:
+        await kv_sender.close()
+        await server.stop()
+    await asyncio.to_thread(wait_aborted, 5.0)
+    assert live_groups() == 0 and not _doorbell_files()
+
+
+def test_the_doorbell_completes_a_transfer_whose_ack_frame_never_comes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On one host P takes the ACK from D's doorbell: D's ACK frames are dropped here, and P (spinning
+    long enough for a slow machine) still completes."""
+    send = FramedConnection.send
+
+    async def send_all_but_acks(
+        self: FramedConnection, msg: Message, payload: torch.Tensor | None = None
+    ) -> None:
+        if not isinstance(msg, Ack):
+            await send(self, msg, payload)
+
+    monkeypatch.setattr(FramedConnection, "send", send_all_but_acks)
+    monkeypatch.setattr(sender, "SPIN_S", 30.0)
+    SUITE.run(_one_transfer("rung"))
+
+
+@pytest.mark.parametrize("where", ["d-has-no-shm", "p-on-another-host"])
+def test_without_a_doorbell_the_ack_frame_completes(
+    where: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    if where == "d-has-no-shm":
+
+        def no_shm(*args: Any) -> Any:
+            raise OSError("no /dev/shm")
+
+        monkeypatch.setattr(pair_group, "SharedFile", no_shm)
+    else:
+        monkeypatch.setattr(pair_group, "open_shared", lambda *args: None)
+    caplog.set_level(logging.WARNING, logger="pdserve.kvtransfer")
+    SUITE.run(_one_transfer(where))
+    assert ("no ACK doorbell" in caplog.text) == (where == "d-has-no-shm")
