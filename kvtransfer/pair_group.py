@@ -56,6 +56,7 @@ RECORD = struct.Struct("<4sH2x16s16s")  # magic, store port, pad, key prefix, do
 RECORD_MAGIC = b"PDPG"
 MAX_IN_FLIGHT = 8  # payload sends posted ahead of their completion, per connection
 DOORBELL_PREFIX = "pdserve-ack-"
+NO_DOORBELL = "no ACK doorbell with %s (%s): ACKs take the control connection"
 _LIVE: weakref.WeakSet[PairGroupChannel] = weakref.WeakSet()
 _ABORTING: set[threading.Thread] = set()  # group aborts still running
 
@@ -154,7 +155,7 @@ class PairGroupChannel:
             try:
                 self._shared = SharedFile(DOORBELL_PREFIX, DOORBELL_BYTES)
             except OSError as e:
-                log.warning("no ACK doorbell with %s (%s): ACKs take the control connection", self.peer, e)
+                log.warning(NO_DOORBELL, self.peer, e)
             else:
                 self._bell_mapping = self._shared.mapping
             token = self._shared.token if self._shared is not None else bytes(NAME_BYTES)
@@ -164,7 +165,10 @@ class PairGroupChannel:
             if magic != RECORD_MAGIC:
                 raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
             if any(token):  # None when D is on another host
-                self._bell_mapping = open_shared(DOORBELL_PREFIX, token, DOORBELL_BYTES)
+                try:
+                    self._bell_mapping = open_shared(DOORBELL_PREFIX, token, DOORBELL_BYTES)
+                except (OSError, ValueError) as e:  # e.g. D runs as another user: the ACK frame will do
+                    log.warning(NO_DOORBELL, self.peer, e)
             store = await asyncio.to_thread(dist.TCPStore, self._host, port, 2, False, timeout)
         if self._bell_mapping is not None:
             self._doorbell = Doorbell(self._bell_mapping, 0)

@@ -326,7 +326,7 @@ def test_the_doorbell_completes_a_transfer_whose_ack_frame_never_comes(
     SUITE.run(_one_transfer("rung"))
 
 
-@pytest.mark.parametrize("where", ["d-has-no-shm", "p-on-another-host"])
+@pytest.mark.parametrize("where", ["d-has-no-shm", "p-on-another-host", "p-may-not-open"])
 def test_without_a_doorbell_the_ack_frame_completes(
     where: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -336,8 +336,14 @@ def test_without_a_doorbell_the_ack_frame_completes(
             raise OSError("no /dev/shm")
 
         monkeypatch.setattr(pair_group, "SharedFile", no_shm)
-    else:
+    elif where == "p-on-another-host":
         monkeypatch.setattr(pair_group, "open_shared", lambda *args: None)
+    else:
+
+        def denied(*args: Any) -> Any:
+            raise PermissionError("D's file belongs to another user")
+
+        monkeypatch.setattr(pair_group, "open_shared", denied)
     caplog.set_level(logging.WARNING, logger="pdserve.kvtransfer")
     SUITE.run(_one_transfer(where))
-    assert ("no ACK doorbell" in caplog.text) == (where == "d-has-no-shm")
+    assert ("no ACK doorbell" in caplog.text) == (where != "p-on-another-host")
