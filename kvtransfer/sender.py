@@ -168,10 +168,10 @@ class ChannelSession:
         try:
             await self._send(msg)
             if spin:
-                bell = self._connection.conn.doorbell if ack_key is not None else None
+                bell = self._connection.conn.doorbell
                 spin_until = time.perf_counter() + SPIN_S
                 while not waiter.done() and time.perf_counter() < spin_until:
-                    if bell is not None and ack_key is not None and bell.ack_rung(ack_key):
+                    if ack_key is not None and bell is not None and bell.ack_rung(ack_key):
                         return Ack(self._transfer_id)
                     await asyncio.sleep(0)
             if waiter.done():  # seen while spinning: no timeout scope to set up
