@@ -1,0 +1,2 @@
+# Redis readiness: an authenticated PING (the password goes through the environment, never argv).
+REDISCLI_AUTH="$(cat /var/run/secrets/pdserve/redis-password)" redis-cli -p 6379 ping | grep -q PONG
