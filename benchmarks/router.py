@@ -145,7 +145,7 @@ async def main(args: argparse.Namespace) -> None:
                 hashing.append(t1 - t0)
                 looking.append(t2 - t1)
                 choosing.append(t3 - t2)
-                hit += decision.cached_blocks_prefill + decision.blocks_to_fetch > 0
+                hit += decision.cached_blocks_prefill > 0
             client_cpu[length] = (time.process_time() - client_before) * 1e3 / args.iters
             server_usec[length] = await redis_per_lookup(index, cpu_before)
             k = length // 1024

@@ -154,7 +154,7 @@ class DecodeHandler(TransferHandler):
         m = self.rt.metrics
         held_tokens = min(len(res.held) * engine.cfg.block_size, req.num_prompt_tokens)
         m.prefix_hit_tokens.labels("local").inc(held_tokens)
-        m.prefix_hit_tokens.labels("remote").inc(req.num_prompt_tokens - held_tokens)
+        m.prefix_hit_tokens.labels("transferred").inc(req.num_prompt_tokens - held_tokens)
         entry.queue.put_nowait(out)
         self.pending.pop(transfer_id, None)
 

@@ -3,7 +3,10 @@
 Each RouterMetrics owns its own CollectorRegistry, so several routers (or tests) in one process never
 collide. Latencies are seconds as measured by the router (TTFT from the request's arrival to its first
 token leaving a node; inter-token latency per token, a step's gap divided by the tokens it carried).
-Prefix hits are in tokens and are the router's estimate from the index at routing time.
+Prefix hits are in tokens and are the router's estimate from the index at routing time: local (the
+prefilling node holds them), remote (fetched from another node: no fetch path exists, so it stays 0), miss
+(computed). Each decision's score (token equivalents, see router/policy.py) and its estimate of the prompt
+tokens the prefilling node computes are histograms labelled by decision kind and prefilling node.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 DECISION_KINDS = ("pd", "local", "single")
@@ -70,6 +74,20 @@ class RouterMetrics:
             "pdserve_router_prefix_hit_tokens",
             "Prompt tokens by where their KV was expected at routing time.",
             ["kind"],
+            registry=r,
+        )
+        self.decision_score = Histogram(
+            "pdserve_router_decision_score",
+            "Score of each routing decision, in token equivalents (lower was better).",
+            ["kind", "node_id"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.decision_prefill_tokens = Histogram(
+            "pdserve_router_decision_prefill_tokens",
+            "Prompt tokens each decision expects its prefilling node to compute (an estimate).",
+            ["kind", "node_id"],
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
         self.requests = Counter(

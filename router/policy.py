@@ -1,12 +1,12 @@
 """Routing policy: which node prefills a prompt and which decodes it. Pure Python over plain data, no I/O.
 
 Score (lower is better), in *token equivalents*: the prefill work one prompt token costs is 1.
-- The prefix: `best` = the most leading prompt blocks any non-draining node holds (from the index lookup).
-  The prefilling node fetches blocks it lacks up to `best` from that holder instead of computing them, so
-  tokens_to_compute = max(1, prompt_tokens - best * block_size) and blocks_to_fetch = best - own_hits.
-- Prefill node P:  queued_prefill_tokens(P) * queue_token_weight + tokens_to_compute
-                   + blocks_to_fetch(P) * fetch_block_cost
-  (work queued ahead of this request delays it directly; a locally cached prefix saves the fetch.)
+- The prefix: hits(N) = the leading prompt blocks node N holds (from the index lookup). No node fetches
+  blocks from another (no fetch path exists), so a block the prefilling node lacks costs its block_size
+  tokens of compute: tokens_to_compute(P) = max(1, prompt_tokens - hits(P) * block_size). A fetch path,
+  when one exists, enters here as a per-block cost below block_size and a "remote" hit in the metrics.
+- Prefill node P:  queued_prefill_tokens(P) * queue_token_weight + tokens_to_compute(P)
+  (work queued ahead of this request delays it as much as its own compute does.)
 - Decode node D:   blocks_to_transfer(D) * transfer_block_cost + running(D) * decode_running_cost
                    + kv_use_after(D) * kv_pressure_cost
   where blocks_to_transfer = ceil(prompt_tokens / block_size) - hits(D) (blocks D holds are not sent) and
@@ -40,8 +40,6 @@ class NoNodeAvailable(Exception):
 class PolicyConfig:
     block_size: int = 16
     queue_token_weight: float = 1.0
-    fetch_block_cost: float = 1.0
-    """Token equivalents to fetch one block from another node (computing it costs block_size)."""
     transfer_block_cost: float = 0.5
     """Token equivalents to send one block P -> D (mostly overlapped with compute)."""
     decode_running_cost: float = 16.0
@@ -55,7 +53,7 @@ class PolicyConfig:
                 f"block_size={self.block_size} must be >= 1, "
                 f"local_prefill_max_tokens={self.local_prefill_max_tokens} must be >= 0"
             )
-        weights = (self.queue_token_weight, self.fetch_block_cost, self.transfer_block_cost)
+        weights = (self.queue_token_weight, self.transfer_block_cost)
         if min((*weights, self.decode_running_cost, self.kv_pressure_cost)) < 0:
             raise ValueError(f"policy weights must be >= 0, got {self}")
 
@@ -98,8 +96,7 @@ class Decision:
     prefill: NodeId
     decode: NodeId
     tokens_to_compute: int
-    blocks_to_fetch: int
-    fetch_from: NodeId | None
+    """Estimated prompt tokens the prefilling node computes (its uncached blocks, at least 1 token)."""
     blocks_to_transfer: int
     cached_blocks_prefill: int
     cached_blocks_decode: int
@@ -108,20 +105,14 @@ class Decision:
 
 @dataclass(frozen=True)
 class _Prompt:
-    blocks: int
     tokens: int
     hits: Mapping[NodeId, int]
-    best: int
-    best_holder: NodeId | None
 
 
-def _prefill_terms(cfg: PolicyConfig, p: _Prompt, node: NodeView) -> tuple[float, int, int]:
-    """(score, tokens_to_compute, blocks_to_fetch) of prefilling on node."""
-    own = p.hits.get(node.node_id, 0)
-    fetch = p.best - own
-    compute = max(1, p.tokens - p.best * cfg.block_size)
-    score = node.queued_prefill_tokens * cfg.queue_token_weight + compute + fetch * cfg.fetch_block_cost
-    return score, compute, fetch
+def _prefill_terms(cfg: PolicyConfig, p: _Prompt, node: NodeView) -> tuple[float, int]:
+    """(score, tokens_to_compute) of prefilling on node: its queue plus every block it lacks, computed."""
+    compute = max(1, p.tokens - p.hits.get(node.node_id, 0) * cfg.block_size)
+    return node.queued_prefill_tokens * cfg.queue_token_weight + compute, compute
 
 
 def _decode_terms(cfg: PolicyConfig, node: NodeView, new_blocks: int, sent_blocks: int) -> tuple[bool, float]:
@@ -165,8 +156,7 @@ def choose(
     usable = [n for n in nodes if not n.draining]
     ids = {n.node_id for n in usable}
     hits = {k: min(v, prompt_blocks) for k, v in prefix_hits.items() if k in ids and v > 0}
-    holder = min(hits, key=lambda k: (-hits[k], k)) if hits else None
-    p = _Prompt(prompt_blocks, prompt_tokens, hits, hits[holder] if holder else 0, holder)
+    p = _Prompt(prompt_tokens, hits)
     pool = {r: [n for n in usable if n.role == r] for r in ("prefill", "decode", "single")}
     needed = -(-prompt_tokens // cfg.block_size)
 
@@ -175,15 +165,14 @@ def choose(
 
     if pool["decode"] and (pool["prefill"] or not pool["single"]):
         d = _pick(pool["decode"], lambda n: _decode_terms(cfg, n, new_blocks(n), new_blocks(n)), rotation)
-        d_compute = max(1, prompt_tokens - p.hits.get(d.node_id, 0) * cfg.block_size)
-        if not pool["prefill"] or d_compute <= cfg.local_prefill_max_tokens:
-            score, compute, fetch = _prefill_terms(cfg, p, d)
+        score, compute = _prefill_terms(cfg, p, d)
+        if not pool["prefill"] or compute <= cfg.local_prefill_max_tokens:
             score += _decode_terms(cfg, d, new_blocks(d), 0)[1]
-            return _decision("local_prefill", d, d, p, compute, fetch, 0, score)
+            return _decision("local_prefill", d, d, p, compute, 0, score)
         pn = _pick(pool["prefill"], lambda n: (False, _prefill_terms(cfg, p, n)[0]), rotation)
-        score, compute, fetch = _prefill_terms(cfg, p, pn)
+        score, compute = _prefill_terms(cfg, p, pn)
         score += _decode_terms(cfg, d, new_blocks(d), new_blocks(d))[1]
-        return _decision("disaggregated", pn, d, p, compute, fetch, new_blocks(d), score)
+        return _decision("disaggregated", pn, d, p, compute, new_blocks(d), score)
     if pool["single"]:
 
         def single_key(n: NodeView) -> tuple[bool, float]:
@@ -191,8 +180,7 @@ def choose(
             return full, _prefill_terms(cfg, p, n)[0] + d_score
 
         s = _pick(pool["single"], single_key, rotation)
-        _, compute, fetch = _prefill_terms(cfg, p, s)
-        return _decision("single", s, s, p, compute, fetch, 0, single_key(s)[1])
+        return _decision("single", s, s, p, _prefill_terms(cfg, p, s)[1], 0, single_key(s)[1])
     seen = ", ".join(f"{n.node_id} ({n.role}{', draining' if n.draining else ''})" for n in nodes) or "none"
     raise NoNodeAvailable(
         f"no node can take the request: need a decode or single node that is not draining; live: {seen}"
@@ -200,15 +188,13 @@ def choose(
 
 
 def _decision(
-    mode: Mode, pn: NodeView, d: NodeView, p: _Prompt, compute: int, fetch: int, transfer: int, score: float
+    mode: Mode, pn: NodeView, d: NodeView, p: _Prompt, compute: int, transfer: int, score: float
 ) -> Decision:
     return Decision(
         mode=mode,
         prefill=pn.node_id,
         decode=d.node_id,
         tokens_to_compute=compute,
-        blocks_to_fetch=fetch,
-        fetch_from=p.best_holder if fetch > 0 else None,
         blocks_to_transfer=transfer,
         cached_blocks_prefill=p.hits.get(pn.node_id, 0),
         cached_blocks_decode=p.hits.get(d.node_id, 0),

@@ -139,14 +139,18 @@ class Router:
         prefill = by_id[decision.prefill] if decision.mode == "disaggregated" else None
         self._metrics.routing.observe(time.perf_counter() - started)
         kind = _KIND[decision.mode]
-        self._metrics.decisions.labels(kind=kind).inc()
+        m = self._metrics
+        m.decisions.labels(kind=kind).inc()
+        m.decision_score.labels(kind=kind, node_id=decision.prefill).observe(decision.score)
+        m.decision_prefill_tokens.labels(kind=kind, node_id=decision.prefill).observe(
+            decision.tokens_to_compute
+        )
         local = decision.cached_blocks_prefill * block_size
-        remote = decision.blocks_to_fetch * block_size
-        miss = max(len(prompt) - local - remote, 0)
-        for label, tokens in (("local", local), ("remote", remote), ("miss", miss)):
-            self._metrics.prefix_hit_tokens.labels(kind=label).inc(tokens)
+        miss = len(prompt) - local
+        m.prefix_hit_tokens.labels(kind="local").inc(local)
+        m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self._index_ok:
-            self._background.spawn(self._record_hits(decision.prefill, local, remote, miss))
+            self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
         infos = await asyncio.gather(*(self.info(n) for n in (decode, prefill) if n is not None))
         return Placement(
             Route(kind, decode, prefill), min(i.max_model_len for i in infos), first.model_fingerprint

@@ -15,7 +15,7 @@ class NodeMetrics:
         self.generation_tokens = Counter("pdserve_node_generation_tokens", "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter(
             "pdserve_node_prefix_hit_tokens",
-            "Prompt tokens by KV source: local (own cache), remote (transferred), miss (computed)",
+            "Prompt tokens by KV source: local (own cache), transferred (sent by P), miss (computed)",
             ["kind"],
             registry=r,
         )

@@ -102,9 +102,8 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live:
     assert where[holder] >= 256 // 16, f"kvctl where: {where}"
     assert where[other] == 0, f"kvctl where: {where}"
     hits_before = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"})
-    router_before = sample(
-        httpx.get(f"{live.base}/metrics").text, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"}
-    )
+    metrics_before = httpx.get(f"{live.base}/metrics").text
+    router_before = sample(metrics_before, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"})
 
     second = complete(live, PREFIX + " Question: on which day is rent due?")
     assert prefilled_on(live, second["id"]) == holder
@@ -113,10 +112,20 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live:
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
     hits = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"}) - hits_before
     assert hits == cached
-    router_hits = sample(
-        httpx.get(f"{live.base}/metrics").text, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"}
-    )
+    metrics = httpx.get(f"{live.base}/metrics").text
+    router_hits = sample(metrics, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"})
     assert router_hits - router_before >= 256
+    assert sample(metrics, "pdserve_router_prefix_hit_tokens_total", {"kind": "remote"}) == 0  # no fetch
+    on_holder = {"kind": "pd", "node_id": holder}
+
+    def added(name: str) -> float:
+        return sample(metrics, name, on_holder) - sample(metrics_before, name, on_holder)
+
+    estimate = added("pdserve_router_decision_prefill_tokens_sum")
+    assert total - cached <= estimate <= total - 256, f"the router expected {estimate} of {total} computed"
+    assert added("pdserve_router_decision_score_sum") >= estimate
+    for name in ("pdserve_router_decision_prefill_tokens", "pdserve_router_decision_score"):
+        assert added(f"{name}_count") == 1, f"{name}: one decision for the holder"
     stats = kvctl(live.redis_url, "stats")
     assert stats["nodes"][holder]["local_tokens"] >= 256
     live.wait_clean()

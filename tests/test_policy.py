@@ -24,16 +24,21 @@ def test_prefill_goes_where_the_prefix_is_cached_and_decode_where_fewer_blocks_m
     hits = {NodeId("p1"): 40, NodeId("d1"): 10}
     d = choose(64, 1024, hits, [P0, P1, D0, D1])
     assert (d.mode, d.prefill, d.decode) == ("disaggregated", "p1", "d1")
-    assert d.tokens_to_compute == 1024 - 40 * 16 and d.blocks_to_fetch == 0 and d.fetch_from is None
+    assert d.tokens_to_compute == 1024 - 40 * 16
     assert (d.cached_blocks_prefill, d.cached_blocks_decode, d.blocks_to_transfer) == (40, 10, 54)
 
 
-def test_a_prefix_held_elsewhere_is_fetched_not_recomputed() -> None:
-    busy = view("p1", "prefill", queued_prefill_tokens=5000)  # holds the prefix but has a long queue
-    d = choose(64, 1030, {NodeId("p1"): 60, NodeId("d0"): 8}, [P0, busy, D0])
-    assert (d.prefill, d.fetch_from, d.blocks_to_fetch) == ("p0", "p1", 60)
-    assert d.tokens_to_compute == 1030 - 60 * 16
-    assert d.blocks_to_transfer == 65 - 8  # ceil(1030 / 16) blocks, minus the ones D holds
+def test_a_block_the_prefill_node_lacks_costs_its_tokens_of_compute() -> None:
+    """No node fetches a prefix from another: the holder of 100 of 106 blocks with a short queue beats an
+    idle cold node (which would recompute all 1,700 tokens), and loses only to a queue longer than that."""
+    holder = view("p1", "prefill", queued_prefill_tokens=300)
+    d = choose(106, 1700, {NodeId("p1"): 100, NodeId("d0"): 8}, [P0, holder, D0])
+    assert (d.prefill, d.tokens_to_compute, d.cached_blocks_prefill) == ("p1", 1700 - 1600, 100)
+    assert d.score == pytest.approx(300 + 100 + (107 - 8) * 0.5 + (107 - 8) / 1000 * 256)
+    assert d.blocks_to_transfer == 107 - 8  # ceil(1700 / 16) blocks, minus the ones D holds
+    busy = view("p1", "prefill", queued_prefill_tokens=5000)
+    d = choose(106, 1700, {NodeId("p1"): 100}, [P0, busy, D0])
+    assert (d.prefill, d.tokens_to_compute, d.cached_blocks_prefill) == ("p0", 1700, 0)
 
 
 def test_queue_depth_and_decode_load_steer_choices() -> None:
@@ -55,7 +60,7 @@ def test_draining_nodes_get_no_new_work() -> None:
         64, 1024, hits, [view("p0", "prefill", draining=True), P1, view("d0", "decode", draining=True), D1]
     )
     assert (d.prefill, d.decode) == ("p1", "d1")
-    assert d.blocks_to_fetch == 0 and d.fetch_from is None  # a draining holder is no fetch source either
+    assert d.tokens_to_compute == 1024 and d.cached_blocks_prefill == 0
     with pytest.raises(NoNodeAvailable, match=r"d0 \(decode, draining\)"):
         choose(1, 16, {}, [P0, view("d0", "decode", draining=True)])
 
@@ -159,11 +164,9 @@ def test_decision_invariants(
     }
     assert roles == expected[d.mode]
     assert 1 <= d.tokens_to_compute <= tokens
-    assert 0 <= d.cached_blocks_prefill + d.blocks_to_fetch <= blocks
-    assert d.tokens_to_compute == max(1, tokens - 16 * (d.cached_blocks_prefill + d.blocks_to_fetch))
+    assert 0 <= d.cached_blocks_prefill <= blocks
+    assert d.tokens_to_compute == max(1, tokens - 16 * d.cached_blocks_prefill)
+    assert d.score >= by_id[d.prefill].queued_prefill_tokens + d.tokens_to_compute
     assert d.blocks_to_transfer == (
         -(-tokens // 16) - d.cached_blocks_decode if d.mode == "disaggregated" else 0
     )
-    assert (d.fetch_from is None) == (d.blocks_to_fetch == 0)
-    if d.fetch_from is not None:
-        assert not by_id[d.fetch_from].draining and d.fetch_from != d.prefill
