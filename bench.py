@@ -1,0 +1,363 @@
+"""`pdserve bench`: the serving benchmark client, in the conventions of `vllm bench serve`.
+
+Sends a workload (bench_datasets) to any OpenAI-compatible server (completions or chat, streamed, with
+`ignore_eos` as an extra body field) at one or more loads: Poisson arrivals at `--request-rate` (gamma
+intervals with `--burstiness`), capped at `--max-concurrency` in flight. `--backend engine` runs the same
+workload through pdserve's engine alone in this process; `--compare-engine` runs it after the served runs,
+so served / engine is one ratio from one command. Numbers and their definitions: bench_report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+from pdserve.bench_datasets import (
+    BenchRequest,
+    Lengths,
+    jsonl_requests,
+    random_requests,
+    shared_prefix_requests,
+)
+from pdserve.bench_report import RequestResult, parse_goodput, plot, ratio, summarize, table
+from pdserve.shared.tokenizer import Tokenizer
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from pdserve.shared.async_engine import AsyncEngine
+
+Send = Callable[[BenchRequest], Awaitable[RequestResult]]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve bench", description="Serving benchmark: latency and throughput of an OpenAI server"
+    )
+    p.add_argument("--backend", choices=("openai", "openai-chat", "engine"), default="openai")
+    p.add_argument(
+        "--base-url", default="http://127.0.0.1:8000", help="the server (pdserve router or a peer)"
+    )
+    p.add_argument(
+        "--endpoint", default=None, help="default /v1/completions, or /v1/chat/completions for chat"
+    )
+    p.add_argument("--served-model-name", default=None, help="model field of requests (default: /v1/models)")
+    e = p.add_argument_group("model", "the tokenizer of the workload, and the engine of --backend engine")
+    e.add_argument(
+        "--model", default=None, help="GGUF file, HF directory or dummy:<shape> (default: SmolLM2)"
+    )
+    e.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the model's)")
+    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    e.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
+    e.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size on the CPU, GiB")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine")
+    p.add_argument("--random-text", action="store_true", help="random words, not the model's token ids")
+    p.add_argument("--dataset-name", choices=("random", "prefix", "jsonl"), default="random")
+    p.add_argument("--dataset-path", default=None, help="JSONL of {prompt | prompt_token_ids, output_len?}")
+    p.add_argument("--dataset-seed", type=int, default=0)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", "--random-input-len", type=int, default=1024)
+    p.add_argument("--output-len", "--random-output-len", type=int, default=128)
+    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (dataset prefix)")
+    p.add_argument("--prefix-groups", type=int, default=4, help="distinct prefixes (dataset prefix)")
+    p.add_argument("--prefix-turns", type=int, default=4, help="prompts per prefix (dataset prefix)")
+    p.add_argument("--request-rate", default="inf", help="requests/s, Poisson; a comma list sweeps loads")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
+    p.add_argument("--max-concurrency", default=None, help="requests in flight at most; a comma list sweeps")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft, tpot, e2el")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--compare-engine", action="store_true", help="also run each load on the engine alone")
+    p.add_argument("--result-file", default=None, help="write every run's summary as JSON")
+    p.add_argument("--plot", default=None, help="write latency and throughput against load as a PNG")
+    p.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One {request_rate, burstiness, max_concurrency} per load; at most one of the two flags is a list."""
+    rates = [r.strip() for r in str(args.request_rate).split(",")]
+    concs = [int(c) for c in str(args.max_concurrency).split(",")] if args.max_concurrency else [None]
+    if len(rates) > 1 and len(concs) > 1:
+        raise ValueError("sweep one of --request-rate or --max-concurrency, not both")
+    if any(c is not None and c < 1 for c in concs) or args.burstiness <= 0:
+        raise ValueError(f"--max-concurrency {concs} must be >= 1 and --burstiness {args.burstiness} > 0")
+    for r in rates:
+        if r != "inf" and not float(r) > 0:
+            raise ValueError(f"--request-rate {r!r}: a positive number of requests/s, or inf")
+    return [
+        {"request_rate": r if r == "inf" else float(r), "burstiness": args.burstiness, "max_concurrency": c}
+        for r in rates
+        for c in concs
+    ]
+
+
+def workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[BenchRequest]:
+    lengths = Lengths(args.input_len, args.output_len, args.range_ratio)
+    if args.dataset_name == "jsonl":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name jsonl needs --dataset-path FILE")
+        return jsonl_requests(args.dataset_path, args.output_len, tokenizer, args.num_prompts)
+    if args.dataset_name == "prefix":
+        groups, turns = args.prefix_groups, args.prefix_turns
+        return shared_prefix_requests(groups, turns, args.prefix_len, lengths, tokenizer, args.dataset_seed)
+    return random_requests(args.num_prompts, lengths, tokenizer, args.dataset_seed)
+
+
+async def run_load(
+    send: Send, requests: Sequence[BenchRequest], load: dict[str, Any], seed: int, quiet: bool
+) -> tuple[list[RequestResult], float]:
+    """Sends every request at the load's arrival times; returns the results and the wall time in seconds."""
+    rate = load["request_rate"]
+    shape = load["burstiness"]
+    gaps = [0.0] * len(requests)
+    if rate != "inf":
+        gaps = np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), size=len(requests)).tolist()
+    limit = asyncio.Semaphore(load["max_concurrency"] or len(requests))
+    bar = tqdm(total=len(requests), disable=quiet, desc=f"{load['max_concurrency'] or rate}")
+
+    async def one(req: BenchRequest) -> RequestResult:
+        async with limit:
+            result = await send(req)
+        bar.update()
+        return result
+
+    started = time.perf_counter()
+    tasks = []
+    for req, gap in zip(requests, gaps, strict=True):
+        tasks.append(asyncio.create_task(one(req)))
+        if gap:
+            await asyncio.sleep(gap)
+    results = await asyncio.gather(*tasks)
+    bar.close()
+    return list(results), time.perf_counter() - started
+
+
+class OpenAIClient:
+    """Streams one request to an OpenAI-compatible server and times its chunks."""
+
+    def __init__(self, args: argparse.Namespace, model: str, tokenizer: Tokenizer | None, conns: int) -> None:
+        self.chat = args.backend == "openai-chat"
+        path = args.endpoint or ("/v1/chat/completions" if self.chat else "/v1/completions")
+        self.url = args.base_url.rstrip("/") + path
+        self.tokenizer = tokenizer
+        self.body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
+        self.body |= {"temperature": args.temperature, "ignore_eos": args.ignore_eos}
+        limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+        self.http = httpx.AsyncClient(timeout=args.request_timeout, limits=limits)
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        body = dict(self.body, max_tokens=req.output_len)
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": req.text(self.tokenizer)}]
+        else:
+            body["prompt"] = req.prompt if isinstance(req.prompt, str) else list(req.prompt)
+        result = RequestResult(req.prompt_len)
+        events = 0
+        start = last = time.perf_counter()
+        try:
+            async with self.http.stream("POST", self.url, json=body) as reply:
+                if reply.status_code != 200:
+                    text = (await reply.aread()).decode(errors="replace")
+                    result.error = f"HTTP {reply.status_code}: {text[:200]}"
+                    return result
+                async for line in reply.aiter_lines():
+                    data = line[5:].strip() if line.startswith("data:") else ""
+                    if not data or data == "[DONE]":
+                        continue
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        result.error = f"stream error: {json.dumps(chunk['error'])[:200]}"
+                        return result
+                    if chunk.get("usage"):
+                        result.output_len = int(chunk["usage"]["completion_tokens"])
+                    choice = (chunk.get("choices") or [{}])[0]
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        if events:
+                            result.itl_s.append(now - last)
+                        else:
+                            result.ttft_s = now - start
+                        events, last = events + 1, now
+        except httpx.HTTPError as exc:
+            result.error = f"{type(exc).__name__}: {exc}"[:200]
+            return result
+        result.e2e_s = time.perf_counter() - start
+        result.output_len = result.output_len or events
+        return result
+
+
+class EngineClient:
+    """Runs one request through pdserve's engine in this process (no HTTP), timed per step output."""
+
+    def __init__(self, args: argparse.Namespace, aengine: AsyncEngine) -> None:
+        from pdserve.shared.sampling_params import SamplingParams
+
+        self.chat = args.backend == "openai-chat"
+        self.aengine = aengine
+        self.params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=args.ignore_eos)
+        self.sent = 0
+
+    async def send(self, req: BenchRequest) -> RequestResult:
+        import dataclasses
+
+        from pdserve.shared.types import RequestId
+
+        engine = self.aengine.engine
+        tok = engine.tokenizer
+        if self.chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": req.text(tok)}])
+        else:
+            ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        result = RequestResult(req.prompt_len)
+        self.sent += 1
+        start = last = time.perf_counter()
+        try:
+            params = dataclasses.replace(self.params, max_tokens=req.output_len)
+            request = engine.new_request(RequestId(f"bench-{self.sent}"), ids, params)
+        except ValueError as exc:
+            result.error = str(exc)
+            return result
+        async for out in self.aengine.generate(request):
+            if out.token_ids:
+                now = time.perf_counter()
+                if result.output_len:
+                    result.itl_s.append(now - last)
+                else:
+                    result.ttft_s = now - start
+                result.output_len, last = result.output_len + len(out.token_ids), now
+            if out.finish_reason in ("abort", "error"):
+                result.error = f"engine finished the request with {out.finish_reason!r}"
+        result.e2e_s = time.perf_counter() - start
+        return result
+
+
+async def served_model(base_url: str) -> str:
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            reply = await http.get(base_url.rstrip("/") + "/v1/models")
+            reply.raise_for_status()
+            return str(reply.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"cannot read the model from {base_url}/v1/models ({exc}); start a server (`pdserve up`), "
+            "point --base-url at one, or pass --served-model-name"
+        ) from exc
+
+
+async def sweep(
+    name: str, send: Send, requests: list[BenchRequest], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """A warm-up request, then every load in turn; each load's summary."""
+    warm = await send(
+        BenchRequest(requests[0].prompt, requests[0].prompt_len, min(4, requests[0].output_len))
+    )
+    if warm.error:
+        raise ValueError(f"the warm-up request failed: {warm.error}")
+    slos = parse_goodput(args.goodput)
+    runs = []
+    for load in loads(args):
+        results, wall = await run_load(send, requests, load, args.dataset_seed, args.disable_tqdm)
+        runs.append(summarize(name, load, results, wall, slos))
+    return runs
+
+
+def _model(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+    from pdserve.cli import default_model_path
+
+    return default_model_path()
+
+
+async def _engine_runs(args: argparse.Namespace, requests: list[BenchRequest]) -> list[dict[str, Any]]:
+    from pdserve.shared.async_engine import AsyncEngine
+    from pdserve.shared.config import EngineConfig
+    from pdserve.shared.engine import LLMEngine
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    cfg = EngineConfig(
+        model=_model(args),
+        tokenizer=args.tokenizer,
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    aengine = AsyncEngine(LLMEngine(cfg))
+    aengine.start()
+    try:
+        return await sweep("engine", EngineClient(args, aengine).send, requests, args)
+    finally:
+        await aengine.stop()
+
+
+async def bench(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    from pdserve.shared.loader import load_tokenizer
+
+    tokenizer = None if args.random_text else load_tokenizer(_model(args), args.tokenizer)
+    requests = workload(args, tokenizer)
+    loads(args)  # a bad load fails before anything is sent
+    served: list[dict[str, Any]] = []
+    if args.backend != "engine":
+        model = args.served_model_name or await served_model(args.base_url)
+        conns = max(c or len(requests) for c in (load["max_concurrency"] for load in loads(args)))
+        client = OpenAIClient(args, model, tokenizer, conns)
+        try:
+            served = await sweep(args.backend, client.send, requests, args)
+        finally:
+            await client.http.aclose()
+    engine = await _engine_runs(args, requests) if args.backend == "engine" or args.compare_engine else []
+    runs, engine_runs = (served, engine) if served else (engine, [])
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "command": "pdserve bench " + shlex.join(argv),
+        "model": args.served_model_name or _model(args),
+        "dataset": {k: getattr(args, k) for k in ("dataset_name", "num_prompts", "input_len", "output_len")}
+        | {"range_ratio": args.range_ratio, "requests": len(requests)},
+        "runs": runs,
+        "engine_runs": engine_runs,
+        "served_over_engine": [ratio(s, e) for s, e in zip(runs, engine_runs, strict=True)]
+        if engine_runs
+        else [],
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    from pdserve.shared.loader import ModelLoadError
+
+    args = build_parser().parse_args(argv)
+    try:
+        result = asyncio.run(bench(args, argv))
+    except (ValueError, OSError, ModelLoadError) as exc:
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 1
+    engine_runs = result["engine_runs"] or [None] * len(result["runs"])
+    for run, engine in zip(result["runs"], engine_runs, strict=True):
+        print(table(run, engine))
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1, allow_nan=False)
+    if args.plot:
+        plot(result["runs"], result["engine_runs"], args.plot)
+    return 0
