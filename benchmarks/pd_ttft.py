@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import secrets
 import statistics
 import subprocess
@@ -34,14 +35,15 @@ def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, t
     module = "pdserve.prefill_node" if role == "prefill" else "pdserve.decode_node"
     argv = [sys.executable, "-m", module, "--node-id", node_id, "--port", str(port), "--model", args.model,
             "--device", device, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
-            "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64), "--auth-token", token,
+            "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64),
             "--connector", args.connector, "--transfer-port", str(tport),
             "--log-level", "WARNING"]  # fmt: skip
     if role == "prefill":
         argv += ["--layers-per-frame", str(args.layers_per_frame)]
     if role == "single":
         argv += ["--role", "single"]
-    return subprocess.Popen(argv), f"http://127.0.0.1:{port}", tport
+    env = os.environ | {"PDSERVE_AUTH_TOKEN": token}  # a secret: never on argv
+    return subprocess.Popen(argv, env=env), f"http://127.0.0.1:{port}", tport
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import OpenRefused, OpenReply, TransferHandler
 from pdserve.shared.block_pool import NoFreeBlocks
 from pdserve.shared.engine import RequestOutput, TokenLogprob
+from pdserve.shared.node_metrics import RequestTiming
 from pdserve.shared.node_protocol import NodeGenerateRequest, StepOutput
 from pdserve.shared.node_protocol import TokenLogprob as WireLogprob
 from pdserve.shared.node_protocol import TopLogprob as WireTop
@@ -246,7 +247,7 @@ def add_decode_routes(app: FastAPI, rt: NodeRuntime, handler: DecodeHandler) -> 
                 lambda: asyncio.ensure_future(handler.expire(rid)),
             )
             outputs = _remote_stream(rt, handler, rid, q)
-        return StreamingResponse(_lines(rt, gen, outputs), media_type="application/x-ndjson")
+        return StreamingResponse(_lines(rt, gen, outputs, engine_req), media_type="application/x-ndjson")
 
 
 async def _remote_stream(
@@ -260,10 +261,11 @@ async def _remote_stream(
 
 
 async def _lines(
-    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[RequestOutput]
+    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[RequestOutput], req: EngineRequest
 ) -> AsyncIterator[bytes]:
     t0 = time.monotonic()
     last = t0
+    first_at: float | None = None
     first = True
     m = rt.metrics
     try:
@@ -291,13 +293,29 @@ async def _lines(
                 if first and gen.prefill_node_id is None:
                     m.prefix_hit_tokens.labels("local").inc(out.cached_tokens)
                     m.prefix_hit_tokens.labels("miss").inc(out.prompt_tokens - out.cached_tokens)
-                (m.ttft if first else m.itl).observe(now - (t0 if first else last))
+                if first:
+                    m.first_token(now - t0)
+                    first_at = now
+                else:
+                    m.inter_token(now - last, len(out.token_ids))
                 first, last = False, now
                 m.generation_tokens.inc(len(out.token_ids))
             error = "engine or transfer failure" if out.finish_reason == "error" else None
             yield to_step_output(rt, out, error).to_line()
             if out.finished:
-                m.e2e.observe(now - t0)
+                # A remotely prefilled request's queue and prefill time are the prefill node's to report.
+                scheduled = req.scheduled_time if gen.prefill_node_id is None else None
+                m.request_done(
+                    RequestTiming(
+                        t0,
+                        scheduled,
+                        first_at,
+                        now,
+                        out.prompt_tokens,
+                        out.completion_tokens,
+                        out.finish_reason or "error",
+                    )
+                )
                 return
     finally:
         with contextlib.suppress(Exception):

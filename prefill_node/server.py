@@ -179,6 +179,7 @@ class PrefillService:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 async for out in self.rt.aengine.generate(engine_req):
                     last = out
+            prefilled_at = time.monotonic()
             assert last is not None
             if last.finish_reason not in ("length", "stop") or not last.token_ids:
                 raise RuntimeError(f"prefill ended with {last.finish_reason}")
@@ -197,6 +198,8 @@ class PrefillService:
             m.transfer_seconds.labels(self.rt.connector_kind).observe(stats.seconds)
             m.transfers.labels(self.rt.connector_kind, "ok").inc()
             m.prompt_tokens.inc(len(req.prompt_token_ids))
+            scheduled = engine_req.scheduled_time or engine_req.arrival_time
+            m.prefill_done(engine_req.arrival_time, scheduled, prefilled_at, len(req.prompt_token_ids))
             m.prefix_hit_tokens.labels("local").inc(last.cached_tokens)
             m.prefix_hit_tokens.labels("miss").inc(len(req.prompt_token_ids) - last.cached_tokens)
             log.info(

@@ -1,72 +1,110 @@
-"""`python -m pdserve.router --model PATH --redis URL [--host H --port P ...]`: one router process.
+"""`python -m pdserve.router` (= `pdserve router`): one router process.
 
-The only place a RouterConfig is built from argv. The router loads the model's tokenizer only (never
-weights), learns nodes, block size and fingerprint from the Redis index, and serves until SIGINT/SIGTERM.
+The only place a RouterConfig is built from settings (flags, PDSERVE_* variables or the --config file;
+API keys and the Redis password from the environment or files). The router loads the model's tokenizer
+only (never weights), learns nodes, block size and fingerprint from the Redis index, and serves until
+SIGINT/SIGTERM. Imports nothing heavy until it runs, so `--help` answers at once.
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
 import os
 import sys
-from collections.abc import Sequence
+from typing import Annotated
 
-import uvicorn
-from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from pdserve.router.policy import PolicyConfig
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import RedisConfig
-from pdserve.shared.loader import load_tokenizer
+from pdserve.shared.settings import LogLevel, SecretFiles, check_model_path, read_secret
+from pydantic import BeforeValidator, Field
+from pydantic_settings import NoDecode
 
 
-def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.router", description=__doc__)
-    ap.add_argument("--model", required=True, help="model file or directory (its tokenizer is loaded)")
-    ap.add_argument("--served-model-name", help="the `model` id clients use (default: the model's file name)")
-    ap.add_argument("--redis", required=True, help="redis://, rediss:// or unix:// URL of the block index")
-    ap.add_argument("--redis-cluster", default="default", help="the cluster name of the index's keys")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--deadline", type=float, default=600.0, help="default request deadline, seconds")
-    ap.add_argument("--max-deadline", type=float, default=3600.0, help="cap on `timeout`, seconds")
-    ap.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
-    ap.add_argument("--max-n", type=int, default=16, help="cap on n x prompts of one request")
-    ap.add_argument("--node-list-ttl", type=float, default=1.0, help="node list reuse, seconds")
-    ap.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=0,
-        help="prefill on the decode node when it would compute at most this many tokens",
+def _names(value: object) -> object:
+    """A comma-separated string (flag, variable) or a list (TOML) of names."""
+    if isinstance(value, str):
+        return tuple(n.strip() for n in value.split(",") if n.strip())
+    if isinstance(value, list | tuple):
+        return tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
+    return value
+
+
+class RouterOptions(SecretFiles):
+    model: str = Field(
+        description="model file or directory (only its tokenizer and chat template are loaded)"
     )
-    ap.add_argument("--api-key", action="append", default=[], help="accepted bearer key (repeatable)")
-    args = ap.parse_args(argv)
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    served_model_name: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_names)] = Field(
+        (),
+        description="the model id(s) clients pass as `model` (repeat or comma-separate for aliases; "
+        "the first is the id responses carry; default: the model's file name)",
+    )
+    redis: str = Field(description="redis://, rediss:// or unix:// URL of the block index")
+    redis_cluster: str = Field("default", description="the cluster name of the index's keys")
+    host: str = Field("127.0.0.1", description="address the OpenAI API listens on")
+    port: int = Field(8000, ge=0, le=65535, description="port of the OpenAI API")
+    deadline: float = Field(600.0, gt=0, description="default request deadline, seconds")
+    max_deadline: float = Field(3600.0, gt=0, description="cap on a request's `timeout`, seconds")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1, description="largest request body, bytes")
+    max_n: int = Field(16, ge=1, description="cap on n x prompts of one request")
+    node_list_ttl: float = Field(1.0, gt=0, description="how long the node list is reused, seconds")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="prefill on the decode node when it would compute at most this many tokens"
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="file of accepted API keys, one per line or comma-separated (else PDSERVE_API_KEYS is "
+        "read; none: any client is accepted)",
+    )
+    metrics_auth: bool = Field(False, description="require an API key on /metrics too")
+    log_level: LogLevel = Field("INFO", description="log level")
+
+
+def router_config(opts: RouterOptions) -> RouterConfig:
+    """The frozen RouterConfig; raises SettingsError (model not on disk, unreadable secret) or ValueError."""
+    from pdserve.router.policy import PolicyConfig
+    from pdserve.shared.block_index_types import RedisConfig
+
+    model = check_model_path(opts.model)
+    keys = read_secret("api_keys", "the API keys", opts.api_keys_file, required=False) or ""
+    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+    names = opts.served_model_name or (os.path.basename(os.path.normpath(model)),)
     return RouterConfig(
-        model_path=args.model,
-        served_model_name=name,
-        redis=RedisConfig(url=args.redis, cluster=args.redis_cluster),
-        host=args.host,
-        port=args.port,
-        default_deadline_s=args.deadline,
-        max_deadline_s=args.max_deadline,
-        max_request_bytes=args.max_request_bytes,
-        max_n=args.max_n,
-        node_list_ttl_s=args.node_list_ttl,
-        policy=PolicyConfig(local_prefill_max_tokens=args.local_prefill_max_tokens),
-        api_keys=tuple(args.api_key),
+        model_path=model,
+        served_model_name=names[0],
+        served_model_aliases=names[1:],
+        redis=RedisConfig(url=opts.redis, password=password, cluster=opts.redis_cluster),
+        host=opts.host,
+        port=opts.port,
+        default_deadline_s=opts.deadline,
+        max_deadline_s=opts.max_deadline,
+        max_request_bytes=opts.max_request_bytes,
+        max_n=opts.max_n,
+        node_list_ttl_s=opts.node_list_ttl,
+        policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
+        api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
+        metrics_auth=opts.metrics_auth,
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        config = parse_args(argv)
-        tokenizer = load_tokenizer(config.model_path)
-    except (ValueError, OSError) as exc:
-        sys.exit(f"pdserve.router: {exc}")
+def run(opts: RouterOptions) -> int:
+    """Serves until SIGINT/SIGTERM; SettingsError, ValueError or OSError before serving propagate."""
+    import uvicorn
+    from pdserve.router.app import create_app
+    from pdserve.shared.block_index import BlockIndex
+    from pdserve.shared.loader import load_tokenizer
+
+    config = router_config(opts)
+    logging.basicConfig(level=opts.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    tokenizer = load_tokenizer(config.model_path)
     app = create_app(config, tokenizer, BlockIndex(config.redis))
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.cli import main as cli_main
+
+    return cli_main(["router", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

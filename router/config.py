@@ -1,6 +1,6 @@
 """RouterConfig: the one configuration of a router process, validated at construction and frozen.
 
-Built from argv in router/__main__.py only. Values learned at run time (nodes, block size, model
+Built from settings in router/__main__.py only. Values learned at run time (nodes, block size, model
 fingerprint, max_model_len) live in the app's runtime state, never here.
 """
 
@@ -17,7 +17,7 @@ class RouterConfig:
     model_path: str
     """The model file or directory; the router loads only its tokenizer and chat template."""
     served_model_name: str
-    """The id clients pass as `model` and that /v1/models lists."""
+    """The id clients pass as `model`, that responses carry and that /v1/models lists first."""
     redis: RedisConfig
     """Where the block index lives (AUTH and TLS settings included)."""
     host: str = "127.0.0.1"
@@ -39,12 +39,16 @@ class RouterConfig:
     """Routing weights; its block_size is replaced by the one the nodes registered."""
     api_keys: tuple[str, ...] = ()
     """Accepted bearer keys; empty accepts any client. A key is also the tenant's default cache salt."""
+    served_model_aliases: tuple[str, ...] = ()
+    """More ids clients may pass as `model` (listed by /v1/models after served_model_name)."""
+    metrics_auth: bool = False
+    """Whether /metrics asks for an API key too (every /v1 route does when api_keys is set)."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is empty")
-        if not self.served_model_name:
-            raise ValueError("served_model_name is empty")
+        if not self.served_model_name or not all(self.served_model_aliases):
+            raise ValueError("served_model_name and every alias must be non-empty")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is outside 0..65535")
         for name in ("default_deadline_s", "max_deadline_s", "node_list_ttl_s", "disconnect_poll_s"):
@@ -57,3 +61,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.node_connect_timeout_s <= 0:
             raise ValueError(f"node_connect_timeout_s must be > 0, got {self.node_connect_timeout_s}")
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)

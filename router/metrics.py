@@ -11,7 +11,16 @@ tokens the prefilling node computes are histograms labelled by decision kind and
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
@@ -29,8 +38,11 @@ class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
+        disable_created_metrics()  # no `_created` series beside each counter and histogram
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
         self.ttft = Histogram(
             "pdserve_router_time_to_first_token_seconds",
             "Request arrival to its first generated token.",

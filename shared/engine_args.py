@@ -1,48 +1,68 @@
-"""The engine's command-line flags and the EngineConfig built from them, for every entry point that runs an
-engine (`pdserve generate`, the node processes). Imports nothing heavy, so a bad flag fails fast."""
+"""The engine's settings (flags, PDSERVE_* variables or the --config file) and the EngineConfig built from
+them, for every entry point that runs an engine (`pdserve generate`, the node processes). Imports nothing
+heavy, so `--help` and a bad value answer before torch loads."""
 
 from __future__ import annotations
 
-import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from pdserve.shared.settings import Settings, check_model_path
+from pydantic import Field, field_validator
 
 if TYPE_CHECKING:
     from pdserve.shared.config import EngineConfig
 
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
-def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool) -> None:
-    p.add_argument(
-        "--model",
-        required=model_required,
-        default=None,
-        help="GGUF file, HF directory or dummy:<shape | config.json>",
+
+class EngineOptions(Settings):
+    model: str = Field(
+        description="a local GGUF file, HF checkpoint directory, or dummy:<shape | config.json>"
     )
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="seed of dummy weights")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    tokenizer: str | None = Field(None, description="tokenizer file or directory (default: the model's)")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu, cuda or cuda:N")
+    dtype: Dtype = Field(
+        "auto", description="weights and KV dtype; auto: float32 on the CPU, bfloat16 on a GPU"
+    )
+    block_size: int = Field(16, description="tokens per KV block: 8, 16, 32, 64 or 128")
+    num_kv_blocks: int | None = Field(
+        None, ge=2, description="fixed KV pool size in blocks (default: sized from memory)"
+    )
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV pool size on the CPU, GiB")
+    gpu_memory_utilization: float = Field(
+        0.90, ge=0.05, le=0.98, description="share of GPU memory for weights, activations and the KV pool"
+    )
+    cuda_graphs: bool = Field(True, description="decode under CUDA graphs on a GPU")
+    max_num_seqs: int = Field(64, ge=1, description="requests in one batch at most")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="chunked-prefill token budget per step")
+    max_model_len: int | None = Field(None, ge=1, description="context length cap (default: the model's own)")
+    seed: int = Field(0, description="seed of dummy weights")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if value not in (8, 16, 32, 64, 128):
+            raise ValueError("accepted 8, 16, 32, 64, 128")
+        return value
 
 
-def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+def engine_config(opts: EngineOptions) -> EngineConfig:
+    """The frozen EngineConfig of validated options; raises SettingsError when the model is not on disk."""
     from pdserve.shared.config import EngineConfig
 
     return EngineConfig(
-        model=model,
-        tokenizer=args.tokenizer,
-        device=args.device,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
+        model=check_model_path(opts.model),
+        tokenizer=opts.tokenizer,
+        device=opts.device,
+        dtype=opts.dtype,
+        block_size=opts.block_size,
+        num_kv_blocks=opts.num_kv_blocks,
+        kv_cache_bytes=int(opts.kv_cache_gib * (1 << 30)),
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        max_model_len=opts.max_model_len,
+        seed=opts.seed,
+        cuda_graphs=opts.cuda_graphs,
     )

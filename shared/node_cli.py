@@ -1,52 +1,109 @@
-"""Command-line flags every node process takes, and turning them into configs. Only entry points call this."""
+"""The settings every node process takes (flags, PDSERVE_* variables or the --config file), and turning them
+into the node's frozen configs. Only entry points call this; the transfer token and the Redis password come
+from the environment or files (read_secret), never from argv."""
 
 from __future__ import annotations
 
-import argparse
 import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
-from pdserve.shared.block_index_types import RedisConfig
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.engine_args import add_engine_args, engine_config
-from pdserve.shared.node_runtime import NodeSettings
+from pdserve.shared.engine_args import EngineOptions, engine_config
+from pdserve.shared.settings import LogLevel, SecretFiles, read_secret
+from pydantic import Field
 
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.connector import ConnectorConfig
+    from pdserve.shared.config import EngineConfig
+    from pdserve.shared.node_runtime import NodeSettings
 
-def node_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog)
-    p.add_argument("--node-id", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--redis", default=None, help="redis://[:password@]host:port/db of the block index")
-    p.add_argument("--redis-password", default=None)
-    p.add_argument("--cluster", default="default")
-    p.add_argument("--transfer-port", type=int, default=0)
-    p.add_argument("--connector", default="tcp", help="KV connector kind: tcp, ucx, nccl or cuda_ipc")
-    p.add_argument("--auth-token", default=None, help="shared secret of the KV-transfer handshake")
-    p.add_argument("--no-checksum", action="store_true", help="skip frame checksums (NVLink/RDMA links)")
-    p.add_argument("--heartbeat-s", type=float, default=1.0)
-    p.add_argument("--log-level", default="INFO")
-    add_engine_args(p, model_required=True)
-    return p
+Connector = Literal["tcp", "ucx", "nccl", "cuda_ipc"]
+"""The connector kinds kvtransfer registers (a test keeps the two lists equal; importing it loads torch)."""
 
 
-def configs(args: argparse.Namespace, role: str) -> tuple[EngineConfig, NodeSettings]:
-    logging.basicConfig(
-        level=args.log_level, format=f"%(asctime)s {args.node_id} %(levelname)s %(name)s: %(message)s"
+class NodeOptions(EngineOptions, SecretFiles):
+    node_id: str = Field(description="this node's id in the cluster (unique)")
+    host: str = Field("127.0.0.1", description="address of the internal HTTP API and the transfer listener")
+    port: int = Field(ge=1, le=65535, description="port of the node's internal HTTP API")
+    redis: str | None = Field(
+        None, description="redis://, rediss:// or unix:// URL of the block index (default: no index)"
     )
-    if args.threads:
+    cluster: str = Field("default", description="the cluster name of the index's keys")
+    transfer_port: int = Field(0, ge=0, le=65535, description="KV-transfer listener port (0: a free one)")
+    connector: Connector = Field("tcp", description="KV connector")
+    auth_token_file: str | None = Field(
+        None, description="file holding the KV-transfer token (else PDSERVE_AUTH_TOKEN is read; required)"
+    )
+    no_checksum: bool = Field(False, description="skip frame checksums (NVLink/RDMA links check integrity)")
+    heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats to the index")
+    log_level: LogLevel = Field("INFO", description="log level")
+    served_model_name: str | None = Field(
+        None, description="the model_name label of the vllm:* metrics (default: the model's file name)"
+    )
+    log_stats_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds between stats log lines (running, waiting, KV use, throughput); 0: off",
+    )
+
+
+class PrefillOptions(NodeOptions):
+    layers_per_frame: int = Field(
+        4,
+        ge=1,
+        description="consecutive layers of a prefill step sent as one KV-transfer frame (1: one per layer); "
+        "4 measured best on two H200s",
+    )
+
+
+@dataclass(frozen=True)
+class NodeConfigs:
+    """Everything one node process runs with, validated: the engine's, the node's and the connector's."""
+
+    engine: EngineConfig
+    node: NodeSettings
+    connector: ConnectorConfig
+    model_name: str
+    """The `model_name` label of the node's vllm:* metrics."""
+    layers_per_frame: int = 4
+
+
+def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
+    """The node's frozen configs; raises SettingsError (missing secret, model not on disk) or ValueError."""
+    from pdserve.kvtransfer.connector import ConnectorConfig
+    from pdserve.shared.block_index_types import RedisConfig
+    from pdserve.shared.node_runtime import NodeSettings
+
+    token = read_secret("auth_token", "the KV-transfer token", opts.auth_token_file, required=True)
+    assert token is not None
+    redis = None
+    if opts.redis:
+        password = read_secret(
+            "redis_password", "the Redis password", opts.redis_password_file, required=False
+        )
+        redis = RedisConfig(url=opts.redis, password=password, cluster=opts.cluster)
+    node = NodeSettings(opts.node_id, role, opts.host, opts.port, redis, opts.heartbeat_s)
+    connector = ConnectorConfig(
+        kind=opts.connector,
+        auth_token=token,
+        checksum=False if opts.no_checksum else None,  # None: the connector's default (off on NVLink)
+        device=opts.device,
+        listen_host=opts.host,
+        listen_port=opts.transfer_port,
+    )
+    frames = opts.layers_per_frame if isinstance(opts, PrefillOptions) else 4
+    engine = engine_config(opts)
+    name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
+    return NodeConfigs(engine, node, connector, name, frames)
+
+
+def setup_process(opts: NodeOptions) -> None:
+    """Logging format and torch threads of a node process (before the engine loads)."""
+    logging.basicConfig(
+        level=opts.log_level, format=f"%(asctime)s {opts.node_id} %(levelname)s %(name)s: %(message)s"
+    )
+    if opts.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    engine = engine_config(args, args.model)
-    redis = None
-    if args.redis:
-        redis = RedisConfig(url=args.redis, password=args.redis_password, cluster=args.cluster)
-    settings = NodeSettings(
-        node_id=args.node_id,
-        role=role,
-        host=args.host,
-        port=args.port,
-        redis=redis,
-        heartbeat_s=args.heartbeat_s,
-    )
-    return engine, settings
+        torch.set_num_threads(opts.threads)

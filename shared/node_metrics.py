@@ -1,16 +1,77 @@
-"""Prometheus metrics of a node process (prefill, decode or single). One registry per process."""
+"""Prometheus metrics of a node process (prefill, decode or single). One registry per process.
+
+Two vocabularies over the same measurements: pdserve's own series (`pdserve_node_*`, `pdserve_kv_*`) and
+vLLM's (`vllm:*`, each with a `model_name` label), so dashboards, autoscalers and gateways written for vLLM
+read a pdserve node unchanged. Engine-wide values (running, waiting, KV use, preemptions) come from the
+latest `EngineSnapshot` (node_stats.py refreshes it every second); per-request latencies are observed where
+the request ends. Seconds everywhere; token counts are tokens. No `_created` series; process metrics on.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+VLLM_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                        7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counts read together on the engine thread. Token counts are cumulative since start-up."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    preemptions: int = 0
+    computed_prompt_tokens: int = 0
+    computed_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """KV blocks in use or reserved over the pool, a float from 0 to 1."""
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One finished request as a node saw it; times are seconds on one monotonic clock. `scheduled` is when
+    this node's engine first computed it (None when its prompt was prefilled elsewhere), `first_token` None
+    when it produced no token."""
+
+    arrival: float
+    scheduled: float | None
+    first_token: float | None
+    finished: float
+    prompt_tokens: int
+    generation_tokens: int
+    finish_reason: str
 
 
 class NodeMetrics:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, model_name: str = "") -> None:
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
+        self.model_name = model_name
+        self.engine = EngineSnapshot()
+        """The latest engine snapshot (replaced whole by node_stats.py)."""
         self.prompt_tokens = Counter("pdserve_node_prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("pdserve_node_generation_tokens", "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter(
@@ -36,7 +97,10 @@ class NodeMetrics:
             registry=r,
         )
         self.e2e = Histogram(
-            "pdserve_node_e2e_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS, registry=r
+            "pdserve_node_e2e_request_latency_seconds",
+            "Arrival to finish",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.transfer_bytes = Counter(
             "pdserve_kv_transfer_bytes", "KV payload bytes moved", ["connector", "direction"], registry=r
@@ -53,3 +117,111 @@ class NodeMetrics:
         )
         self.role = Gauge("pdserve_node_info", "Node role", ["role"], registry=r)
         self.role.labels(role).set(1)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self._vllm = _VllmRequestSeries(r)
+        r.register(_VllmEngineView(self))
+
+    def first_token(self, seconds: float) -> None:
+        """Arrival at this node to its first token leaving it."""
+        self.ttft.observe(seconds)
+        self._vllm.ttft.labels(self.model_name).observe(seconds)
+
+    def inter_token(self, seconds: float, tokens: int = 1) -> None:
+        """Gap between two output steps of one request, the second carrying `tokens` tokens."""
+        self.itl.observe(seconds)
+        for _ in range(tokens):
+            self._vllm.itl.labels(self.model_name).observe(seconds / tokens)
+
+    def request_done(self, t: RequestTiming) -> None:
+        """A request this node ended (finished, stopped, aborted or failed)."""
+        v, name = self._vllm, self.model_name
+        self.e2e.observe(t.finished - t.arrival)
+        v.e2e.labels(name).observe(t.finished - t.arrival)
+        v.success.labels(name, t.finish_reason).inc()
+        v.prompt_len.labels(name).observe(t.prompt_tokens)
+        v.generation_len.labels(name).observe(t.generation_tokens)
+        if t.scheduled is not None:
+            v.queue.labels(name).observe(t.scheduled - t.arrival)
+            v.inference.labels(name).observe(t.finished - t.scheduled)
+            if t.first_token is not None:
+                v.prefill.labels(name).observe(t.first_token - t.scheduled)
+        if t.first_token is not None:
+            v.decode.labels(name).observe(t.finished - t.first_token)
+            if t.generation_tokens > 1:
+                v.tpot.labels(name).observe((t.finished - t.first_token) / (t.generation_tokens - 1))
+
+    def prefill_done(self, arrival: float, scheduled: float, done: float, prompt_tokens: int) -> None:
+        """A prefill node's part of a request: its queue and prefill time, and its prompt's length."""
+        v, name = self._vllm, self.model_name
+        v.queue.labels(name).observe(scheduled - arrival)
+        v.prefill.labels(name).observe(done - scheduled)
+        v.prompt_len.labels(name).observe(prompt_tokens)
+
+
+class _VllmRequestSeries:
+    """vLLM's per-request histograms and counters, labelled by model_name."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = VLLM_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"vllm:{name}", doc, ["model_name"], buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.")
+        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.")
+        self.tpot = hist(
+            "request_time_per_output_token_seconds", "Histogram of time per output token per request."
+        )
+        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.")
+        self.queue = hist("request_queue_time_seconds", "Time the request spent waiting to be scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "Time from first scheduled to first token.")
+        self.decode = hist("request_decode_time_seconds", "Time from first token to the last.")
+        self.inference = hist(
+            "request_inference_time_seconds", "Time from first scheduled to the last token."
+        )
+        self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self.generation_len = hist(
+            "request_generation_tokens", "Number of generation tokens processed.", TOKEN_BUCKETS
+        )
+        self.success = Counter(
+            "vllm:request_success", "Count of finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=r,
+        )  # fmt: skip
+
+
+class _VllmEngineView(Collector):
+    """vLLM's engine-wide series, read at scrape time from the snapshot and pdserve's own counters."""
+
+    def __init__(self, metrics: NodeMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        m, snap, labels = self.m, self.m.engine, [self.m.model_name]
+        hits = {
+            s.labels["kind"]: s.value
+            for f in m.prefix_hit_tokens.collect()
+            for s in f.samples
+            if s.name.endswith("_total")
+        }
+        values: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, float]] = [
+            (GaugeMetricFamily, "num_requests_running", "Requests in model execution batches.", snap.running),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be processed.", snap.waiting),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             snap.kv_usage),
+            (CounterMetricFamily, "num_preemptions", "Cumulative number of preemptions.", snap.preemptions),
+            (CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in tokens.",
+             sum(hits.values())),
+            (CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in tokens.",
+             hits.get("local", 0.0)),
+            (CounterMetricFamily, "prompt_tokens", "Number of prefill tokens processed.",
+             _value(m.prompt_tokens)),
+            (CounterMetricFamily, "generation_tokens", "Number of generation tokens processed.",
+             _value(m.generation_tokens)),
+        ]  # fmt: skip
+        for family, name, doc, value in values:
+            metric = family(f"vllm:{name}", doc, labels=["model_name"])
+            metric.add_metric(labels, value)
+            yield metric
+
+
+def _value(counter: Counter) -> float:
+    return sum(s.value for f in counter.collect() for s in f.samples if s.name.endswith("_total"))

@@ -1,9 +1,9 @@
 """Runs one node process: builds the engine and runtime, lets the role add its routes and transfer end,
-serves the internal API with uvicorn, and tears everything down on exit (deregistration included)."""
+serves the internal API with uvicorn, logs engine stats periodically, and tears everything down on exit
+(deregistration included)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -12,36 +12,41 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import uvicorn
 from fastapi import FastAPI
 from pdserve.shared.engine import LLMEngine
-from pdserve.shared.node_cli import configs
+from pdserve.shared.node_cli import NodeConfigs
 from pdserve.shared.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node_runtime import NodeRuntime, add_common_routes, engine_kv_layout
+from pdserve.shared.node_stats import stats_loop
 
 log = logging.getLogger(__name__)
 
 RoleSetup = Callable[
-    [FastAPI, NodeRuntime, argparse.Namespace], Awaitable[tuple[str, Callable[[], Awaitable[None]]]]
+    [FastAPI, NodeRuntime, NodeConfigs], Awaitable[tuple[str, Callable[[], Awaitable[None]]]]
 ]
 """Adds the role's routes; returns (transfer address, async teardown)."""
 
 
-def serve(args: argparse.Namespace, role: str, setup: RoleSetup, protocol_version: int) -> int:
-    engine_cfg, settings = configs(args, role)
-    engine = LLMEngine(engine_cfg)
-    rt = NodeRuntime(settings, engine, engine_kv_layout(engine))
+def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_interval_s: float) -> int:
+    engine = LLMEngine(cfg.engine)
+    rt = NodeRuntime(cfg.node, engine, engine_kv_layout(engine))
+    rt.metrics.model_name = cfg.model_name
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens)",
         engine.num_blocks,
-        engine_cfg.block_size,
-        engine.num_blocks * engine_cfg.block_size,
+        cfg.engine.block_size,
+        engine.num_blocks * cfg.engine.block_size,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        transfer_addr, teardown = await setup(app, rt, args)
+        transfer_addr, teardown = await setup(app, rt, cfg)
         await rt.start(transfer_addr, protocol_version)
+        stats = asyncio.create_task(stats_loop(rt, log_stats_interval_s))
         try:
             yield
         finally:
+            stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
             await rt.stop()
             await teardown()
 
@@ -49,8 +54,8 @@ def serve(args: argparse.Namespace, role: str, setup: RoleSetup, protocol_versio
     add_common_routes(app, rt)
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
+        host=cfg.node.host,
+        port=cfg.node.port,
         log_level="warning",
         lifespan="on",
         timeout_keep_alive=NODE_KEEPALIVE_S,

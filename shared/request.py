@@ -54,6 +54,9 @@ class Request:
     """Lower is scheduled earlier; ties go to the earlier arrival."""
     arrival_time: float = field(default_factory=time.monotonic)
     """Seconds on the engine's monotonic clock."""
+    scheduled_time: float | None = None
+    """When the scheduler first admitted it (same clock); its queue time ends here. None: never admitted
+    (still waiting, or its prompt was prefilled on another node)."""
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[BlockId] = field(default_factory=list)
     """The block table: block i holds the KV of tokens [i * block_size, (i + 1) * block_size)."""

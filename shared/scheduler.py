@@ -16,6 +16,7 @@ Threading: one caller (the engine loop) calls every method; aborts from other th
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -250,6 +251,8 @@ class Scheduler:
             self.stats.cached_prompt_tokens += min(len(hits) * bs, request.num_prompt_tokens)
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = time.monotonic()
         bisect.insort(self.running, request, key=self._key)
         return num_new
 

@@ -9,12 +9,14 @@ node endpoints (/internal/audit, /metrics) over loopback.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -193,8 +195,24 @@ def generate_offline(*args: str) -> dict[str, Any]:
     return line
 
 
+def secret_file(value: str) -> str:
+    """A file only this user can read holding `value` (for the PDSERVE_*_FILE settings: secrets never go on
+    argv). One private directory per test process, removed with the system's temporary files."""
+    global _SECRETS_DIR
+    if _SECRETS_DIR is None:
+        _SECRETS_DIR = tempfile.mkdtemp(prefix="pdserve-test-secrets-")
+    path = os.path.join(_SECRETS_DIR, hashlib.sha256(value.encode()).hexdigest()[:16])
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
+        f.write(value)
+    return path
+
+
+_SECRETS_DIR: str | None = None
+
+
 def node_argv(role: str, node_id: str, port: int, redis_url: str, auth_token: str, *extra: str) -> list[str]:
-    """The command line `start_cluster` gives a node (same module, flags and one torch thread)."""
+    """The command line `start_cluster` gives a node (same module, flags and one torch thread); the transfer
+    token goes through a private file (`--auth-token-file`), never on the command line itself."""
     argv = [
         sys.executable,
         "-m",
@@ -206,7 +224,7 @@ def node_argv(role: str, node_id: str, port: int, redis_url: str, auth_token: st
         "--redis",
         redis_url,
     ]
-    argv += ["--model", model_path(), "--auth-token", auth_token, "--threads", "1", *extra]
+    argv += ["--model", model_path(), "--auth-token-file", secret_file(auth_token), "--threads", "1", *extra]
     return argv + (["--role", "single"] if role == "single" else [])
 
 
