@@ -1,155 +1,194 @@
-"""`kvctl`: where the KV cache lives (nodes, blocks, where, stats) and actions on it (drain, evict).
+"""`kvctl`: where the KV cache lives (nodes, blocks, where, stats) and actions on it (drain, undrain, evict).
 
-Invariants: every command takes `--redis URL`, `--cluster NAME` and `--json` (machine output on stdout);
-people get tables. Exit codes: 0 done; 1 Redis or a node unreachable or refused the action (one line on
-stderr); 2 bad arguments (argparse). Nothing here reads the environment.
+Invariants: every command takes `--redis URL`, `--cluster NAME` and `--json` (machine output on stdout,
+every command), each also from PDSERVE_* variables or `--config FILE` like every pdserve process; the
+Redis password only from PDSERVE_REDIS_PASSWORD or the file PDSERVE_REDIS_PASSWORD_FILE names. People get
+tables (rich). Exit codes: 0 done; 1 Redis or a node unreachable or refused the action (one line on
+stderr); 2 bad arguments; 141 the reader of stdout went away (no traceback, as `kvctl nodes | head`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import click
 from pdserve.kvctl import commands
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import BlockIndexError, RedisConfig
+from pdserve.kvctl.render import render
+from pdserve.shared.settings import (
+    SecretFiles,
+    SettingsError,
+    click_options,
+    read_secret,
+    settings_from_click,
+)
+from pydantic import Field
+
+_CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
-def _messages(text: str) -> list[dict[str, Any]]:
+class Common(SecretFiles):
+    redis: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL of the index")
+    cluster: str = Field("default", description="cluster name (key prefix) in Redis")
+    tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
+    json_output: bool = Field(
+        False, description="print JSON instead of a table", json_schema_extra={"flag": "--json"}
+    )
+    timeout: float = Field(5.0, gt=0, description="seconds per Redis or node call")
+
+
+class Blocks(Common):
+    node: str | None = Field(None, description="list this node's block hashes")
+    limit: int = Field(20, ge=0, description="hashes to list per node")
+
+
+class PromptOptions(Common):
+    model: str | None = Field(
+        None, description="model whose tokenizer/chat template to use (default SmolLM2)"
+    )
+    cache_salt: str | None = Field(
+        None, description="the tenant's cache salt (as in the request's cache_salt)"
+    )
+    prompt: str | None = Field(None, description="prompt text (encoded as a completion prompt)")
+    messages: str | None = Field(None, description="chat messages as JSON (chat template applied)")
+
+
+class Evict(PromptOptions):
+    node: str = Field(description="node id")
+    all: bool = Field(False, description="every cached-free block of the node (instead of a prompt's)")
+    index_only: bool = Field(False, description="drop the index records only (repair)")
+
+
+class NodeAction(Common):
+    url: str | None = Field(None, description="the node's HTTP URL (default: from its registration)")
+
+
+def _messages(text: str | None) -> list[dict[str, Any]] | None:
+    if text is None:
+        return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--messages is not JSON ({exc}): {text[:60]!r}") from exc
+        raise click.UsageError(f"--messages is not JSON ({exc}): {text[:60]!r}") from exc
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
-        raise argparse.ArgumentTypeError(
+        raise click.UsageError(
             f'--messages must be a JSON list of {{"role", "content"}} objects: {text[:60]!r}'
         )
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--redis", default="redis://127.0.0.1:6379/0", help="redis:// or rediss:// URL of the index"
-    )
-    common.add_argument("--cluster", default="default", help="cluster name (key prefix) in Redis")
-    common.add_argument("--tls-ca-file", help="CA bundle to verify a rediss:// server")
-    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    common.add_argument("--timeout", type=float, default=5.0, help="seconds per Redis or node call")
-    prompt = argparse.ArgumentParser(add_help=False)
-    prompt.add_argument("--model", help="model path whose tokenizer/chat template to use (default SmolLM2)")
-    prompt.add_argument("--cache-salt", help="the tenant's cache salt (as in the request's cache_salt)")
-
-    parser = argparse.ArgumentParser(prog="kvctl", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("nodes", parents=[common], help="live nodes: role, epoch, load, KV use, blocks, heartbeat")
-    p = sub.add_parser("blocks", parents=[common], help="block records per node (hashes with --node)")
-    p.add_argument("--node", help="list this node's block hashes")
-    p.add_argument("--limit", type=int, default=20, help="hashes to list per node")
-    p = sub.add_parser("where", parents=[common, prompt], help="which nodes hold a prompt's prefix blocks")
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="prompt text (encoded as a completion prompt)")
-    group.add_argument("--messages", type=_messages, help="chat messages as JSON (chat template applied)")
-    sub.add_parser("stats", parents=[common], help="prefix hits local/remote/miss in tokens")
-    p = sub.add_parser("drain", parents=[common], help="stop new work on a node; it finishes, then leaves")
-    p.add_argument("node", help="node id")
-    p = sub.add_parser("evict", parents=[common, prompt], help="evict a prompt's cached blocks from a node")
-    p.add_argument("--node", required=True, help="node id")
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="prompt text whose blocks to evict")
-    group.add_argument("--messages", type=_messages, help="chat messages (JSON) whose blocks to evict")
-    group.add_argument("--all", action="store_true", help="every cached-free block of the node")
-    p.add_argument("--index-only", action="store_true", help="drop the index records only (repair)")
-    return parser
+def _prompt(opts: PromptOptions, allow_all: bool = False) -> tuple[str | None, list[dict[str, Any]] | None]:
+    given = [n for n in ("prompt", "messages") if getattr(opts, n) is not None]
+    if allow_all and getattr(opts, "all", False):
+        given.append("all")
+    if len(given) != 1:
+        names = "--prompt, --messages" + (", --all" if allow_all else "")
+        raise click.UsageError(f"give exactly one of {names}")
+    return opts.prompt, _messages(opts.messages)
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers], *[[str(c) for c in r] for r in rows]]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
+    from pdserve.shared.block_index import BlockIndex
+    from pdserve.shared.block_index_types import RedisConfig
 
-
-def render(command: str, result: dict[str, Any]) -> str:
-    if command == "nodes":
-        rows = []
-        for n in result["nodes"]:
-            info, load = n["info"], n["load"] or {}
-            total = load.get("kv_total_blocks", 0)
-            used = load.get("kv_used_blocks", 0)
-            kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
-            state = "draining" if n["draining"] else "ready"
-            rows.append([info["node_id"], info["role"], info["epoch"], state, load.get("running", "-"),
-                         load.get("waiting", "-"), kv, load.get("blocks_held", "-"), n["blocks_indexed"],
-                         f"{n['heartbeat_age_s']:.1f}s", info["http_url"]])  # fmt: skip
-        headers = [
-            "NODE",
-            "ROLE",
-            "EPOCH",
-            "STATE",
-            "RUN",
-            "WAIT",
-            "KV USED",
-            "HELD",
-            "INDEXED",
-            "HEARTBEAT",
-            "HTTP",
-        ]
-        return _table(headers, rows) if rows else "no live nodes"
-    if command == "blocks":
-        lines = [_table(["NODE", "RECORDS"], [[n, b["count"]] for n, b in result["nodes"].items()])]
-        lines += [f"{n} {h}" for n, b in result["nodes"].items() for h in b["hashes"]]
-        return "\n".join(lines) if result["nodes"] else "no live nodes"
-    if command == "where":
-        head = f"{result['prompt_tokens']} tokens, {result['blocks']} full blocks of {result['block_size']}"
-        rows = [[r["node_id"], r["role"], f"{r['prefix_blocks']}/{result['blocks']}", r["prefix_tokens"]]
-                for r in result["nodes"]]  # fmt: skip
-        return head + "\n" + _table(["NODE", "ROLE", "PREFIX BLOCKS", "PREFIX TOKENS"], rows)
-    if command == "stats":
-        per_node = [*result["nodes"].items(), ("(all)", result["overall"])]
-        rows = [[n, s["local_tokens"], s["remote_tokens"], s["miss_tokens"], s["total_tokens"],
-                 f"{100 * s['hit_rate']:.1f}%"] for n, s in per_node]  # fmt: skip
-        return _table(["NODE", "LOCAL", "REMOTE", "MISS", "TOTAL", "HIT"], rows)
-    return json.dumps(result, indent=2)
-
-
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    config = RedisConfig(
-        url=args.redis, cluster=args.cluster, tls_ca_file=args.tls_ca_file, socket_timeout_s=args.timeout
-    )
+    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+    try:
+        config = RedisConfig(
+            url=opts.redis, password=password, cluster=opts.cluster, tls_ca_file=opts.tls_ca_file,
+            socket_timeout_s=opts.timeout,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     async with BlockIndex(config) as index:
         await index.ping()
-        if args.command == "nodes":
-            return await commands.nodes(index)
-        if args.command == "blocks":
-            return await commands.blocks(index, args.node, args.limit)
-        if args.command == "stats":
-            return await commands.stats(index)
-        if args.command == "drain":
-            return await commands.drain(index, args.node, args.timeout)
-        tokens = None
-        if args.command == "where" or not args.all:
-            tokens = commands.tokenize(args.model, args.prompt, args.messages)
-        if args.command == "where":
-            assert tokens is not None
-            return await commands.where(index, tokens, args.cache_salt)
-        return await commands.evict(index, args.node, tokens, args.cache_salt, args.index_only, args.timeout)
+        result: dict[str, Any] = await action(index)
+        return result
+
+
+def _command(group: click.Group, name: str, cls: type[Common], doc: str, node_arg: bool = False) -> Callable:
+    def register(make: Callable[[Any, Any], Any]) -> None:
+        @group.command(name, help=doc, context_settings=_CONTEXT)
+        @click_options(cls)
+        @click.pass_context
+        def command(ctx: click.Context, node_id: str | None = None, **values: Any) -> None:
+            opts = settings_from_click(cls, ctx, values)
+            action = make(opts, node_id)
+            result = asyncio.run(_run(opts, action))
+            click.echo(json.dumps(result, indent=2) if opts.json_output else render(name, result))
+
+        if node_arg:
+            click.argument("node_id")(command)
+
+    return register
+
+
+@click.group(context_settings=_CONTEXT, help=__doc__.split("\n\n")[0])
+@click.version_option(None, "-V", "--version", package_name="pdserve", prog_name="kvctl")
+def kvctl() -> None:
+    pass
+
+
+_command(kvctl, "nodes", Common, "Live nodes: role, epoch, load, KV use, blocks, heartbeat.")(
+    lambda opts, _: commands.nodes
+)
+_command(kvctl, "blocks", Blocks, "Block records per node (hashes with --node).")(
+    lambda opts, _: lambda index: commands.blocks(index, opts.node, opts.limit)
+)
+_command(kvctl, "stats", Common, "Prefix hits local/transferred/miss in tokens, per node and overall.")(
+    lambda opts, _: commands.stats
+)
+_command(kvctl, "drain", NodeAction, "Stop new work on a node; it finishes, then leaves.", node_arg=True)(
+    lambda opts, node: lambda index: commands.drain(index, node, opts.timeout, opts.url)
+)
+_command(kvctl, "undrain", NodeAction, "Give a drained node new work again.", node_arg=True)(
+    lambda opts, node: lambda index: commands.undrain(index, node, opts.timeout, opts.url)
+)
+
+
+def _where(opts: PromptOptions, _: None) -> Callable[[Any], Any]:
+    prompt, messages = _prompt(opts)
+    tokens = commands.tokenize(opts.model, prompt, messages)
+    return lambda index: commands.where(index, tokens, opts.cache_salt)
+
+
+def _evict(opts: Evict, _: None) -> Callable[[Any], Any]:
+    prompt, messages = _prompt(opts, allow_all=True)
+    tokens = None if opts.all else commands.tokenize(opts.model, prompt, messages)
+    return lambda index: commands.evict(
+        index, opts.node, tokens, opts.cache_salt, opts.index_only, opts.timeout
+    )
+
+
+_command(kvctl, "where", PromptOptions, "Which nodes hold a prompt's prefix blocks.")(_where)
+_command(kvctl, "evict", Evict, "Evict a prompt's cached blocks (or all) from a node.")(_evict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Runs one command; usage errors exit 2 (SystemExit), failures return 1 with one line on stderr."""
+    from pdserve.shared.block_index_types import BlockIndexError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    name = next((a for a in args if not a.startswith("-")), "kvctl")
     try:
-        result = asyncio.run(run(args))
-    except ValueError as exc:
-        parser.error(str(exc))
+        kvctl.main(args, prog_name="kvctl", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except (click.UsageError, SettingsError) as exc:
+        message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
+        print(f"kvctl {name}: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (BlockIndexError, commands.KvctlError) as exc:
-        print(f"kvctl {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvctl {name}: error: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(result, indent=2) if args.json else render(args.command, result))
+    except BrokenPipeError:
+        # The reader went away (`kvctl nodes | head -1`): no traceback, and no second error when Python
+        # flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 

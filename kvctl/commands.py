@@ -1,4 +1,5 @@
-"""What each kvctl command does, as async functions returning plain JSON-able dicts (cli.py prints them).
+"""What each kvctl command does, as async functions returning plain JSON-able dicts (cli.py prints them;
+render.py makes the tables).
 
 Invariants: a command reads the index through `BlockIndex` only and reaches nodes only through their
 registered `http_url`; block hashes of a prompt use the cluster's recorded fingerprint and block size,
@@ -107,28 +108,40 @@ async def stats(index: BlockIndex) -> dict[str, Any]:
     return {"nodes": {n: row(s) for n, s in per_node.items()}, "overall": row(overall)}
 
 
-async def _post(status: NodeStatus, path: str, body: dict[str, Any], timeout_s: float) -> Any:
-    url = status.info.http_url.rstrip("/") + path
+async def _post(node_id: str, base_url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+    url = base_url.rstrip("/") + path
     try:
         async with httpx.AsyncClient(timeout=timeout_s) as client:
             reply = await client.post(url, json=body)
             reply.raise_for_status()
     except httpx.HTTPStatusError as exc:
         text = exc.response.text.strip().replace("\n", " ")[:200]
-        raise KvctlError(
-            f"node {status.info.node_id!r} at {url} answered {exc.response.status_code}: {text}"
-        ) from exc
+        raise KvctlError(f"node {node_id!r} at {url} answered {exc.response.status_code}: {text}") from exc
     except httpx.HTTPError as exc:
-        raise KvctlError(f"node {status.info.node_id!r} at {url} is unreachable: {exc!r}") from exc
+        raise KvctlError(f"node {node_id!r} at {url} is unreachable: {exc!r}") from exc
     return reply.json() if reply.content else {}
 
 
-async def drain(index: BlockIndex, node_id: str, timeout_s: float) -> dict[str, Any]:
+async def drain(index: BlockIndex, node_id: str, timeout_s: float, url: str | None = None) -> dict[str, Any]:
     """Mark the node draining in the index (no new work), then ask it to finish its work and deregister."""
     status = await live_node(index, node_id)
     await index.set_draining(status.info.node_id)
-    reply = await _post(status, "/internal/drain", {}, timeout_s)
+    reply = await _post(node_id, url or status.info.http_url, "/internal/drain", {}, timeout_s)
     return {"node_id": node_id, "draining": True, "node_reply": reply}
+
+
+async def undrain(
+    index: BlockIndex, node_id: str, timeout_s: float, url: str | None = None
+) -> dict[str, Any]:
+    """Ask a drained node to take new work again: it clears its draining mark in the index, or registers
+    anew if it had already left. A node that left the index is reached only through `url`."""
+    if url is None:
+        try:
+            url = (await live_node(index, node_id)).info.http_url
+        except KvctlError as exc:
+            raise KvctlError(f"{exc}; a drained node that left the index needs --url") from exc
+    reply = await _post(node_id, url, "/internal/undrain", {}, timeout_s)
+    return {"node_id": node_id, "draining": False, "node_reply": reply}
 
 
 async def evict(
@@ -146,7 +159,7 @@ async def evict(
         removed = await index.evict_records(status.info.node_id, hashes)
         return {"node_id": node_id, "index_records_removed": removed}
     body: dict[str, Any] = {"all": True} if hashes is None else {"block_hashes": [h.hex() for h in hashes]}
-    reply = await _post(status, "/internal/evict", body, timeout_s)
+    reply = await _post(node_id, status.info.http_url, "/internal/evict", body, timeout_s)
     return {
         "node_id": node_id,
         "requested_blocks": "all" if hashes is None else len(hashes),

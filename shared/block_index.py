@@ -178,9 +178,9 @@ class BlockIndex:
         )  # fmt: skip
         self._check(reply, node_id, epoch)
 
-    async def set_draining(self, node_id: NodeId) -> None:
-        """Mark a node draining: the router gives it no new work."""
-        if not await self._call(self._draining, "set_draining", node_id):
+    async def set_draining(self, node_id: NodeId, draining: bool = True) -> None:
+        """Mark a node draining (the router gives it no new work), or clear the mark (undrain)."""
+        if not await self._call(self._draining, "set_draining", node_id, int(draining)):
             raise NodeNotRegistered(f"node {node_id!r} is not registered in cluster {self.config.cluster!r}")
 
     async def deregister(self, node_id: NodeId) -> bool:

@@ -171,11 +171,11 @@ redis.call('DEL', key)
 return 1
 """
 
-# ARGV: prefix, node_id. Answer: 1 if the node is registered (now marked draining), else 0.
+# ARGV: prefix, node_id, 1 (drain) or 0 (undrain). Answer: 1 if the node is registered (flag now set), else 0.
 SET_DRAINING = """
 local key = ARGV[1] .. 'node:' .. ARGV[2]
 if redis.call('EXISTS', key) == 0 then return 0 end
-redis.call('HSET', key, 'draining', 1)
+redis.call('HSET', key, 'draining', ARGV[3])
 return 1
 """
 

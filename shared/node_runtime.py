@@ -64,6 +64,7 @@ class NodeRuntime:
         self.deregistered = False
         self._tasks: list[asyncio.Task[None]] = []
         self._need_resync = False
+        self._info: NodeInfo | None = None
         self.connector_kind = "none"
         """The KV connector this node uses (a metrics label), set by the role's server."""
 
@@ -85,6 +86,7 @@ class NodeRuntime:
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
             )
+            self._info = info
             self.epoch = await self.index.register(info)  # IncompatibleNode propagates: refuse to start
             log.info("node %s registered as %s, epoch %d", self.node_id, self.settings.role, self.epoch)
             self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
@@ -161,6 +163,18 @@ class NodeRuntime:
         if self.index is not None:
             await self.index.set_draining(self.node_id)
 
+    async def undrain(self) -> None:
+        """Takes new work again: clears the index's draining mark, or registers anew (a new epoch, its held
+        blocks resent) when the drained node had already deregistered."""
+        self.draining = False
+        if self.index is None or self._info is None:
+            return
+        if self.deregistered:
+            self.epoch = await self.index.register(self._info)
+            self.deregistered, self._need_resync = False, True
+        else:
+            await self.index.set_draining(self.node_id, False)
+
     async def evict(self, hashes: list[BlockHash] | None) -> int:
         return await self.aengine.call(lambda: self.engine.pool.evict(hashes))
 
@@ -209,6 +223,11 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
     async def drain() -> JSONResponse:
         await rt.drain()
         return JSONResponse({"ok": True, "draining": True})
+
+    @app.post("/internal/undrain")
+    async def undrain() -> JSONResponse:
+        await rt.undrain()
+        return JSONResponse({"ok": True, "draining": False, "epoch": rt.epoch})
 
     @app.post("/internal/evict")
     async def evict(request: Request) -> JSONResponse:

@@ -1,0 +1,94 @@
+"""kvctl's tables for people (rich, no colours or box lines when stdout is not a terminal, never wrapped);
+`--json` prints the same results as JSON instead. One function per command, over commands.py's dicts."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    t = Table(*headers, box=None, pad_edge=False, show_edge=False, header_style="bold")
+    for row in rows:
+        t.add_row(*(str(c) for c in row))
+    out = io.StringIO()
+    tty = sys.stdout.isatty()
+    Console(file=out, width=1000, force_terminal=tty, no_color=not tty).print(t, crop=False, soft_wrap=True)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+
+
+def _nodes(result: dict[str, Any]) -> str:
+    rows = []
+    for n in result["nodes"]:
+        info, load = n["info"], n["load"] or {}
+        total, used = load.get("kv_total_blocks", 0), load.get("kv_used_blocks", 0)
+        kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
+        rows.append([info["node_id"], info["role"], info["epoch"], "draining" if n["draining"] else "ready",
+                     load.get("running", "-"), load.get("waiting", "-"), kv, load.get("blocks_held", "-"),
+                     n["blocks_indexed"], f"{n['heartbeat_age_s']:.1f}s", info["http_url"]])  # fmt: skip
+    headers = [
+        "NODE",
+        "ROLE",
+        "EPOCH",
+        "STATE",
+        "RUN",
+        "WAIT",
+        "KV USED",
+        "HELD",
+        "INDEXED",
+        "HEARTBEAT",
+        "HTTP",
+    ]
+    return table(headers, rows) if rows else "no live nodes"
+
+
+def _blocks(result: dict[str, Any]) -> str:
+    if not result["nodes"]:
+        return "no live nodes"
+    lines = [table(["NODE", "RECORDS"], [[n, b["count"]] for n, b in result["nodes"].items()])]
+    lines += [f"{n} {h}" for n, b in result["nodes"].items() for h in b["hashes"]]
+    return "\n".join(lines)
+
+
+def _where(result: dict[str, Any]) -> str:
+    head = f"{result['prompt_tokens']} tokens, {result['blocks']} full blocks of {result['block_size']}"
+    rows = [[r["node_id"], r["role"], f"{r['prefix_blocks']}/{result['blocks']}", r["prefix_tokens"]]
+            for r in result["nodes"]]  # fmt: skip
+    return head + "\n" + table(["NODE", "ROLE", "PREFIX BLOCKS", "PREFIX TOKENS"], rows)
+
+
+def _stats(result: dict[str, Any]) -> str:
+    per_node = [*result["nodes"].items(), ("(all)", result["overall"])]
+    rows = [[n, s["local_tokens"], s["remote_tokens"], s["miss_tokens"], s["total_tokens"],
+             f"{100 * s['hit_rate']:.1f}%"] for n, s in per_node]  # fmt: skip
+    return table(["NODE", "LOCAL", "REMOTE", "MISS", "TOTAL", "HIT"], rows)
+
+
+def _action(result: dict[str, Any]) -> str:
+    """drain, undrain, evict: one row of the result's plain fields and the node's reply."""
+    fields = {k: v for k, v in result.items() if k != "node_reply"}
+    reply = result.get("node_reply")
+    if reply is not None:
+        fields["node reply"] = json.dumps(reply, separators=(",", ":"))
+    return table([k.upper().replace("_", " ") for k in fields], [list(fields.values())])
+
+
+RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "nodes": _nodes,
+    "blocks": _blocks,
+    "where": _where,
+    "stats": _stats,
+    "drain": _action,
+    "undrain": _action,
+    "evict": _action,
+}
+
+
+def render(command: str, result: dict[str, Any]) -> str:
+    return RENDERERS[command](result)
