@@ -83,7 +83,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
     clients = NodeClients(config.node_connect_timeout_s, config.max_connections_per_node)
     router = Router(index, clients, config.policy, config.node_list_ttl_s, metrics, background)
     started = int(time.time())
-    served = {config.served_model_name, config.model_path}
+    served = set(config.served_model_names)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -115,8 +115,17 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         return _error(OpenAIError(500, f"internal router error: {exc!r}", "server_error", code="internal"))
 
     @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        return models_response([config.served_model_name], started)
+    async def list_models(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        return models_response(config.served_model_names, started)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+        authenticate(request)
+        if model_id not in served:
+            raise OpenAIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        model: dict[str, Any] = models_response([model_id], started)["data"][0]
+        return model
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -124,7 +133,9 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         return {"status": "ok", "nodes": len(nodes), "index": "ok" if router.index_ok else "unavailable"}
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if config.metrics_auth:
+            authenticate(request)
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.post("/v1/completions")
@@ -169,7 +180,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         if spec.model not in served:
             raise OpenAIError(
                 404,
-                f"The model {spec.model!r} does not exist; this server serves {config.served_model_name!r}",
+                f"The model {spec.model!r} does not exist; this server serves {', '.join(sorted(served))}",
                 param="model",
                 code="model_not_found",
             )
