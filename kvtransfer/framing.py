@@ -11,8 +11,10 @@ or, when P could not build the header, nothing at all: D then drops the payload 
 Invariants: frames on one connection are sent whole and never interleaved (one send lock per
 `FramedConnection`, held across both halves of a payload-first DATA); a frame with a bad checksum is
 reported as `ChecksumError` after its bytes were consumed, so the stream stays in sync whenever the prefix
-itself was intact; a PAYLOAD_FIRST frame is always followed by its HEADER_AFTER frame; a payload is received
-only once the previous one was released (at the next `recv`, or by the function `defer_release` returned).
+itself was intact; until the handshake authenticated the peer, a frame announcing any payload or a header
+over MAX_HANDSHAKE_HEADER_BYTES is refused from its 24-byte prefix, before anything more is read; a
+PAYLOAD_FIRST frame is always followed by its HEADER_AFTER frame; a payload is received only once the
+previous one was released (at the next `recv`, or by the function `defer_release` returned).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ FLAG_CHECKSUM = 0x01
 FLAG_PAYLOAD_FIRST = 0x02  # a DATA frame's payload, without its header (which follows)
 FLAG_HEADER_AFTER = 0x04  # the header of the preceding payload-first frame (none: that frame is dropped)
 MAX_HEADER_BYTES = 16 << 20
+MAX_HANDSHAKE_HEADER_BYTES = 4096  # HELLO, AUTH, READY, ERROR: a few hundred bytes each
 
 
 class ByteChannel(Protocol):
@@ -174,6 +177,7 @@ class FramedConnection:
     def __init__(self, channel: ByteChannel, max_payload_bytes: int) -> None:
         self.channel = channel
         self.checksum = True  # until the handshake settles it, every frame is checked
+        self.authenticated = False  # set by the handshake at READY: until then frames carry no payload
         self.max_payload_bytes = max_payload_bytes
         self._send_lock = asyncio.Lock()
         # the largest payload one frame may carry on this channel (None: max_payload_bytes)
@@ -214,6 +218,11 @@ class FramedConnection:
         magic, version, msg_type, flags, header_len, payload_len, crc = PREFIX.unpack(raw)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}, expected {MAGIC!r}")
+        if not self.authenticated and (payload_len or header_len > MAX_HANDSHAKE_HEADER_BYTES):
+            raise ProtocolError(
+                f"frame type {msg_type} before authentication announces a {payload_len} B payload and a "
+                f"{header_len} B header (allowed: none, and at most {MAX_HANDSHAKE_HEADER_BYTES} B)"
+            )
         if header_len > MAX_HEADER_BYTES or payload_len > self.max_payload_bytes:
             raise ProtocolError(
                 f"frame too large: header {header_len} B (max {MAX_HEADER_BYTES}), "

@@ -5,8 +5,10 @@ other's version, model fingerprint and KV layout before any proof, refuses with 
 first difference, and raises `HandshakeError`. A proof is HMAC(token, label | role | nonce_p | nonce_d |
 sender node | receiver node); the roles differ, so a proof cannot be reflected back, and the token itself
 never crosses the wire. Until READY every frame is checksummed; afterwards the connection checksums if
-either end's config asks for it. Only then does the transport set up its payload plane
-(`ByteChannel.authenticated`), so an unauthenticated peer never gets a communicator.
+either end's config asks for it. No frame before READY may carry a payload (framing refuses one from its
+prefix), so an unauthenticated peer cannot make this end read more than a few KiB. Only after READY does
+the transport set up its payload plane (`ByteChannel.authenticated`), so an unauthenticated peer never
+gets a communicator.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ async def client_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
         )
     await conn.send(Auth(_proof(token, b"sender", nonce_p, peer.nonce, me.node_id, peer.node_id)))
     await _expect(conn, Ready)
+    conn.authenticated = True
     conn.checksum = checksum or peer.checksum
     await conn.channel.authenticated()
     return peer
@@ -109,6 +112,7 @@ async def server_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
             conn, "auth", f"sender {peer.node_id!r} failed the HMAC challenge (token differs)"
         )
     await conn.send(Ready())
+    conn.authenticated = True
     conn.checksum = checksum or peer.checksum
     await conn.channel.authenticated()
     return peer

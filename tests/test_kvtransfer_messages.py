@@ -142,9 +142,16 @@ class MemoryChannel:
         self.parts.clear()
 
 
+def past_handshake(channel: MemoryChannel) -> FramedConnection:
+    """A connection as the handshake leaves it at READY: authenticated, still checksummed."""
+    conn = FramedConnection(channel, 1 << 20)
+    conn.authenticated = True
+    return conn
+
+
 @pytest.mark.parametrize("checksum", [True, False])
 def test_frame_round_trip_with_payload(checksum: bool) -> None:
-    conn = FramedConnection(MemoryChannel(), 1 << 20)
+    conn = past_handshake(MemoryChannel())
     conn.checksum = checksum
     payload = torch.randn(1, 2, 2, 16, 3, 64).to(torch.bfloat16)  # [nl, 2, n, B, Hkv, D]
     frame = asyncio.run(_send_recv(conn, EXAMPLES[8], payload))
@@ -162,7 +169,7 @@ async def _send_recv(
 
 def test_flipped_bit_fails_the_checksum_and_names_the_transfer() -> None:
     channel = MemoryChannel()
-    conn = FramedConnection(channel, 1 << 20)
+    conn = past_handshake(channel)
     prefix, header, payload = encode_frame(EXAMPLES[8], torch.ones(64, dtype=torch.uint8), checksum=True)
     assert payload is not None
     damaged = payload.clone()
@@ -176,7 +183,7 @@ def test_flipped_bit_fails_the_checksum_and_names_the_transfer() -> None:
 def test_prefix_is_24_bytes_and_checked() -> None:
     assert PREFIX_SIZE == 24
     channel = MemoryChannel()
-    conn = FramedConnection(channel, 1 << 20)
+    conn = past_handshake(channel)
     prefix, header, _ = encode_frame(Ready(), None, checksum=True)
     magic, version, msg_type, flags, header_len, payload_len, _crc = PREFIX.unpack(prefix)
     assert (magic, version, msg_type, flags, header_len, payload_len) == (
@@ -200,7 +207,7 @@ def test_prefix_is_24_bytes_and_checked() -> None:
 
 def test_without_checksums_a_data_payload_goes_before_its_header() -> None:
     channel = MemoryChannel()
-    conn = FramedConnection(channel, 1 << 20)
+    conn = past_handshake(channel)
     conn.checksum = False
     payload = torch.arange(64, dtype=torch.uint8)
     msg = EXAMPLES[8]
@@ -219,7 +226,7 @@ def test_without_checksums_a_data_payload_goes_before_its_header() -> None:
 
 def test_a_payload_whose_header_failed_is_dropped_by_d() -> None:
     channel = MemoryChannel()
-    conn = FramedConnection(channel, 1 << 20)
+    conn = past_handshake(channel)
     conn.checksum = False
 
     def fail() -> Data:
@@ -235,7 +242,7 @@ def test_a_payload_whose_header_failed_is_dropped_by_d() -> None:
 
 def test_payload_first_frames_out_of_order_are_protocol_errors() -> None:
     channel = MemoryChannel()
-    conn = FramedConnection(channel, 1 << 20)
+    conn = past_handshake(channel)
     conn.checksum = False
     first = PREFIX.pack(b"PDKV", PROTOCOL_VERSION, Data.TYPE, FLAG_PAYLOAD_FIRST, 0, 8, 0)
     ready_prefix, ready_header, _ = encode_frame(Ready(), None, checksum=False)
@@ -280,7 +287,7 @@ def test_a_held_payload_is_released_only_when_the_next_frame_is_read() -> None:
     """Releasing between a payload-first frame and its header would free the payload before its consumers
     were queued."""
     channel = HoldingChannel()
-    conn = FramedConnection(channel, 1 << 20)
+    conn = past_handshake(channel)
     conn.checksum = False
     msg = EXAMPLES[8]
     assert isinstance(msg, Data)
@@ -302,7 +309,7 @@ def test_a_deferred_payload_holds_back_the_next_payload_until_released() -> None
 
     async def scenario() -> None:
         channel = HoldingChannel()
-        conn = FramedConnection(channel, 1 << 20)
+        conn = past_handshake(channel)
         conn.checksum = False
         await conn.send_built(lambda: msg, torch.ones(16, dtype=torch.uint8))
         await conn.send(Ready())

@@ -40,7 +40,7 @@ from pdserve.kvtransfer.connector import (
     create_sender,
     create_server,
 )
-from pdserve.kvtransfer.framing import ByteChannel, FramedConnection, encode_frame
+from pdserve.kvtransfer.framing import PREFIX, PREFIX_SIZE, ByteChannel, FramedConnection, encode_frame
 from pdserve.kvtransfer.handshake import client_handshake
 from pdserve.kvtransfer.messages import (
     PROTOCOL_VERSION,
@@ -500,6 +500,37 @@ def test_other_protocol_version_is_refused(kind: str) -> None:
             assert isinstance(refusal, Error) and refusal.code == "version" and f"v{FUTURE}" in refusal.detail
         finally:
             conn.channel.abort()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hello_announcing_a_payload_is_refused_from_its_prefix(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before authentication no frame may carry a payload: a HELLO announcing 64 MiB is refused once its
+    24-byte prefix is read. The peer sends the prefix and header only, never the 64 MiB; D still hangs up
+    at once, long before its 10 s handshake timeout (it used to wait to read the payload in full)."""
+    caplog.set_level(logging.INFO, logger="pdserve.kvtransfer")
+
+    async def scenario() -> None:
+        server = await started(kind, PagedReceiver(LAYOUT, 4))
+        host, port = parse_address(server.address, kind)
+        channel = await TRANSPORTS[kind]().dial(host, port, 5.0)
+        me = identity("greedy")
+        try:
+            hello = Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, os.urandom(32), True)
+            prefix, header, _ = encode_frame(hello, None, checksum=True)
+            big = PREFIX.pack(*PREFIX.unpack(prefix)[:5], 64 << 20, PREFIX.unpack(prefix)[6])
+            t0 = time.monotonic()
+            await channel.send(big, header, None)
+            with pytest.raises(ConnectionLost):
+                await channel.recv_exact(PREFIX_SIZE)  # D closes without a word
+            assert time.monotonic() - t0 < 2.0
+            await until(lambda: "before authentication announces a 67108864 B payload" in caplog.text)
+        finally:
+            channel.abort()
             await server.stop()
 
     run(scenario())
