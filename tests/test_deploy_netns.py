@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -297,3 +298,50 @@ def test_cut_decode_link_mid_stream_ends_cleanly(net: NetCluster) -> None:
     assert prefill["in_use"] == prefill["reserved"] == prefill["live_requests"] == 0, prefill
     _ip("link", "set", net.hosts.veth("decode"), "up")
     net.live.wait_clean(timeout_s=30)
+
+
+PROBE = Path(__file__).resolve().parent.parent / "deploy" / "docker" / "probe.py"
+
+
+def _probe(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """The images' health check and pre-stop hook, deploy/docker/probe.py, run from the root namespace."""
+    return subprocess.run(
+        [sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_probe_health_and_drain_let_the_running_request_finish(net: NetCluster) -> None:
+    """`pdserve-probe drain`, the decode pods' preStop hook: D takes no new work, the request it is running
+    streams to its end, the hook returns once D holds nothing, and D leaves the index."""
+    hosts = net.hosts
+    router = ("--role", "router", "--host", hosts.addr("router"), "--port", str(ROUTER_PORT))
+    decode = ("--role", "node", "--host", hosts.addr("decode"), "--port", str(NODE_PORT))
+    assert _probe("health", *router).returncode == 0
+    assert _probe("health", *decode).returncode == 0
+    assert _probe("health", "--role", "node", "--host", hosts.addr("decode"), "--port", "1").returncode == 1
+    _wait_listed(net, "decode-0", True, timeout_s=30)  # heartbeats resume once a cut link is back
+    with _client(net) as client:
+        stream = client.completions.create(
+            model=served_model_name(), prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        drained = _probe("drain", *decode, "--timeout", "60")
+        rest = list(chunks)
+    text += "".join(c.choices[0].text for c in rest if c.choices)
+    assert drained.returncode == 0, drained.stderr
+    finish = [c.choices[0].finish_reason for c in rest if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"], "the running request must finish, not be cut by the drain"
+    audit = net.live.audit("decode-0")
+    assert audit["live_requests"] == audit["in_use"] == audit["reserved"] == 0, audit
+    _wait_listed(net, "decode-0", False, timeout_s=10)  # a drained node leaves the index once idle
+
+
+def _wait_listed(net: NetCluster, node_id: str, listed: bool, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (node_id in {n["info"]["node_id"] for n in net.kvctl("nodes")["nodes"]}) != listed:
+        assert time.monotonic() < deadline, (
+            f"{node_id} {'not ' if listed else ''}in the index after {timeout_s}s"
+        )
+        time.sleep(0.5)
