@@ -20,7 +20,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.triton_gemv import MAX_ROWS, gemv
 
 
 class Linear(Protocol):
@@ -71,12 +70,18 @@ class GemvLinear:
 
     name = "triton-gemv"
 
+    def __init__(self) -> None:
+        # triton comes with the [gpu] extra: a CPU install has none, and never builds this class
+        from pdserve.kernels import triton_gemv
+
+        self._gemv, self._max_rows = triton_gemv.gemv, triton_gemv.MAX_ROWS
+
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
     def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if 1 <= x.shape[0] <= MAX_ROWS:
-            return gemv(x if x.stride(-1) == 1 else x.contiguous(), handle, bias)
+        if 1 <= x.shape[0] <= self._max_rows:
+            return self._gemv(x if x.stride(-1) == 1 else x.contiguous(), handle, bias)
         return F.linear(x, handle, bias)
 
 

@@ -3,11 +3,13 @@
 Triton decides interpreted or compiled when each kernel is decorated, so on a machine without a GPU the
 interpreter is switched on here, before any test module (or anything it imports, such as a benchmark
 script) imports triton: every kernel then runs under TRITON_INTERPRET=1, as CI tests them. On a GPU machine
-nothing is set and the kernels compile.
+nothing is set and the kernels compile. A CPU install without triton (`make test KERNEL_TESTS=0`: it is the
+[gpu] extra) collects none of the Triton kernels' test modules, and says so in the header.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
@@ -29,7 +31,22 @@ def _install_numpy24_index_fix() -> None:
     interpreter._patch_lang_tensor = patch
 
 
-if not torch.cuda.is_available():
+TRITON = importlib.util.find_spec("triton") is not None
+collect_ignore = [] if TRITON else [
+    "test_triton_kernels.py", "test_fused_kernels.py", "test_triton_gemv.py", "test_triton_compile.py",
+    "test_fused_gpu.py",
+]  # fmt: skip
+
+
+def pytest_report_header() -> str:
+    return (
+        "triton: installed"
+        if TRITON
+        else f"triton: not installed; {len(collect_ignore)} kernel test modules skipped"
+    )
+
+
+if not torch.cuda.is_available() and TRITON:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
         _install_numpy24_index_fix()
