@@ -1,6 +1,9 @@
-"""deploy/grafana's dashboard and the HPAs' adapter rules query only series that a running cluster exports.
+"""The manifests' settings start a working cluster, and the Grafana dashboard and the HPAs' adapter rules
+query only series that it exports.
 
-Starts a real cluster (Redis, router, one prefill and one decode node), serves a few requests so that the
+Starts a real cluster as the cpu-demo overlay with the redis-tls component configures its pods (Redis with
+AUTH over TLS, router, one prefill and one decode node, every setting from the rendered ConfigMaps and
+every secret from a file), checks that no secret is on a command line, serves a few requests so that the
 labelled series exist, reads every /metrics, and compares: each metric name in a panel's or an adapter
 rule's PromQL is on some process's /metrics, and each label a query groups or filters by is on that
 metric's samples (or is a label Prometheus adds to every target).
@@ -9,7 +12,11 @@ metric's samples (or is a label Prometheus adds to every target).
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +24,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from pdserve.launch import demo_request
-from pdserve.tests.cluster_fixture import LiveCluster, served_model_name, up_config
+from pdserve.launch import Cluster
+from pdserve.shared.block_index_server import LocalRedis, free_port
+from pdserve.tests.cluster_fixture import LiveCluster, NodeProc, model_path, served_model_name
+from pdserve.tests.test_deploy_manifests import objs, pod_spec
 
 pytestmark = pytest.mark.slow
 
@@ -95,22 +104,112 @@ def parse_exposition(text: str, into: Exposed) -> None:
             into.sampled.add(name)
 
 
+RENDER = "cpu-demo+redis-tls"
+SECRETS_DIR = "/var/run/secrets/pdserve/"
+REDIS_CA = "/var/run/secrets/pdserve-redis-tls/ca.crt"
+IN_CLUSTER_REDIS = "pdserve-redis:6379"
+
+
+def pod_settings(secrets_dir: str) -> dict[str, dict[str, str]]:
+    """Each component's PDSERVE_* variables as the rendered overlay gives its pod: the ConfigMap behind
+    envFrom, then the container's own env (values only; the downward-API ones are set per process)."""
+    config_maps = objs(RENDER, "ConfigMap")
+    settings = {}
+    for d in objs(RENDER, "Deployment").values():
+        c = pod_spec(d)["containers"][0]
+        env = {}
+        for ref in c["envFrom"]:
+            env |= config_maps[ref["configMapRef"]["name"]]["data"]
+        env |= {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        settings[c["args"][0]] = {k: v.replace(SECRETS_DIR, secrets_dir) for k, v in env.items()}
+    return settings
+
+
+def _tls_cert(workdir: str) -> tuple[str, str]:
+    cert, key = os.path.join(workdir, "redis.crt"), os.path.join(workdir, "redis.key")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def start_from_manifests(cluster: Cluster) -> tuple[LiveCluster, str]:
+    """Redis with AUTH over TLS, P, D and the router, each started as its pod starts it (`pdserve
+    <component>`, no flag), with the overlay's settings; only what is per-pod or per-machine is changed:
+    addresses and ports, the model's path, threads, and where the secret files and the CA are."""
+    secrets_dir = os.path.join(cluster.workdir, "secrets") + "/"
+    os.makedirs(secrets_dir, mode=0o700)
+    values = {"auth-token": secrets.token_hex(16), "redis-password": secrets.token_hex(16)}
+    values["api-keys"] = secrets.token_hex(16)
+    for key, value in values.items():
+        with open(os.open(secrets_dir + key, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write(value + "\n")
+    cert, key = _tls_cert(cluster.workdir)
+    redis = LocalRedis(password=values["redis-password"], tls_cert_file=cert, tls_key_file=key)
+    cluster.redis.append(redis.start())
+    settings = pod_settings(secrets_dir)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    nodes = {}
+
+    def spawn(command: str, name: str, port: int, extra: dict[str, str]) -> None:
+        env = base_env | settings[command] | {"PDSERVE_HOST": "127.0.0.1", "PDSERVE_PORT": str(port)}
+        env["PDSERVE_MODEL"] = model_path()
+        redis_url = env["PDSERVE_REDIS"].replace(IN_CLUSTER_REDIS, f"127.0.0.1:{redis.port}")
+        env["PDSERVE_REDIS"] = redis_url.replace(REDIS_CA, cert)
+        cluster.spawn(name, [sys.executable, "-m", "pdserve.cli", command], env | extra)
+
+    for command in ("prefill", "decode"):
+        name, port = f"{command}-0", free_port()
+        spawn(command, name, port, {"PDSERVE_NODE_ID": name, "PDSERVE_THREADS": "1",
+                                    "PDSERVE_TRANSFER_PORT": str(free_port())})  # fmt: skip
+        nodes[name] = NodeProc(name, f"http://127.0.0.1:{port}")
+    for node in nodes.values():
+        cluster.wait_http(f"{node.url}/internal/health", timeout_s=300)
+    port = free_port()
+    spawn("router", "router", port, {})
+    base = f"http://127.0.0.1:{port}"
+    cluster.wait_http(f"{base}/health", timeout_s=120)
+    for _, proc in cluster.procs:
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace")
+        assert not any(v in argv for v in values.values()), f"a secret is on the command line: {argv}"
+    return LiveCluster(cluster, base, redis.url, nodes), values["api-keys"]
+
+
 @pytest.fixture(scope="module")
 def exposed() -> Iterator[Exposed]:
-    live = LiveCluster.start(up_config())
+    cluster = Cluster()
     try:
-        assert "Paris" in demo_request(live.base)
+        live, api_key = start_from_manifests(cluster)
+    except BaseException:
+        cluster.stop()
+        raise
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"}
+        chat = {
+            "model": served_model_name(),
+            "max_tokens": 24,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "In one sentence, what is the capital of France?"}],
+        }
+        reply = httpx.post(f"{live.base}/v1/chat/completions", json=chat, headers=headers, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         body = {
             "model": served_model_name(),
             "prompt": "one two three " * 20,
             "max_tokens": 8,
             "temperature": 0,
         }
-        assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
+        reply = httpx.post(f"{live.base}/v1/completions", json=body, headers=headers, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=30).status_code == 401
         live.wait_clean()
         seen = Exposed()
         for url in [live.base, *(n.url for n in live.nodes.values())]:
-            parse_exposition(httpx.get(f"{url}/metrics", timeout=10).text, seen)
+            parse_exposition(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text, seen)
         yield seen
     finally:
         live.stop()
