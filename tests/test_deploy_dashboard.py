@@ -117,7 +117,7 @@ def pod_settings(secrets_dir: str) -> dict[str, dict[str, str]]:
     settings = {}
     for d in objs(RENDER, "Deployment").values():
         c = pod_spec(d)["containers"][0]
-        env = {}
+        env: dict[str, str] = {}
         for ref in c["envFrom"]:
             env |= config_maps[ref["configMapRef"]["name"]]["data"]
         env |= {e["name"]: e["value"] for e in c["env"] if "value" in e}
@@ -172,8 +172,8 @@ def start_from_manifests(cluster: Cluster) -> tuple[LiveCluster, str]:
     base = f"http://127.0.0.1:{port}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
     for _, proc in cluster.procs:
-        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
-            argv = f.read().decode(errors="replace")
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().decode(errors="replace")
         assert not any(v in argv for v in values.values()), f"a secret is on the command line: {argv}"
     return LiveCluster(cluster, base, redis.url, nodes), values["api-keys"]
 
