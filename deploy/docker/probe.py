@@ -4,8 +4,9 @@
 Standard library only, so it starts in milliseconds beside a loaded engine. Which component runs, and on
 which address, is read from the container's main process (PID 1's command line: `pdserve router ...`
 or, after its exec, `python -m pdserve.prefill_node ...`), then from PDSERVE_HOST / PDSERVE_PORT, unless
---role, --host and --port say it. `drain` tells a node to take no new work (POST /internal/drain), then
-waits until its engine holds no request (GET /internal/audit: live_requests == 0) or --timeout passes.
+--role, --host and --port say it. `drain` tells a node to take no new work (POST /internal/drain, unless
+its health already says draining), then waits until its engine holds no request (GET /internal/audit:
+live_requests == 0) or --timeout passes.
 Exit codes: 0 healthy / drained; 1 not healthy, not drained in time, or the node unreachable.
 """
 
@@ -95,7 +96,9 @@ def drain(t: Target, timeout_s: float, poll_s: float) -> int:
         return 1
     deadline = time.monotonic() + timeout_s
     try:
-        _call(t, "POST", "/internal/drain", 10.0)
+        _, state = _call(t, "GET", "/internal/health", 10.0)
+        if not state.get("draining"):  # drained already (kvctl drain): a second POST would fail
+            _call(t, "POST", "/internal/drain", 10.0)
         while True:
             _, audit = _call(t, "GET", "/internal/audit", max(1.0, deadline - time.monotonic()))
             live = audit.get("live_requests")
