@@ -55,12 +55,20 @@ class RouterOptions(SecretFiles):
         "read; none: any client is accepted)",
     )
     metrics_auth: bool = Field(False, description="require an API key on /metrics too")
+    rate_limit: float = Field(
+        0.0,
+        ge=0,
+        description="requests per second each API key may sustain (a token bucket; over it: 429 with "
+        "Retry-After; 0: unlimited)",
+    )
+    rate_limit_burst: int = Field(10, ge=1, description="requests an API key may send at once (bucket size)")
     log_level: LogLevel = Field("INFO", description="log level")
 
 
 def router_config(opts: RouterOptions) -> RouterConfig:
     """The frozen RouterConfig; raises SettingsError (model not on disk, unreadable secret) or ValueError."""
     from pdserve.router.policy import PolicyConfig
+    from pdserve.router.tenants import RateLimit
     from pdserve.shared.block_index_types import RedisConfig
 
     model = check_model_path(opts.model)
@@ -82,6 +90,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_auth=opts.metrics_auth,
+        rate_limit=RateLimit(opts.rate_limit, opts.rate_limit_burst) if opts.rate_limit else None,
     )
 
 

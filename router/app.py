@@ -10,7 +10,6 @@ where they may still run (router/dispatch.py). The app owns the BlockIndex it is
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import time
 import uuid
@@ -27,8 +26,16 @@ from pdserve.router.dispatch import Background, ChoiceEvent, ChoiceJob, RequestR
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClients
 from pdserve.router.openai_builders import ResponseHead, models_response, usage
-from pdserve.router.openai_protocol import GenerationSpec, OpenAIError, parse_chat, parse_completion
+from pdserve.router.openai_protocol import (
+    GenerationSpec,
+    OpenAIError,
+    check_token_ids,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
 from pdserve.router.routing import Placement, Router
+from pdserve.router.tenants import Tenants, cache_salt
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.node_protocol import TokenLogprob
 from pdserve.shared.tokenizer import Tokenizer
@@ -70,7 +77,7 @@ class _Request:
 
 
 def _error(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -84,6 +91,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
     router = Router(index, clients, config.policy, config.node_list_ttl_s, metrics, background)
     started = int(time.time())
     served = set(config.served_model_names)
+    tenants = Tenants(config.api_keys, config.rate_limit)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -123,7 +131,9 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
     async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
         authenticate(request)
         if model_id not in served:
-            raise OpenAIError(404, f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+            raise OpenAIError(
+                404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
         model: dict[str, Any] = models_response([model_id], started)["data"][0]
         return model
 
@@ -175,8 +185,9 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
 
     async def start(request: Request, parse: Callable[[dict[str, Any]], GenerationSpec]) -> _Request:
         arrival = time.perf_counter()
-        tenant_salt = authenticate(request)
+        tenant = tenants.admit(request.headers.get("authorization"))
         spec = parse(await read_json(request))
+        check_token_ids(spec, tokenizer.vocab_size)
         if spec.model not in served:
             raise OpenAIError(
                 404,
@@ -188,7 +199,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
             raise OpenAIError(400, f"n x prompts = {spec.n * max(len(spec.prompts), 1)} exceeds the limit "
                               f"{config.max_n}", param="n")  # fmt: skip
         prompts, echo = await tokenize(spec)
-        salt = spec.cache_salt if spec.cache_salt is not None else tenant_salt
+        salt = cache_salt(tenant, spec.cache_salt)
         placements = await asyncio.gather(*(router.place(ids, salt) for ids in prompts))
         timeout = min(spec.timeout_s or config.default_deadline_s, config.max_deadline_s)
         deadline = time.time() + timeout
@@ -209,16 +220,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
             choices[job.index].offset = len(echo[job.index // spec.n])
         return _Request(spec, head, [len(ids) for ids in prompts], echo, run, arrival, choices)
 
-    def authenticate(request: Request) -> str | None:
-        """The tenant's default cache salt (a digest of its key), or None when keys are not configured."""
-        if not config.api_keys:
-            return None
-        header = request.headers.get("authorization", "")
-        key = header.removeprefix("Bearer ").strip()
-        if key not in config.api_keys:
-            raise OpenAIError(401, "Incorrect or missing API key in the Authorization: Bearer header",
-                              code="invalid_api_key")  # fmt: skip
-        return "key:" + hashlib.sha256(key.encode()).hexdigest()
+    def authenticate(request: Request) -> None:
+        tenants.authenticate(request.headers.get("authorization"))
 
     async def read_json(request: Request) -> Any:
         limit = config.max_request_bytes
@@ -230,10 +233,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
             body += chunk
             if len(body) > limit:
                 raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
-        try:
-            return json.loads(body)
-        except ValueError as exc:
-            raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from exc
+        return parse_json_body(bytes(body))
 
     async def tokenize(spec: GenerationSpec) -> tuple[list[tuple[int, ...]], list[str]]:
         """Token ids of each prompt, and the text `echo` puts in front of each prompt's choices."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.router.policy import PolicyConfig
+from pdserve.router.tenants import RateLimit
 from pdserve.shared.block_index_types import RedisConfig
 
 
@@ -38,7 +39,11 @@ class RouterConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Routing weights; its block_size is replaced by the one the nodes registered."""
     api_keys: tuple[str, ...] = ()
-    """Accepted bearer keys; empty accepts any client. A key is also the tenant's default cache salt."""
+    """Accepted bearer keys (`Authorization: Bearer <key>` only); empty accepts any client. A key's digest is
+    its tenant's cache salt, which a client's `cache_salt` narrows but never replaces (router/tenants.py)."""
+    rate_limit: RateLimit | None = None
+    """Each API key's token bucket (requests per second, burst); over it a request gets 429 with
+    Retry-After. None: unlimited. Applies to /v1/completions and /v1/chat/completions when api_keys is set."""
     served_model_aliases: tuple[str, ...] = ()
     """More ids clients may pass as `model` (listed by /v1/models after served_model_name)."""
     metrics_auth: bool = False

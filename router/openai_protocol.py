@@ -2,13 +2,18 @@
 
 Invariants: a GenerationSpec is fully validated (its SamplingParams template was built, so every sampling
 field is in range); unknown body fields are tolerated as OpenAI does; every refusal is an OpenAIError
-carrying the HTTP status and OpenAI's ErrorResponse body, naming the bad parameter. Response and chunk
-objects are built in router/openai_builders.py.
+carrying the HTTP status and OpenAI's ErrorResponse body, naming the bad parameter. A body reaches the
+models only as strict JSON (no NaN or Infinity) nested at most MAX_JSON_DEPTH deep whose every string is
+Unicode text (no lone surrogate), so nothing downstream (tokenizer, block hash, node messages) sees a value
+JSON's grammar allows but UTF-8 cannot carry. Every list a client sends is bounded (stop strings, stop
+token ids, logprobs; prompts and n by RouterConfig.max_n, prompt tokens by the context). Response and
+chunk objects are built in router/openai_builders.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +26,11 @@ Prompt = str | tuple[int, ...]
 ChatMessages = tuple[dict[str, str], ...]
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MAX_LOGPROBS = 20
+MAX_JSON_DEPTH = 32
+"""Nesting of a request body (the object itself is 1); OpenAI's own bodies need under 10."""
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
 
 
 class OpenAIError(Exception):
@@ -33,6 +43,7 @@ class OpenAIError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -40,6 +51,8 @@ class OpenAIError(Exception):
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers
+        """HTTP headers the refusal carries (Retry-After on 429)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -64,7 +77,7 @@ class _Body(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -115,6 +128,77 @@ class GenerationSpec:
         """Sampling of choice `choice` (0..n-1): seeded requests fan out with seeds seed + choice."""
         seed = None if self.sampling.seed is None else self.sampling.seed + choice
         return dataclasses.replace(self.sampling, max_tokens=max_tokens, seed=seed)
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The request body as JSON; OpenAIError 400 when it is not strict JSON in UTF-8 (NaN and Infinity are
+    refused), nests deeper than MAX_JSON_DEPTH, or holds a lone surrogate escape such as "\\ud800"."""
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:  # the parser's own stack ran out: far deeper than MAX_JSON_DEPTH
+        raise OpenAIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from exc
+    except ValueError as exc:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from exc
+    _check_tree(body)
+    return body
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send finite numbers")
+
+
+def _check_tree(body: Any) -> None:
+    """Depth and text of every value, iteratively (a recursive walk is what a deep body attacks)."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, path)
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise OpenAIError(
+                400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels (at {path})", param=path
+            )
+        if isinstance(node, dict):
+            for key, value in node.items():
+                _check_text(key, f"{path}.{key!a}".lstrip("."))
+                if isinstance(value, str | list | dict):
+                    stack.append((value, f"{path}.{key}".lstrip("."), depth + 1))
+        else:
+            for i, value in enumerate(node):
+                if isinstance(value, str | list | dict):
+                    stack.append((value, f"{path}[{i}]", depth + 1))
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise OpenAIError(
+            400,
+            f"{path or 'the body'}: the string holds a lone surrogate {bad!a} at character {exc.start}; "
+            "send Unicode text (a surrogate escape such as \\ud83d must be followed by its low half)",
+            param=path or None,
+        ) from exc
+
+
+def check_token_ids(spec: GenerationSpec, vocab_size: int) -> None:
+    """OpenAIError 400 when a token-id prompt or a stop token id is outside the tokenizer's vocabulary."""
+    for i, prompt in enumerate(spec.prompts):
+        if isinstance(prompt, tuple) and max(prompt) >= vocab_size:
+            raise OpenAIError(
+                400,
+                f"prompt {i} holds token id {max(prompt)}, outside the vocabulary [0, {vocab_size})",
+                param="prompt",
+            )
+    too_big = [t for t in spec.sampling.stop_token_ids if t >= vocab_size]
+    if too_big:
+        raise OpenAIError(
+            400,
+            f"stop_token_ids holds {too_big[0]}, outside the vocabulary [0, {vocab_size})",
+            param="stop_token_ids",
+        )
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationSpec:
@@ -168,6 +252,13 @@ def _spec(
             400, f"include_usage must be a boolean, got {include_usage!r}", param="stream_options"
         )
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise OpenAIError(
+            400,
+            f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each, got "
+            f"{len(stop)} of up to {max(len(s) for s in stop)} characters",
+            param="stop",
+        )
     # Only what the client set goes in; SamplingParams' own defaults stand for the rest.
     optional: dict[str, Any] = {
         "top_p": req.top_p,
@@ -217,6 +308,8 @@ def _spec(
 def _validate(model: type[CompletionBody] | type[ChatBody], body: Any) -> Any:
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    # OpenAI's schemas make most fields nullable, null meaning the default: a null field is an absent one.
+    body = {k: v for k, v in body.items() if v is not None}
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -258,7 +351,7 @@ def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
     out = []
     for i, msg in enumerate(messages):
         role = msg.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:
             raise OpenAIError(
                 400, f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}", param="messages"
             )
