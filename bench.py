@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve bench", description="Serving benchmark: latency and throughput of an OpenAI server"
     )
     p.add_argument("--backend", choices=("openai", "openai-chat", "engine"), default="openai")
+    p.add_argument("--label", default=None, help="names the setup in the tables, file and plot")
     p.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="the server (pdserve router or a peer)"
     )
@@ -106,7 +107,8 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
-def workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[BenchRequest]:
+def workload(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int) -> list[BenchRequest]:
+    """The requests of one load; another seed gives other prompts (a JSONL file gives the same ones)."""
     lengths = Lengths(args.input_len, args.output_len, args.range_ratio)
     if args.dataset_name == "jsonl":
         if not args.dataset_path:
@@ -114,8 +116,8 @@ def workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> list[Benc
         return jsonl_requests(args.dataset_path, args.output_len, tokenizer, args.num_prompts)
     if args.dataset_name == "prefix":
         groups, turns = args.prefix_groups, args.prefix_turns
-        return shared_prefix_requests(groups, turns, args.prefix_len, lengths, tokenizer, args.dataset_seed)
-    return random_requests(args.num_prompts, lengths, tokenizer, args.dataset_seed)
+        return shared_prefix_requests(groups, turns, args.prefix_len, lengths, tokenizer, seed)
+    return random_requests(args.num_prompts, lengths, tokenizer, seed)
 
 
 async def run_load(
@@ -260,17 +262,17 @@ async def served_model(base_url: str) -> str:
 
 
 async def sweep(
-    name: str, send: Send, requests: list[BenchRequest], args: argparse.Namespace
+    name: str, send: Send, workloads: list[list[BenchRequest]], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    """A warm-up request, then every load in turn; each load's summary."""
-    warm = await send(
-        BenchRequest(requests[0].prompt, requests[0].prompt_len, min(4, requests[0].output_len))
-    )
+    """A warm-up request (the first of workloads[0]), then each load on its own workload (workloads[1:], so
+    no load finds its prompts cached by an earlier one); each load's summary."""
+    first = workloads[0][0]
+    warm = await send(BenchRequest(first.prompt, first.prompt_len, min(4, first.output_len)))
     if warm.error:
         raise ValueError(f"the warm-up request failed: {warm.error}")
     slos = parse_goodput(args.goodput)
     runs = []
-    for load in loads(args):
+    for load, requests in zip(loads(args), workloads[1:], strict=True):
         results, wall = await run_load(send, requests, load, args.dataset_seed, args.disable_tqdm)
         runs.append(summarize(name, load, results, wall, slos))
     return runs
@@ -284,7 +286,7 @@ def _model(args: argparse.Namespace) -> str:
     return default_model_path()
 
 
-async def _engine_runs(args: argparse.Namespace, requests: list[BenchRequest]) -> list[dict[str, Any]]:
+async def _engine_runs(args: argparse.Namespace, workloads: list[list[BenchRequest]]) -> list[dict[str, Any]]:
     from pdserve.shared.async_engine import AsyncEngine
     from pdserve.shared.config import EngineConfig
     from pdserve.shared.engine import LLMEngine
@@ -307,7 +309,7 @@ async def _engine_runs(args: argparse.Namespace, requests: list[BenchRequest]) -
     aengine = AsyncEngine(LLMEngine(cfg))
     aengine.start()
     try:
-        return await sweep("engine", EngineClient(args, aengine).send, requests, args)
+        return await sweep("engine", EngineClient(args, aengine).send, workloads, args)
     finally:
         await aengine.stop()
 
@@ -316,25 +318,26 @@ async def bench(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]
     from pdserve.shared.loader import load_tokenizer
 
     tokenizer = None if args.random_text else load_tokenizer(_model(args), args.tokenizer)
-    requests = workload(args, tokenizer)
-    loads(args)  # a bad load fails before anything is sent
+    workloads = [workload(args, tokenizer, args.dataset_seed + i) for i in range(len(loads(args)) + 1)]
+    size = len(workloads[1])
     served: list[dict[str, Any]] = []
     if args.backend != "engine":
         model = args.served_model_name or await served_model(args.base_url)
-        conns = max(c or len(requests) for c in (load["max_concurrency"] for load in loads(args)))
+        conns = max(c or size for c in (load["max_concurrency"] for load in loads(args)))
         client = OpenAIClient(args, model, tokenizer, conns)
         try:
-            served = await sweep(args.backend, client.send, requests, args)
+            served = await sweep(args.backend, client.send, workloads, args)
         finally:
             await client.http.aclose()
-    engine = await _engine_runs(args, requests) if args.backend == "engine" or args.compare_engine else []
+    engine = await _engine_runs(args, workloads) if args.backend == "engine" or args.compare_engine else []
     runs, engine_runs = (served, engine) if served else (engine, [])
     return {
+        "label": args.label or args.backend,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": "pdserve bench " + shlex.join(argv),
         "model": args.served_model_name or _model(args),
         "dataset": {k: getattr(args, k) for k in ("dataset_name", "num_prompts", "input_len", "output_len")}
-        | {"range_ratio": args.range_ratio, "requests": len(requests)},
+        | {"range_ratio": args.range_ratio, "requests": size},
         "runs": runs,
         "engine_runs": engine_runs,
         "served_over_engine": [ratio(s, e) for s, e in zip(runs, engine_runs, strict=True)]
@@ -359,5 +362,5 @@ def main(argv: Sequence[str]) -> int:
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1, allow_nan=False)
     if args.plot:
-        plot(result["runs"], result["engine_runs"], args.plot)
+        plot(result["label"], result["runs"], result["engine_runs"], args.plot)
     return 0

@@ -69,7 +69,7 @@ RUN_SCHEMA: dict[str, Any] = {
 }
 RESULT_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "required": ["date", "command", "model", "dataset", "runs", "engine_runs", "served_over_engine"],
+    "required": ["label", "date", "command", "model", "dataset", "runs", "engine_runs", "served_over_engine"],
     "properties": {
         "runs": {"type": "array", "minItems": 1, "items": RUN_SCHEMA},
         "engine_runs": {"type": "array", "items": RUN_SCHEMA},
@@ -193,7 +193,9 @@ def ratio(run: Mapping[str, Any], engine: Mapping[str, Any]) -> float | None:
     return run["output_throughput"] / engine["output_throughput"] if engine["output_throughput"] else None
 
 
-def plot(runs: Sequence[Mapping[str, Any]], engine_runs: Sequence[Mapping[str, Any]], path: str) -> None:
+def plot(
+    label: str, runs: Sequence[Mapping[str, Any]], engine_runs: Sequence[Mapping[str, Any]], path: str
+) -> None:
     """Latency and throughput against load, one point per load, written as a PNG."""
     import matplotlib
 
@@ -207,16 +209,18 @@ def plot(runs: Sequence[Mapping[str, Any]], engine_runs: Sequence[Mapping[str, A
         for stat, style in (("median", "o-"), ("p99", "s--")):
             ax.plot(x, [r[key][stat] for r in runs], style, label=f"{stat}")
         ax.set_title(title)
-    axes[2].plot(x, [r["output_throughput"] for r in runs], "o-", label="served")
+    axes[2].plot(x, [r["output_throughput"] for r in runs], "o-", label=runs[0]["backend"])
     if engine_runs:
         axes[2].plot(x, [r["output_throughput"] for r in engine_runs], "s--", label="engine alone")
     axes[2].set_title("Output throughput (tok/s)")
     for ax in axes:
         ax.set_xlabel("max concurrency" if by_conc else "request rate (req/s)")
+        if len(x) > 1 and max(x) >= 8 * min(x):
+            ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend()
         ax.set_ylim(bottom=0)
-    fig.suptitle(f"pdserve bench: {runs[0]['backend']}")
+    fig.suptitle(f"pdserve bench: {label}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -5,6 +5,7 @@ at its exact output length, and a PNG; chat works too; `--backend engine` runs t
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,12 +13,14 @@ from typing import Any
 
 import jsonschema
 import pytest
-from pdserve.bench_report import RESULT_SCHEMA
+from pdserve.bench import loads
+from pdserve.bench_datasets import Lengths, jsonl_requests, shared_prefix_requests
+from pdserve.bench_report import RESULT_SCHEMA, parse_goodput
 from pdserve.tests.cluster_fixture import LiveCluster, model_path, run_cli, up_config
 
 pytestmark = pytest.mark.slow
 
-SHORT = ("--num-prompts", "8", "--input-len", "24", "--output-len", "16", "--ignore-eos", "--disable-tqdm")
+SHORT = ("--num-prompts", "6", "--input-len", "24", "--output-len", "12", "--ignore-eos", "--disable-tqdm")
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +63,19 @@ def test_a_sweep_against_the_router_writes_results_and_a_plot(live: LiveCluster,
     png = tmp_path / "sweep.png"
     result = bench(
         tmp_path, "sweep", "--base-url", live.base, *SHORT, "--max-concurrency", "1,4", "--plot", str(png),
-        "--goodput", "ttft:60000", "tpot:60000",
+        "--label", "single", "--goodput", "ttft:60000", "tpot:60000", "--compare-engine", "--threads", "1",
     )  # fmt: skip
-    assert [r["load"]["max_concurrency"] for r in result["runs"]] == [1, 4]
+    assert result["label"] == "single" and [r["load"]["max_concurrency"] for r in result["runs"]] == [1, 4]
     for run in result["runs"]:
         assert run["backend"] == "openai"
-        assert_all_served(run, 8, 16)
+        assert_all_served(run, 6, 12)
         assert run["request_goodput"] == run["request_throughput"]  # SLOs no request can miss
-    assert result["engine_runs"] == [] and result["served_over_engine"] == []
+    assert [r["backend"] for r in result["engine_runs"]] == ["engine"] * 2
+    for served, engine, ratio in zip(
+        result["runs"], result["engine_runs"], result["served_over_engine"], strict=True
+    ):
+        assert_all_served(engine, 6, 12)
+        assert ratio == pytest.approx(served["output_throughput"] / engine["output_throughput"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -78,7 +86,7 @@ def test_chat_at_a_poisson_rate(live: LiveCluster, tmp_path: Path) -> None:
     )  # fmt: skip
     (run,) = result["runs"]
     assert run["load"] == {"request_rate": 20.0, "burstiness": 0.5, "max_concurrency": None}
-    assert_all_served(run, 8, 16)
+    assert_all_served(run, 6, 12)
     assert 0 <= run["request_goodput"] <= run["request_throughput"]
 
 
@@ -88,5 +96,26 @@ def test_the_engine_backend_runs_the_same_workload_in_process(tmp_path: Path) ->
     )
     (run,) = result["runs"]
     assert run["backend"] == "engine"
-    assert_all_served(run, 8, 16)
-    assert run["input_lens"] == [24] * 8 and run["request_goodput"] is None
+    assert_all_served(run, 6, 12)
+    assert run["input_lens"] == [24] * 6 and run["request_goodput"] is None
+
+
+def test_workloads_and_flags_without_a_server(tmp_path: Path) -> None:
+    """Shared prefixes come turn by turn; JSONL takes text or ids; bad loads and SLOs name the flag."""
+    reqs = shared_prefix_requests(3, 2, 5, Lengths(4, 8), None, seed=1)
+    assert len(reqs) == 6 and all(r.prompt_len == 9 and r.output_len == 8 for r in reqs)
+    prefixes = [" ".join(str(r.prompt).split()[:5]) for r in reqs]
+    assert prefixes[:3] == prefixes[3:] and len(set(prefixes)) == 3
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "one two three"}\n\n{"prompt_token_ids": [5, 6], "output_len": 3}\n')
+    text, ids = jsonl_requests(str(path), 16, None, None)
+    assert (text.prompt, text.prompt_len, text.output_len) == ("one two three", 3, 16)
+    assert (ids.prompt, ids.prompt_len, ids.output_len) == ((5, 6), 2, 3)
+    assert parse_goodput(["ttft:500", "e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
+    with pytest.raises(ValueError, match="--goodput 'itl:5'"):
+        parse_goodput(["itl:5"])
+    flags = argparse.Namespace(request_rate="1,2", max_concurrency="4,8", burstiness=1.0)
+    with pytest.raises(ValueError, match="sweep one of"):
+        loads(flags)
+    flags.max_concurrency = "4"
+    assert [(x["request_rate"], x["max_concurrency"]) for x in loads(flags)] == [(1.0, 4), (2.0, 4)]
