@@ -18,7 +18,13 @@ from typing import Any
 import click
 from pdserve.shared.engine_args import EngineOptions
 from pdserve.shared.node_cli import NodeOptions, PrefillOptions
-from pdserve.shared.settings import Settings, SettingsError, click_options, settings_from_click
+from pdserve.shared.settings import (
+    Settings,
+    SettingsError,
+    check_model_path,
+    click_options,
+    settings_from_click,
+)
 from pdserve.up_options import UpOptions
 from pydantic import Field
 
@@ -86,6 +92,7 @@ def pdserve() -> None:
 
 
 def _generate(opts: GenerateOptions) -> int:
+    model = check_model_path(opts.model or default_model_path())  # before torch loads
     import json
 
     from pdserve.shared.engine_args import engine_config
@@ -119,7 +126,7 @@ def _generate(opts: GenerateOptions) -> int:
         logprobs=opts.logprobs,
         ignore_eos=opts.ignore_eos,
     )
-    config = engine_config(opts.model_copy(update={"model": opts.model or default_model_path()}))
+    config = engine_config(opts.model_copy(update={"model": model}))
     try:
         return run(config, prompts, params, opts.json_output)
     except ModelLoadError as exc:
@@ -154,7 +161,7 @@ def _up(opts: UpOptions) -> int:
     from pdserve.launch import run_up
     from pdserve.up_options import up_config
 
-    return run_up(up_config(opts, opts.model or default_model_path()))
+    return run_up(up_config(opts, check_model_path(opts.model or default_model_path())))
 
 
 def _register() -> None:

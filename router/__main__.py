@@ -96,12 +96,13 @@ def router_config(opts: RouterOptions) -> RouterConfig:
 
 def run(opts: RouterOptions) -> int:
     """Serves until SIGINT/SIGTERM; SettingsError, ValueError or OSError before serving propagate."""
+    config = router_config(opts)  # before the heavy imports: a bad setting fails at once
+
     import uvicorn
     from pdserve.router.app import create_app
     from pdserve.shared.block_index import BlockIndex
     from pdserve.shared.loader import load_tokenizer
 
-    config = router_config(opts)
     logging.basicConfig(level=opts.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     tokenizer = load_tokenizer(config.model_path)
     app = create_app(config, tokenizer, BlockIndex(config.redis))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.engine_args import EngineOptions, engine_config
-from pdserve.shared.settings import LogLevel, SecretFiles, read_secret
+from pdserve.shared.settings import LogLevel, SecretFiles, check_model_path, read_secret
 from pydantic import Field
 
 if TYPE_CHECKING:
@@ -70,18 +70,19 @@ class NodeConfigs:
 
 
 def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
-    """The node's frozen configs; raises SettingsError (missing secret, model not on disk) or ValueError."""
+    """The node's frozen configs; raises SettingsError (missing secret, model not on disk) or ValueError.
+    The cheap checks come first, so a bad start fails before torch loads."""
+    token = read_secret("auth_token", "the KV-transfer token", opts.auth_token_file, required=True)
+    assert token is not None
+    check_model_path(opts.model)
+    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+
     from pdserve.kvtransfer.connector import ConnectorConfig
     from pdserve.shared.block_index_types import RedisConfig
     from pdserve.shared.node_runtime import NodeSettings
 
-    token = read_secret("auth_token", "the KV-transfer token", opts.auth_token_file, required=True)
-    assert token is not None
     redis = None
     if opts.redis:
-        password = read_secret(
-            "redis_password", "the Redis password", opts.redis_password_file, required=False
-        )
         redis = RedisConfig(url=opts.redis, password=password, cluster=opts.cluster)
     node = NodeSettings(opts.node_id, role, opts.host, opts.port, redis, opts.heartbeat_s)
     connector = ConnectorConfig(

@@ -1,8 +1,9 @@
 """End to end: nodes that must not exchange KV are refused cleanly. A decode node started with another
-transfer token (PDSERVE_AUTH_TOKEN) fails the transfer handshake: the request ends with an error status well within its deadline
-(never a hang), both sides log the refusal, and neither pool keeps a block. A decode node with another KV
-layout (--block-size 32) is refused at registration with a message naming the field. The processes are
-built by hand with `Cluster.spawn` and the command lines `start_cluster` uses; teardown asserts none is left.
+transfer token (PDSERVE_AUTH_TOKEN) fails the transfer handshake: the request ends with an error status well
+within its deadline (never a hang), both sides log the refusal, and neither pool keeps a block. A decode
+node with another KV layout (--block-size 32) is refused at registration with a message naming the field.
+The processes are built by hand with `Cluster.spawn` and the command lines `start_cluster` uses; teardown
+asserts none is left.
 """
 
 from __future__ import annotations

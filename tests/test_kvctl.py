@@ -175,3 +175,52 @@ def test_console_script_runs(cluster: Cluster) -> None:
     argv = [sys.executable, "-m", "pdserve.kvctl.cli", "nodes", "--redis", server.url, "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and len(json.loads(done.stdout)["nodes"]) == 2
+
+
+def test_undrain_calls_the_node_and_json_or_table_everywhere(cluster: Cluster, capsys: Any) -> None:
+    server, fake, _ = cluster
+    fake.posts.clear()
+    rc, out, _ = kvctl(capsys, server, "undrain", "d0")
+    assert rc == 0 and out == {"node_id": "d0", "draining": False,
+                               "node_reply": {"ok": True, "path": "/internal/undrain"}}  # fmt: skip
+    rc, out, _ = kvctl(capsys, server, "undrain", "gone", "--url", fake.url)  # a node that left the index
+    assert rc == 0 and fake.posts == [("/internal/undrain", {}), ("/internal/undrain", {})]
+    rc, _, err = kvctl(capsys, server, "undrain", "gone")
+    assert rc == 1 and err.endswith("a drained node that left the index needs --url\n")
+    for argv in (["nodes"], ["blocks"], ["stats"], ["where", "--prompt", PROMPT], ["undrain", "d0"],
+                 ["evict", "--node", "p0", "--all"]):  # fmt: skip
+        assert main([*argv, "--redis", server.url]) == 0
+        table = capsys.readouterr().out
+        assert table.strip() and not table.lstrip().startswith("{"), argv
+        assert main([*argv, "--redis", server.url, "--json"]) == 0
+        json.loads(capsys.readouterr().out)
+
+
+def test_settings_from_environment(cluster: Cluster, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    server, _, _ = cluster
+    monkeypatch.setenv("PDSERVE_REDIS", server.url)
+    monkeypatch.setenv("PDSERVE_JSON_OUTPUT", "true")
+    assert main(["nodes"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["nodes"]) == 2
+
+
+@pytest.mark.slow
+def test_closed_pipe_ends_quietly(cluster: Cluster) -> None:
+    """`kvctl blocks --json | head -0`: the reader is gone before kvctl writes; no traceback, exit 1."""
+    server, _, _ = cluster
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.kvctl.cli",
+        "blocks",
+        "--limit",
+        "100",
+        "--redis",
+        server.url,
+        "--json",
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1 and err == "", err
