@@ -9,7 +9,6 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-ARG PDSERVE_EXTRAS=""
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/pdserve
 ENV PATH=/opt/pdserve/bin:$PATH
@@ -17,14 +16,16 @@ ENV PATH=/opt/pdserve/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY . /src
+# extras of the pdserve package, e.g. "[gpu,ucx]"
+ARG PDSERVE_EXTRAS=""
 RUN pip install --no-cache-dir "/src${PDSERVE_EXTRAS}" \
     && pdserve --help > /dev/null && kvctl --help > /dev/null
 
 FROM ${BASE_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="pdserve (CPU)" \
       org.opencontainers.image.description="Disaggregated prefill/decode LLM serving: router, prefill, decode, single, kvctl"
-RUN groupadd --system --gid 10001 pdserve \
-    && useradd --system --uid 10001 --gid pdserve --home-dir /home/pdserve --create-home pdserve \
+RUN groupadd --gid 10001 pdserve \
+    && useradd --uid 10001 --gid pdserve --home-dir /home/pdserve --create-home --shell /usr/sbin/nologin pdserve \
     && mkdir -p /models && chown pdserve:pdserve /models
 COPY --from=build /opt/pdserve /opt/pdserve
 COPY --chmod=0755 deploy/docker/probe.py /usr/local/bin/pdserve-probe

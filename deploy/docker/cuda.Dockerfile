@@ -1,6 +1,6 @@
 # pdserve on NVIDIA GPUs: one image for every component, chosen by the command:
 #   docker run --gpus all IMAGE router|prefill|decode|single [flags]   (settings also from PDSERVE_*)
-# The CUDA runtime, cuBLAS, NCCL and UCX come as PyPI wheels (torch's CUDA build, ucxx-cu13); only the
+# The CUDA runtime, cuBLAS, NCCL, triton and UCX come as PyPI wheels (torch, extras gpu and ucx); only the
 # driver comes from the host, injected by the NVIDIA container toolkit (or the Kubernetes device plugin).
 # Triton compiles its small launcher at run time, so the runtime stage keeps a C compiler.
 # Weights are never in the image: mount them and point PDSERVE_MODEL at them.
@@ -10,7 +10,6 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
-ARG PDSERVE_EXTRAS="[ucx]"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/pdserve
 ENV PATH=/opt/pdserve/bin:$PATH
@@ -18,6 +17,8 @@ ENV PATH=/opt/pdserve/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY . /src
+# extras of the pdserve package, e.g. "[gpu,ucx]"
+ARG PDSERVE_EXTRAS="[gpu,ucx]"
 RUN pip install --no-cache-dir "/src${PDSERVE_EXTRAS}" \
     && pdserve --help > /dev/null && kvctl --help > /dev/null
 
@@ -28,8 +29,8 @@ LABEL org.opencontainers.image.title="pdserve (CUDA)" \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
-    && groupadd --system --gid 10001 pdserve \
-    && useradd --system --uid 10001 --gid pdserve --home-dir /home/pdserve --create-home pdserve \
+    && groupadd --gid 10001 pdserve \
+    && useradd --uid 10001 --gid pdserve --home-dir /home/pdserve --create-home --shell /usr/sbin/nologin pdserve \
     && mkdir -p /models && chown pdserve:pdserve /models
 COPY --from=build /opt/pdserve /opt/pdserve
 COPY --chmod=0755 deploy/docker/probe.py /usr/local/bin/pdserve-probe
