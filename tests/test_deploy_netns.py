@@ -134,17 +134,26 @@ class NetCluster:
     live: LiveCluster
     redis_url: str
     redis_password: str
+    auth_token: str
 
     def kvctl(self, *args: str) -> dict[str, Any]:
         """The real `kvctl ... --json`, run from the root namespace; the password through the environment."""
         done = subprocess.run(
             [sys.executable, "-m", "pdserve.kvctl.cli", *args, "--redis", self.redis_url, "--json"],
             capture_output=True, text=True, timeout=120, check=False,
-            env={**os.environ, "PDSERVE_REDIS_PASSWORD": self.redis_password},
+            env=self.secret_env(),
         )  # fmt: skip
         assert done.returncode == 0, f"kvctl {args} exited {done.returncode}: {done.stderr}"
         result: dict[str, Any] = json.loads(done.stdout)
         return result
+
+    def secret_env(self) -> dict[str, str]:
+        """The environment an operator's tool gets: the Redis password and the cluster's credential."""
+        return {
+            **os.environ,
+            "PDSERVE_REDIS_PASSWORD": self.redis_password,
+            "PDSERVE_AUTH_TOKEN": self.auth_token,
+        }
 
 
 def _wait_redis(url: str, password: str, cluster: Cluster, timeout_s: float) -> None:
@@ -191,7 +200,7 @@ def _start(hosts: Hosts, cluster: Cluster) -> NetCluster:
     cluster.spawn("router", hosts.argv("router", *router), env)
     base = f"http://{hosts.addr('router')}:{ROUTER_PORT}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
-    return NetCluster(hosts, LiveCluster(cluster, base, redis_url, nodes), redis_url, password)
+    return NetCluster(hosts, LiveCluster(cluster, base, redis_url, nodes), redis_url, password, token)
 
 
 @pytest.fixture(scope="module")
@@ -303,11 +312,13 @@ def test_cut_decode_link_mid_stream_ends_cleanly(net: NetCluster) -> None:
 PROBE = Path(__file__).resolve().parent.parent / "deploy" / "docker" / "probe.py"
 
 
-def _probe(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    """The images' health check and pre-stop hook, deploy/docker/probe.py, run from the root namespace."""
+def _probe(net: NetCluster, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """The images' health check and pre-stop hook, deploy/docker/probe.py, run from the root namespace
+    with the node's credential in its environment, as the pods have it."""
     return subprocess.run(
-        [sys.executable, str(PROBE), *args], capture_output=True, text=True, timeout=timeout_s, check=False
-    )
+        [sys.executable, str(PROBE), *args],
+        capture_output=True, text=True, timeout=timeout_s, check=False, env=net.secret_env(),
+    )  # fmt: skip
 
 
 def test_probe_health_and_drain_let_the_running_request_finish(net: NetCluster) -> None:
@@ -316,9 +327,11 @@ def test_probe_health_and_drain_let_the_running_request_finish(net: NetCluster) 
     hosts = net.hosts
     router = ("--role", "router", "--host", hosts.addr("router"), "--port", str(ROUTER_PORT))
     decode = ("--role", "node", "--host", hosts.addr("decode"), "--port", str(NODE_PORT))
-    assert _probe("health", *router).returncode == 0
-    assert _probe("health", *decode).returncode == 0
-    assert _probe("health", "--role", "node", "--host", hosts.addr("decode"), "--port", "1").returncode == 1
+    assert _probe(net, "health", *router).returncode == 0
+    assert _probe(net, "health", *decode).returncode == 0
+    assert (
+        _probe(net, "health", "--role", "node", "--host", hosts.addr("decode"), "--port", "1").returncode == 1
+    )
     _wait_listed(net, "decode-0", True, timeout_s=30)  # heartbeats resume once a cut link is back
     with _client(net) as client:
         stream = client.completions.create(
@@ -327,7 +340,7 @@ def test_probe_health_and_drain_let_the_running_request_finish(net: NetCluster) 
         )  # fmt: skip
         chunks = iter(stream)
         text = next(chunks).choices[0].text
-        drained = _probe("drain", *decode, "--timeout", "60")
+        drained = _probe(net, "drain", *decode, "--timeout", "60")
         rest = list(chunks)
     text += "".join(c.choices[0].text for c in rest if c.choices)
     assert drained.returncode == 0, drained.stderr
