@@ -21,6 +21,7 @@ from pdserve.shared.node_cli import NodeOptions, PrefillOptions
 from pdserve.shared.settings import (
     Settings,
     SettingsError,
+    StartupError,
     check_model_path,
     click_options,
     settings_from_click,
@@ -205,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Abort:
         return 130
-    except (SettingsError, ValueError, OSError) as exc:
+    except (SettingsError, StartupError, ValueError, OSError) as exc:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
     return int(result or 0)

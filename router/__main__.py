@@ -14,7 +14,7 @@ import sys
 from typing import Annotated
 
 from pdserve.router.config import RouterConfig
-from pdserve.shared.settings import LogLevel, SecretFiles, check_model_path, read_secret
+from pdserve.shared.settings import LogLevel, SecretFiles, StartupError, check_model_path, read_secret
 from pydantic import BeforeValidator, Field
 from pydantic_settings import NoDecode
 
@@ -101,10 +101,13 @@ def run(opts: RouterOptions) -> int:
     import uvicorn
     from pdserve.router.app import create_app
     from pdserve.shared.block_index import BlockIndex
-    from pdserve.shared.loader import load_tokenizer
+    from pdserve.shared.loader import ModelLoadError, load_tokenizer
 
     logging.basicConfig(level=opts.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
-    tokenizer = load_tokenizer(config.model_path)
+    try:
+        tokenizer = load_tokenizer(config.model_path)
+    except ModelLoadError as exc:
+        raise StartupError(str(exc)) from exc
     app = create_app(config, tokenizer, BlockIndex(config.redis))
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0

@@ -11,11 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI
+from pdserve.shared.block_index_types import BlockIndexError
 from pdserve.shared.engine import LLMEngine
+from pdserve.shared.loader import ModelLoadError
 from pdserve.shared.node_cli import NodeConfigs
 from pdserve.shared.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node_runtime import NodeRuntime, add_common_routes, engine_kv_layout
 from pdserve.shared.node_stats import stats_loop
+from pdserve.shared.settings import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,12 @@ RoleSetup = Callable[
 
 
 def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_interval_s: float) -> int:
-    engine = LLMEngine(cfg.engine)
+    """Serves until SIGINT/SIGTERM. A model that cannot load or a registration the index refuses raises
+    StartupError (one line, no traceback): a refused node stops before it takes any request."""
+    try:
+        engine = LLMEngine(cfg.engine)
+    except ModelLoadError as exc:
+        raise StartupError(str(exc)) from exc
     rt = NodeRuntime(cfg.node, engine, engine_kv_layout(engine))
     rt.metrics.model_name = cfg.model_name
     log.info(
@@ -39,7 +47,18 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         transfer_addr, teardown = await setup(app, rt, cfg)
-        await rt.start(transfer_addr, protocol_version)
+        try:
+            await rt.start(transfer_addr, protocol_version)
+        except BlockIndexError as exc:
+            failure.append(exc)
+        if failure:
+            # Raised from here, uvicorn would print a traceback; the node never registered, so it stops
+            # without deregistering (the id may belong to a live node) and serve() raises the one line.
+            server.should_exit = True
+            yield
+            await rt.aengine.stop()
+            await teardown()
+            return
         stats = asyncio.create_task(stats_loop(rt, log_stats_interval_s))
         try:
             yield
@@ -61,5 +80,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
         timeout_keep_alive=NODE_KEEPALIVE_S,
     )
     server = uvicorn.Server(config)
+    failure: list[BlockIndexError] = []
     asyncio.run(server.serve())
+    if failure:
+        raise StartupError(f"node {cfg.node.node_id}: {type(failure[0]).__name__}: {failure[0]}")
     return 0

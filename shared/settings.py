@@ -33,6 +33,10 @@ class SettingsError(Exception):
     """A setting or a secret is missing or invalid; the message is one line naming it and its source."""
 
 
+class StartupError(Exception):
+    """A process could not start (model unreadable, refused by the cluster); the message is one line."""
+
+
 class Settings(BaseSettings):
     """Base of every process's settings: PDSERVE_-prefixed environment, unknown file keys refused."""
 
