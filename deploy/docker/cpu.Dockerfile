@@ -16,9 +16,9 @@ ENV PATH=/opt/pdserve/bin:$PATH
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY . /src
-# extras of the pdserve package, e.g. "[gpu,ucx]"
+# extras of the pdserve package, e.g. "[gpu,ucx]"; torch pinned again so that pip never swaps it for another
 ARG PDSERVE_EXTRAS=""
-RUN pip install --no-cache-dir "/src${PDSERVE_EXTRAS}" \
+RUN pip install --no-cache-dir "/src${PDSERVE_EXTRAS}" "torch==${TORCH_VERSION}" \
     && pdserve --help > /dev/null && kvctl --help > /dev/null
 
 FROM ${BASE_IMAGE} AS runtime

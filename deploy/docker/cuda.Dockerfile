@@ -9,7 +9,8 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
-ARG TORCH_VERSION=2.13.0
+# the torch the project measures GPUs with (docs/benchmarks.md), and the one triton 3.6.0 (extra gpu) fits
+ARG TORCH_VERSION=2.11.0
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python3 -m venv /opt/pdserve
 ENV PATH=/opt/pdserve/bin:$PATH
@@ -17,9 +18,9 @@ ENV PATH=/opt/pdserve/bin:$PATH
 RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY . /src
-# extras of the pdserve package, e.g. "[gpu,ucx]"
+# extras of the pdserve package, e.g. "[gpu,ucx]"; torch pinned again so that pip never swaps it for another
 ARG PDSERVE_EXTRAS="[gpu,ucx]"
-RUN pip install --no-cache-dir "/src${PDSERVE_EXTRAS}" \
+RUN pip install --no-cache-dir "/src${PDSERVE_EXTRAS}" "torch==${TORCH_VERSION}" \
     && pdserve --help > /dev/null && kvctl --help > /dev/null
 
 FROM ${BASE_IMAGE} AS runtime
