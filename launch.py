@@ -37,6 +37,13 @@ class Cluster:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pdserve-"))
     redis: list[LocalRedis] = field(default_factory=list)
+    auth_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    """The cluster's credential: the nodes' KV-transfer token, which the router (and kvctl) send to nodes."""
+
+    @property
+    def secret_env(self) -> dict[str, str]:
+        """The environment of a process that holds the credential (a secret: never on argv)."""
+        return os.environ | {"PDSERVE_AUTH_TOKEN": self.auth_token}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - owned by the child
@@ -113,7 +120,6 @@ class UpConfig:
 def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
     """Starts Redis, the nodes and the router; returns the router's base URL once everything answers."""
     redis_url = start_redis(cluster)
-    token = secrets.token_hex(16)
     py = sys.executable
     urls = []
     roles = [("prefill", i) for i in range(cfg.prefill)] + [("decode", i) for i in range(cfg.decode)]
@@ -142,7 +148,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         ]
         if role == "single":
             argv += ["--role", "single"]
-        cluster.spawn(name, argv, env=os.environ | {"PDSERVE_AUTH_TOKEN": token})  # a secret: never on argv
+        cluster.spawn(name, argv, env=cluster.secret_env)
         urls.append(f"http://127.0.0.1:{port}/internal/health")
     for url in urls:
         cluster.wait_http(url, timeout_s=300)
@@ -158,7 +164,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         str(cfg.port),
         *cfg.router_args,
     ]
-    cluster.spawn("router", router_argv)
+    cluster.spawn("router", router_argv, env=cluster.secret_env)
     base = f"http://127.0.0.1:{cfg.port}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
     return base
@@ -196,6 +202,10 @@ def run_up(cfg: UpConfig) -> int:
         )
         base = start_cluster(cfg, cluster)
         print(f"pdserve up: serving the OpenAI API on {base}/v1", flush=True)
+        token_file = os.path.join(cluster.workdir, "auth-token")
+        with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(cluster.auth_token)
+        print(f"pdserve up: kvctl drain/undrain/evict need PDSERVE_AUTH_TOKEN_FILE={token_file}", flush=True)
         if cfg.demo:
             answer = demo_request(base)
             print(

@@ -24,6 +24,7 @@ import time
 
 import httpx
 from pdserve.shared.block_index_server import free_port
+from pdserve.shared.node_auth import bearer
 from pdserve.shared.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.types import NodeId, RequestId
@@ -106,10 +107,10 @@ async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, 
     return marks[0], marks[1], tokens
 
 
-async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str
-                  ) -> tuple[list[float], list[float], list[list[Position]]]:  # fmt: skip
+async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str,
+                  token: str) -> tuple[list[float], list[float], list[list[Position]]]:  # fmt: skip
     ttft, t2, outs = [], [], []
-    async with httpx.AsyncClient(timeout=300) as client:
+    async with httpx.AsyncClient(timeout=300, headers=bearer(token)) as client:
         await one(client, d_url, p, f"{tag}-warm", prompts[0][::-1], max_tokens)
         for i, prompt in enumerate(prompts):
             a, b, toks = await one(client, d_url, p, f"{tag}-{i}", prompt, max_tokens)
@@ -119,8 +120,8 @@ async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]
     return ttft, t2, outs
 
 
-def audit(url: str) -> dict[str, int]:
-    return dict(httpx.get(f"{url}/internal/audit", timeout=10).json())
+def audit(url: str, token: str) -> dict[str, int]:
+    return dict(httpx.get(f"{url}/internal/audit", headers=bearer(token), timeout=10).json())
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -156,8 +157,8 @@ def main() -> int:
     s_proc, s_url, _ = start_node("single", "single-0", args.device_p, args, token)
     try:
         wait_ready(s_url, s_proc)
-        s_ttft, s_t2, s_out = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s"))
-        s_audit = audit(s_url)
+        s_ttft, s_t2, s_out = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token))
+        s_audit = audit(s_url, token)
     finally:
         stop([s_proc])
     p_proc, p_url, _ = start_node("prefill", "prefill-0", args.device_p, args, token)
@@ -166,9 +167,10 @@ def main() -> int:
         wait_ready(p_url, p_proc)
         wait_ready(d_url, d_proc)
         d_addr = f"{args.connector}://127.0.0.1:{d_tport}"
-        pd_ttft, pd_t2, pd_out = asyncio.run(measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd"))
+        run = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd", token)
+        pd_ttft, pd_t2, pd_out = asyncio.run(run)
         time.sleep(0.5)
-        p_audit, d_audit = audit(p_url), audit(d_url)
+        p_audit, d_audit = audit(p_url, token), audit(d_url, token)
     finally:
         stop([p_proc, d_proc])
     med = statistics.median

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def main() -> int:
                 )
             )
             router = [sys.executable, "-m", "pdserve.router", "--model", model, "--redis", redis.url]
-            procs.append(subprocess.Popen([*router, "--port", str(router_port)]))
+            env = os.environ | {"PDSERVE_AUTH_TOKEN": "echo-node"}  # the echo node asks for no credential
+            procs.append(subprocess.Popen([*router, "--port", str(router_port)], env=env))
             base = f"http://127.0.0.1:{router_port}"
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:

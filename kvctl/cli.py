@@ -57,14 +57,29 @@ class PromptOptions(Common):
     messages: str | None = Field(None, description="chat messages as JSON (chat template applied)")
 
 
+_TOKEN_FILE = Field(
+    None,
+    description="file holding the cluster's credential, the nodes' KV-transfer token, that node actions "
+    "need (else PDSERVE_AUTH_TOKEN is read)",
+)
+
+
 class Evict(PromptOptions):
     node: str = Field(description="node id")
     all: bool = Field(False, description="every cached-free block of the node (instead of a prompt's)")
     index_only: bool = Field(False, description="drop the index records only (repair)")
+    auth_token_file: str | None = _TOKEN_FILE
 
 
 class NodeAction(Common):
     url: str | None = Field(None, description="the node's HTTP URL (default: from its registration)")
+    auth_token_file: str | None = _TOKEN_FILE
+
+
+def _token(opts: Evict | NodeAction) -> str:
+    token = read_secret("auth_token", "the cluster's KV-transfer token", opts.auth_token_file, required=True)
+    assert token is not None
+    return token
 
 
 def _messages(text: str | None) -> list[dict[str, Any]] | None:
@@ -141,12 +156,22 @@ _command(kvctl, "blocks", Blocks, "Block records per node (hashes with --node)."
 _command(kvctl, "stats", Common, "Prefix hits local/transferred/miss in tokens, per node and overall.")(
     lambda opts, _: commands.stats
 )
+
+
+def _drain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
+    token = _token(opts)
+    return lambda index: commands.drain(index, node, opts.timeout, token, opts.url)
+
+
+def _undrain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
+    token = _token(opts)
+    return lambda index: commands.undrain(index, node, opts.timeout, token, opts.url)
+
+
 _command(kvctl, "drain", NodeAction, "Stop new work on a node; it finishes, then leaves.", node_arg=True)(
-    lambda opts, node: lambda index: commands.drain(index, node, opts.timeout, opts.url)
+    _drain
 )
-_command(kvctl, "undrain", NodeAction, "Give a drained node new work again.", node_arg=True)(
-    lambda opts, node: lambda index: commands.undrain(index, node, opts.timeout, opts.url)
-)
+_command(kvctl, "undrain", NodeAction, "Give a drained node new work again.", node_arg=True)(_undrain)
 
 
 def _where(opts: PromptOptions, _: None) -> Callable[[Any], Any]:
@@ -158,8 +183,9 @@ def _where(opts: PromptOptions, _: None) -> Callable[[Any], Any]:
 def _evict(opts: Evict, _: None) -> Callable[[Any], Any]:
     prompt, messages = _prompt(opts, allow_all=True)
     tokens = None if opts.all else commands.tokenize(opts.model, prompt, messages)
+    token = None if opts.index_only else _token(opts)
     return lambda index: commands.evict(
-        index, opts.node, tokens, opts.cache_salt, opts.index_only, opts.timeout
+        index, opts.node, tokens, opts.cache_salt, opts.index_only, opts.timeout, token
     )
 
 

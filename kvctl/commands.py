@@ -19,6 +19,7 @@ import httpx
 from pdserve.shared.block_hash import hash_blocks, hash_seed
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_types import HitStats, NodeStatus
+from pdserve.shared.node_auth import bearer
 from pdserve.shared.types import BlockHash, NodeId
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -108,10 +109,13 @@ async def stats(index: BlockIndex) -> dict[str, Any]:
     return {"nodes": {n: row(s) for n, s in per_node.items()}, "overall": row(overall)}
 
 
-async def _post(node_id: str, base_url: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+async def _post(
+    node_id: str, base_url: str, path: str, body: dict[str, Any], timeout_s: float, token: str
+) -> Any:
+    """POST to a node's internal API with the cluster's credential (`token`)."""
     url = base_url.rstrip("/") + path
     try:
-        async with httpx.AsyncClient(timeout=timeout_s) as client:
+        async with httpx.AsyncClient(timeout=timeout_s, headers=bearer(token)) as client:
             reply = await client.post(url, json=body)
             reply.raise_for_status()
     except httpx.HTTPStatusError as exc:
@@ -122,16 +126,18 @@ async def _post(node_id: str, base_url: str, path: str, body: dict[str, Any], ti
     return reply.json() if reply.content else {}
 
 
-async def drain(index: BlockIndex, node_id: str, timeout_s: float, url: str | None = None) -> dict[str, Any]:
+async def drain(
+    index: BlockIndex, node_id: str, timeout_s: float, token: str, url: str | None = None
+) -> dict[str, Any]:
     """Mark the node draining in the index (no new work), then ask it to finish its work and deregister."""
     status = await live_node(index, node_id)
     await index.set_draining(status.info.node_id)
-    reply = await _post(node_id, url or status.info.http_url, "/internal/drain", {}, timeout_s)
+    reply = await _post(node_id, url or status.info.http_url, "/internal/drain", {}, timeout_s, token)
     return {"node_id": node_id, "draining": True, "node_reply": reply}
 
 
 async def undrain(
-    index: BlockIndex, node_id: str, timeout_s: float, url: str | None = None
+    index: BlockIndex, node_id: str, timeout_s: float, token: str, url: str | None = None
 ) -> dict[str, Any]:
     """Ask a drained node to take new work again: it clears its draining mark in the index, or registers
     anew if it had already left. A node that left the index is reached only through `url`."""
@@ -140,7 +146,7 @@ async def undrain(
             url = (await live_node(index, node_id)).info.http_url
         except KvctlError as exc:
             raise KvctlError(f"{exc}; a drained node that left the index needs --url") from exc
-    reply = await _post(node_id, url, "/internal/undrain", {}, timeout_s)
+    reply = await _post(node_id, url, "/internal/undrain", {}, timeout_s, token)
     return {"node_id": node_id, "draining": False, "node_reply": reply}
 
 
@@ -151,15 +157,19 @@ async def evict(
     cache_salt: str | None,
     index_only: bool,
     timeout_s: float,
+    token: str | None,
 ) -> dict[str, Any]:
-    """Ask the node to evict a prompt's cached-free blocks (or all); index_only drops index records."""
+    """Ask the node to evict a prompt's cached-free blocks (or all); index_only drops index records (and
+    needs no `token`, the cluster's credential)."""
     status = await live_node(index, node_id)
     hashes = None if tokens is None else (await prompt_hashes(index, tokens, cache_salt))[1]
     if index_only:
         removed = await index.evict_records(status.info.node_id, hashes)
         return {"node_id": node_id, "index_records_removed": removed}
+    if token is None:
+        raise KvctlError("evicting from a node needs the cluster's credential (PDSERVE_AUTH_TOKEN)")
     body: dict[str, Any] = {"all": True} if hashes is None else {"block_hashes": [h.hex() for h in hashes]}
-    reply = await _post(node_id, status.info.http_url, "/internal/evict", body, timeout_s)
+    reply = await _post(node_id, status.info.http_url, "/internal/evict", body, timeout_s, token)
     return {
         "node_id": node_id,
         "requested_blocks": "all" if hashes is None else len(hashes),

@@ -55,6 +55,11 @@ class RouterOptions(SecretFiles):
         "read; none: any client is accepted)",
     )
     metrics_auth: bool = Field(False, description="require an API key on /metrics too")
+    auth_token_file: str | None = Field(
+        None,
+        description="file holding the cluster's credential, the nodes' KV-transfer token, sent on every call "
+        "to a node (else PDSERVE_AUTH_TOKEN is read; required)",
+    )
     rate_limit: float = Field(
         0.0,
         ge=0,
@@ -73,6 +78,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
 
     model = check_model_path(opts.model)
     keys = read_secret("api_keys", "the API keys", opts.api_keys_file, required=False) or ""
+    token = read_secret("auth_token", "the cluster's KV-transfer token", opts.auth_token_file, required=True)
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
     names = opts.served_model_name or (os.path.basename(os.path.normpath(model)),)
     return RouterConfig(
@@ -90,6 +96,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_auth=opts.metrics_auth,
+        node_token=token,
         rate_limit=RateLimit(opts.rate_limit, opts.rate_limit_burst) if opts.rate_limit else None,
     )
 

@@ -87,7 +87,7 @@ def _sse(obj: dict[str, Any]) -> bytes:
 def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) -> FastAPI:
     metrics = RouterMetrics()
     background = Background()
-    clients = NodeClients(config.node_connect_timeout_s, config.max_connections_per_node)
+    clients = NodeClients(config.node_connect_timeout_s, config.max_connections_per_node, config.node_token)
     router = Router(index, clients, config.policy, config.node_list_ttl_s, metrics, background)
     started = int(time.time())
     served = set(config.served_model_names)

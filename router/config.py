@@ -41,6 +41,9 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     """Accepted bearer keys (`Authorization: Bearer <key>` only); empty accepts any client. A key's digest is
     its tenant's cache salt, which a client's `cache_salt` narrows but never replaces (router/tenants.py)."""
+    node_token: str | None = None
+    """The cluster's credential (the KV-transfer token), sent to every node as `Authorization: Bearer`; None
+    only in front of nodes that ask for none."""
     rate_limit: RateLimit | None = None
     """Each API key's token bucket (requests per second, burst); over it a request gets 429 with
     Retry-After. None: unlimited. Applies to /v1/completions and /v1/chat/completions when api_keys is set."""

@@ -1,9 +1,10 @@
 """HTTP clients of the nodes' internal API (shared/node_protocol.py), one connection pool per node.
 
 Invariants: one NodeClient per (node id, http url); a node that re-registers at a new URL gets a new
-client and the old pool is closed. Every call is bounded by the request's deadline (absolute unix
-seconds). Every failure (unreachable, non-2xx, malformed message, stream cut before finish_reason) is
-raised as NodeError naming the node; callers never see httpx exceptions.
+client and the old pool is closed. Every call carries the cluster's credential (when the router has one)
+and is bounded by the request's deadline (absolute unix seconds). Every failure (unreachable, non-2xx,
+malformed message, stream cut before finish_reason) is raised as NodeError naming the node; callers never
+see httpx exceptions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 import httpx
+from pdserve.shared.node_auth import bearer
 from pdserve.shared.node_protocol import (
     CLIENT_KEEPALIVE_S,
     AbortRequest,
@@ -39,13 +41,19 @@ class NodeError(Exception):
 
 class NodeClient:
     def __init__(
-        self, node_id: NodeId, http_url: str, connect_timeout_s: float, max_connections: int
+        self,
+        node_id: NodeId,
+        http_url: str,
+        connect_timeout_s: float,
+        max_connections: int,
+        token: str | None,
     ) -> None:
         self.node_id = node_id
         self.http_url = http_url
         self._connect_timeout_s = connect_timeout_s
         self._http = httpx.AsyncClient(
             base_url=http_url,
+            headers=None if token is None else bearer(token),
             limits=httpx.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_connections,
@@ -125,9 +133,10 @@ class NodeClient:
 class NodeClients:
     """The router's clients, keyed by node id; a node seen at a new URL gets a fresh pool."""
 
-    def __init__(self, connect_timeout_s: float, max_connections: int) -> None:
+    def __init__(self, connect_timeout_s: float, max_connections: int, token: str | None) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
+        self._token = token
         self._clients: dict[NodeId, NodeClient] = {}
         self._retired: list[NodeClient] = []
 
@@ -138,7 +147,7 @@ class NodeClients:
         if client is not None:
             # In-flight streams may still use the old pool; it is closed with the others at shutdown.
             self._retired.append(client)
-        client = NodeClient(node_id, http_url, self._connect_timeout_s, self._max_connections)
+        client = NodeClient(node_id, http_url, self._connect_timeout_s, self._max_connections, self._token)
         self._clients[node_id] = client
         return client
 

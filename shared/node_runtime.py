@@ -180,7 +180,8 @@ class NodeRuntime:
 
 
 def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
-    """Internal routes every role serves. They live on the node's internal port, never the public API."""
+    """Internal routes every role serves. They live on the node's internal port, never the public API, and
+    all but health and metrics need the cluster's credential (shared/node_auth.py, in front of them)."""
 
     @app.get("/internal/info")
     async def info() -> Response:

@@ -3,7 +3,7 @@
 Owns nothing global: every `LiveCluster` stops exactly the processes it started, by pid (process group),
 and `stop()` asserts that none of them, nor anything in their process groups, is left running.
 The helpers also run the real command-line tools (`pdserve generate`, `kvctl`) as subprocesses and read
-node endpoints (/internal/audit, /metrics) over loopback.
+node endpoints (/internal/audit with the cluster's credential, /metrics) over loopback.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 from pdserve.launch import MODULES, Cluster, UpConfig, free_port, start_cluster
+from pdserve.shared.node_auth import bearer
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,6 +56,8 @@ def openai_schema() -> ModuleType:
 class NodeProc:
     node_id: str
     url: str
+    auth_token: str = ""
+    """This node's own token when it differs from the cluster's (a test of mismatched tokens)."""
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -63,12 +66,19 @@ def _flag(argv: list[str], name: str) -> str:
 
 @dataclass
 class LiveCluster:
-    """A started cluster: the router's base URL, the Redis URL, and every node's internal URL."""
+    """A started cluster: the router's base URL, the Redis URL, every node's internal URL, and the cluster's
+    credential (the nodes' KV-transfer token; default: the one `start_cluster` gave them). The kvctl helpers
+    below send it for the cluster of their Redis URL."""
 
     cluster: Cluster
     base: str
     redis_url: str
     nodes: dict[str, NodeProc] = field(default_factory=dict)
+    auth_token: str = ""
+
+    def __post_init__(self) -> None:
+        self.auth_token = self.auth_token or self.cluster.auth_token
+        _TOKENS[self.redis_url] = self.auth_token
 
     @staticmethod
     def start(cfg: UpConfig) -> LiveCluster:
@@ -102,7 +112,9 @@ class LiveCluster:
 
     def audit(self, node: str, timeout_s: float = 30.0) -> dict[str, int]:
         """The node's pool audit; it answers between engine steps, so a long prefill step delays it."""
-        reply = httpx.get(f"{self.nodes[node].url}/internal/audit", timeout=timeout_s)
+        proc = self.nodes[node]
+        token = proc.auth_token or self.auth_token
+        reply = httpx.get(f"{proc.url}/internal/audit", headers=bearer(token), timeout=timeout_s)
         reply.raise_for_status()
         audit: dict[str, int] = reply.json()
         return audit
@@ -167,9 +179,22 @@ def run_cli(module: str, *args: str, timeout_s: float = 300.0) -> subprocess.Com
     )
 
 
+_TOKENS: dict[str, str] = {}
+"""The credential of each live cluster, by its Redis URL."""
+_NODE_ACTIONS = ("drain", "undrain", "evict")
+
+
+def _credential(redis_url: str, args: tuple[str, ...]) -> list[str]:
+    """--auth-token-file for kvctl's node actions on a live cluster (as an operator holds the token)."""
+    if args and args[0] in _NODE_ACTIONS and redis_url in _TOKENS:
+        return ["--auth-token-file", secret_file(_TOKENS[redis_url])]
+    return []
+
+
 def kvctl(redis_url: str, *args: str) -> dict[str, Any]:
     """Runs the real kvctl with --json; returns its JSON output (asserts exit code 0)."""
-    done = run_cli("pdserve.kvctl.cli", *args, "--redis", redis_url, "--json", timeout_s=120)
+    flags = ["--redis", redis_url, "--json", *_credential(redis_url, args)]
+    done = run_cli("pdserve.kvctl.cli", *args, *flags, timeout_s=120)
     assert done.returncode == 0, f"kvctl {args} exited {done.returncode}: {done.stderr}"
     result: dict[str, Any] = json.loads(done.stdout)
     return result
@@ -181,7 +206,7 @@ def kvctl_main(redis_url: str, *args: str) -> dict[str, Any]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main([*args, "--redis", redis_url, "--json"])
+        code = main([*args, "--redis", redis_url, "--json", *_credential(redis_url, args)])
     assert code == 0, f"kvctl {args} exited {code}"
     result: dict[str, Any] = json.loads(out.getvalue())
     return result
@@ -229,7 +254,7 @@ def node_argv(role: str, node_id: str, port: int, redis_url: str, auth_token: st
 
 
 def router_argv(port: int, redis_url: str) -> list[str]:
-    """The command line `start_cluster` gives the router."""
+    """The command line `start_cluster` gives the router (spawn it with the cluster's `secret_env`)."""
     return [
         sys.executable,
         "-m",

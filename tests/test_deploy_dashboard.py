@@ -175,7 +175,7 @@ def start_from_manifests(cluster: Cluster) -> tuple[LiveCluster, str]:
         with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:
             argv = cmdline.read().decode(errors="replace")
         assert not any(v in argv for v in values.values()), f"a secret is on the command line: {argv}"
-    return LiveCluster(cluster, base, redis.url, nodes), values["api-keys"]
+    return LiveCluster(cluster, base, redis.url, nodes, values["auth-token"]), values["api-keys"]
 
 
 @pytest.fixture(scope="module")

@@ -200,7 +200,8 @@ def _start(hosts: Hosts, cluster: Cluster) -> NetCluster:
     cluster.spawn("router", hosts.argv("router", *router), env)
     base = f"http://{hosts.addr('router')}:{ROUTER_PORT}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
-    return NetCluster(hosts, LiveCluster(cluster, base, redis_url, nodes), redis_url, password, token)
+    live = LiveCluster(cluster, base, redis_url, nodes, token)
+    return NetCluster(hosts, live, redis_url, password, token)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """End to end: the public API in front of a real node answers every malformed request with a 4xx OpenAI error,
 never a 5xx; API keys are accepted as `Authorization: Bearer <key>` only, each key has its own rate limit
-(429 with Retry-After), and a client's `cache_salt` never lets two keys share a block.
+(429 with Retry-After), and a client's `cache_salt` never lets two keys share a block. Behind it, every node
+route but health and metrics refuses a caller without the cluster's credential, while the router and kvctl,
+which hold it, still serve, drain and evict.
 
 One cluster serves the module: Redis, one node with the real SmolLM2 (role single), a router with three API
 keys, and a second router on the same index with a tight per-key rate limit. The property-based run builds
@@ -20,8 +22,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pdserve.launch import free_port
 from pdserve.router.openai_protocol import MAX_JSON_DEPTH, MAX_STOP_STRINGS
+from pdserve.shared.node_auth import bearer
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
+    kvctl,
     openai_schema,
     router_argv,
     secret_file,
@@ -47,7 +51,7 @@ def live() -> Iterator[tuple[LiveCluster, str]]:
         port = free_port()
         limits = ["--rate-limit", str(RATE), "--rate-limit-burst", str(BURST)]
         argv = [*router_argv(port, cluster.redis_url), "--api-keys-file", keys_file, *limits]
-        cluster.cluster.spawn("router-limited", argv)
+        cluster.cluster.spawn("router-limited", argv, env=cluster.cluster.secret_env)
         limited = f"http://127.0.0.1:{port}"
         cluster.cluster.wait_http(f"{limited}/health", timeout_s=120)
         yield cluster, limited
@@ -327,3 +331,47 @@ def test_no_chat_body_gets_a_5xx(live: tuple[LiveCluster, str], body: dict[str, 
 
 def test_the_cluster_is_clean_after_the_property_run(live: tuple[LiveCluster, str]) -> None:
     live[0].wait_clean(timeout_s=30)
+
+
+NODE_ROUTES = [
+    ("GET", "/internal/info"),
+    ("GET", "/internal/audit"),
+    ("POST", "/internal/generate"),
+    ("POST", "/internal/prefill"),
+    ("POST", "/internal/abort"),
+    ("POST", "/internal/drain"),
+    ("POST", "/internal/undrain"),
+    ("POST", "/internal/evict"),
+    ("GET", "/internal/no-such-route"),
+]
+
+
+def test_node_routes_refuse_a_caller_without_the_cluster_credential(live: tuple[LiveCluster, str]) -> None:
+    """Every route answers 401 before its code runs (the body would be a valid evict of everything), to no
+    header, a wrong token and the token without its scheme; health and metrics stay open."""
+    cluster, _ = live
+    url = next(iter(cluster.nodes.values())).url
+    evict_all = json.dumps({"all": True}).encode()
+    for headers in ({}, bearer("not-the-token"), {"authorization": cluster.auth_token}):
+        for method, path in NODE_ROUTES:
+            r = httpx.request(method, url + path, content=evict_all, headers=headers, timeout=10)
+            assert r.status_code == 401, (method, path, headers, r.text)
+            assert "cluster's KV-transfer token" in r.json()["error"]
+    assert httpx.get(f"{url}/internal/health", timeout=10).json()["draining"] is False  # no drain ran
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+    info = httpx.get(f"{url}/internal/info", headers=bearer(cluster.auth_token), timeout=10)
+    assert info.status_code == 200, info.text
+    assert post(cluster.base, "/v1/completions", CMPL).status_code == 200  # the router holds the credential
+
+
+def test_kvctl_with_the_credential_still_evicts_drains_and_undrains(live: tuple[LiveCluster, str]) -> None:
+    cluster, _ = live
+    node = next(iter(cluster.nodes))
+    assert kvctl(cluster.redis_url, "evict", "--node", node, "--all")["node_reply"]["ok"] is True
+    assert kvctl(cluster.redis_url, "drain", node)["node_reply"]["draining"] is True
+    assert kvctl(cluster.redis_url, "undrain", node, "--url", cluster.nodes[node].url)["draining"] is False
+    deadline = time.monotonic() + 30
+    while (r := post(cluster.base, "/v1/completions", CMPL)).status_code != 200:
+        assert time.monotonic() < deadline, r.text  # the router sees the node again within its node-list TTL
+        time.sleep(0.2)
+    cluster.wait_clean(timeout_s=30)

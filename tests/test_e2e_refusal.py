@@ -1,13 +1,15 @@
 """End to end: nodes that must not exchange KV are refused cleanly. A decode node started with another
-transfer token (PDSERVE_AUTH_TOKEN) fails the transfer handshake: the request ends with an error status well
-within its deadline (never a hang), both sides log the refusal, and neither pool keeps a block. A decode
-node with another KV layout (--block-size 32) is refused at registration with a message naming the field.
-The processes are built by hand with `Cluster.spawn` and the command lines `start_cluster` uses; teardown
-asserts none is left.
+transfer token (PDSERVE_AUTH_TOKEN) refuses the router, which holds the prefill node's token, at its internal
+API (401), and fails the transfer handshake of a prefill the prefill node is asked for directly: each ends
+with an error well within its deadline (never a hang), both sides log the handshake's refusal, and neither
+pool keeps a block. A decode node with another KV layout (--block-size 32) is refused at registration with a
+message naming the field. The processes are built by hand with `Cluster.spawn` and the command lines
+`start_cluster` uses; teardown asserts none is left.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,6 +17,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from pdserve.launch import Cluster, free_port, start_redis
+from pdserve.shared.node_auth import bearer
+from pdserve.shared.node_protocol import PrefillRequest, PrefillResult
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import NodeId, RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     NodeProc,
@@ -32,19 +38,19 @@ MODEL = served_model_name()
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    """Redis, a prefill node with token A, a decode node with token B, and the router."""
-    cluster = Cluster()
+    """Redis, a prefill node with token A, a decode node with token B, and the router holding token A."""
+    cluster = Cluster(auth_token="token-a")
     try:
         redis_url = start_redis(cluster)
         nodes = {}
         for role, token in (("prefill", "token-a"), ("decode", "token-b")):
             name, port = f"{role}-0", free_port()
             cluster.spawn(name, node_argv(role, name, port, redis_url, token))
-            nodes[name] = NodeProc(name, f"http://127.0.0.1:{port}")
+            nodes[name] = NodeProc(name, f"http://127.0.0.1:{port}", token)
         for node in nodes.values():
             cluster.wait_http(f"{node.url}/internal/health", timeout_s=300)
         port = free_port()
-        cluster.spawn("router", router_argv(port, redis_url))
+        cluster.spawn("router", router_argv(port, redis_url), env=cluster.secret_env)
         base = f"http://127.0.0.1:{port}"
         cluster.wait_http(f"{base}/health", timeout_s=120)
         live = LiveCluster(cluster, base, redis_url, nodes)
@@ -67,7 +73,24 @@ def test_auth_token_mismatch_fails_cleanly(live: LiveCluster) -> None:
     assert r.status_code >= 500, r.text
     assert took < 30, f"the refused request took {took:.1f}s (deadline 60 s): it waited instead of failing"
     err = r.json()["error"]
-    assert "handshake" in err["message"] or "auth" in err["message"] or "refused" in err["message"], err
+    assert "401" in err["message"] and "credential" in err["message"], err
+    live.wait_clean(timeout_s=20)
+
+
+def test_transfer_handshake_with_another_token_fails_cleanly(live: LiveCluster) -> None:
+    """The prefill node asked directly, as the router would: its transfer to D fails the HMAC challenge."""
+    (decode,) = [n["info"] for n in kvctl(live.redis_url, "nodes")["nodes"] if n["info"]["role"] == "decode"]
+    pre = PrefillRequest(
+        RequestId(f"mismatch-{os.getpid()}"), (1, 2, 3, 4, 5), SamplingParams(max_tokens=4), None,
+        time.time() + 60, NodeId(decode["node_id"]), decode["transfer_addr"],
+    )  # fmt: skip
+    url = f"{live.nodes['prefill-0'].url}/internal/prefill"
+    t0 = time.monotonic()
+    r = httpx.post(url, content=pre.to_json(), headers=bearer("token-a"), timeout=90)
+    took = time.monotonic() - t0
+    result = PrefillResult.from_json(r.content)
+    assert result.error is not None and ("handshake" in result.error or "auth" in result.error), r.text
+    assert took < 30, f"the refused transfer took {took:.1f}s (deadline 60 s): it waited instead of failing"
     live.wait_clean(timeout_s=20)
     prefill_log, decode_log = live.log("prefill-0"), live.log("decode-0")
     assert "failed the HMAC challenge" in prefill_log, prefill_log[-2000:]

@@ -27,13 +27,22 @@ FP = "cd" * 32
 LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
 LAYOUT |= {"dtype": "float32", "tp_size": 1}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
+TOKEN = "cluster-credential"
+
+
+@pytest.fixture(autouse=True)
+def credential(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvctl's node actions send the cluster's credential, read as every process reads it."""
+    monkeypatch.setenv("PDSERVE_AUTH_TOKEN", TOKEN)
 
 
 class FakeNode(ThreadingHTTPServer):
-    """A real HTTP server recording POST /internal/* bodies; answers {"ok": true, "path": ...}."""
+    """A real HTTP server recording POST /internal/* bodies and Authorization headers; answers
+    {"ok": true, "path": ...}."""
 
     def __init__(self) -> None:
         self.posts: list[tuple[str, Any]] = []
+        self.auth: list[str | None] = []
         super().__init__(("127.0.0.1", 0), _Handler)
 
     @property
@@ -47,6 +56,7 @@ class _Handler(BaseHTTPRequestHandler):
         assert isinstance(server, FakeNode)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
         server.posts.append((self.path, body))
+        server.auth.append(self.headers.get("Authorization"))
         reply = json.dumps({"ok": True, "path": self.path}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -143,6 +153,7 @@ def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
     assert rc == 0 and out["index_records_removed"] == 0 and len(fake.posts) == 2
     rc, out, _ = kvctl(capsys, server, "drain", "d0")
     assert rc == 0 and out["node_reply"] == {"ok": True, "path": "/internal/drain"}
+    assert fake.auth[-3:] == [f"Bearer {TOKEN}"] * 3
     _, nodes, _ = kvctl(capsys, server, "nodes")
     assert [n["draining"] for n in nodes["nodes"]] == [True, False]
 
@@ -158,6 +169,20 @@ def test_failures_are_one_line_and_exit_1(cluster: Cluster, capsys: Any) -> None
         out = capsys.readouterr()
         assert out.out == "" and out.err.count("\n") == 1
         assert out.err.startswith(f"kvctl {argv[0]}: error: Redis at {down} is unreachable")
+
+
+def test_node_actions_without_the_credential_exit_2(
+    cluster: Cluster, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, fake, _ = cluster
+    monkeypatch.delenv("PDSERVE_AUTH_TOKEN")
+    sent = len(fake.posts)
+    for argv in (["drain", "d0"], ["undrain", "d0"], ["evict", "--node", "p0", "--all"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--redis", server.url])
+        assert exit_info.value.code == 2, argv
+        assert "PDSERVE_AUTH_TOKEN" in capsys.readouterr().err
+    assert len(fake.posts) == sent
 
 
 def test_bad_arguments_exit_2(capsys: Any) -> None:
