@@ -109,9 +109,6 @@ class PrefillObserver(StepObserver):
                 event.record(torch.cuda.current_stream(buf.device))
             self.loop.call_soon_threadsafe(job.chunks.put_nowait, (first, b0, ids, buf, event))
 
-    def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        return None
-
 
 class PrefillService:
     def __init__(self, rt: NodeRuntime, sender: KVSender, layers_per_frame: int = 4) -> None:

@@ -43,9 +43,6 @@ class StepObserver(Protocol):
     def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
         """Layer `layer` has written its KV for every scheduled request of this step."""
 
-    def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """The step's forward has run to the end (its KV is complete in the cache)."""
-
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -326,10 +323,7 @@ class LLMEngine:
         ]
         observer = self.observer
         hook = None if observer is None else (lambda layer: observer.on_layer(layer, out.scheduled))
-        logits = self.runner.execute(items, hook)
-        if observer is not None:
-            observer.on_step_done(out.scheduled)
-        return logits
+        return self.runner.execute(items, hook)
 
     def _emit(self, live: _Live) -> RequestOutput:
         request = live.request
