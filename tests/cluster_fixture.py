@@ -42,7 +42,7 @@ def served_model_name() -> str:
 
 
 def openai_schema() -> ModuleType:
-    """tests/openai_schema.py (the router's schema helper; it reads ../shared/openai-schemas.json)."""
+    """tests/openai_schema.py (the router's schema helper; it reads tests/data/openai-schemas.json)."""
     spec = importlib.util.spec_from_file_location(
         "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
     )
