@@ -57,7 +57,7 @@ def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
 
 def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]) -> tuple[str, ...]:
     """`text` split like a shell would, after checking it against `pdserve <command>`'s own settings."""
-    from pdserve.cli import pdserve
+    from pdserve.cli import command as pdserve_command
     from pdserve.shared.settings import given_flags
 
     try:
@@ -67,7 +67,7 @@ def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]
     import click
 
     try:
-        ctx = pdserve.commands[command].make_context(command, list(args))
+        ctx = pdserve_command(command).make_context(command, list(args))
     except click.ClickException as exc:
         raise SettingsError(f"{option}: {exc.format_message()}") from exc
     given = given_flags(ctx, _settings_class(command), ctx.params)

@@ -209,7 +209,6 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
                 "cached": a.cached,
                 "in_use": a.in_use,
                 "reserved": a.reserved,
-                "pinned": a.pinned,
                 "live_requests": len(rt.engine.scheduler.requests),
             }
         )
