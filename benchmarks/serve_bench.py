@@ -9,7 +9,7 @@ Each `-- ARGS...` group is one `pdserve bench` run against the same cluster (its
 cluster's router, its --model the cluster's). `--node ROLE[:FLAGS]` adds one node (prefill, decode or
 single; repeat it: `--node prefill:"--device cuda:0" --node decode:"--device cuda:1"` is P/D across two
 GPUs, two `--node single:...` two replicas behind the same router). After the runs, every node's block
-audit is read and printed (clean: nothing in use, reserved or pinned, no live request; exit status 3 when
+audit is read and printed (clean: nothing in use or reserved, no live request; exit status 3 when
 one is not). `--profile DIR` records every node and the router with py-spy (non-blocking, all threads,
 idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes and the bench as
 `python SCRIPT -m MODULE ...` (a harness that patches something before running the module).
@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spy.wait(timeout=60)
         for name, url in nodes:
             a = httpx.get(f"{url}/internal/audit", headers=bearer(cluster.auth_token), timeout=30).json()
-            clean = a["in_use"] == a["reserved"] == a["pinned"] == a["live_requests"] == 0
-            print(f"audit {name}: in_use {a['in_use']} reserved {a['reserved']} pinned {a['pinned']} "
+            clean = a["in_use"] == a["reserved"] == a.get("pinned", 0) == a["live_requests"] == 0
+            print(f"audit {name}: in_use {a['in_use']} reserved {a['reserved']} "
                   f"live {a['live_requests']} free+cached {a['free'] + a['cached']}/{a['num_blocks']} "
                   f"{'clean' if clean else 'NOT CLEAN'}", flush=True)  # fmt: skip
             rc = rc or (0 if clean else 3)
