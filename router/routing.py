@@ -163,7 +163,9 @@ class Router:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
         infos = await asyncio.gather(*(self.info(n) for n in (decode, prefill) if n is not None))
         return Placement(
-            Route(kind, decode, prefill), min(i.max_model_len for i in infos), first.model_fingerprint
+            Route(kind, decode, prefill, decision.cached_blocks_prefill),
+            min(i.max_model_len for i in infos),
+            first.model_fingerprint,
         )
 
     async def _record_hits(self, node_id: NodeId, local: int, remote: int, miss: int) -> None:
