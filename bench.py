@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--compare-engine", action="store_true", help="also run each load on the engine alone")
     p.add_argument("--result-file", default=None, help="write every run's summary as JSON")
+    p.add_argument("--save-detailed", action="store_true", help="add every request's timings to the file")
     p.add_argument("--plot", default=None, help="write latency and throughput against load as a PNG")
     p.add_argument("--disable-tqdm", action="store_true")
     return p
@@ -274,7 +275,7 @@ async def sweep(
     runs = []
     for load, requests in zip(loads(args), workloads[1:], strict=True):
         results, wall = await run_load(send, requests, load, args.dataset_seed, args.disable_tqdm)
-        runs.append(summarize(name, load, results, wall, slos))
+        runs.append(summarize(name, load, results, wall, slos, args.save_detailed))
     return runs
 
 
