@@ -117,6 +117,11 @@ class RouterMetrics:
             ["node_id"],
             registry=r,
         )
+        self.admission_waits = Counter(
+            "pdserve_router_admission_waits",
+            "Placements that waited because every node of a role was at its in-flight limit.",
+            registry=r,
+        )
         self.index_unavailable = Counter(
             "pdserve_router_index_unavailable",
             "Routing decisions made load-only because the Redis index was unreachable.",
