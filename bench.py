@@ -239,7 +239,7 @@ async def sweep(
     runs = []
     for load, requests in zip(loads(args), workloads[1:], strict=True):
         results, wall = await run_load(send, requests, load, args.dataset_seed, args.disable_tqdm)
-        runs.append(summarize(name, load, results, wall, slos))
+        runs.append(summarize(name, load, results, wall, slos, args.save_detailed))
     return runs
 
 

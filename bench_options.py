@@ -66,5 +66,6 @@ class BenchOptions(EngineOptions):
     request_timeout: float = Field(600.0, gt=0, description="seconds per request")
     compare_engine: bool = Field(False, description="also run each load on the engine alone")
     result_file: str | None = Field(None, description="write every run's summary as JSON")
+    save_detailed: bool = Field(False, description="add every request's timings to the file")
     plot: str | None = Field(None, description="write latency and throughput against load as a PNG")
     disable_tqdm: bool = Field(False, description="no progress bar")

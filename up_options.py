@@ -41,6 +41,9 @@ class UpOptions(Settings):
         "", description="comma-separated HTTP ports of the decode/single nodes (default: free)"
     )
     demo: bool = Field(False, description="send one chat request and print the answer")
+    redis_aof: bool = Field(
+        False, description="Redis keeps an append-only file in the work directory: a restart keeps the index"
+    )
 
 
 def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
@@ -116,4 +119,5 @@ def up_config(opts: UpOptions, model: str) -> UpConfig:
             (d_role, _ports(opts.decode_ports, opts.decode, "--decode-ports")),
         ),
         router_args=router_args,
+        redis_aof=opts.redis_aof,
     )

@@ -1,6 +1,7 @@
 """`pdserve bench` through its command line against a real single-node cluster (redis-server, a node, the
 router): a short sweep of two loads writes a result file that matches the schema, with every request served
-at its exact output length, and a PNG; chat works too; `--backend engine` runs the same workload in-process.
+at its exact output length, and a PNG; chat works too (and --save-detailed keeps every request);
+`--backend engine` runs the same workload in-process.
 """
 
 from __future__ import annotations
@@ -83,12 +84,14 @@ def test_a_sweep_against_the_router_writes_results_and_a_plot(live: LiveCluster,
 def test_chat_at_a_poisson_rate(live: LiveCluster, tmp_path: Path) -> None:
     result = bench(
         tmp_path, "chat", "--base-url", live.base, "--backend", "openai-chat", *SHORT,
-        "--request-rate", "20", "--burstiness", "0.5", "--goodput", "ttft:1",
+        "--request-rate", "20", "--burstiness", "0.5", "--goodput", "ttft:1", "--save-detailed",
     )  # fmt: skip
     (run,) = result["runs"]
     assert run["load"] == {"request_rate": 20.0, "burstiness": 0.5, "max_concurrency": None}
     assert_all_served(run, 6, 12)
     assert 0 <= run["request_goodput"] <= run["request_throughput"]
+    assert len(run["requests"]) == 6  # --save-detailed: [ttft, tpot, e2el ms, tokens] of each request
+    assert all(0 < ttft < e2el and tpot > 0 and n == 12 for ttft, tpot, e2el, n in run["requests"])
 
 
 def test_the_engine_backend_runs_the_same_workload_in_process(tmp_path: Path) -> None:
