@@ -73,11 +73,23 @@ class RouterOptions(SecretFiles):
         "Retry-After; 0: unlimited)",
     )
     rate_limit_burst: int = Field(10, ge=1, description="requests an API key may send at once (bucket size)")
+    max_requests_per_node: int = Field(
+        0,
+        ge=0,
+        description="requests this router keeps in flight on one node at most; more wait in the router's "
+        "queue (0: no limit)",
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=0,
+        description="requests that may wait for a node below its limit; beyond: 429 with Retry-After",
+    )
     log_level: LogLevel = Field("INFO", description="log level")
 
 
 def router_config(opts: RouterOptions) -> RouterConfig:
     """The frozen RouterConfig; raises SettingsError (model not on disk, unreadable secret) or ValueError."""
+    from pdserve.router.admission import AdmissionConfig
     from pdserve.router.policy import PolicyConfig
     from pdserve.router.tenants import RateLimit
     from pdserve.shared.block_index_types import RedisConfig
@@ -101,6 +113,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
+        admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_auth=opts.metrics_auth,
         node_token=token,

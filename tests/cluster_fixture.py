@@ -187,7 +187,7 @@ def run_cli(module: str, *args: str, timeout_s: float = 300.0) -> subprocess.Com
 
 _TOKENS: dict[str, str] = {}
 """The credential of each live cluster, by its Redis URL."""
-_NODE_ACTIONS = ("drain", "undrain", "evict")
+_NODE_ACTIONS = ("drain", "undrain", "evict", "diff")
 
 
 def _credential(redis_url: str, args: tuple[str, ...]) -> list[str]:
