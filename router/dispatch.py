@@ -47,6 +47,14 @@ class Route:
     kind: str
     decode: NodeInfo
     prefill: NodeInfo | None
+    indexed_blocks: int = 0
+    """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
+
+    def expected_cached_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
+        least the prompt's last token, so a block holding it is never a hit)."""
+        size = self.decode.block_size
+        return min(self.indexed_blocks, (prompt_len - 1) // size) * size
 
 
 @dataclass(frozen=True)
@@ -296,6 +304,7 @@ class RequestRun:
                 result = pre_task.result()  # NodeError propagates: the decode side is aborted in finally
                 if result.error is not None:
                     raise NodeError(prefill.node_id, f"prefill failed: {result.error}")
+                self._check_hits(job, prefill.node_id, result.cached_tokens)
                 await pump
                 return
             await pump
@@ -308,10 +317,19 @@ class RequestRun:
             for task in (pump, pre_task):
                 task.cancel()
 
+    def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
+        """Counts a decision made on index records the prefilling node turned out not to hold."""
+        if cached_tokens < job.route.expected_cached_tokens(len(job.prompt_token_ids)):
+            self._metrics.stale_decisions.labels(node_id=node_id).inc()
+
     async def _pump(
         self, job: ChoiceJob, client: NodeClient, node: NodeInfo, req: NodeGenerateRequest
     ) -> None:
+        first = True
         async for step in client.generate(req):
+            if first and req.prefill_node_id is None:
+                self._check_hits(job, client.node_id, step.cached_tokens)
+            first = False
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
             if step.finish_reason in ("abort", "error"):

@@ -149,6 +149,20 @@ class RouterMetrics:
             ["node_id"],
             registry=r,
         )
+        self.index_stale_blocks = Gauge(
+            "pdserve_router_index_stale_blocks",
+            "Block records the index holds for a node minus the blocks the node reported holding at its last "
+            "heartbeat (positive: records of evicted blocks; negative: blocks the index does not know).",
+            ["node_id"],
+            registry=r,
+        )
+        self.stale_decisions = Counter(
+            "pdserve_router_stale_decisions",
+            "Routing decisions that counted on prefix blocks the node turned out not to hold (the index "
+            "records they were made on were stale).",
+            ["node_id"],
+            registry=r,
+        )
         for kind in DECISION_KINDS:
             self.decisions.labels(kind=kind)
         for kind in HIT_KINDS:

@@ -189,7 +189,10 @@ class Router:
         owner = None if prefill is None else prefill.node_id
         leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
         return Placement(
-            Route(kind, decode, prefill), min(i.max_model_len for i in infos), first.model_fingerprint, leases
+            Route(kind, decode, prefill, decision.cached_blocks_prefill),
+            min(i.max_model_len for i in infos),
+            first.model_fingerprint,
+            leases,
         )
 
     async def _record_hits(self, node_id: NodeId, local: int, remote: int, miss: int) -> None:
