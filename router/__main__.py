@@ -11,28 +11,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Annotated
 
 from pdserve.router.config import RouterConfig
-from pdserve.shared.settings import LogLevel, SecretFiles, StartupError, check_model_path, read_secret
-from pydantic import BeforeValidator, Field
-from pydantic_settings import NoDecode
-
-
-def _names(value: object) -> object:
-    """A comma-separated string (flag, variable) or a list (TOML) of names."""
-    if isinstance(value, str):
-        return tuple(n.strip() for n in value.split(",") if n.strip())
-    if isinstance(value, list | tuple):
-        return tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
-    return value
+from pdserve.shared.settings import (
+    CommaList,
+    LogLevel,
+    SecretFiles,
+    StartupError,
+    check_model_path,
+    read_secret,
+)
+from pydantic import Field
 
 
 class RouterOptions(SecretFiles):
     model: str = Field(
         description="model file or directory (only its tokenizer and chat template are loaded)"
     )
-    served_model_name: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_names)] = Field(
+    served_model_name: CommaList = Field(
         (),
         description="the model id(s) clients pass as `model` (repeat or comma-separate for aliases; "
         "the first is the id responses carry; default: the model's file name)",
@@ -51,7 +47,7 @@ class RouterOptions(SecretFiles):
         description="seconds between two reads of the node list from Redis (and health checks of "
         "nodes Redis does not list)",
     )
-    seed_nodes: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_names)] = Field(
+    seed_nodes: CommaList = Field(
         (),
         description="node HTTP URLs (comma-separated) asked for their registration when Redis does not list "
         "them: a router started while Redis is away still finds its nodes",

@@ -199,9 +199,8 @@ class Router:
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self.index_ok:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
-        nodes = tuple(node.node_id for node in (decode, prefill) if node is not None)
         owner = None if prefill is None else prefill.node_id
-        leases = tuple(self._ledger.take(nodes, owner, len(prompt)) for _ in range(n))
+        leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
         try:
             infos = await asyncio.gather(*(self.info(node) for node in (decode, prefill) if node is not None))
         except BaseException:
