@@ -106,6 +106,26 @@ def _step_error(node: NodeInfo, step: StepOutput, deadline: float) -> OpenAIErro
     )
 
 
+class _FailedEarly(NodeError):
+    """A node ended a choice with an error before its first token; `error` is what the client gets if the
+    choice cannot be placed again."""
+
+    def __init__(self, node_id: NodeId, error: OpenAIError) -> None:
+        super().__init__(node_id, f"failed before the first token: {error.message}", retryable=True)
+        self.error = error
+
+
+async def _blame(exc: NodeError, other: asyncio.Task[Any]) -> NodeError:
+    """The failure to act on when one side of a P/D pair failed: the other side's, if it turns out within
+    _PREFILL_GRACE_S to be unreachable (a D that saw its transfer cut because P died), else exc."""
+    await asyncio.wait({other}, timeout=_PREFILL_GRACE_S)
+    if other.done() and not other.cancelled():
+        failure = other.exception()
+        if isinstance(failure, NodeError) and failure.unreachable:
+            return failure
+    return exc
+
+
 def _node_error(exc: NodeError, deadline: float) -> OpenAIError:
     if time.time() >= deadline:
         return OpenAIError(504, f"deadline exceeded: {exc}", "timeout_error", code="deadline_exceeded")
@@ -205,7 +225,8 @@ class RequestRun:
                 return
             except NodeError as exc:
                 if not self._may_reroute(job, exc, attempt):
-                    await self._queue.put(ChoiceEvent(job.index, None, _node_error(exc, self.deadline)))
+                    err = exc.error if isinstance(exc, _FailedEarly) else _node_error(exc, self.deadline)
+                    await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
                 assert self._rerouter is not None
                 if exc.status == 503:
@@ -227,7 +248,7 @@ class RequestRun:
 
     def _may_reroute(self, job: ChoiceJob, exc: NodeError, attempt: int) -> bool:
         return (
-            (exc.status == 503 or exc.unreachable)
+            (exc.status == 503 or exc.unreachable or exc.retryable)
             and self._rerouter is not None
             and job.index not in self._started
             and attempt < _MAX_REROUTES
@@ -301,13 +322,25 @@ class RequestRun:
             if pre_task in done:
                 job.lease.prefill_done()
                 self._closed(job.request_id, prefill.node_id)
-                result = pre_task.result()  # NodeError propagates: the decode side is aborted in finally
-                if result.error is not None:
-                    raise NodeError(prefill.node_id, f"prefill failed: {result.error}")
-                self._check_hits(job, prefill.node_id, result.cached_tokens)
+                failure = pre_task.exception()
+                result = None if failure is not None else pre_task.result()
+                if result is not None and result.error is None:
+                    self._check_hits(job, prefill.node_id, result.cached_tokens)
+                # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
+                # have died after its transfer completed). Before that, P's failure ends this attempt (the
+                # decode side is aborted in finally).
+                if job.index not in self._started:
+                    if failure is not None:
+                        raise failure
+                    if result is not None and result.error is not None:
+                        failed = NodeError(prefill.node_id, f"prefill failed: {result.error}", retryable=True)
+                        raise await _blame(failed, pump)
                 await pump
                 return
-            await pump
+            try:
+                await pump
+            except NodeError as exc:
+                raise (exc if exc.unreachable else await _blame(exc, pre_task)) from None
             # The decode node finished, so the prefill node's part is over; give its reply a moment to land.
             job.lease.prefill_done()
             await asyncio.wait({pre_task}, timeout=_PREFILL_GRACE_S)
@@ -333,7 +366,10 @@ class RequestRun:
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
             if step.finish_reason in ("abort", "error"):
-                await self._queue.put(ChoiceEvent(job.index, None, _step_error(node, step, self.deadline)))
+                error = _step_error(node, step, self.deadline)
+                if job.index not in self._started:  # nothing streamed yet: the choice may go elsewhere
+                    raise _FailedEarly(client.node_id, error)
+                await self._queue.put(ChoiceEvent(job.index, None, error))
                 return
             self._started.add(job.index)
             await self._queue.put(ChoiceEvent(job.index, step, None))

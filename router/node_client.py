@@ -11,6 +11,7 @@ the request's deadline, never the node's fault.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -41,15 +42,22 @@ OnDown = Callable[[NodeId, str, str], None]
 
 class NodeError(Exception):
     """A node failed a call; `status` is its HTTP status when it replied, else None; `unreachable` when the
-    connection was refused, reset or cut (the node may be dead: its breaker is open)."""
+    connection was refused, reset or cut (the node may be dead: its breaker is open); `retryable` when the
+    node failed the request before its first token for a reason another node may not have (a transfer cut)."""
 
     def __init__(
-        self, node_id: NodeId, message: str, status: int | None = None, unreachable: bool = False
+        self,
+        node_id: NodeId,
+        message: str,
+        status: int | None = None,
+        unreachable: bool = False,
+        retryable: bool = False,
     ) -> None:
         super().__init__(f"node {node_id}: {message}")
         self.node_id = node_id
         self.status = status
         self.unreachable = unreachable
+        self.retryable = retryable
 
 
 class NodeClient:
@@ -143,6 +151,9 @@ class NodeClient:
                 headers=_JSON,
                 timeout=self._timeout(request.deadline),
             )
+            if resp.status_code == 502:  # P's transfer to D failed: its PrefillResult says why
+                with contextlib.suppress(ValueError):
+                    return PrefillResult.from_json(resp.content)
             self._check(resp.status_code, resp.text)
             return PrefillResult.from_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:

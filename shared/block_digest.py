@@ -128,12 +128,9 @@ class IndexTruth:
 
     async def _diff(self, epoch: int, repair: bool) -> IndexDiff:
         index, node = self._index, self._node_id
-        held_before = set(await self._held())
+        held_now = set(await self._held())
         indexed = await index.records(node, epoch)
-        held_after = set(await self._held())
-        extra = indexed - held_before - held_after
-        missing = (held_before & held_after) - indexed
-        held_now = held_after
+        extra, missing = indexed - held_now, held_now - indexed
         if extra or missing:
             await asyncio.sleep(SETTLE_S)  # let events in flight land, then keep what still disagrees
             held_now = set(await self._held())

@@ -32,6 +32,8 @@ class Outcome:
     """running, ok, error, left, hung, broken."""
     error: dict[str, Any] | None = None
     status: int | None = None
+    response_id: str = ""
+    """The completion's id (its node request ids are `<id>-<choice>`, in the nodes' logs)."""
 
     def active_at(self, t: float) -> bool:
         return self.started <= t and (self.ended is None or self.ended >= t)
@@ -107,8 +109,8 @@ class Load:
                 with self._lock:
                     self.outcomes.append(out)
                 send(client, self.base, self._body(prompt), out, self.leave_after if leave else 0)
-                if self.pause_s:
-                    time.sleep(self.pause_s)
+                if self.pause_s or out.kind == "broken":  # a client backs off from a server that is gone
+                    time.sleep(max(self.pause_s, 0.2))
 
     def _body(self, prompt: str) -> dict[str, Any]:
         return {
@@ -175,6 +177,7 @@ def send(client: httpx.Client, base: str, body: dict[str, Any], out: Outcome, le
                     out.kind = "ok" if finished else ("error" if out.error else "broken")
                     return
                 obj = json.loads(data)
+                out.response_id = out.response_id or obj.get("id", "")
                 if "error" in obj:
                     out.error = obj["error"]
                     continue

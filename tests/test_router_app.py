@@ -435,9 +435,12 @@ def test_disaggregated_route_and_prefill_failure(cluster: Cluster) -> None:
     r = cluster.post("/v1/chat/completions", {**CHAT, "stop": ["FAIL_PREFILL"]})
     err = error_of(r, 503)
     assert "transfer to decode node cut" in err["message"]
-    ((_, failed),) = cluster.nodes.prefill[n_pre + 1 :]
-    wait_for(lambda: cluster.nodes.aborted("d0", failed.request_id))
-    assert not cluster.nodes.aborted("p0", failed.request_id)  # P already reported its end
+    # Nothing had streamed, so the choice was placed again twice (new node request ids) before failing.
+    attempts = [req for _, req in cluster.nodes.prefill[n_pre + 1 :]]
+    assert len(attempts) == 3 and len({req.request_id for req in attempts}) == 3
+    for failed in attempts:
+        wait_for(lambda failed=failed: cluster.nodes.aborted("d0", failed.request_id))
+        assert not cluster.nodes.aborted("p0", failed.request_id)  # P already reported its end
     metrics = httpx.get(cluster.router + "/metrics", timeout=10).text
     assert 'pdserve_router_decisions_total{kind="pd"}' in metrics
 
