@@ -378,18 +378,27 @@ def cluster_cpu_s(live: LiveCluster) -> float:
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for _, proc in live.cluster.procs:
-        with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
-            fields = f.read().rpartition(")")[2].split()
+        try:
+            with open(f"/proc/{proc.pid}/stat", encoding="ascii") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except FileNotFoundError:  # exited and reaped: error_lines reports it
+            continue
         total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return total
 
 
 def error_lines(live: LiveCluster, per_node: int = 6) -> list[str]:
-    """The last error-looking lines of every process's log, to name the defect behind a failure."""
+    """The last error-looking lines of every process's log, to name the defect behind a failure, and the
+    log's tail for a process that exited."""
     pattern = re.compile(r"error|exception|traceback|abort|missing|refus", re.IGNORECASE)
     out = []
-    for name in [*live.nodes, "router"]:
-        hits = [line for line in live.log(name).splitlines() if pattern.search(line)]
+    for name, proc in live.cluster.procs:
+        lines = live.log(name).splitlines()
+        if proc.poll() is not None:
+            out += [f"  {name} EXITED with {proc.returncode}; its log ends:"]
+            out += [f"  {name}: {line[:300]}" for line in lines[-25:]]
+            continue
+        hits = [line for line in lines if pattern.search(line)]
         out += [f"  {name}: {line[:300]}" for line in hits[-per_node:]]
     return out
 
@@ -432,8 +441,8 @@ def test_traffic(seed: int, tmp_path: Path) -> None:
         cpu_s = cluster_cpu_s(live)
         try:
             live.wait_clean(timeout_s=30)
-        except AssertionError as exc:
-            failures.append(f"audit at the end: {exc}")
+        except (AssertionError, httpx.HTTPError) as exc:
+            failures.append(f"audit at the end: {exc!r}")
         print(
             f"traffic seed={seed}: {len(refs)} references in {t1 - t0:.1f} s, cluster up in {t2 - t1:.1f} s, "
             f"{len(mix.calls())} requests in {t3 - t2:.1f} s (the cluster's processes used {cpu_s:.0f} CPU s "
