@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -71,6 +72,11 @@ class NodeRuntime:
     @property
     def node_id(self) -> NodeId:
         return NodeId(self.settings.node_id)
+
+    @property
+    def registration(self) -> NodeInfo | None:
+        """The node's registration with its current epoch (None before it registered)."""
+        return None if self._info is None else dataclasses.replace(self._info, epoch=self.epoch)
 
     async def start(self, transfer_addr: str, protocol_version: int) -> None:
         self.aengine.start()
@@ -209,7 +215,6 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
                 "cached": a.cached,
                 "in_use": a.in_use,
                 "reserved": a.reserved,
-                "pinned": a.pinned,
                 "live_requests": len(rt.engine.scheduler.requests),
             }
         )

@@ -1,7 +1,8 @@
 """Test helper: validate a response body against a named schema of OpenAI's API (openai-schemas.json).
 
-The schema document is the steering repo's shared/openai-schemas.json (OpenAPI 3.1 components, with
-`nullable` already rewritten as JSON Schema null types); $refs resolve through a `referencing` registry.
+The schema document is tests/data/openai-schemas.json, taken from OpenAI's published OpenAPI spec (source and
+licence: tests/data/README.md): OpenAPI 3.1 components, with `nullable` already rewritten as JSON Schema null
+types; $refs resolve through a `referencing` registry. It lives in the repository: a plain clone tests itself.
 """
 
 from __future__ import annotations
@@ -16,21 +17,15 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-# The steering repo's shared/ sits beside the clone (in CI and in a developer's checkout): ../shared.
-_CANDIDATES = (
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "openai-schemas.json"),
-)
+SCHEMAS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "openai-schemas.json")
 _URI = "urn:pdserve:openai-schemas"
 
 
 @functools.cache
 def _document() -> dict[str, Any]:
-    for path in _CANDIDATES:
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                doc: dict[str, Any] = json.load(f)
-                return doc
-    raise FileNotFoundError(f"openai-schemas.json not found; looked in {list(_CANDIDATES)}")
+    with open(SCHEMAS_PATH, encoding="utf-8") as f:
+        doc: dict[str, Any] = json.load(f)
+    return doc
 
 
 def schema_names() -> list[str]:
