@@ -1,9 +1,10 @@
 """The router's own count of the work it placed on each node, and the admission gate in front of placement.
 
 Heartbeat loads are up to a second old, so a burst placed within that second would see one snapshot and herd
-onto one node. Each placement therefore takes a `Lease` at once: its prompt tokens on the prefilling node
-(given back when that node's part ends) and one request on every node it uses (given back when the choice
-ends on any path). The policy sees, per node, the larger of the heartbeat's figure and this router's count.
+onto one node. Each placement therefore takes a `Lease` at once: one request and its prompt tokens on the
+prefilling node (given back when that node's part ends) and one request on the decoding node (given back
+when the choice ends on any path). The policy sees, per node, the larger of the heartbeat's figure and this
+router's count.
 
 Admission: with `AdmissionConfig.max_requests_per_node` set, a node holding that many of this router's
 requests takes no more. A request that finds every node of a needed role at the limit waits, first come
@@ -61,10 +62,11 @@ class Lease:
         self._live = True
 
     def prefill_done(self) -> None:
-        """The prefilling node's part is over: its queued tokens are no longer this choice's."""
+        """The prefilling node's part is over: neither its request nor its tokens are this choice's."""
         if self._prefill is not None:
-            self._ledger._add_tokens(self._prefill, -self._tokens)
-            self._prefill = None
+            prefill, self._prefill = self._prefill, None
+            self._ledger._add_tokens(prefill, -self._tokens)
+            self._ledger._end((prefill,))
 
     def release(self) -> None:
         if self._live:
@@ -102,7 +104,9 @@ class Ledger:
         return limit > 0 and self.requests(node_id) >= limit
 
     def take(self, nodes: tuple[NodeId, ...], prefill: NodeId | None, prompt_tokens: int) -> Lease:
-        for node_id in nodes:
+        """A lease of one request on each of `nodes` (the decoding node) and, on `prefill`, one request and
+        `prompt_tokens` until its part ends."""
+        for node_id in (*nodes, *((prefill,) if prefill is not None else ())):
             self._counts.setdefault(node_id, _Count()).requests += 1
         if prefill is not None:
             self._add_tokens(prefill, prompt_tokens)

@@ -18,8 +18,8 @@ P, D = NodeId("p"), NodeId("d")
 
 def test_leases_count_requests_and_prefill_tokens_until_released_once() -> None:
     ledger = Ledger(AdmissionConfig(max_requests_per_node=2))
-    a = ledger.take((D, P), P, 100)
-    b = ledger.take((D, P), P, 50)
+    a = ledger.take((D,), P, 100)
+    b = ledger.take((D,), P, 50)
     assert ledger.requests(D) == ledger.requests(P) == 2 and ledger.full(D)
     seen = ledger.view(NodeView(P, "prefill", running=1, waiting=0, queued_prefill_tokens=20))
     assert (seen.waiting, seen.queued_prefill_tokens) == (1, 150)  # the router's own count is larger
@@ -28,6 +28,7 @@ def test_leases_count_requests_and_prefill_tokens_until_released_once() -> None:
     a.prefill_done()
     a.prefill_done()
     assert ledger.view(NodeView(P, "prefill")).queued_prefill_tokens == 50
+    assert ledger.requests(P) == 1 and ledger.requests(D) == 2  # P's part is over, D still decodes
     a.release()
     a.release()
     assert ledger.requests(D) == 1 and not ledger.full(D)
