@@ -97,6 +97,7 @@ class NodeRuntime:
                 kv_layout=self.kv_layout,
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
+                tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
             )
             self._info = info
             self.epoch = await self.index.register(info)  # IncompatibleNode propagates: refuse to start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import socket
@@ -110,6 +111,21 @@ def test_incompatible_node_is_refused_naming_the_field(
                 await index.register(other)
             assert f"{field} is {mine} on the node but {recorded}" in str(err.value)
             assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+
+    run(body())
+
+
+def test_a_node_with_another_tokenizer_is_refused(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            await index.register(dataclasses.replace(node("p0"), tokenizer_fingerprint="11" * 32))
+            with pytest.raises(IncompatibleNode) as err:
+                await index.register(dataclasses.replace(node("p1"), tokenizer_fingerprint="22" * 32))
+            assert f"tokenizer_fingerprint is {'22' * 32} on the node but {'11' * 32}" in str(err.value)
+            await index.register(
+                node("p2")
+            )  # a node that predates tokenizer fingerprints is not compared on it
+            assert [s.info.node_id for s in await index.nodes()] == ["p0", "p2"]
 
     run(body())
 
