@@ -196,6 +196,7 @@ class Cluster:
                         LAYOUT,
                         1,
                         1000,
+                        FINGERPRINT,  # a credential digest: these nodes ask the router for none
                     )
                     epoch = await index.register(info)
                     await index.heartbeat(NodeId(nid), NodeLoad(0, 0, 0, 1000, 0), epoch)
