@@ -82,6 +82,11 @@ class LocalRedis:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def log_path(self) -> str | None:
+        """The server's log file while it runs (removed with its directory on stop)."""
+        return None if self._dir is None else os.path.join(self._dir, "redis.log")
+
     def start(self) -> LocalRedis:
         """Starts the server; when the port was left to it (0) and another socket takes the free port
         before redis-server binds it, it tries again on a fresh port (3 tries)."""
@@ -108,7 +113,8 @@ class LocalRedis:
         args += ["--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
         if self.password is not None:
             args += ["--requirepass", self.password]
-        with open(os.path.join(self._dir, "redis.log"), "wb") as log:
+        assert self.log_path is not None
+        with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
