@@ -1,16 +1,16 @@
 # `make up`: install what is missing, start a local cluster, answer one chat request, serve until Ctrl-C.
 # `make test`: install what is missing, then lint, type-check and run the whole test suite.
-# Extras per platform: a GPU machine (nvidia-smi) gets [gpu] (triton) and [ucx] (the UCX CUDA stack); a CPU
-# one neither, except triton for the Triton kernels' tests under its interpreter (KERNEL_TESTS=0: not even that,
-# and those tests are not collected).
+# Extras: every machine gets [ucx] (ucxx runs over host memory too, so the ucx connector is tested on a CPU);
+# a GPU machine (nvidia-smi) gets [gpu] (triton); a CPU one gets it only for the Triton kernels' tests under
+# its interpreter (KERNEL_TESTS=0: not even that, and those tests are not collected).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PORT ?= 8000
 KERNEL_TESTS ?= 1
 comma := ,
 GPU := $(shell command -v nvidia-smi >/dev/null && echo 1)
-EXTRAS := test,bench$(if $(GPU),$(comma)gpu$(comma)ucx,$(if $(filter 1,$(KERNEL_TESTS)),$(comma)gpu))
-CHECK := $(if $(GPU),ucxx$(comma) triton$(comma),$(if $(filter 1,$(KERNEL_TESTS)),triton$(comma)))
+EXTRAS := test,bench,ucx$(if $(GPU),$(comma)gpu,$(if $(filter 1,$(KERNEL_TESTS)),$(comma)gpu))
+CHECK := ucxx, $(if $(GPU),triton$(comma),$(if $(filter 1,$(KERNEL_TESTS)),triton$(comma)))
 
 .PHONY: deps up test lint typecheck pytest
 

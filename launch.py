@@ -1,6 +1,7 @@
 """`pdserve up`: a whole local cluster (its settings: up_options.py; one component: cli.py).
 
-`up` owns every process it starts: Redis on a free port with no persistence, the nodes, the router. Each
+`up` owns every process it starts: Redis on a free port (no persistence, or an append-only file in the work
+directory with `--redis-aof`; a Redis that dies is started again on its port), the nodes, the router. Each
 child runs in its own process group and is stopped by pid (SIGTERM, then SIGKILL) on Ctrl-C, on SIGTERM,
 and when any child dies during start-up, so nothing is left orphaned.
 """
@@ -111,9 +112,13 @@ class Cluster:
         raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
 
 
-def start_redis(cluster: Cluster, password: str | None = None) -> str:
-    """Redis for the cluster's block index: a free port, no persistence, stopped with the cluster."""
-    redis = LocalRedis(binary=shutil.which("redis-server") or LocalRedis.binary, password=password)
+def start_redis(
+    cluster: Cluster, password: str | None = None, aof_dir: str | None = None, port: int = 0
+) -> str:
+    """Redis for the cluster's block index: a free port (or `port`), no persistence (or an append-only file
+    in aof_dir), stopped with the cluster."""
+    binary = shutil.which("redis-server") or LocalRedis.binary
+    redis = LocalRedis(binary=binary, password=password, aof_dir=aof_dir, port=port)
     try:
         redis.start()
     except FileNotFoundError as exc:
@@ -136,11 +141,15 @@ class UpConfig:
     # pinned HTTP ports of one role's nodes, one per node (a role not listed gets free ports)
     role_ports: tuple[tuple[str, tuple[int, ...]], ...] = ()
     router_args: tuple[str, ...] = ()
+    redis_aof: bool = False
+    """Redis keeps an append-only file in the cluster's work directory (its data survives a restart)."""
 
 
 def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
     """Starts Redis, the nodes and the router; returns the router's base URL once everything answers."""
-    redis_url = start_redis(cluster)
+    redis_url = start_redis(
+        cluster, aof_dir=os.path.join(cluster.workdir, "redis") if cfg.redis_aof else None
+    )
     py = sys.executable
     urls = []
     roles = [("prefill", i) for i in range(cfg.prefill)] + [("decode", i) for i in range(cfg.decode)]
@@ -245,6 +254,11 @@ def run_up(cfg: UpConfig) -> int:
         print("pdserve up: Ctrl-C stops every process", flush=True)
         while not stop:
             cluster.check_alive()
+            if not cluster.redis[0].running:  # the nodes register again, or find their data in the AOF
+                old = cluster.redis.pop(0)
+                old.stop()
+                start_redis(cluster, aof_dir=old.aof_dir, port=old.port)
+                print(f"pdserve up: Redis had stopped; started again on port {old.port}", flush=True)
             time.sleep(0.5)
     except KeyboardInterrupt:
         print("\npdserve up: stopping", flush=True)

@@ -41,6 +41,9 @@ class UpOptions(Settings):
         "", description="comma-separated HTTP ports of the decode/single nodes (default: free)"
     )
     demo: bool = Field(False, description="send one chat request and print the answer")
+    redis_aof: bool = Field(
+        False, description="Redis keeps an append-only file in the work directory: a restart keeps the index"
+    )
 
 
 def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
@@ -57,7 +60,7 @@ def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
 
 def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]) -> tuple[str, ...]:
     """`text` split like a shell would, after checking it against `pdserve <command>`'s own settings."""
-    from pdserve.cli import pdserve
+    from pdserve.cli import command as pdserve_command
     from pdserve.shared.settings import given_flags
 
     try:
@@ -67,7 +70,7 @@ def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]
     import click
 
     try:
-        ctx = pdserve.commands[command].make_context(command, list(args))
+        ctx = pdserve_command(command).make_context(command, list(args))
     except click.ClickException as exc:
         raise SettingsError(f"{option}: {exc.format_message()}") from exc
     given = given_flags(ctx, _settings_class(command), ctx.params)
@@ -116,4 +119,5 @@ def up_config(opts: UpOptions, model: str) -> UpConfig:
             (d_role, _ports(opts.decode_ports, opts.decode, "--decode-ports")),
         ),
         router_args=router_args,
+        redis_aof=opts.redis_aof,
     )

@@ -189,9 +189,9 @@ def main() -> int:
         f"{logprob_gap(pd_out, s_out):.3g} | | |"
     )
     for who, au in (("P", p_audit), ("D", d_audit), ("single", s_audit)):
-        print(f"| {who} audit in_use/reserved/pinned/live | {au['in_use']}/{au['reserved']}/{au['pinned']}/"
+        print(f"| {who} audit in_use/reserved/live | {au['in_use']}/{au['reserved']}/"
               f"{au['live_requests']} | | |")  # fmt: skip
-    clean = all(au["in_use"] == au["reserved"] == au["pinned"] == au["live_requests"] == 0
+    clean = all(au["in_use"] == au["reserved"] == au["live_requests"] == 0
                 for au in (p_audit, d_audit, s_audit))  # fmt: skip
     return 0 if clean else 1
 

@@ -1,11 +1,17 @@
 """The decode node (and `single`, the same node computing every prompt itself).
 
-Owns the receiving end of the KV transfer: on OPEN it matches the prefix this node already holds and
-reserves the rest just in time; DATA is scattered straight into the reserved blocks; on COMPLETE the
-request enters continuous batching with the first token P sampled. Invariants: a reservation is released
-exactly once (abort, timeout, cut, or handed to the scheduler on completion); every `/internal/generate`
-stream ends with exactly one line carrying finish_reason; a stream whose client goes away aborts its
-request, including one still waiting for its KV.
+Owns the receiving end of the KV transfer, through the engine's remote-KV port only. D answers P's OPEN once
+the router's request for it has arrived and the pool has room: OPENs wait, first come first served, in one
+admission queue until `reserve_remote` succeeds with headroom (no local request starved of blocks, one
+free block left per live request), so a full pool delays a transfer instead of refusing it, and P computes
+nothing until D can take it. DATA is scattered straight into the reserved blocks; on COMPLETE the request
+enters continuous batching with the first token P sampled (and ends there at once if that token ends it).
+
+Invariants: a reservation is ended exactly once (admitted, or released on abort, cut, deadline, client gone);
+the request's deadline is its only clock, owned by the `/internal/generate` stream (`_lines`) and by the
+OPEN's wait; a request that ended is tombstoned until its deadline, so a late OPEN for it is refused instead
+of reserving blocks nobody will use; every `/internal/generate` stream ends with exactly one line carrying
+finish_reason; a stream whose client goes away aborts its request, including one still waiting for its KV.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,50 +29,62 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import OpenRefused, OpenReply, TransferHandler
-from pdserve.shared.block_pool import NoFreeBlocks
-from pdserve.shared.engine import RequestOutput, TokenLogprob
+from pdserve.shared.engine import RemoteReservation, RequestOutput, TokenLogprob
 from pdserve.shared.node_metrics import RequestTiming
 from pdserve.shared.node_protocol import NodeGenerateRequest, StepOutput
 from pdserve.shared.node_protocol import TokenLogprob as WireLogprob
 from pdserve.shared.node_protocol import TopLogprob as WireTop
 from pdserve.shared.node_runtime import NodeRuntime
 from pdserve.shared.request import Request as EngineRequest
-from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
+from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class _Reservation:
-    held: list[BlockId]
-    dst: list[BlockId]
-    released: bool = False
+ADMISSION_POLL_S = 0.02
+"""How often the head of the admission queue retries its reservation while the pool is full."""
 
 
 @dataclass
 class _Pending:
-    """A request whose KV comes from a prefill node."""
+    """A request whose KV comes from a prefill node, from the first of the router's call and P's OPEN
+    until it is admitted to the engine or ends."""
 
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
     request: NodeGenerateRequest | None = None
     # built with its prompt's block hashes when the request arrives, off the path from COMPLETE to the
     # first token (hashing a 4k-token prompt costs about half a millisecond)
     engine_request: EngineRequest | None = None
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    reservation: _Reservation | None = None
     queue: asyncio.Queue[RequestOutput] | None = None
-    aborted: str | None = None
+    reservation: RemoteReservation | None = None
+    ended: str | None = None
 
 
 class DecodeHandler(TransferHandler):
     def __init__(self, rt: NodeRuntime) -> None:
         self.rt = rt
         self.pending: dict[RequestId, _Pending] = {}
+        self._admission = asyncio.Lock()  # FIFO: asyncio wakes a lock's waiters in arrival order
+        self._ended: dict[RequestId, float] = {}  # tombstones: request id -> when to forget it
+        self._ended_order: deque[RequestId] = deque()
+        self._background: set[asyncio.Future[Any]] = set()
 
     def _entry(self, rid: RequestId) -> _Pending:
         entry = self.pending.get(rid)
         if entry is None:
             entry = self.pending[rid] = _Pending()
         return entry
+
+    def arrive(self, gen: NodeGenerateRequest, req: EngineRequest, q: asyncio.Queue[RequestOutput]) -> None:
+        """The router's request for a remotely prefilled prompt; its outputs go to `q`."""
+        rid = RequestId(gen.request_id)
+        if rid in self._ended:
+            n = len(gen.prompt_token_ids)
+            q.put_nowait(RequestOutput(rid, (), "", None, "error", n, 0, 0))
+            log.warning("request %s arrived after its KV transfer had ended", rid)
+            return
+        entry = self._entry(rid)
+        entry.request, entry.engine_request, entry.queue = gen, req, q
+        entry.arrived.set()
 
     async def on_open(
         self,
@@ -75,115 +94,117 @@ class DecodeHandler(TransferHandler):
         num_blocks: int,
         deadline: float,
     ) -> OpenReply:
-        if time.time() > deadline:
-            raise OpenRefused("deadline already passed")
+        if transfer_id in self._ended:
+            raise OpenRefused("the request already ended on the decode node")
         entry = self._entry(transfer_id)
-        if entry.aborted or entry.reservation is not None:
-            raise OpenRefused(entry.aborted or "transfer already open")
-        pool = self.rt.engine.pool
-
-        def reserve() -> _Reservation:
-            # The last block is always sent: D needs at least the final token's KV from P, and a held
-            # full prompt would leave no slot for the first decode step's context anyway.
-            held = pool.match_prefix(block_hashes[: max(0, num_blocks - 1)])
-            pool.acquire(held)
-            try:
-                dst = pool.reserve(num_blocks - len(held))
-            except NoFreeBlocks:
-                pool.release(held[::-1])
-                raise
-            return _Reservation(held, dst)
-
+        if entry.reservation is not None:
+            raise OpenRefused("transfer already open")
         try:
-            entry.reservation = await self.rt.aengine.call(reserve)
-        except NoFreeBlocks as exc:
-            raise OpenRefused(f"no free KV blocks for {num_blocks} blocks") from exc
-        asyncio.get_running_loop().call_at(
-            asyncio.get_running_loop().time() + max(0.0, deadline - time.time()),
-            lambda: asyncio.ensure_future(self.expire(transfer_id)),
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                await entry.arrived.wait()  # the router's request, sent beside P's, may come second
+                async with self._admission:
+                    while entry.ended is None:
+                        res = await self._reserve(block_hashes, num_blocks)
+                        if res is not None:
+                            entry.reservation = res
+                            break
+                        await asyncio.sleep(ADMISSION_POLL_S)
+        except TimeoutError:
+            await self.fail(transfer_id, "deadline passed while the decode node had no room for the KV")
+        except asyncio.CancelledError:  # the transfer connection ended
+            await asyncio.shield(
+                self.fail(transfer_id, "KV transfer connection ended before OPEN was answered")
+            )
+            raise
+        if entry.ended is not None or entry.reservation is None:
+            raise OpenRefused(entry.ended or "the request ended on the decode node")
+        res = entry.reservation
+        return OpenReply(len(res.held), tuple(res.dst))
+
+    async def _reserve(self, hashes: Sequence[BlockHash], num_blocks: int) -> RemoteReservation | None:
+        engine = self.rt.engine
+        fut = asyncio.ensure_future(
+            self.rt.aengine.call(lambda: engine.reserve_remote(hashes, num_blocks, headroom=True))
         )
-        return OpenReply(len(entry.reservation.held), tuple(entry.reservation.dst))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._release_orphan)  # the engine thread may still reserve: give it back
+            raise
+
+    def _release_orphan(self, fut: asyncio.Future[RemoteReservation | None]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        res = fut.result()
+        if res is not None:
+            self._spawn(self.rt.aengine.call(lambda: self.rt.engine.release_remote(res)))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def on_data(
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
     ) -> None:
         entry = self.pending.get(transfer_id)
-        if entry is None or entry.aborted:
+        if entry is None or entry.ended or entry.reservation is None:
             raise RuntimeError(f"transfer {transfer_id} was aborted on the decode node")
-        runner = self.rt.engine.runner
-        layers = buffer if buffer.dim() == 6 else buffer.unsqueeze(0)
-        # buffer: [n_layers, 2, n, B, Hkv, D], in host memory or already on the cache's device (a GPU
-        # connector receives there; `.to` is then a no-op). The scatter is queued on the current stream,
-        # which the connector waits for before it reuses the buffer. The reserved blocks are read by
-        # nobody else.
-        ids = dst_block_ids.to(runner.device)
-        for i in range(layers.shape[0]):
-            runner.ops.scatter_blocks(layers[i].to(runner.device), runner.kv_cache[layer_start + i], ids)
+        # The scatter is queued on the current stream, which the connector waits for before it reuses the
+        # buffer; the reserved blocks are read by nobody else.
+        self.rt.engine.import_layers(layer_start, dst_block_ids, buffer)
         self.rt.metrics.transfer_bytes.labels(self.rt.connector_kind, "in").inc(buffer.nbytes)
 
     async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
         entry = self.pending.get(transfer_id)
-        if entry is None or entry.reservation is None or entry.aborted:
+        if entry is None or entry.ended or entry.reservation is None:
             raise RuntimeError(f"transfer {transfer_id} completed after it was aborted")
-        await asyncio.wait_for(entry.arrived.wait(), timeout=max(0.1, self._deadline(entry) - time.time()))
-        req = entry.engine_request
-        assert req is not None and entry.queue is not None
-        res = entry.reservation
+        req, q, res = entry.engine_request, entry.queue, entry.reservation
+        assert req is not None and q is not None, "OPEN is answered only once the request arrived"
         engine = self.rt.engine
+        token = int(first_token["token_id"])
         lp = first_token.get("logprob")
         first_lp = None
         if lp is not None:
-            first_lp = TokenLogprob(
-                int(first_token["token_id"]),
-                float(lp),
-                tuple((int(t), float(v)) for t, v in first_token.get("top", [])),
-            )
-
-        def admit() -> RequestOutput:
-            engine.pool.fill_done(res.dst)
-            req.block_ids = [*res.held, *res.dst]
-            req.num_computed_tokens = req.num_prompt_tokens
-            req.num_committed_blocks = len(res.held)
-            req.num_cached_tokens = len(res.held) * engine.cfg.block_size
-            req.output_token_ids.append(int(first_token["token_id"]))
-            req.all_token_ids.append(int(first_token["token_id"]))
-            req.extend_block_hashes(engine.cfg.block_size)
-            res.released = True  # the scheduler owns the blocks from here on
-            return engine.add_prefilled(req, first_lp)
-
-        out = await self.rt.aengine.call(admit)
+            top = tuple((int(t), float(v)) for t, v in first_token.get("top", []))
+            first_lp = TokenLogprob(token, float(lp), top)
+        out = await self.rt.aengine.call(lambda: engine.admit_remote(req, res, token, first_lp))
+        self.pending.pop(transfer_id, None)
         m = self.rt.metrics
         held_tokens = min(len(res.held) * engine.cfg.block_size, req.num_prompt_tokens)
         m.prefix_hit_tokens.labels("local").inc(held_tokens)
         m.prefix_hit_tokens.labels("transferred").inc(req.num_prompt_tokens - held_tokens)
-        entry.queue.put_nowait(out)
-        self.pending.pop(transfer_id, None)
+        q.put_nowait(out)
+        if entry.ended is not None and not out.finished:  # the client left while it was being admitted
+            await self.rt.aengine.abort(transfer_id)
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
         await self.fail(transfer_id, f"KV transfer aborted: {reason}")
 
-    def _deadline(self, entry: _Pending) -> float:
-        return entry.request.deadline if entry.request is not None else time.time() + 30.0
-
-    async def expire(self, rid: RequestId) -> None:
-        if rid in self.pending:
-            await self.fail(rid, "deadline passed before the KV arrived")
+    def _tombstone(self, rid: RequestId, until: float) -> None:
+        now = time.time()
+        while self._ended_order and self._ended.get(self._ended_order[0], 0.0) < now:
+            self._ended.pop(self._ended_order.popleft(), None)
+        if rid not in self._ended:
+            self._ended_order.append(rid)
+        self._ended[rid] = max(until, now + 1.0)
 
     async def fail(self, rid: RequestId, reason: str) -> None:
-        """Ends a request still waiting for its KV: frees the reservation, ends its stream with an error."""
-        entry = self.pending.get(rid)
+        """Ends a request still waiting for its KV: gives back its reservation, ends its stream with an
+        error, and refuses a later OPEN for it. A no-op (but for the tombstone) once it was admitted."""
+        entry = self.pending.pop(rid, None)
+        deadline = entry.request.deadline if entry is not None and entry.request is not None else 0.0
+        self._tombstone(rid, deadline or time.time() + 60.0)
         if entry is None:
             return
-        entry.aborted = reason
+        entry.ended = reason
+        entry.arrived.set()  # wakes an OPEN waiting for the request
         res = entry.reservation
-        if res is not None and not res.released:
-            res.released = True
-            pool = self.rt.engine.pool
-            await self.rt.aengine.call(lambda: pool.release([*res.held, *res.dst][::-1]))
+        if res is not None:
+            await self.rt.aengine.call(lambda: self.rt.engine.release_remote(res))
         if entry.queue is not None:
             n = len(entry.request.prompt_token_ids) if entry.request else 0
             entry.queue.put_nowait(RequestOutput(rid, (), "", None, "error", n, 0, 0))
-        self.pending.pop(rid, None)
         log.warning("request %s failed on the decode node: %s", rid, reason)
 
 
@@ -236,16 +257,9 @@ def add_decode_routes(app: FastAPI, rt: NodeRuntime, handler: DecodeHandler) -> 
             outputs: AsyncIterator[RequestOutput] = rt.aengine.generate(engine_req)
         else:
             q = rt.aengine.open_stream(rid)
-            entry = handler._entry(rid)
             engine_req = rt.engine.new_request(rid, gen.prompt_token_ids, gen.sampling, gen.cache_salt)
             engine_req.extend_block_hashes(rt.engine.cfg.block_size)
-            entry.request, entry.engine_request, entry.queue = gen, engine_req, q
-            entry.arrived.set()
-            loop = asyncio.get_running_loop()
-            loop.call_at(
-                loop.time() + max(0.0, gen.deadline - time.time()),
-                lambda: asyncio.ensure_future(handler.expire(rid)),
-            )
+            handler.arrive(gen, engine_req, q)
             outputs = _remote_stream(rt, handler, rid, q)
         return StreamingResponse(_lines(rt, gen, outputs, engine_req), media_type="application/x-ndjson")
 

@@ -137,10 +137,6 @@ class TransferStats:
     payload_bytes: int
     seconds: float
 
-    @property
-    def gib_per_s(self) -> float:
-        return self.payload_bytes / max(self.seconds, 1e-9) / 2**30
-
 
 class KVTransferError(Exception):
     """Base of every error this package raises."""

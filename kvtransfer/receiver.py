@@ -9,7 +9,11 @@ land after `recv` returned them (ucx), a DATA frame is checked at once and deliv
 once its bytes landed, while the next frames are read; a COMPLETE read meanwhile is finished by the last such
 task of its transfer (its ACK then leaves before the channel may post its next receive), and the next payload
 waits for that frame's release. Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
-error, the connection dropping, and `stop()`.
+error, the connection dropping, and `stop()`. Each OPEN is answered from its own task (`_opening`), since the
+handler may hold it until it can reserve (D's admission queue): frames of other transfers on the same
+connection are never kept waiting behind it; an ABORT for a transfer still opening goes to `on_abort` (the
+handler then refuses the OPEN), and a connection that ends cancels its opening tasks, whose reservations the
+handler gives back.
 """
 
 from __future__ import annotations
@@ -78,9 +82,10 @@ class ChannelServer:
         self.handler = handler
         self._listener: Listener | None = None
         self._transfers: dict[str, _Transfer] = {}
-        self._opening: set[str] = set()
+        self._opening: dict[str, tuple[FramedConnection, asyncio.Task[None]]] = {}
         self._connections: dict[ByteChannel, asyncio.Future[None]] = {}
-        self._landings: set[asyncio.Future[None]] = set()  # the delivery tasks of payloads still landing
+        # the tasks answering OPENs and delivering payloads that are still landing
+        self._landings: set[asyncio.Future[None]] = set()
         self._stopping = False  # connections arriving during stop() are cut at once
 
     @property
@@ -101,10 +106,12 @@ class ChannelServer:
     async def stop(self) -> None:
         """Connections first (their handlers must end before a UCX listener goes), then the listener."""
         self._stopping = True
+        for _, task in list(self._opening.values()):
+            task.cancel()
         for channel in list(self._connections):
             channel.abort()
         await asyncio.gather(*self._connections.values())
-        await asyncio.gather(*self._landings)  # their channels are cut: they end at once
+        await asyncio.gather(*self._landings, return_exceptions=True)  # channels cut: they end at once
         await asyncio.sleep(0)  # let the transports' accept wrappers around _serve return
         if self._listener is not None:
             await self._listener.close()
@@ -144,6 +151,10 @@ class ChannelServer:
             reason = f"connection lost: {e}"
         finally:
             channel.abort()
+            opening = [task for c, task in self._opening.values() if c is conn]
+            for task in opening:
+                task.cancel()
+            await asyncio.gather(*opening, return_exceptions=True)
             for t in [t for t in self._transfers.values() if t.conn is conn]:
                 await self._abort(t, f"connection from {peer_id} ended ({reason})", notify=False)
             del self._connections[channel]
@@ -176,10 +187,14 @@ class ChannelServer:
         if frame.payload is not None and not isinstance(msg, Data):
             raise ProtocolError(f"{type(msg).__name__} must not carry a payload")
         if isinstance(msg, Open):
-            await self._open(conn, peer_id, msg)
+            self._start_open(conn, peer_id, msg)
             return
         if not isinstance(msg, Data | Complete | Abort):
             raise ProtocolError(f"unexpected {type(msg).__name__} from a sender")
+        opening = self._opening.get(msg.transfer_id)
+        if isinstance(msg, Abort) and opening is not None and opening[0] is conn:
+            await self._call_on_abort(RequestId(msg.transfer_id), f"sender aborted: {msg.reason}")
+            return
         t = self._transfers.get(msg.transfer_id)
         # e.g. DATA still in flight after the deadline aborted it, or after COMPLETE
         if t is None or t.conn is not conn or t.complete is not None:
@@ -193,40 +208,57 @@ class ChannelServer:
         else:
             await self._abort(t, f"sender aborted: {msg.reason}", notify=False)
 
+    def _start_open(self, conn: FramedConnection, peer_id: NodeId, msg: Open) -> None:
+        tid = msg.transfer_id
+        if tid in self._transfers or tid in self._opening:
+            refusal = OpenRefusal(RequestId(tid), "transfer id is already open")
+            task = asyncio.ensure_future(self._send_quietly(conn, refusal))
+        else:
+            task = asyncio.ensure_future(self._open(conn, peer_id, msg))
+            self._opening[tid] = (conn, task)
+            task.add_done_callback(lambda _: self._opening.pop(tid, None))
+        self._landings.add(task)
+        task.add_done_callback(self._landed)
+
+    async def _send_quietly(self, conn: FramedConnection, msg: OpenRefusal) -> None:
+        with contextlib.suppress(ConnectionLost):
+            await conn.send(msg)
+
     async def _open(self, conn: FramedConnection, peer_id: NodeId, msg: Open) -> None:
         tid = RequestId(msg.transfer_id)
         refusal: str | None = None
         reply: OpenReply | None = None
-        if tid in self._transfers or tid in self._opening:
-            refusal = "transfer id is already open"
-        elif msg.deadline <= time.time():
+        if msg.deadline <= time.time():
             refusal = f"deadline {msg.deadline:.3f} has passed (now {time.time():.3f})"
         elif msg.num_blocks <= 0 or len(msg.block_hashes) > msg.num_blocks:
             refusal = f"bad OPEN: num_blocks={msg.num_blocks}, {len(msg.block_hashes)} block hashes"
         else:
-            self._opening.add(tid)
             try:
                 hashes = tuple(BlockHash(h) for h in msg.block_hashes)
                 reply = await self.handler.on_open(peer_id, tid, hashes, msg.num_blocks, msg.deadline)
             except OpenRefused as e:
                 refusal = e.reason
+            except asyncio.CancelledError:
+                raise  # the connection ended: the handler gave back what it had reserved
             except Exception as e:
                 log.exception("on_open(%r) failed", tid)
                 refusal = f"receiver error in on_open: {e!r}"
-            finally:
-                self._opening.discard(tid)
         if reply is not None and reply.num_blocks != msg.num_blocks:
             refusal = f"receiver reserved {reply.num_blocks} blocks for a {msg.num_blocks}-block request"
             await self._call_on_abort(tid, refusal)
         if refusal is not None:
             log.info("refused transfer %r from %s: %s", tid, peer_id, refusal)
-            await conn.send(OpenRefusal(tid, refusal))
+            await self._send_quietly(conn, OpenRefusal(tid, refusal))
             return
         assert reply is not None
+        if conn.channel not in self._connections:  # the connection ended while the handler reserved
+            await self._call_on_abort(tid, "connection ended before OPEN was answered")
+            return
         t = _Transfer(tid, conn, reply, msg.deadline, self.identity.layout.num_layers)
         self._transfers[tid] = t
         t.expiry = asyncio.create_task(self._expire(t))
-        await conn.send(OpenOk(tid, reply.num_held_blocks, tuple(reply.dst_block_ids)))
+        with contextlib.suppress(ConnectionLost):
+            await conn.send(OpenOk(tid, reply.num_held_blocks, tuple(reply.dst_block_ids)))
 
     def _blocks(
         self, t: _Transfer, msg: Data, payload: torch.Tensor | None

@@ -1,11 +1,15 @@
 """The prefill node: computes a prompt's KV, samples the first token, and streams the KV into the decode
 node's reserved blocks while the forward pass runs, a frame per `layers_per_frame` consecutive layers.
 
-Invariants: the OPEN to D (its just-in-time reservation) goes out when the engine first computes the
-request, not when it is queued; each layer's blocks are copied out of the paged cache on the engine
-thread right after the layer writes them, into a private buffer on the cache's device (so later steps may
-reuse or evict P's blocks freely, and the connector decides whether to stage it through host memory); blocks D
-already holds are never sent; a transfer ends exactly once (COMPLETE+ACK or ABORT), on every path.
+Invariants: the OPEN to D goes out before the request enters P's engine, and P computes only once D has
+reserved (D answers OPEN when it has room: its admission queue), so a request waiting for D's KV holds no
+blocks on P and P never computes KV that has nowhere to go; D's reply says how many leading blocks it holds,
+and P sends every block after those, whether P computed it in this request or served it from its own prefix
+cache (`_Job.next_block`: each step exports from the first block not yet sent); each layer's blocks are
+copied out of the paged cache on the engine thread right after the layer writes them, into a private
+buffer on the cache's device (so later steps may reuse or evict P's blocks freely, and the connector decides
+whether to stage it through host memory); a transfer ends exactly once (COMPLETE+ACK or ABORT), on every
+path.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from pdserve.kvtransfer.connector import (
     OpenReply,
     TransferSession,
 )
-from pdserve.kvtransfer.device_sync import event_done, stream_idle
+from pdserve.kvtransfer.device_sync import event_done
 from pdserve.shared.engine import RequestOutput, StepObserver
 from pdserve.shared.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node_runtime import NodeRuntime
 from pdserve.shared.scheduler import ScheduledRequest
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -41,66 +45,59 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     req: PrefillRequest
-    hashes: tuple[BlockHash, ...]
-    num_blocks: int
+    session: TransferSession
+    reply: OpenReply
+    next_block: int
+    """The first prompt block not yet exported: D's held prefix at first, then each step's end (a chunk
+    ending inside a block exports that block again with the next chunk, once it is whole)."""
     # (first layer, first block index, P's block ids, buf [n_layers, 2, n, B, Hkv, D], event the last
-    # gather recorded on a CUDA stream): one DATA frame each
+    # gather recorded on a CUDA stream): one DATA frame each; None ends the stream
     chunks: asyncio.Queue[tuple[int, int, list[BlockId], torch.Tensor, torch.cuda.Event | None] | None] = (
         field(default_factory=asyncio.Queue)
     )
     # the frame being filled on the engine thread: (first block index, block ids, ids on the device, buf)
     filling: tuple[int, list[BlockId], torch.Tensor, torch.Tensor] | None = None
-    opened: bool = False
     sender_task: asyncio.Task[int] | None = None
-    session: TransferSession | None = None
 
 
 class PrefillObserver(StepObserver):
     """Runs on the engine thread; hands gathered layer buffers to the asyncio loop."""
 
-    def __init__(
-        self, rt: NodeRuntime, loop: asyncio.AbstractEventLoop, start_sender: Any, layers_per_frame: int
-    ) -> None:
+    def __init__(self, rt: NodeRuntime, loop: asyncio.AbstractEventLoop, layers_per_frame: int) -> None:
         self.rt = rt
         self.loop = loop
         self.jobs: dict[RequestId, _Job] = {}
-        self.start_sender = start_sender
         self.layers_per_frame = layers_per_frame
 
     def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
-        runner = self.rt.engine.runner
-        bs = runner.block_size
+        engine = self.rt.engine
+        bs, num_layers = engine.cfg.block_size, engine.num_layers
         for s in scheduled:
             job = self.jobs.get(s.request.request_id)
             if job is None:
                 continue
-            if not job.opened:
-                job.opened = True
-                self.loop.call_soon_threadsafe(self.start_sender, job)
             end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
-            b0, b1 = s.start // bs, -(-end // bs)
+            b0, b1 = job.next_block, -(-end // bs)
+            if layer == num_layers - 1:  # the step's last layer: later steps export from here
+                job.next_block = b1 if end == s.request.num_prompt_tokens else max(b0, end // bs)
             if b1 <= b0:
                 continue
             # this step's layers go out in frames of `layers_per_frame` consecutive layers
             first = layer - layer % self.layers_per_frame
-            n_layers = min(self.layers_per_frame, runner.kv_cache.shape[0] - first)
+            n_layers = min(self.layers_per_frame, num_layers - first)
             if layer == first:
                 ids = list(s.request.block_ids[b0:b1])
                 # buf: [n_layers, 2, n, B, Hkv, D], a private copy: P's blocks may be reused after this step
-                buf = torch.empty(
-                    (n_layers, 2, len(ids), *runner.kv_cache.shape[3:]),
-                    dtype=runner.kv_cache.dtype,
-                    device=runner.device,
-                )
+                buf = engine.export_buffer(n_layers, len(ids))
                 # ids from pinned memory without a sync: a pageable copy would stall the host until the GPU
                 # caught up, holding the GIL, so the transfer's asyncio thread could not send meanwhile
                 ids_dev = torch.tensor(ids, dtype=torch.int64, pin_memory=buf.is_cuda).to(
-                    runner.device, non_blocking=True
+                    buf.device, non_blocking=True
                 )
                 job.filling = (b0, ids, ids_dev, buf)
             assert job.filling is not None and job.filling[0] == b0, "a frame's layers come from one step"
             _, ids, ids_dev, buf = job.filling
-            runner.ops.gather_blocks(runner.kv_cache[layer], ids_dev, buf[layer - first])
+            engine.export_layer(layer, ids_dev, buf[layer - first])
             if layer < first + n_layers - 1:
                 continue
             job.filling = None
@@ -111,9 +108,6 @@ class PrefillObserver(StepObserver):
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(buf.device))
             self.loop.call_soon_threadsafe(job.chunks.put_nowait, (first, b0, ids, buf, event))
-
-    def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        return None
 
 
 class PrefillService:
@@ -126,20 +120,12 @@ class PrefillService:
         self.observer: PrefillObserver | None = None
 
     def attach(self) -> None:
-        self.observer = PrefillObserver(
-            self.rt, asyncio.get_running_loop(), self._start_sender, self.layers_per_frame
-        )
+        self.observer = PrefillObserver(self.rt, asyncio.get_running_loop(), self.layers_per_frame)
         self.rt.engine.observer = self.observer
 
-    def _start_sender(self, job: _Job) -> None:
-        job.sender_task = asyncio.ensure_future(self._send(job))
-
     async def _send(self, job: _Job) -> int:
-        """Opens the transfer and streams the gathered layers; returns blocks sent. Leaves the session
-        for `prefill()` to complete or abort."""
-        session = await self.sender.session(job.req.decode_transfer_addr, RequestId(job.req.request_id))
-        job.session = session
-        reply: OpenReply = await session.open(job.hashes, job.num_blocks, job.req.deadline)
+        """Streams the gathered layers until the observer's stream ends; returns blocks sent. Leaves the
+        session for `prefill()` to complete or abort."""
         sent: set[int] = set()
         while True:
             item = await job.chunks.get()
@@ -148,16 +134,8 @@ class PrefillService:
             layer, b0, src_ids, buf, event = item
             if event is not None:
                 await event_done(event)
-            skip = max(0, reply.num_held_blocks - b0)  # the frame's leading blocks that D already holds
-            if skip >= len(src_ids):
-                continue
-            blocks = FrameBlocks.run(reply, b0 + skip, src_ids[skip:])
-            payload = buf
-            if skip:  # buf: [n_layers, 2, n, B, Hkv, D]; the blocks are dim 2
-                payload = buf[:, :, skip:].contiguous()
-                if payload.is_cuda:  # the copy is queued behind the engine's work: wait for it once
-                    await stream_idle(torch.cuda.current_stream(payload.device))
-            await session.send_layers(layer, blocks, payload)
+            blocks = FrameBlocks.run(job.reply, b0, src_ids)
+            await job.session.send_layers(layer, blocks, buf)
             sent.update(blocks.indices)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
@@ -171,23 +149,30 @@ class PrefillService:
         engine_req = engine.new_request(rid, req.prompt_token_ids, first_params, req.cache_salt)
         bs = engine.cfg.block_size
         engine_req.extend_block_hashes(bs)
-        job = _Job(req, tuple(engine_req.block_hashes), -(-len(req.prompt_token_ids) // bs))
-        self.observer.jobs[rid] = job
+        num_blocks = -(-len(req.prompt_token_ids) // bs)
         t0 = time.perf_counter()
         last: RequestOutput | None = None
+        job: _Job | None = None
+        session: TransferSession | None = None
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
+                session = await self.sender.session(req.decode_transfer_addr, rid)
+                # waits while D has no room (its admission queue); P holds nothing for the request meanwhile
+                reply: OpenReply = await session.open(
+                    tuple(engine_req.block_hashes), num_blocks, req.deadline
+                )
+                job = _Job(req, session, reply, reply.num_held_blocks)
+                job.sender_task = asyncio.ensure_future(self._send(job))
+                self.observer.jobs[rid] = job
                 async for out in self.rt.aengine.generate(engine_req):
                     last = out
             prefilled_at = time.monotonic()
-            assert last is not None
+            assert last is not None and job is not None and session is not None
             if last.finish_reason not in ("length", "stop") or not last.token_ids:
                 raise RuntimeError(f"prefill ended with {last.finish_reason}")
-            assert job.sender_task is not None, "the engine computed the request without opening its transfer"
+            self.observer.jobs.pop(rid, None)
             job.chunks.put_nowait(None)
             sent = await job.sender_task
-            session = job.session
-            assert session is not None
             lp = last.logprobs[0] if last.logprobs else None
             first: dict[str, Any] = {"token_id": last.token_ids[0]}
             if lp is not None:
@@ -203,10 +188,11 @@ class PrefillService:
             m.prefix_hit_tokens.labels("local").inc(last.cached_tokens)
             m.prefix_hit_tokens.labels("miss").inc(len(req.prompt_token_ids) - last.cached_tokens)
             log.info(
-                "prefill %s: %d tokens, %d cached, %d blocks in %.3fs",
+                "prefill %s: %d tokens, %d cached here, %d held on D, %d blocks sent in %.3fs",
                 rid,
                 len(req.prompt_token_ids),
                 last.cached_tokens,
+                reply.num_held_blocks,
                 sent,
                 time.perf_counter() - t0,
             )
@@ -219,23 +205,25 @@ class PrefillService:
             )
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()
-            await self._abort(job, str(exc) or type(exc).__name__)
+            await self._abort(rid, job, session, str(exc) or type(exc).__name__)
             return PrefillResult(rid, None, 0, 0, 0, error=f"prefill failed: {exc}")
         except BaseException:
-            await self._abort(job, "prefill cancelled")
+            await self._abort(rid, job, session, "prefill cancelled")
             raise
         finally:
             self.observer.jobs.pop(rid, None)
 
-    async def _abort(self, job: _Job, reason: str) -> None:
-        await self.rt.aengine.abort(RequestId(job.req.request_id))
-        if job.sender_task is not None:
+    async def _abort(
+        self, rid: RequestId, job: _Job | None, session: TransferSession | None, reason: str
+    ) -> None:
+        await self.rt.aengine.abort(rid)
+        if job is not None and job.sender_task is not None:
             job.sender_task.cancel()
             with contextlib.suppress(BaseException):
                 await job.sender_task
-        if job.session is not None:
+        if session is not None:
             with contextlib.suppress(KVTransferError):
-                await job.session.abort(reason)
+                await session.abort(reason)
 
 
 def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:

@@ -48,7 +48,17 @@ class RouterOptions(SecretFiles):
     max_deadline: float = Field(3600.0, gt=0, description="cap on a request's `timeout`, seconds")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1, description="largest request body, bytes")
     max_n: int = Field(16, ge=1, description="cap on n x prompts of one request")
-    node_list_ttl: float = Field(1.0, gt=0, description="how long the node list is reused, seconds")
+    node_list_ttl: float = Field(
+        1.0,
+        gt=0,
+        description="seconds between two reads of the node list from Redis (and health checks of "
+        "nodes Redis does not list)",
+    )
+    seed_nodes: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_names)] = Field(
+        (),
+        description="node HTTP URLs (comma-separated) asked for their registration when Redis does not list "
+        "them: a router started while Redis is away still finds its nodes",
+    )
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="prefill on the decode node when it would compute at most this many tokens"
     )
@@ -100,6 +110,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         max_request_bytes=opts.max_request_bytes,
         max_n=opts.max_n,
         node_list_ttl_s=opts.node_list_ttl,
+        seed_nodes=opts.seed_nodes,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_auth=opts.metrics_auth,

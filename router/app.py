@@ -10,6 +10,7 @@ where they may still run (router/dispatch.py). The app owns the BlockIndex it is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -22,8 +23,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pdserve.router.breaker import Breakers
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Background, ChoiceEvent, ChoiceJob, RequestRun
+from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClients
 from pdserve.router.openai_builders import ResponseHead, models_response, usage
@@ -95,14 +98,22 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
     metrics = RouterMetrics()
     background = Background()
     clients = NodeClients(config.node_connect_timeout_s, config.max_connections_per_node, config.node_token)
-    router = Router(index, clients, config.policy, config.node_list_ttl_s, metrics, background)
+    breakers = Breakers(config.breaker, clients.probe, metrics)
+    clients.on_down = breakers.trip
+    membership = Membership(index, clients, breakers, metrics, config.node_list_ttl_s, config.seed_nodes)
+    router = Router(index, clients, config.policy, membership, metrics, background, breakers)
     started = int(time.time())
     served = set(config.served_model_names)
     tenants = Tenants(config.api_keys, config.rate_limit)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        watch = asyncio.create_task(membership.run())
         yield
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        await breakers.aclose()
         await background.drain()
         await clients.aclose()
         await index.close()

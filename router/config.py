@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.router.breaker import BreakerConfig
 from pdserve.router.policy import PolicyConfig
 from pdserve.router.tenants import RateLimit
 from pdserve.shared.block_index_types import RedisConfig
@@ -31,11 +32,17 @@ class RouterConfig:
     max_n: int = 16
     """Upper bound on `n` times the number of prompts of one request (each is a node request)."""
     node_list_ttl_s: float = 1.0
-    """How long the router reuses the index's node list before asking Redis again."""
+    """How often the router asks Redis for the node list (and checks the health of nodes Redis no longer
+    lists, or of every node while Redis is away)."""
+    seed_nodes: tuple[str, ...] = ()
+    """Node HTTP URLs asked for their registration when Redis does not list them (a router started while
+    Redis is away still finds the nodes)."""
     disconnect_poll_s: float = 0.25
     """How often a non-streaming request checks whether its client went away."""
     node_connect_timeout_s: float = 5.0
     max_connections_per_node: int = 512
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    """How a node whose connection was refused or reset is probed back into routing."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Routing weights; its block_size is replaced by the one the nodes registered."""
     api_keys: tuple[str, ...] = ()

@@ -4,7 +4,10 @@ Invariants: every node a choice touches is recorded before the first byte is sen
 that has not reported the end of its part (a StepOutput with finish_reason, or a PrefillResult) gets
 `POST /internal/abort` when the choice ends on any path (success elsewhere, node failure, client
 disconnect, deadline). Aborts run as their own tasks, so a cancelled caller cannot cancel them. All node
-requests of one client request carry the same absolute deadline. Routing lives in router/routing.py.
+requests of one client request carry the same absolute deadline. A choice that has streamed nothing to its
+client is placed again (at most _MAX_REROUTES times, under a fresh node request id) when a node refuses it
+(503: draining) or cannot be reached (refused, reset, cut: that node's breaker is open by then, so the new
+placement avoids it); a choice that has streamed a token ends with the error. Routing: router/routing.py.
 """
 
 from __future__ import annotations
@@ -168,8 +171,8 @@ class RequestRun:
         self._open.get(request_id, {}).pop(node_id, None)
 
     async def _run_choice(self, job: ChoiceJob) -> None:
-        """Runs a choice; a node that refuses it before starting (503: draining) gets it placed again, under
-        a fresh node request id so the refused node's abort cannot race the new attempt."""
+        """Runs a choice; a node that refuses it (503: draining) or dies before it streamed anything gets it
+        placed again, under a fresh node request id so the failed node's abort cannot race the new attempt."""
         attempt = 0
         while True:
             try:
@@ -180,7 +183,8 @@ class RequestRun:
                     await self._queue.put(ChoiceEvent(job.index, None, _node_error(exc, self.deadline)))
                     return
                 assert self._rerouter is not None
-                self._rerouter.refused(exc.node_id)
+                if exc.status == 503:
+                    self._rerouter.refused(exc.node_id)
                 attempt += 1
                 self._metrics.aborts.labels(reason="rerouted").inc()
                 try:
@@ -194,7 +198,7 @@ class RequestRun:
 
     def _may_reroute(self, job: ChoiceJob, exc: NodeError, attempt: int) -> bool:
         return (
-            exc.status == 503
+            (exc.status == 503 or exc.unreachable)
             and self._rerouter is not None
             and job.index not in self._started
             and attempt < _MAX_REROUTES
@@ -213,6 +217,8 @@ class RequestRun:
         gauges = [self._metrics.node_in_flight.labels(node_id=n) for n in opened]
         for gauge in gauges:
             gauge.inc()
+        for node_id in opened:
+            self._metrics.node_requests.labels(node_id=node_id).inc()
         try:
             await self._run_nodes(job, decode, prefill)
         except NodeError:

@@ -125,6 +125,25 @@ class RouterMetrics:
         self.aborts = Counter(
             "pdserve_router_aborts", "Node requests aborted by the router, by reason.", ["reason"], registry=r
         )
+        self.node_requests = Counter(
+            "pdserve_router_node_requests",
+            "Node requests (generate or prefill) sent, per node.",
+            ["node_id"],
+            registry=r,
+        )
+        self.circuit_open = Gauge(
+            "pdserve_router_node_circuit_open",
+            "1 while the node's circuit breaker is open (a refused or reset connection; no request goes "
+            "there until its health probe answers), else 0.",
+            ["node_id"],
+            registry=r,
+        )
+        self.circuit_trips = Counter(
+            "pdserve_router_node_circuit_trips",
+            "Times the node's circuit breaker opened.",
+            ["node_id"],
+            registry=r,
+        )
         for kind in DECISION_KINDS:
             self.decisions.labels(kind=kind)
         for kind in HIT_KINDS:

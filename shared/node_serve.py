@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from pdserve.shared.block_index_types import BlockIndexError
 from pdserve.shared.engine import LLMEngine
 from pdserve.shared.loader import ModelLoadError
+from pdserve.shared.node_announce import add_announce_routes
 from pdserve.shared.node_auth import NodeAuth, credential_digest
 from pdserve.shared.node_cli import NodeConfigs
 from pdserve.shared.node_protocol import NODE_KEEPALIVE_S
@@ -73,6 +74,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(NodeAuth, token=cfg.connector.auth_token)  # every route but health and metrics
     add_common_routes(app, rt)
+    add_announce_routes(app, rt)
     config = uvicorn.Config(
         app,
         host=cfg.node.host,

@@ -111,5 +111,5 @@ def run(cfg: EngineConfig, prompts: Sequence[Prompt], params: SamplingParams, as
         else:
             print(c.text)
     audit = engine.audit()
-    assert audit.in_use == 0 and audit.reserved == 0 and audit.pinned == 0, f"KV blocks leaked: {audit}"
+    assert audit.in_use == 0 and audit.reserved == 0, f"KV blocks leaked: {audit}"
     return 0

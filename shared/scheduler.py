@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.shared.block_pool import BlockPool, NoFreeBlocks
@@ -95,26 +95,33 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} holds blocks; use add_prefilled")
         self._enqueue(request)
 
-    def add_prefilled(self, request: Request) -> None:
-        """Takes a request whose prompt KV is already in request.block_ids (one reference each, owned
-        from now on by the scheduler) with num_computed_tokens == prompt length and its first output
-        token. Its first num_committed_blocks blocks must already be committed (a local prefix hit); the
-        other full prompt blocks are committed here. It finishes at once if the first token ends it."""
+    def add_prefilled(
+        self, request: Request, block_ids: Sequence[BlockId], num_held_blocks: int, first_token: int
+    ) -> None:
+        """Takes a new request whose prompt KV sits in `block_ids` (one reference each, owned by the
+        scheduler from now on) and the first output token, sampled where the prompt was computed. The
+        first `num_held_blocks` blocks are committed blocks of this pool (a local prefix hit); the other
+        full prompt blocks are committed here. It finishes at once if the first token ends it (EOS, a stop
+        token, or max_tokens=1), releasing every block."""
         self._check_new(request)
         bs = self.config.block_size
-        if request.num_computed_tokens != request.num_prompt_tokens or not request.output_token_ids:
+        if request.block_ids or request.num_computed_tokens or request.output_token_ids:
+            raise ValueError(f"request {request.request_id!r} is not new: it holds blocks or tokens")
+        if len(block_ids) != -(-request.num_prompt_tokens // bs) or not 0 <= num_held_blocks <= len(
+            block_ids
+        ):
             raise ValueError(
-                f"request {request.request_id!r}: add_prefilled needs num_computed_tokens == prompt length "
-                f"({request.num_prompt_tokens}, got {request.num_computed_tokens}) and the first output token"
+                f"request {request.request_id!r}: {len(block_ids)} blocks ({num_held_blocks} held) for "
+                f"{request.num_prompt_tokens} prompt tokens at block_size {bs}"
             )
-        if len(request.block_ids) != -(-request.num_computed_tokens // bs):
-            raise ValueError(
-                f"request {request.request_id!r}: {len(request.block_ids)} blocks for "
-                f"{request.num_computed_tokens} tokens at block_size {bs}"
-            )
+        request.block_ids = list(block_ids)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_committed_blocks = num_held_blocks
+        request.num_cached_tokens = min(num_held_blocks * bs, request.num_prompt_tokens)
+        request.append_output([first_token], bs)
         self._enqueue(request)
         self._commit_full_blocks(request)
-        self._check_stop(request, request.output_token_ids[-1])
+        self._check_stop(request, first_token)
 
     def abort(self, request_id: RequestId) -> Request | None:
         """Ends a live request on any path and frees what it holds; None if it is not live (idempotent)."""

@@ -34,7 +34,7 @@ def test_fresh_pool_allocates_ascending_ids() -> None:
     pool = BlockPool(4, block_size=2)
     assert pool.num_free() == 4
     assert pool.allocate(3) == ids(0, 1, 2)
-    assert pool.audit() == PoolAudit(num_blocks=4, free=1, cached=0, in_use=3, reserved=0, pinned=0)
+    assert pool.audit() == PoolAudit(num_blocks=4, free=1, cached=0, in_use=3, reserved=0)
     pool.release(ids(2, 1, 0))
     assert pool.audit().free == 4
     assert pool.allocate(4) == ids(3, 2, 1, 0)  # unhashed blocks return to the free list's tail, in order
@@ -78,7 +78,7 @@ def test_acquire_takes_cached_block_out_of_lru_and_release_refreshes_it() -> Non
     hit = pool.match_prefix([h("p0"), h("p1"), h("p2")])
     assert hit == ids(0, 1)
     pool.acquire(hit[:1])  # block 0 leaves the LRU
-    assert pool.audit() == PoolAudit(3, free=1, cached=1, in_use=1, reserved=0, pinned=0)
+    assert pool.audit() == PoolAudit(3, free=1, cached=1, in_use=1, reserved=0)
     pool.release(hit[:1])  # block 0 back at the LRU tail: 1, 0
     assert pool.allocate(3) == ids(2, 1, 0)
 
@@ -102,7 +102,7 @@ def test_duplicate_commit_returns_existing_block_and_keeps_own_unhashed() -> Non
     assert pool.drain_events() == [BlockStored((h("same"),), None)]
     assert pool.held_hashes() == [h("same")]
     pool.release([b])  # unhashed: to the free list, not the LRU
-    assert pool.audit() == PoolAudit(4, free=3, cached=0, in_use=1, reserved=0, pinned=0)
+    assert pool.audit() == PoolAudit(4, free=3, cached=0, in_use=1, reserved=0)
     pool.check_invariants()
 
 
@@ -136,50 +136,26 @@ def test_reservation_is_not_matchable_or_committable_until_filled() -> None:
     pool = BlockPool(4)
     r = pool.reserve(2)
     assert r == ids(0, 1)
-    assert pool.audit() == PoolAudit(4, free=2, cached=0, in_use=0, reserved=2, pinned=0)
+    assert pool.audit() == PoolAudit(4, free=2, cached=0, in_use=0, reserved=2)
     with pytest.raises(ValueError, match="RESERVED"):
         pool.commit(r[0], h("r0"), None)
     with pytest.raises(ValueError, match="RESERVED"):
         pool.acquire(r[:1])
-    with pytest.raises(ValueError, match="RESERVED"):
-        pool.pin(r[:1])
     assert pool.match_prefix([h("r0")]) == []
     pool.fill_done(r)
     with pytest.raises(ValueError, match="not reserved"):
         pool.fill_done(r)
     commit_chain(pool, r, ["r0", "r1"])
     assert pool.match_prefix([h("r0"), h("r1")]) == r
-    assert pool.audit() == PoolAudit(4, free=2, cached=0, in_use=2, reserved=0, pinned=0)
+    assert pool.audit() == PoolAudit(4, free=2, cached=0, in_use=2, reserved=0)
 
 
 def test_aborted_reservation_returns_to_free_list() -> None:
     pool = BlockPool(3)
     r = pool.reserve(3)
     pool.release(r[::-1])
-    assert pool.audit() == PoolAudit(3, free=3, cached=0, in_use=0, reserved=0, pinned=0)
+    assert pool.audit() == PoolAudit(3, free=3, cached=0, in_use=0, reserved=0)
     assert pool.drain_events() == []
-    pool.check_invariants()
-
-
-def test_pins_hold_blocks_and_are_counted_apart() -> None:
-    pool = BlockPool(3)
-    a = pool.allocate(2)
-    commit_chain(pool, a, ["s0", "s1"])
-    pool.pin(a)
-    pool.release(a[::-1])  # the request finished; the transfer still reads its blocks
-    assert pool.audit() == PoolAudit(3, free=1, cached=0, in_use=2, reserved=0, pinned=2)
-    with pytest.raises(ValueError, match="unpinned references"):
-        pool.release(a[:1])
-    assert pool.evict() == 0
-    with pytest.raises(NoFreeBlocks):
-        pool.allocate(2)
-    pool.unpin(a[::-1])
-    assert pool.audit() == PoolAudit(3, free=1, cached=2, in_use=0, reserved=0, pinned=0)
-    pool.pin(a[:1])  # a cached block can be a transfer source too: it leaves the LRU while pinned
-    assert pool.audit().pinned == 1 and pool.num_free() == 2
-    with pytest.raises(ValueError, match="0 pins"):
-        pool.unpin(a[1:])
-    pool.unpin(a[:1])
     pool.check_invariants()
 
 
@@ -193,7 +169,7 @@ def test_evict_selected_and_all_cached_blocks() -> None:
     assert pool.drain_events() == [BlockRemoved((h("e2"),))]
     assert pool.evict() == 1
     assert pool.held_hashes() == [h("e0")]
-    assert pool.audit() == PoolAudit(5, free=4, cached=0, in_use=1, reserved=0, pinned=0)
+    assert pool.audit() == PoolAudit(5, free=4, cached=0, in_use=1, reserved=0)
     pool.check_invariants()
 
 

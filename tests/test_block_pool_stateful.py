@@ -1,7 +1,7 @@
 """Hypothesis state machine over the block pool: random request lifecycles against a model of who holds what.
 
-After every step the pool's own invariants hold, its audit matches the model's count of held, reserved and
-pinned blocks, blocks held by a request still carry their hashes, every allocation that evicts takes the
+After every step the pool's own invariants hold, its audit matches the model's count of held and reserved
+blocks, blocks held by a request still carry their hashes, every allocation that evicts takes the
 model LRU's head, over-releases are refused, and the Stored/Removed events replayed into an index give
 exactly the pool's held hashes. At teardown everything is released and the pool is back to all-free.
 """
@@ -57,7 +57,6 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
         self.seqs: dict[int, Seq] = {}
         self.reservations: dict[int, tuple[list[int], list[BlockId]]] = {}
-        self.pins: list[BlockId] = []
         self.lru: list[BlockId] = []  # the model's cached-free blocks, next to evict first
         self.indexed: set[BlockHash] = set()  # the index a node's Stored/Removed events would build
         self.parent_of: dict[BlockHash, BlockHash | None] = {}
@@ -68,7 +67,7 @@ class PoolMachine(RuleBasedStateMachine):
         return self.next_key
 
     def _refs(self, block: BlockId) -> int:
-        held = [b for s in self.seqs.values() for b in s.blocks] + self.pins
+        held = [b for s in self.seqs.values() for b in s.blocks]
         return held.count(block) + sum(ids.count(block) for _, ids in self.reservations.values())
 
     def _hashed_blocks(self) -> set[BlockId]:
@@ -132,11 +131,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(block=st.integers(0, NUM_BLOCKS - 1))
     def over_release_is_refused(self, block: int) -> None:
-        """Releasing more references than requests and reservations hold (pins excluded) changes nothing."""
-        pins = self.pins.count(BlockId(block))
+        """Releasing more references than requests and reservations hold changes nothing."""
         before = self.pool.audit()
-        with pytest.raises(ValueError, match="unpinned references"):
-            self.pool.release([BlockId(block)] * (self._refs(BlockId(block)) - pins + 1))
+        with pytest.raises(ValueError, match="references"):
+            self.pool.release([BlockId(block)] * (self._refs(BlockId(block)) + 1))
         assert self.pool.audit() == before
 
     @precondition(lambda self: bool(self.seqs))
@@ -190,30 +188,6 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.release(block_ids[::-1])
         self._dropped_refs(block_ids[::-1])
 
-    @precondition(lambda self: any(s.committed for s in self.seqs.values()))
-    @rule(data=st.data())
-    def pin_request_block(self, data: st.DataObject) -> None:
-        seq = data.draw(st.sampled_from([s for s in self.seqs.values() if s.committed]))
-        block = seq.blocks[data.draw(st.integers(0, seq.committed - 1))]
-        self.pool.pin([block])
-        self.pins.append(block)
-
-    @precondition(lambda self: bool(self.pool.held_hashes()))
-    @rule(data=st.data())
-    def pin_cached_block(self, data: st.DataObject) -> None:
-        """A remote fetch pins a block by hash, whether a request holds it or it sits in the LRU."""
-        block = self.pool.match_prefix([data.draw(st.sampled_from(self.pool.held_hashes()))])
-        self.pool.pin(block)
-        self._take_refs(block)
-        self.pins += block
-
-    @precondition(lambda self: bool(self.pins))
-    @rule(data=st.data())
-    def unpin(self, data: st.DataObject) -> None:
-        block = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.pool.unpin([block])
-        self._dropped_refs([block])
-
     @rule(data=st.data(), everything=st.booleans())
     def evict(self, data: st.DataObject, everything: bool) -> None:
         held = self.pool.held_hashes()
@@ -246,10 +220,9 @@ class PoolMachine(RuleBasedStateMachine):
     def pool_matches_model(self) -> None:
         self.pool.check_invariants()
         audit = self.pool.audit()
-        held = {b for s in self.seqs.values() for b in s.blocks} | set(self.pins)
+        held = {b for s in self.seqs.values() for b in s.blocks}
         assert audit.reserved == sum(len(ids) for _, ids in self.reservations.values())
         assert audit.in_use == len(held)
-        assert audit.pinned == len(set(self.pins))
         assert audit.cached == len(self.lru) and audit.free + audit.cached == self.pool.num_free()
         assert self.pool.num_free() == NUM_BLOCKS - len(held) - audit.reserved
         reserved = {b for _, ids in self.reservations.values() for b in ids}
@@ -263,10 +236,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.release(seq.blocks[::-1])
         for _, block_ids in self.reservations.values():
             self.pool.release(block_ids[::-1])
-        self.pool.unpin(self.pins)
         self.pool.check_invariants()
         audit = self.pool.audit()
-        assert (audit.in_use, audit.reserved, audit.pinned) == (0, 0, 0)
+        assert (audit.in_use, audit.reserved) == (0, 0)
         assert audit.free + audit.cached == NUM_BLOCKS
         self.pool.evict()
         assert self.pool.audit().free == NUM_BLOCKS and self.pool.held_hashes() == []

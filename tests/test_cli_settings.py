@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 import pytest
+from pdserve.cli import command as pdserve_command
 from pdserve.cli import pdserve
 from pdserve.kvctl.cli import kvctl
 from pdserve.shared.settings import (
@@ -44,7 +45,7 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
     from pdserve.up_options import UpOptions
 
     if group is pdserve:
-        from pdserve.cli import GenerateOptions
+        from pdserve.shared.engine_args import GenerateOptions
 
         commands: dict[str, type[Settings]] = {"generate": GenerateOptions, "up": UpOptions,
             "router": RouterOptions, "prefill": PrefillOptions}  # fmt: skip
@@ -52,6 +53,10 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
     classes: dict[str, type[Settings]] = {"blocks": kvctl_cli.Blocks, "where": kvctl_cli.PromptOptions,
         "evict": kvctl_cli.Evict, "drain": kvctl_cli.NodeAction, "undrain": kvctl_cli.NodeAction}  # fmt: skip
     return classes.get(name, kvctl_cli.Common)
+
+
+def get_command(group: click.Group, name: str) -> click.Command:
+    return pdserve_command(name) if group is pdserve else group.commands[name]
 
 
 def sample(name: str, annotation: Any, default: Any) -> Any:
@@ -92,7 +97,7 @@ def as_toml(value: Any) -> str:
 
 @pytest.mark.parametrize(("group", "name"), COMMANDS, ids=[f"{g.name}-{n}" for g, n in COMMANDS])
 def test_help_documents_every_option(group: click.Group, name: str) -> None:
-    command = group.commands[name]
+    command = get_command(group, name)
     ctx = click.Context(command, info_name=name)
     text = command.get_help(ctx)
     records = {}
@@ -117,7 +122,8 @@ def test_help_documents_every_option(group: click.Group, name: str) -> None:
 
 
 def test_pdserve_help_is_fast_and_imports_no_torch() -> None:
-    code = "import sys; from pdserve.cli import main; main(['--help']); main(['router', '--help']); "
+    code = "import sys; from pdserve.cli import main; main(['--help']); main(['--version']); "
+    code += "print('PYDANTIC', 'pydantic' in sys.modules); main(['router', '--help']); "
     code += "print('TORCH', 'torch' in sys.modules)"
     t0 = time.perf_counter()
     done = subprocess.run(
@@ -126,6 +132,7 @@ def test_pdserve_help_is_fast_and_imports_no_torch() -> None:
     seconds = time.perf_counter() - t0
     assert done.returncode == 0, done.stderr
     assert "TORCH False" in done.stdout
+    assert "PYDANTIC False" in done.stdout, "the group's --help and --version build no command"
     t0 = time.perf_counter()
     fast = subprocess.run([sys.executable, "-m", "pdserve.cli", "--help"], capture_output=True, timeout=60)
     assert fast.returncode == 0
@@ -145,7 +152,7 @@ def test_every_setting_from_flag_env_and_file(
     group: click.Group, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cls = settings_class(group, name)
-    command = group.commands[name]
+    command = get_command(group, name)
     for key in list(os.environ):
         if key.startswith("PDSERVE_"):
             monkeypatch.delenv(key)
@@ -205,7 +212,7 @@ def test_secrets_from_environment_or_file(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(SettingsError, match=r"^PDSERVE_AUTH_TOKEN_FILE=.*missing: cannot read the token"):
         read_secret("auth_token", "the token", str(tmp_path / "missing"), required=True)
     for group, name in COMMANDS:
-        flags = {o for p in group.commands[name].params for o in p.opts}
+        flags = {o for p in get_command(group, name).params for o in p.opts}
         assert not flags & {"--auth-token", "--api-key", "--api-keys", "--redis-password"}, name
 
 

@@ -2,7 +2,7 @@
 every body and stream chunk, P/D output equal to the offline engine (greedy and seeded), OpenAI-style
 errors on bad input, and a client that leaves mid-stream. One real cluster (redis-server, router, SmolLM2
 on CPU, one torch thread per node) serves the whole module; after every scenario both pools are audited
-back to in_use == reserved == pinned == 0, and teardown asserts no process is left.
+back to in_use == reserved == 0, and teardown asserts no process is left.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A second request sharing a >= 512-token prefix computes only its new tokens (scheduler.stats) and gives
 the tokens a fresh engine gives; a pool too small for all requests at once preempts (recompute) and every
 request still gives the tokens of an unconstrained run. Every scenario ends with a pool audit: no block
-is in use, reserved or pinned, and free + cached == all blocks.
+is in use or reserved, and free + cached == all blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _engine(loaded: LoadedModel, num_kv_blocks: int, **kw: int) -> LLMEngine:
 
 def _assert_pool_clean(engine: LLMEngine) -> None:
     audit = engine.audit()
-    assert (audit.in_use, audit.reserved, audit.pinned) == (0, 0, 0), audit
+    assert (audit.in_use, audit.reserved) == (0, 0), audit
     assert audit.free + audit.cached == audit.num_blocks == engine.num_blocks, audit
     assert not engine.has_unfinished()
 

@@ -82,7 +82,10 @@ class FakeNodes:
         self.prefill: list[tuple[str, PrefillRequest]] = []
         self.aborts: list[tuple[str, str]] = []
         self.prefilled: set[str] = set()
+        self.live: set[str] = set()
+        """Nodes that answer their health (the router keeps them while Redis is away)."""
         self.app = FastAPI()
+        self.app.add_api_route("/{node}/internal/health", self.health, methods=["GET"])
         self.app.add_api_route("/{node}/internal/info", self.info, methods=["GET"])
         self.app.add_api_route("/{node}/internal/generate", self.gen, methods=["POST"])
         self.app.add_api_route("/{node}/internal/prefill", self.pre, methods=["POST"])
@@ -90,6 +93,11 @@ class FakeNodes:
 
     def aborted(self, node: str, request_id: str) -> bool:
         return (node, request_id) in self.aborts
+
+    async def health(self, node: str) -> Response:
+        if node not in self.live:
+            return Response(b"{}", status_code=404, media_type="application/json")
+        return Response(json.dumps({"ok": True, "node_id": node, "draining": False}).encode())
 
     async def info(self, node: str) -> Response:
         role = "prefill" if node.startswith("p") else "decode" if node.startswith("d") else "single"
@@ -202,6 +210,7 @@ class Cluster:
                     epoch = await index.register(info)
                     await index.heartbeat(NodeId(nid), NodeLoad(0, 0, 0, 1000, 0), epoch)
 
+        self.nodes.live = set(node_ids)
         asyncio.run(go())
         time.sleep(0.1)  # past the router's node-list TTL
 

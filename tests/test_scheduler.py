@@ -77,7 +77,7 @@ class Harness:
 
     def assert_all_free(self) -> None:
         audit = self.pool.audit()
-        assert audit.in_use == audit.reserved == audit.pinned == 0
+        assert audit.in_use == audit.reserved == 0
         assert audit.free + audit.cached == audit.num_blocks
 
 
@@ -250,9 +250,7 @@ def test_add_prefilled_takes_remote_blocks_and_commits_the_prompt() -> None:
     for pos, tok in enumerate(prompt):
         h.kv[(blocks[pos // 4], pos % 4)] = tok
     req = h.request("d", prompt, max_tokens=3)
-    req.block_ids, req.num_computed_tokens = list(blocks), len(prompt)
-    req.append_output([100], 4)
-    h.sched.add_prefilled(req)
+    h.sched.add_prefilled(req, blocks, 0, 100)
     assert h.pool.match_prefix(req.block_hashes) == blocks[:2]
     out, _ = h.step()
     assert [(s.start, s.num_new_tokens, s.samples) for s in out.scheduled] == [(10, 1, True)]
@@ -261,12 +259,18 @@ def test_add_prefilled_takes_remote_blocks_and_commits_the_prompt() -> None:
     h.assert_all_free()
 
     first_is_eos = h.request("e", prompt, max_tokens=3)
-    first_is_eos.block_ids = h.pool.reserve(3)
-    h.pool.fill_done(first_is_eos.block_ids)
-    first_is_eos.num_computed_tokens = len(prompt)
-    first_is_eos.append_output([EOS], 4)
-    h.sched.add_prefilled(first_is_eos)
+    eos_blocks = h.pool.reserve(3)
+    h.pool.fill_done(eos_blocks)
+    h.sched.add_prefilled(first_is_eos, eos_blocks, 0, EOS)
     assert first_is_eos.finish_reason == "stop" and not h.sched.has_unfinished()
+    h.assert_all_free()
+
+    # max_tokens=1: the prefilling node sampled the only token; the request ends here and frees it all
+    one = h.request("one", prompt, max_tokens=1)
+    one_blocks = h.pool.reserve(3)
+    h.pool.fill_done(one_blocks)
+    h.sched.add_prefilled(one, one_blocks, 0, 100)
+    assert one.finish_reason == "length" and one.output_token_ids == [100]
     h.assert_all_free()
 
 
@@ -289,13 +293,11 @@ def test_prefilled_blocks_waiting_behind_a_blocked_head_are_released_rather_than
     h = Harness(num_blocks=8, block_size=4, max_num_seqs=1)
     fresh = h.add("fresh", list(range(10, 22)), max_tokens=2)  # needs 3 blocks
     holder = h.request("holder", list(range(30, 54)), max_tokens=2, priority=1)
-    holder.block_ids = h.pool.reserve(6)
-    h.pool.fill_done(holder.block_ids)
+    holder_blocks = h.pool.reserve(6)
+    h.pool.fill_done(holder_blocks)
     for pos, tok in enumerate(holder.prompt_token_ids):
-        h.kv[(holder.block_ids[pos // 4], pos % 4)] = tok
-    holder.num_computed_tokens = 24
-    holder.append_output([100], 4)
-    h.sched.add_prefilled(holder)
+        h.kv[(holder_blocks[pos // 4], pos % 4)] = tok
+    h.sched.add_prefilled(holder, holder_blocks, 0, 100)
     out, _ = h.step()
     assert out.preempted_ids == ("holder",) and holder.block_ids == []
     assert [s.request.request_id for s in out.scheduled] == ["fresh"]

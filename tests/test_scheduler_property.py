@@ -48,15 +48,13 @@ def test_random_operations_keep_every_invariant(
             if -(-(len(arg) + x - 1) // 4) > num_blocks:
                 continue
             try:
-                req.block_ids = h.pool.reserve(need)
+                blocks = h.pool.reserve(need)
             except NoFreeBlocks:
                 continue
-            h.pool.fill_done(req.block_ids)
+            h.pool.fill_done(blocks)
             for pos, tok in enumerate(arg):
-                h.kv[(req.block_ids[pos // 4], pos % 4)] = tok
-            req.num_computed_tokens = len(arg)
-            req.append_output([EOS if y == 2 else 100], 4)
-            h.sched.add_prefilled(req)
+                h.kv[(blocks[pos // 4], pos % 4)] = tok
+            h.sched.add_prefilled(req, blocks, 0, EOS if y == 2 else 100)
             ids.append(req.request_id)
         elif kind == "step":
             live = [r for r in h.sched.running if r.output_token_ids]

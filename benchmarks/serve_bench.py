@@ -1,0 +1,138 @@
+"""`pdserve bench` against a cluster this program starts: Redis, the nodes given, one router.
+
+A program, not a test:
+
+    python benchmarks/serve_bench.py --model dummy:llama-3.1-8b --node single --node-args "--device cuda:0" \
+        -- --device cuda:0 --max-concurrency 1,16,64 --ignore-eos --compare-engine ...
+
+Each `-- ARGS...` group is one `pdserve bench` run against the same cluster (its --base-url is this
+cluster's router, its --model the cluster's). `--node ROLE[:FLAGS]` adds one node (prefill, decode or
+single; repeat it: `--node prefill:"--device cuda:0" --node decode:"--device cuda:1"` is P/D across two
+GPUs, two `--node single:...` two replicas behind the same router). After the runs, every node's block
+audit is read and printed (clean: nothing in use or reserved, no live request; exit status 3 when
+one is not). `--profile DIR` records every node and the router with py-spy (non-blocking, all threads,
+idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes and the bench as
+`python SCRIPT -m MODULE ...` (a harness that patches something before running the module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+from pdserve.cli import default_model_path
+from pdserve.launch import MODULES, Cluster, free_port, start_redis
+from pdserve.shared.node_auth import bearer
+
+
+def node_specs(values: Sequence[str]) -> list[tuple[str, list[str]]]:
+    specs = []
+    for value in values:
+        role, _, flags = value.partition(":")
+        if role not in ("prefill", "decode", "single"):
+            raise SystemExit(f"--node {value!r}: the role must be prefill, decode or single")
+        specs.append((role, shlex.split(flags)))
+    if not any(role in ("decode", "single") for role, _ in specs):
+        raise SystemExit("--node: at least one decode or single node is needed")
+    return specs
+
+
+def start(cluster: Cluster, args: argparse.Namespace) -> tuple[str, list[tuple[str, str]]]:
+    redis_url = start_redis(cluster)
+    py = [sys.executable, *([args.wrap] if args.wrap else [])]
+    nodes = []
+    for i, (role, flags) in enumerate(node_specs(args.node)):
+        port = free_port()
+        name = f"{role}-{i}"
+        argv = [*py, "-m", MODULES[role], "--node-id", name, "--port", str(port), "--redis", redis_url]
+        argv += ["--model", args.model]
+        argv += [*shlex.split(args.node_args), *flags, *(["--role", "single"] if role == "single" else [])]
+        cluster.spawn(name, argv, env=cluster.secret_env)
+        nodes.append((name, f"http://127.0.0.1:{port}"))
+    for _, url in nodes:
+        cluster.wait_http(f"{url}/internal/health", timeout_s=600)
+    port = free_port()
+    router = [sys.executable, "-m", "pdserve.router", "--model", args.model, "--redis", redis_url]
+    router += ["--port", str(port)]
+    cluster.spawn("router", [*router, *shlex.split(args.router_args)], env=cluster.secret_env)
+    base = f"http://127.0.0.1:{port}"
+    cluster.wait_http(f"{base}/health", timeout_s=120)
+    return base, nodes
+
+
+def profilers(cluster: Cluster, out: str, run: int) -> list[subprocess.Popen[bytes]]:
+    exe = shutil.which("py-spy")
+    if exe is None:
+        raise SystemExit("--profile needs py-spy on PATH")
+    os.makedirs(out, exist_ok=True)
+    procs = []
+    for name, proc in cluster.procs:
+        argv = [exe, "record", "--nonblocking", "--threads", "--idle", "--rate", "250", "--format", "raw"]
+        argv += ["-o", os.path.join(out, f"{name}-{run}.txt"), "--pid", str(proc.pid)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    benches: list[list[str]] = []
+    for arg in argv[len(own) :]:
+        if arg == "--":
+            benches.append([])
+        else:
+            benches[-1].append(arg)
+    p = argparse.ArgumentParser(prog="python benchmarks/serve_bench.py", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", default=None, help="every node's, the router's and the bench's (default SmolLM2)"
+    )
+    p.add_argument("--node", action="append", required=True, help="ROLE[:FLAGS], repeatable")
+    p.add_argument("--node-args", default="", help="flags for every node (model, dtype, KV pool, ...)")
+    p.add_argument("--router-args", default="", help="more router flags")
+    p.add_argument("--wrap", default=None, help="start nodes and the bench as `python WRAP -m MODULE ...`")
+    p.add_argument("--profile", default=None, metavar="DIR", help="py-spy every process during the bench")
+    p.add_argument("--logs", default=None, metavar="DIR", help="copy the processes' logs here at the end")
+    args = p.parse_args(own)
+    args.model = args.model or default_model_path()
+    benches = [b if "--model" in b else [*b, "--model", args.model] for b in benches or [[]]]
+    cluster = Cluster()
+    rc = 0
+    try:
+        t0 = time.perf_counter()
+        base, nodes = start(cluster, args)
+        print(f"cluster up in {time.perf_counter() - t0:.0f} s: {', '.join(n for n, _ in nodes)}", flush=True)
+        bench = [sys.executable, *([args.wrap] if args.wrap else []), "-m", "pdserve.cli", "bench"]
+        for i, bench_args in enumerate(benches):
+            print(f"bench {i}: pdserve bench {shlex.join(bench_args)}", flush=True)
+            spies = profilers(cluster, args.profile, i) if args.profile else []
+            rc = subprocess.run([*bench, "--base-url", base, *bench_args], check=False).returncode or rc
+            for spy in spies:
+                spy.send_signal(signal.SIGINT)
+            for spy in spies:
+                spy.wait(timeout=60)
+        for name, url in nodes:
+            a = httpx.get(f"{url}/internal/audit", headers=bearer(cluster.auth_token), timeout=30).json()
+            clean = a["in_use"] == a["reserved"] == a.get("pinned", 0) == a["live_requests"] == 0
+            print(f"audit {name}: in_use {a['in_use']} reserved {a['reserved']} "
+                  f"live {a['live_requests']} free+cached {a['free'] + a['cached']}/{a['num_blocks']} "
+                  f"{'clean' if clean else 'NOT CLEAN'}", flush=True)  # fmt: skip
+            rc = rc or (0 if clean else 3)
+    finally:
+        if args.logs:
+            os.makedirs(args.logs, exist_ok=True)
+            for name, _ in cluster.procs:
+                shutil.copy(os.path.join(cluster.workdir, f"{name}.log"), args.logs)
+        cluster.stop()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""The eager step's attention metadata: block tables keep one width class whatever the batch.
+
+Triton specializes a kernel on whether an int argument divides by 16; the tables' row stride is their width,
+so a ragged width would compile a second attention kernel in the middle of serving. On the CPU with the torch
+reference ops (a 2-layer SmolLM2-shaped model): every table the runner builds is a multiple of TABLE_ALIGN
+wide, and a mixed batch (prefill chunks beside decodes) gives the logits its items give alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.reference import ReferenceOps
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.model_runner import TABLE_ALIGN, BatchItem, ModelRunner
+
+from tests.test_cuda_graphs import tiny_loaded
+
+BLOCK = 16
+
+
+class RecordingOps(ReferenceOps):
+    def __init__(self) -> None:
+        self.widths: list[int] = []
+
+    def prefill_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        self.widths.append(meta.block_tables.shape[1])
+        return super().prefill_attention(q, kv_layer, meta, scale)
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        self.widths.append(meta.block_tables.shape[1])
+        return super().decode_attention(q, kv_layer, meta, scale)
+
+
+def test_tables_padded_and_batch_invariant() -> None:
+    torch.set_num_threads(1)
+    ops = RecordingOps()
+    cfg = EngineConfig(model="dummy:tiny", cuda_graphs=False, max_model_len=512)
+    runner = ModelRunner(tiny_loaded(torch.device("cpu")), cfg, 64, max_model_len=512, ops=ops)
+    gen = torch.Generator().manual_seed(0)
+    lens = (5, 40, 290)  # 1, 3 and 19 blocks
+    prompts = [torch.randint(1, 500, (n,), generator=gen).tolist() for n in lens]
+    tables = [[0], [40, 41, 42], list(range(16, 35))]
+    new = (1, 1, 10)  # two decodes and a prefill chunk: the mixed batch runs prefill attention
+    for p, t, k in zip(prompts, tables, new, strict=True):  # each prompt's KV up to its new tokens, alone
+        runner.execute([BatchItem(p, 0, len(p) - k, t, False)])
+    items = [BatchItem(p, len(p) - k, k, t, True) for p, t, k in zip(prompts, tables, new, strict=True)]
+    alone = [runner.execute([it]) for it in items]
+    mixed = runner.execute(items)
+    torch.testing.assert_close(mixed, torch.cat(alone), rtol=1e-4, atol=1e-4)
+    assert ops.widths and all(w % TABLE_ALIGN == 0 for w in ops.widths), ops.widths
+    assert {16, 32} <= set(ops.widths), ops.widths

@@ -1,0 +1,147 @@
+"""The P/D KV path under the traffic an operator sends, through real processes and the official client:
+a prefix P serves from its own cache but the chosen D lacks is sent (after `kvctl evict` on D, and with a
+shared system prompt over two decode nodes); `max_tokens=1` completes on P/D and D keeps nothing; a decode
+pool far smaller than the load queues transfers instead of refusing them. Each scenario compares with the
+greedy text of `pdserve generate` and ends with clean audits on every node.
+
+Before the fix (issue 17): the evicted-prefix requests got 500 ("... layer-blocks missing"), max_tokens=1
+got 500 and left 5 blocks in use on D per request, and 15 of 32 requests under KV pressure failed with
+"no free KV blocks".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+from pdserve.tests.cluster_fixture import (
+    LiveCluster,
+    kvctl_main,
+    model_path,
+    run_cli,
+    served_model_name,
+    up_config,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = served_model_name()
+SYSTEM = " ".join(
+    f"Rule {i}: answer in one short sentence, name the topic, and never mention rule {i + 1}."
+    for i in range(12)
+)
+DOCUMENT = " ".join(
+    f"Section {i} of the lease says the rent rises by {i} percent in year {i}." for i in range(20)
+)
+
+
+def references(prompts: list[dict[str, Any]], max_tokens: int) -> list[str]:
+    """Greedy texts of `pdserve generate --prompts-file` (one engine run for all prompts)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("".join(json.dumps(p) + "\n" for p in prompts))
+    try:
+        done = run_cli(
+            "pdserve.cli", "generate", "--json", "--threads", "1", "--model", model_path(),
+            "--prompts-file", f.name, "--max-tokens", str(max_tokens),
+        )  # fmt: skip
+    finally:
+        os.unlink(f.name)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line)["text"] for line in done.stdout.strip().splitlines()]
+
+
+def client(live: LiveCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveCluster]:
+    cluster = LiveCluster.start(up_config(prefill=1, decode=2))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_prefix_p_holds_and_d_lacks_is_sent(live: LiveCluster) -> None:
+    c = client(live)
+    prompts = [DOCUMENT + " Summary:", DOCUMENT + " The rent in year 3 rises by"]
+    want = references([{"prompt": p} for p in prompts], 12)
+
+    def complete(prompt: str) -> str:
+        reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        return reply.choices[0].text
+
+    assert complete(prompts[0]) == want[0]
+    for node in ("decode-0", "decode-1"):  # P keeps the prefix; neither D has it any more
+        kvctl_main(live.redis_url, "evict", "--node", node, "--all")
+    assert complete(prompts[0]) == want[0]
+    assert complete(prompts[1]) == want[1]  # the same prefix plus a new suffix
+    live.wait_clean()
+
+
+def test_a_shared_system_prompt_over_two_decode_nodes(live: LiveCluster) -> None:
+    c = client(live)
+    questions = [f"What is {w}?" for w in ("rain", "a comet", "a harbour", "bread", "a violin", "granite")]
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    want = references([{"messages": m} for m in chats], 10)
+
+    def chat(messages: list[dict[str, str]]) -> str:
+        reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
+        return reply.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        got = list(pool.map(chat, chats * 2))
+    assert got == want * 2
+    live.wait_clean()
+
+
+def test_max_tokens_1_completes_and_d_keeps_nothing(live: LiveCluster) -> None:
+    c = client(live)
+    prompt = DOCUMENT + " In one word, the lease is"
+    want = references([{"prompt": prompt}], 1)[0]
+    for _ in range(3):
+        reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+        assert reply.choices[0].text == want and reply.choices[0].finish_reason == "length"
+        assert reply.usage is not None and reply.usage.completion_tokens == 1
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say yes."}],
+        max_tokens=1,
+        temperature=0,
+        stream=True,
+    )
+    reasons = [ch.choices[0].finish_reason for ch in stream if ch.choices]
+    assert reasons[-1] == "length"
+    live.wait_clean()
+
+
+def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them() -> None:
+    # D's pool holds 12 blocks of 16 tokens; each request needs 3 (a ~20-token prompt + 16 tokens), and D
+    # keeps a free block per live request, so at most 3 run at once against 32 in flight: over 8x.
+    cfg = up_config(prefill=1, decode=1, role_node_args=(("decode", ("--num-kv-blocks", "12")),))
+    live = LiveCluster.start(cfg)
+    try:
+        prompts = [
+            f"Request {i}: list three facts about the number {i}, each in a short sentence."
+            for i in range(32)
+        ]
+        want = references([{"prompt": p} for p in prompts], 16)
+        c = client(live)
+
+        def complete(prompt: str) -> str:
+            reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+            return reply.choices[0].text
+
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            got = list(pool.map(complete, prompts))
+        assert got == want
+        live.wait_clean()
+    finally:
+        live.stop()
