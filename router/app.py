@@ -159,24 +159,33 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """Ready (200) only while the policy can place a request: a non-draining prefill and decode pair,
-        a non-draining single node, or a non-draining decode node prefilling locally; else 503. Nodes that
-        registered another credential than this router's token are counted but cannot serve (they would
-        answer it 401). The body counts live nodes by role and says whether the index answers (without it
-        the router serves on from the last node list it saw)."""
-        statuses = await router.nodes()
-        counts = {role: {"ready": 0, "draining": 0} for role in ROLES}
+        """Ready (200) only while the policy can place a request on the nodes the router would use now: a
+        prefill and decode pair, a single node, or a decode node prefilling locally; else 503. Draining
+        nodes, nodes whose breaker is open (`down`) and nodes that registered another credential than this
+        router's token (they would answer it 401) cannot serve. The body counts the router's view of the
+        nodes by role and says whether the index answers (without it the router serves on from its view)."""
+        now = time.monotonic()
+        statuses = await membership.nodes()
+        counts = {role: {"ready": 0, "draining": 0, "down": 0} for role in ROLES}
         for s in statuses:
-            counts[s.info.role]["draining" if s.draining else "ready"] += 1
+            state = (
+                "ready"
+                if router.usable(s, now)
+                else "down"
+                if breakers.is_open(s.info.node_id)
+                else "draining"
+            )
+            counts[s.info.role][state] += 1
         body: dict[str, Any] = {"nodes": counts, "index": "ok" if router.index_ok else "unavailable"}
-        usable = [s for s in statuses if credential in (None, s.info.credential_digest)]
+        usable = [s for s in statuses if router.usable(s, now)]
+        trusted = [s for s in usable if credential in (None, s.info.credential_digest)]
         try:
-            decision = choose(0, 1, {}, [NodeView.from_status(s) for s in usable], config.policy)
+            decision = choose(0, 1, {}, [NodeView.from_status(s) for s in trusted], config.policy)
         except NoNodeAvailable as exc:
             reason = str(exc)
-            if len(usable) < len(statuses):
+            if len(trusted) < len(usable):
                 reason += (
-                    f"; {len(statuses) - len(usable)} live node(s) hold another credential than this "
+                    f"; {len(usable) - len(trusted)} live node(s) hold another credential than this "
                     "router's (PDSERVE_AUTH_TOKEN or --auth-token-file)"
                 )
             return JSONResponse({"status": "unavailable", **body, "reason": reason}, status_code=503)

@@ -461,7 +461,7 @@ def test_deadline_is_one_and_enforced(cluster: Cluster) -> None:
 
 
 def _health_counts(**ready: int) -> dict[str, dict[str, int]]:
-    counts = {role: {"ready": 0, "draining": 0} for role in ("prefill", "decode", "single")}
+    counts = {role: {"ready": 0, "draining": 0, "down": 0} for role in ("prefill", "decode", "single")}
     for role, n in ready.items():
         counts[role]["ready"] = n
     return counts
@@ -498,7 +498,7 @@ def test_health_is_503_unless_a_node_pair_can_serve(cluster: Cluster) -> None:
     asyncio.run(_set_draining(cluster.redis, "d0"))
     time.sleep(0.1)  # past the router's node-list TTL
     status, body = health()
-    assert (status, body["nodes"]["decode"]) == (503, {"ready": 0, "draining": 1})
+    assert (status, body["nodes"]["decode"]) == (503, {"ready": 0, "draining": 1, "down": 0})
     cluster.set_nodes(["d0"])  # a decode node alone prefills locally, as the policy routes it
     assert health() == (
         200, {"status": "ok", "mode": "local_prefill", "nodes": _health_counts(decode=1), "index": "ok"}
@@ -513,27 +513,22 @@ async def _set_draining(redis: RedisConfig, node_id: str) -> None:
 def test_health_counts_no_node_holding_another_credential(redis_url: str, tokenizer: Tokenizer) -> None:
     """A router whose token differs from the nodes' would get 401 from each of them: it is not ready."""
     redis = RedisConfig(url=redis_url, cluster="credential")
-    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, node_token="router-token",
-                          node_list_ttl_s=0.01)  # fmt: skip
-    app = create_app(config, tokenizer, BlockIndex(redis))
+    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, node_token="router-token")
 
-    async def health_with(*tokens: str) -> list[httpx.Response]:
-        replies = []
-        async with (
-            BlockIndex(redis) as index,
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client,
-        ):
-            for token in tokens:
-                info = NodeInfo(NodeId("s0"), "single", "http://127.0.0.1:1", "127.0.0.1:2", FINGERPRINT,
-                                LAYOUT, 1, 1000, credential_digest(token))  # fmt: skip
-                await index.heartbeat(NodeId("s0"), NodeLoad(0, 0, 0, 1000, 0), await index.register(info))
-                await asyncio.sleep(0.02)  # past the router's node-list TTL
-                replies.append(await client.get("/health"))
-        return replies
+    async def health_with(token: str) -> httpx.Response:
+        """/health of a fresh router (its first call reads the index) after s0 registered with `token`."""
+        async with BlockIndex(redis) as index:
+            info = NodeInfo(NodeId("s0"), "single", "http://127.0.0.1:1", "127.0.0.1:2", FINGERPRINT, LAYOUT,
+                            1, 1000, credential_digest(token))  # fmt: skip
+            await index.heartbeat(NodeId("s0"), NodeLoad(0, 0, 0, 1000, 0), await index.register(info))
+        app = create_app(config, tokenizer, BlockIndex(redis))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.get("/health")
 
-    other, same = asyncio.run(health_with("node-token", "router-token"))
+    other = asyncio.run(health_with("node-token"))
     assert other.status_code == 503 and "another credential" in other.json()["reason"], other.text
-    assert other.json()["nodes"]["single"] == {"ready": 1, "draining": 0}
+    assert other.json()["nodes"]["single"] == {"ready": 1, "draining": 0, "down": 0}
+    same = asyncio.run(health_with("router-token"))
     assert same.status_code == 200, same.text
 
 

@@ -72,6 +72,10 @@ def test_defect7_a_plain_clone_tests_itself(tmp_path: Path) -> None:
 
 TOKEN = "h17-cluster-credential-5b2e"
 OTHER_TOKEN = "h17-another-credential-90c4"
+SMALL_KV = ("--kv-cache-gib", "0.125")
+"""182 blocks of 16 tokens per node: enough here, and 0.9 GiB less memory each on the shared CI machine."""
+NONE = {"ready": 0, "draining": 0, "down": 0}
+"""/health's count of one role's nodes when there is none."""
 MODEL = served_model_name()
 SYSTEM = (
     "You are a terse assistant for a shipping company. Answer in one short sentence, name the port, "
@@ -117,7 +121,7 @@ def _health(live: LiveCluster) -> httpx.Response:
 
 def _start_node(live: LiveCluster, role: str, name: str, token: str = TOKEN) -> subprocess.Popen[bytes]:
     port = free_port()
-    proc = live.cluster.spawn(name, node_argv(role, name, port, live.redis_url, token))
+    proc = live.cluster.spawn(name, node_argv(role, name, port, live.redis_url, token, *SMALL_KV))
     live.nodes[name] = NodeProc(name, f"http://127.0.0.1:{port}", token)
     return proc
 
@@ -161,16 +165,12 @@ def test_defect5_health_is_503_while_no_pair_can_serve(staged: LiveCluster) -> N
     assert r.status_code == 503, r.text  # no node at all
     body = r.json()
     assert body["status"] != "ok" and body["index"] == "ok", body
-    assert all(c == {"ready": 0, "draining": 0} for c in body["nodes"].values()), body
+    assert all(c == NONE for c in body["nodes"].values()), body
     proc = _start_node(live, "prefill", "prefill-0")
     _wait_node_up(live, proc, "prefill-0")
-    r = _wait(
-        "the router sees prefill-0",
-        lambda: (x := _health(live)).json()["nodes"]["prefill"]["ready"] and x,
-        10,
-    )
+    r = _wait("the router sees prefill-0", lambda: _health_if(live, "prefill", "ready"), 10)
     assert r.status_code == 503, r.text  # a prefill node alone serves nothing
-    assert r.json()["nodes"]["decode"] == {"ready": 0, "draining": 0}
+    assert r.json()["nodes"]["decode"] == NONE
     refused = httpx.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Rotterdam?"), timeout=60)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_nodes", refused.text
     live.wait_clean()
@@ -193,7 +193,7 @@ def test_defect4_a_node_with_another_credential_is_refused_at_registration(stage
     assert "credential" in last and "refused" in last, last  # one line naming the mismatch
     assert OTHER_TOKEN not in log and TOKEN not in log  # the digest is compared, never the token
     r = _health(live)
-    assert r.status_code == 503 and r.json()["nodes"]["decode"] == {"ready": 0, "draining": 0}, r.text
+    assert r.status_code == 503 and r.json()["nodes"]["decode"] == NONE, r.text
     live.wait_clean()
 
 
@@ -265,25 +265,40 @@ def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(stag
 
 
 def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: LiveCluster) -> None:
+    """decode-0 drained with a request streaming, then Redis restarts empty: it registers again as draining
+    (the router gives it nothing new); once its client leaves, it deregisters and holds nothing."""
     live = staged
-    body = {"model": MODEL, "prompt": "List the ports of the North Sea:", "max_tokens": 300,
+    body = {"model": MODEL, "prompt": "List the ports of the North Sea:", "max_tokens": 1500,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
+        assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+        # P streams the first token before D admits the request: drained before that, D would count as idle
+        _wait("the request runs on decode-0", lambda: _audits_busy(live, "decode-0"), 30, poll_s=0.1)
         kvctl_main(live.redis_url, "drain", "decode-0")
         _restart_redis_empty(live, down_s=0.5)
         listed = _wait("decode-0 registered again", lambda: _listed(live).get("decode-0"), 10, poll_s=0.1)
-        assert listed["draining"], listed  # the router gives it no new work
-        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
-    chunks = [json.loads(first[6:]), *rest]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
-    assert "error" not in chunks[-1]
-    _wait("decode-0 leaves the index once idle", lambda: "decode-0" not in _listed(live), 15)
+        assert listed["draining"] and listed["info"]["epoch"] > 1, listed
+        health = _wait(
+            "the router sees decode-0 draining", lambda: _health_if(live, "decode", "draining"), 10
+        )
+        assert health.status_code == 503, health.text
+        assert _audits_busy(live, "decode-0")  # still streaming: the client leaves now, mid-stream
+    _wait("decode-0 leaves the index once idle", lambda: "decode-0" not in _listed(live), 30)
     live.wait_clean()
     kvctl_main(live.redis_url, "undrain", "decode-0", "--url", live.nodes["decode-0"].url)
     _wait("/health 200 again", lambda: _health(live).status_code == 200, 15)
+
+
+def _health_if(live: LiveCluster, role: str, state: str) -> httpx.Response | None:
+    """The router's /health once it counts a `role` node as `state`."""
+    r = _health(live)
+    return r if r.json()["nodes"][role][state] else None
+
+
+def _audits_busy(live: LiveCluster, node: str) -> bool:
+    audit = live.audit(node)
+    return bool(audit["live_requests"] and audit["in_use"])
 
 
 def test_defect6_pdserve_up_shows_the_operator_how_to_reach_its_cluster() -> None:
@@ -291,7 +306,7 @@ def test_defect6_pdserve_up_shows_the_operator_how_to_reach_its_cluster() -> Non
     kvctl at the cluster; kvctl reaches it from the environment alone; Ctrl-C stops every process."""
     port = free_port()
     argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "0", "--decode", "1", "--threads", "1",
-            "--port", str(port), "--model", model_path()]  # fmt: skip
+            "--port", str(port), "--model", model_path(), "--node-args", " ".join(SMALL_KV)]  # fmt: skip
     up = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
