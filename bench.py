@@ -9,7 +9,6 @@ so served / engine is one ratio from one command. Numbers and their definitions:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import shlex
@@ -28,7 +27,9 @@ from pdserve.bench_datasets import (
     random_requests,
     shared_prefix_requests,
 )
+from pdserve.bench_options import BenchOptions
 from pdserve.bench_report import RequestResult, parse_goodput, plot, ratio, summarize, table
+from pdserve.shared.settings import flag_name
 from pdserve.shared.tokenizer import Tokenizer
 from tqdm import tqdm
 
@@ -38,58 +39,22 @@ if TYPE_CHECKING:
 Send = Callable[[BenchRequest], Awaitable[RequestResult]]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pdserve bench", description="Serving benchmark: latency and throughput of an OpenAI server"
-    )
-    p.add_argument("--backend", choices=("openai", "openai-chat", "engine"), default="openai")
-    p.add_argument("--label", default=None, help="names the setup in the tables, file and plot")
-    p.add_argument(
-        "--base-url", default="http://127.0.0.1:8000", help="the server (pdserve router or a peer)"
-    )
-    p.add_argument(
-        "--endpoint", default=None, help="default /v1/completions, or /v1/chat/completions for chat"
-    )
-    p.add_argument("--served-model-name", default=None, help="model field of requests (default: /v1/models)")
-    e = p.add_argument_group("model", "the tokenizer of the workload, and the engine of --backend engine")
-    e.add_argument(
-        "--model", default=None, help="GGUF file, HF directory or dummy:<shape> (default: SmolLM2)"
-    )
-    e.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the model's)")
-    e.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    e.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    e.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks")
-    e.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size on the CPU, GiB")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--threads", type=int, default=None, help="torch CPU threads of the engine")
-    p.add_argument("--random-text", action="store_true", help="random words, not the model's token ids")
-    p.add_argument("--dataset-name", choices=("random", "prefix", "jsonl"), default="random")
-    p.add_argument("--dataset-path", default=None, help="JSONL of {prompt | prompt_token_ids, output_len?}")
-    p.add_argument("--dataset-seed", type=int, default=0)
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--input-len", "--random-input-len", type=int, default=1024)
-    p.add_argument("--output-len", "--random-output-len", type=int, default=128)
-    p.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0)
-    p.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens (dataset prefix)")
-    p.add_argument("--prefix-groups", type=int, default=4, help="distinct prefixes (dataset prefix)")
-    p.add_argument("--prefix-turns", type=int, default=4, help="prompts per prefix (dataset prefix)")
-    p.add_argument("--request-rate", default="inf", help="requests/s, Poisson; a comma list sweeps loads")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1: Poisson)")
-    p.add_argument("--max-concurrency", default=None, help="requests in flight at most; a comma list sweeps")
-    p.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft, tpot, e2el")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--compare-engine", action="store_true", help="also run each load on the engine alone")
-    p.add_argument("--result-file", default=None, help="write every run's summary as JSON")
-    p.add_argument("--plot", default=None, help="write latency and throughput against load as a PNG")
-    p.add_argument("--disable-tqdm", action="store_true")
-    return p
+def command_line(opts: BenchOptions) -> str:
+    """The command that repeats this run: each setting that differs from its default, as its flag (whether
+    it came from a flag, the environment or a --config file)."""
+    args: list[str] = []
+    for name, field in BenchOptions.model_fields.items():
+        value, flag = getattr(opts, name), flag_name(name, BenchOptions)
+        if value == field.default:
+            continue
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            args += [flag, ",".join(value) if isinstance(value, tuple) else str(value)]
+    return "pdserve bench " + shlex.join(args)
 
 
-def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
+def loads(args: BenchOptions) -> list[dict[str, Any]]:
     """One {request_rate, burstiness, max_concurrency} per load; at most one of the two flags is a list."""
     rates = [r.strip() for r in str(args.request_rate).split(",")]
     concs = [int(c) for c in str(args.max_concurrency).split(",")] if args.max_concurrency else [None]
@@ -107,7 +72,7 @@ def loads(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
-def workload(args: argparse.Namespace, tokenizer: Tokenizer | None, seed: int) -> list[BenchRequest]:
+def workload(args: BenchOptions, tokenizer: Tokenizer | None, seed: int) -> list[BenchRequest]:
     """The requests of one load; another seed gives other prompts (a JSONL file gives the same ones)."""
     lengths = Lengths(args.input_len, args.output_len, args.range_ratio)
     if args.dataset_name == "jsonl":
@@ -152,7 +117,7 @@ async def run_load(
 class OpenAIClient:
     """Streams one request to an OpenAI-compatible server and times its chunks."""
 
-    def __init__(self, args: argparse.Namespace, model: str, tokenizer: Tokenizer | None, conns: int) -> None:
+    def __init__(self, args: BenchOptions, model: str, tokenizer: Tokenizer | None, conns: int) -> None:
         self.chat = args.backend == "openai-chat"
         path = args.endpoint or ("/v1/chat/completions" if self.chat else "/v1/completions")
         self.url = args.base_url.rstrip("/") + path
@@ -206,7 +171,7 @@ class OpenAIClient:
 class EngineClient:
     """Runs one request through pdserve's engine in this process (no HTTP), timed per step output."""
 
-    def __init__(self, args: argparse.Namespace, aengine: AsyncEngine) -> None:
+    def __init__(self, args: BenchOptions, aengine: AsyncEngine) -> None:
         from pdserve.shared.sampling_params import SamplingParams
 
         self.chat = args.backend == "openai-chat"
@@ -262,7 +227,7 @@ async def served_model(base_url: str) -> str:
 
 
 async def sweep(
-    name: str, send: Send, workloads: list[list[BenchRequest]], args: argparse.Namespace
+    name: str, send: Send, workloads: list[list[BenchRequest]], args: BenchOptions
 ) -> list[dict[str, Any]]:
     """A warm-up request (the first of workloads[0]), then each load on its own workload (workloads[1:], so
     no load finds its prompts cached by an earlier one); each load's summary."""
@@ -274,38 +239,28 @@ async def sweep(
     runs = []
     for load, requests in zip(loads(args), workloads[1:], strict=True):
         results, wall = await run_load(send, requests, load, args.dataset_seed, args.disable_tqdm)
-        runs.append(summarize(name, load, results, wall, slos))
+        runs.append(summarize(name, load, results, wall, slos, args.save_detailed))
     return runs
 
 
-def _model(args: argparse.Namespace) -> str:
+def _model(args: BenchOptions) -> str:
     if args.model:
-        return str(args.model)
+        return args.model
     from pdserve.cli import default_model_path
 
     return default_model_path()
 
 
-async def _engine_runs(args: argparse.Namespace, workloads: list[list[BenchRequest]]) -> list[dict[str, Any]]:
+async def _engine_runs(args: BenchOptions, workloads: list[list[BenchRequest]]) -> list[dict[str, Any]]:
     from pdserve.shared.async_engine import AsyncEngine
-    from pdserve.shared.config import EngineConfig
     from pdserve.shared.engine import LLMEngine
+    from pdserve.shared.engine_args import engine_config
 
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    cfg = EngineConfig(
-        model=_model(args),
-        tokenizer=args.tokenizer,
-        device=args.device,
-        dtype=args.dtype,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
+    cfg = engine_config(args.model_copy(update={"model": _model(args)}))
     aengine = AsyncEngine(LLMEngine(cfg))
     aengine.start()
     try:
@@ -314,7 +269,7 @@ async def _engine_runs(args: argparse.Namespace, workloads: list[list[BenchReque
         await aengine.stop()
 
 
-async def bench(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+async def bench(args: BenchOptions) -> dict[str, Any]:
     from pdserve.shared.loader import load_tokenizer
 
     tokenizer = None if args.random_text else load_tokenizer(_model(args), args.tokenizer)
@@ -334,7 +289,7 @@ async def bench(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]
     return {
         "label": args.label or args.backend,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "command": "pdserve bench " + shlex.join(argv),
+        "command": command_line(args),
         "model": args.served_model_name or _model(args),
         "dataset": {k: getattr(args, k) for k in ("dataset_name", "num_prompts", "input_len", "output_len")}
         | {"range_ratio": args.range_ratio, "requests": size},
@@ -346,12 +301,12 @@ async def bench(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]
     }
 
 
-def main(argv: Sequence[str]) -> int:
+def main(args: BenchOptions) -> int:
+    """`pdserve bench` with its validated settings."""
     from pdserve.shared.loader import ModelLoadError
 
-    args = build_parser().parse_args(argv)
     try:
-        result = asyncio.run(bench(args, argv))
+        result = asyncio.run(bench(args))
     except (ValueError, OSError, ModelLoadError) as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 1

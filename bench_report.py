@@ -123,7 +123,10 @@ def summarize(
     results: Sequence[RequestResult],
     duration_s: float,
     slos_ms: Mapping[str, float],
+    detailed: bool = False,
 ) -> dict[str, Any]:
+    """The run's summary; `detailed` adds `requests`: [ttft_ms, tpot_ms or None, e2el_ms, output tokens] of
+    every completed request, so goodput can be read again under other SLOs."""
     done = [r for r in results if r.ok]
     tpots = [t for r in done if (t := r.tpot_s) is not None]
     out_tokens = sum(r.output_len for r in done)
@@ -134,7 +137,13 @@ def summarize(
         return all(got[k] * 1e3 <= v for k, v in slos_ms.items())
 
     wall = max(duration_s, 1e-9)
-    return {
+    extra: dict[str, Any] = {}
+    if detailed:
+        extra["requests"] = [
+            [r.ttft_s * 1e3, None if r.tpot_s is None else r.tpot_s * 1e3, r.e2e_s * 1e3, r.output_len]
+            for r in done
+        ]
+    return extra | {
         "backend": backend,
         "load": dict(load),
         "num_prompts": len(results),

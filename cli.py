@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
+    from pdserve.bench_options import BenchOptions
     from pdserve.shared.engine_args import GenerateOptions
     from pdserve.shared.node_cli import NodeOptions
     from pdserve.shared.settings import Settings
@@ -57,7 +58,7 @@ class _LazyGroup(click.Group):
     help; the group's own --help and --version import click alone."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted({*_COMMANDS, *self.commands})
+        return sorted(_COMMANDS)
 
     def get_command(self, ctx: click.Context | None, cmd_name: str) -> click.Command | None:
         if cmd_name not in self.commands and cmd_name in _COMMANDS:
@@ -65,10 +66,8 @@ class _LazyGroup(click.Group):
         return self.commands.get(cmd_name)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(name, _COMMANDS.get(name) or self.commands[name].get_short_help_str()) for name in
-                self.list_commands(ctx)]  # fmt: skip
         with formatter.section("Commands"):
-            formatter.write_dl(rows)
+            formatter.write_dl([(name, _COMMANDS[name]) for name in self.list_commands(ctx)])
 
 
 @click.group(cls=_LazyGroup, context_settings=_CONTEXT)
@@ -163,6 +162,7 @@ def _up(opts: UpOptions) -> int:
 
 
 _COMMANDS = {
+    "bench": "The serving benchmark client, in the conventions of `vllm bench serve`.",
     "generate": "Run the engine offline on one prompt (or a file).",
     "up": "A local cluster: Redis, router, prefill and decode nodes.",
     "router": "One router: the OpenAI API in front of the nodes.",
@@ -178,6 +178,10 @@ def _build(name: str) -> click.Command:
         from pdserve.shared.engine_args import GenerateOptions
 
         return _command(name, GenerateOptions, _generate)
+    if name == "bench":
+        from pdserve.bench_options import BenchOptions
+
+        return _command(name, BenchOptions, _bench)
     if name == "up":
         from pdserve.up_options import UpOptions
 
@@ -191,17 +195,10 @@ def _build(name: str) -> click.Command:
     return _command(name, PrefillOptions if name == "prefill" else NodeOptions, _node(name))
 
 
-@pdserve.command(
-    "bench",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def bench(args: tuple[str, ...]) -> None:
-    """The serving benchmark client (`pdserve bench --help` lists its options)."""
+def _bench(opts: BenchOptions) -> int:
     from pdserve.bench import main as bench_main
 
-    sys.exit(bench_main(list(args)))
+    return bench_main(opts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import ucxx
 from pdserve.kernels.ops import get_ops
 from pdserve.kvtransfer.connector import (
     ConnectorConfig,
@@ -39,7 +38,6 @@ from pdserve.kvtransfer.cuda_ipc import live_windows
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.kvtransfer.nccl import NcclBackend
 from pdserve.kvtransfer.pair_group import live_groups, wait_aborted
-from pdserve.kvtransfer.ucx import ucx_context
 from pdserve.shared.types import BlockId, NodeId, RequestId
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
@@ -152,23 +150,11 @@ async def _serve(
         await server.start()
     ready: dict[str, Any] = {"servers": {k: s.address for k, s in servers.items()}}
     if not victim:
-        buf = torch.empty(max(SIZES), dtype=torch.uint8, device=device)
-
-        async def raw_ucx(ep: ucxx.Endpoint) -> None:
-            ack = np.ones(1, dtype=np.uint8)
-            for size in SIZES:
-                for _ in range(WARMUP + REPS):
-                    await ep.recv(buf[:size])
-                    await ep.send(ack)
-            await ep.close()
-
-        # raw ucxx runs in the UCX context the connector uses, held until this process ends
-        await raw_context.enter_async_context(ucx_context(config("ucx", str(device))))
-        listener = ucxx.create_listener(raw_ucx, port=0)
-        raw_context.callback(listener.close)
+        if "ucx" in kinds:  # ucxx only where the ucx connector is measured (the [ucx] extra may be absent)
+            ready["ucx_port"] = await raw_ucx_listener(device, raw_context)
         store = dist.TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=120), wait_for_workers=False)
         threading.Thread(target=raw_nccl_recv, args=(store, device), daemon=True).start()
-        ready |= {"ucx_port": listener.port, "nccl_port": store.port}
+        ready["nccl_port"] = store.port
     emit("READY", **ready)
     await asyncio.to_thread(sys.stdin.read)  # the driver closes stdin when the sender is done
     for server in servers.values():
@@ -213,7 +199,31 @@ def raw_nccl_send(port: int, device: torch.device) -> None:
     group.abort()
 
 
+async def raw_ucx_listener(device: torch.device, raw_context: contextlib.AsyncExitStack) -> int:
+    """D's raw ucxx endpoint (each message answered by a 1-byte ack); returns its port."""
+    import ucxx
+    from pdserve.kvtransfer.ucx import ucx_context
+
+    buf = torch.empty(max(SIZES), dtype=torch.uint8, device=device)
+
+    async def raw_ucx(ep: ucxx.Endpoint) -> None:
+        ack = np.ones(1, dtype=np.uint8)
+        for size in SIZES:
+            for _ in range(WARMUP + REPS):
+                await ep.recv(buf[:size])
+                await ep.send(ack)
+        await ep.close()
+
+    # raw ucxx runs in the UCX context the connector uses, held until this process ends
+    await raw_context.enter_async_context(ucx_context(config("ucx", str(device))))
+    listener = ucxx.create_listener(raw_ucx, port=0)
+    raw_context.callback(listener.close)
+    return int(listener.port)
+
+
 async def raw_ucx_send(port: int, device: torch.device) -> None:
+    import ucxx
+
     ep = await ucxx.create_endpoint("127.0.0.1", port)
     buf = torch.randint(0, 255, (max(SIZES),), dtype=torch.uint8, device=device)
     torch.cuda.synchronize(device)
@@ -266,6 +276,11 @@ def sync(device: torch.device) -> None:
 
 async def drive(device: torch.device, ready: dict[str, Any], victims: dict[str, Any]) -> None:
     await asyncio.to_thread(raw_nccl_send, ready["nccl_port"], device)
+    if "ucx_port" not in ready:
+        await _drive(device, ready, victims)
+        return
+    from pdserve.kvtransfer.ucx import ucx_context
+
     async with ucx_context(config("ucx", str(device))):  # raw ucxx in the connector's UCX context
         await raw_ucx_send(ready["ucx_port"], device)
         await _drive(device, ready, victims)

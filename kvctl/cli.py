@@ -1,4 +1,5 @@
-"""`kvctl`: where the KV cache lives (nodes, blocks, where, stats) and actions on it (drain, undrain, evict).
+"""`kvctl`: where the KV cache lives (nodes, blocks, where, stats, diff) and actions on it (drain, undrain,
+evict, diff --repair).
 
 Invariants: every command takes `--redis URL`, `--cluster NAME` and `--json` (machine output on stdout,
 every command), each also from PDSERVE_* variables or `--config FILE` like every pdserve process; the
@@ -76,7 +77,13 @@ class NodeAction(Common):
     auth_token_file: str | None = _TOKEN_FILE
 
 
-def _token(opts: Evict | NodeAction) -> str:
+class Diff(Common):
+    node: str | None = Field(None, description="compare this node only (default: every live node)")
+    repair: bool = Field(False, description="let each node fix the records that disagree with its blocks")
+    auth_token_file: str | None = _TOKEN_FILE
+
+
+def _token(opts: Evict | NodeAction | Diff) -> str:
     token = read_secret("auth_token", "the cluster's KV-transfer token", opts.auth_token_file, required=True)
     assert token is not None
     return token
@@ -172,6 +179,16 @@ _command(kvctl, "drain", NodeAction, "Stop new work on a node; it finishes, then
     _drain
 )
 _command(kvctl, "undrain", NodeAction, "Give a drained node new work again.", node_arg=True)(_undrain)
+
+
+def _diff(opts: Diff, _: None) -> Callable[[Any], Any]:
+    token = _token(opts)
+    return lambda index: commands.diff(index, opts.node, opts.repair, opts.timeout, token)
+
+
+_command(kvctl, "diff", Diff, "Index records against the blocks each node holds (--repair fixes them).")(
+    _diff
+)
 
 
 def _where(opts: PromptOptions, _: None) -> Callable[[Any], Any]:

@@ -109,6 +109,30 @@ async def stats(index: BlockIndex) -> dict[str, Any]:
     return {"nodes": {n: row(s) for n, s in per_node.items()}, "overall": row(overall)}
 
 
+async def diff(
+    index: BlockIndex, node_id: str | None, repair: bool, timeout_s: float, token: str
+) -> dict[str, Any]:
+    """Each live node's records in the index against the blocks it holds (the node compares, after letting
+    events in flight land: shared/block_digest.py); with repair, the node fixes what disagrees. A node that
+    cannot be asked gets an `error` row; `clean` is whether every node answered with no disagreement."""
+    statuses = [await live_node(index, node_id)] if node_id is not None else await index.nodes()
+    rows: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=timeout_s, headers=bearer(token)) as client:
+        for status in statuses:
+            url = status.info.http_url.rstrip("/") + "/internal/index-diff"
+            try:
+                if repair:
+                    reply = await client.post(url, json={"repair": True})
+                else:
+                    reply = await client.get(url)
+                reply.raise_for_status()
+                rows[status.info.node_id] = reply.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                rows[status.info.node_id] = {"node_id": status.info.node_id, "error": f"{url}: {exc!r}"[:300]}
+    clean = all("error" not in r and r["extra"] == 0 and r["missing"] == 0 for r in rows.values())
+    return {"nodes": rows, "clean": clean, "repair": repair}
+
+
 async def _post(
     node_id: str, base_url: str, path: str, body: dict[str, Any], timeout_s: float, token: str
 ) -> Any:

@@ -79,7 +79,25 @@ def _action(result: dict[str, Any]) -> str:
     return table([k.upper().replace("_", " ") for k in fields], [list(fields.values())])
 
 
+def _diff(result: dict[str, Any]) -> str:
+    rows, lines = [], []
+    for n, r in result["nodes"].items():
+        if "error" in r:
+            rows.append([n, "-", "-", "-", "-", "-", r["error"]])
+            continue
+        disagree = r["extra"] or r["missing"]
+        state = ("repaired" if r["repaired"] else "stale") if disagree else "ok"
+        rows.append([n, r["epoch"], r["held"], r["indexed"], r["extra"], r["missing"], state])
+        lines += [f"{n} extra {h}" for h in r["extra_hashes"]]
+        lines += [f"{n} missing {h}" for h in r["missing_hashes"]]
+    if not rows:
+        return "no live nodes"
+    head = table(["NODE", "EPOCH", "HELD", "INDEXED", "EXTRA", "MISSING", "STATE"], rows)
+    return "\n".join([head, *lines])
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "diff": _diff,
     "nodes": _nodes,
     "blocks": _blocks,
     "where": _where,

@@ -12,30 +12,26 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Annotated
 
 from pdserve.router.config import RouterConfig
-from pdserve.shared.settings import LogLevel, SecretFiles, StartupError, check_model_path, read_secret
-from pydantic import BeforeValidator, Field
-from pydantic_settings import NoDecode
+from pdserve.shared.settings import (
+    CommaList,
+    LogLevel,
+    SecretFiles,
+    StartupError,
+    check_model_path,
+    read_secret,
+)
+from pydantic import Field
 
 log = logging.getLogger("pdserve.router")
-
-
-def _names(value: object) -> object:
-    """A comma-separated string (flag, variable) or a list (TOML) of names."""
-    if isinstance(value, str):
-        return tuple(n.strip() for n in value.split(",") if n.strip())
-    if isinstance(value, list | tuple):
-        return tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
-    return value
 
 
 class RouterOptions(SecretFiles):
     model: str = Field(
         description="model file or directory (only its tokenizer and chat template are loaded)"
     )
-    served_model_name: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_names)] = Field(
+    served_model_name: CommaList = Field(
         (),
         description="the model id(s) clients pass as `model` (repeat or comma-separate for aliases; "
         "the first is the id responses carry; default: the model's file name)",
@@ -54,7 +50,7 @@ class RouterOptions(SecretFiles):
         description="seconds between two reads of the node list from Redis (and health checks of "
         "nodes Redis does not list)",
     )
-    seed_nodes: Annotated[tuple[str, ...], NoDecode, BeforeValidator(_names)] = Field(
+    seed_nodes: CommaList = Field(
         (),
         description="node HTTP URLs (comma-separated) asked for their registration when Redis does not list "
         "them: a router started while Redis is away still finds its nodes",
@@ -80,6 +76,17 @@ class RouterOptions(SecretFiles):
         "Retry-After; 0: unlimited)",
     )
     rate_limit_burst: int = Field(10, ge=1, description="requests an API key may send at once (bucket size)")
+    max_requests_per_node: int = Field(
+        0,
+        ge=0,
+        description="requests this router keeps in flight on one node at most; more wait in the router's "
+        "queue (0: no limit)",
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=0,
+        description="requests that may wait for a node below its limit; beyond: 429 with Retry-After",
+    )
     log_level: LogLevel = Field(
         "INFO",
         description="log level of the router and of its HTTP server (INFO and below: one access-log "
@@ -89,6 +96,7 @@ class RouterOptions(SecretFiles):
 
 def router_config(opts: RouterOptions) -> RouterConfig:
     """The frozen RouterConfig; raises SettingsError (model not on disk, unreadable secret) or ValueError."""
+    from pdserve.router.admission import AdmissionConfig
     from pdserve.router.policy import PolicyConfig
     from pdserve.router.tenants import RateLimit
     from pdserve.shared.block_index_types import RedisConfig
@@ -112,6 +120,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
+        admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_auth=opts.metrics_auth,
         node_token=token,

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pdserve.router.admission import Ledger
 from pdserve.router.breaker import Breakers
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Background, ChoiceEvent, ChoiceJob, RequestRun
@@ -101,7 +102,8 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
     breakers = Breakers(config.breaker, clients.probe, metrics)
     clients.on_down = breakers.trip
     membership = Membership(index, clients, breakers, metrics, config.node_list_ttl_s, config.seed_nodes)
-    router = Router(index, clients, config.policy, membership, metrics, background, breakers)
+    ledger = Ledger(config.admission)
+    router = Router(index, clients, config.policy, membership, metrics, background, breakers, ledger)
     started = int(time.time())
     served = set(config.served_model_names)
     tenants = Tenants(config.api_keys, config.rate_limit)
@@ -249,17 +251,29 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
                               f"{config.max_n}", param="n")  # fmt: skip
         prompts, echo = await tokenize(spec)
         salt = cache_salt(tenant, spec.cache_salt)
-        placements = await asyncio.gather(*(router.place(ids, salt) for ids in prompts))
         timeout = min(spec.timeout_s or config.default_deadline_s, config.max_deadline_s)
         deadline = time.time() + timeout
+        placed = await asyncio.gather(
+            *(router.place(ids, salt, deadline, spec.n) for ids in prompts), return_exceptions=True
+        )
+        placements = [p for p in placed if isinstance(p, Placement)]
         base = f"{'cmpl' if spec.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         jobs = []
-        for p, (ids, placement) in enumerate(zip(prompts, placements, strict=True)):
-            max_tokens = check_length(spec, len(ids), placement)
-            for j in range(spec.n):
-                index = p * spec.n + j
-                sampling = spec.sampling_for(max_tokens, j)
-                jobs.append(ChoiceJob(index, RequestId(f"{base}-{index}"), ids, sampling, placement.route))
+        try:
+            for outcome in placed:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for p, (ids, placement) in enumerate(zip(prompts, placements, strict=True)):
+                max_tokens = check_length(spec, len(ids), placement)
+                for j in range(spec.n):
+                    index = p * spec.n + j
+                    sampling = spec.sampling_for(max_tokens, j)
+                    job_id = RequestId(f"{base}-{index}")
+                    jobs.append(ChoiceJob(index, job_id, ids, sampling, placement.route, placement.leases[j]))
+        except BaseException:
+            for placement in placements:
+                placement.release()
+            raise
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         run = RequestRun(jobs, salt, deadline, clients, metrics, background, router)
         head = ResponseHead(spec.kind, base, int(time.time()), spec.model,

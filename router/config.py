@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.router.admission import AdmissionConfig
 from pdserve.router.breaker import BreakerConfig
 from pdserve.router.policy import PolicyConfig
 from pdserve.router.tenants import RateLimit
@@ -43,6 +44,8 @@ class RouterConfig:
     max_connections_per_node: int = 512
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     """How a node whose connection was refused or reset is probed back into routing."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """Per-node in-flight limit and the queue in front of it (router/admission.py)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Routing weights; its block_size is replaced by the one the nodes registered."""
     api_keys: tuple[str, ...] = ()

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from pdserve.router.admission import Lease
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
 from pdserve.router.openai_protocol import OpenAIError
@@ -35,7 +37,7 @@ class Rerouter(Protocol):
 
     def refused(self, node_id: NodeId) -> None: ...
 
-    def place(self, prompt: Sequence[int], cache_salt: str | None) -> Awaitable[Any]: ...
+    def place(self, prompt: Sequence[int], cache_salt: str | None, deadline: float) -> Awaitable[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,14 @@ class Route:
     kind: str
     decode: NodeInfo
     prefill: NodeInfo | None
+    indexed_blocks: int = 0
+    """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
+
+    def expected_cached_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
+        least the prompt's last token, so a block holding it is never a hit)."""
+        size = self.decode.block_size
+        return min(self.indexed_blocks, (prompt_len - 1) // size) * size
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,8 @@ class ChoiceJob:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     route: Route
+    lease: Lease
+    """What the choice holds on its nodes in the router's in-flight count; released when it ends."""
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,10 @@ class RequestRun:
         background: Background,
         rerouter: Rerouter | None = None,
     ) -> None:
+        assert [job.index for job in jobs] == list(range(len(jobs))), "choices are indexed by position"
         self._jobs = jobs
+        # a response the client dropped before it started streaming never runs start() or cancel()
+        weakref.finalize(self, RequestRun._release_jobs, jobs)
         self._rerouter = rerouter
         self._started: set[int] = set()
         """Choices that have delivered a step to the client (they can no longer be placed again)."""
@@ -154,11 +169,21 @@ class RequestRun:
         """Stop every choice and abort it on every node that may still hold it. Idempotent."""
         for task in self._tasks:
             task.cancel()
+        self.release()
         for request_id, nodes in self._open.items():
             for client in nodes.values():
                 self._metrics.aborts.labels(reason=reason).inc()
                 self._background.spawn(self._abort(client, request_id))
             nodes.clear()
+
+    def release(self) -> None:
+        """Gives back every choice's lease (idempotent); on cancel, and when the run is dropped unstarted."""
+        RequestRun._release_jobs(self._jobs)
+
+    @staticmethod
+    def _release_jobs(jobs: list[ChoiceJob]) -> None:
+        for job in jobs:
+            job.lease.release()
 
     async def _abort(self, client: NodeClient, request_id: RequestId) -> None:
         try:
@@ -188,13 +213,17 @@ class RequestRun:
                 attempt += 1
                 self._metrics.aborts.labels(reason="rerouted").inc()
                 try:
-                    placement = await self._rerouter.place(job.prompt_token_ids, self._salt)
+                    placement = await self._rerouter.place(job.prompt_token_ids, self._salt, self.deadline)
                 except OpenAIError as err:
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
                 job = replace(
-                    job, request_id=RequestId(f"{job.request_id}-r{attempt}"), route=placement.route
+                    job,
+                    request_id=RequestId(f"{job.request_id}-r{attempt}"),
+                    route=placement.route,
+                    lease=placement.leases[0],
                 )
+                self._jobs[job.index] = job
 
     def _may_reroute(self, job: ChoiceJob, exc: NodeError, attempt: int) -> bool:
         return (
@@ -231,6 +260,7 @@ class RequestRun:
             await self._queue.put(ChoiceEvent(job.index, None, err))
             raise
         finally:
+            job.lease.release()
             for gauge in gauges:
                 gauge.dec()
             if self._open.get(job.request_id):
@@ -269,14 +299,17 @@ class RequestRun:
         try:
             done, _ = await asyncio.wait({pump, pre_task}, return_when=asyncio.FIRST_COMPLETED)
             if pre_task in done:
+                job.lease.prefill_done()
                 self._closed(job.request_id, prefill.node_id)
                 result = pre_task.result()  # NodeError propagates: the decode side is aborted in finally
                 if result.error is not None:
                     raise NodeError(prefill.node_id, f"prefill failed: {result.error}")
+                self._check_hits(job, prefill.node_id, result.cached_tokens)
                 await pump
                 return
             await pump
             # The decode node finished, so the prefill node's part is over; give its reply a moment to land.
+            job.lease.prefill_done()
             await asyncio.wait({pre_task}, timeout=_PREFILL_GRACE_S)
             if pre_task.done() and not pre_task.cancelled() and pre_task.exception() is None:
                 self._closed(job.request_id, prefill.node_id)
@@ -284,10 +317,19 @@ class RequestRun:
             for task in (pump, pre_task):
                 task.cancel()
 
+    def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
+        """Counts a decision made on index records the prefilling node turned out not to hold."""
+        if cached_tokens < job.route.expected_cached_tokens(len(job.prompt_token_ids)):
+            self._metrics.stale_decisions.labels(node_id=node_id).inc()
+
     async def _pump(
         self, job: ChoiceJob, client: NodeClient, node: NodeInfo, req: NodeGenerateRequest
     ) -> None:
+        first = True
         async for step in client.generate(req):
+            if first and req.prefill_node_id is None:
+                self._check_hits(job, client.node_id, step.cached_tokens)
+            first = False
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
             if step.finish_reason in ("abort", "error"):

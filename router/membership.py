@@ -113,6 +113,9 @@ class Membership:
             self._listed = {s.info.node_id for s in listed}
             for status in listed:
                 self._view[status.info.node_id] = status
+                if status.load is not None:
+                    stale = status.blocks_indexed - status.load.blocks_held
+                    self._metrics.index_stale_blocks.labels(node_id=status.info.node_id).set(stale)
         await self._add_seeds()
         unconfirmed = [s for n, s in self._view.items() if n not in self._listed or listed is None]
         healths = await asyncio.gather(*(self._health(s) for s in unconfirmed))
@@ -134,6 +137,8 @@ class Membership:
         if self._view.pop(node_id, None) is not None:
             log.info("node %s leaves the router's view: %s", node_id, why)
         self._breakers.forget(node_id)
+        with contextlib.suppress(KeyError):
+            self._metrics.index_stale_blocks.remove(node_id)
 
     async def _add_seeds(self) -> None:
         missing = [u for u in self._seeds if self._seed_ids.get(u) not in self._view]

@@ -117,6 +117,11 @@ class RouterMetrics:
             ["node_id"],
             registry=r,
         )
+        self.admission_waits = Counter(
+            "pdserve_router_admission_waits",
+            "Placements that waited because every node of a role was at its in-flight limit.",
+            registry=r,
+        )
         self.index_unavailable = Counter(
             "pdserve_router_index_unavailable",
             "Routing decisions made load-only because the Redis index was unreachable.",
@@ -141,6 +146,20 @@ class RouterMetrics:
         self.circuit_trips = Counter(
             "pdserve_router_node_circuit_trips",
             "Times the node's circuit breaker opened.",
+            ["node_id"],
+            registry=r,
+        )
+        self.index_stale_blocks = Gauge(
+            "pdserve_router_index_stale_blocks",
+            "Block records the index holds for a node minus the blocks the node reported holding at its last "
+            "heartbeat (positive: records of evicted blocks; negative: blocks the index does not know).",
+            ["node_id"],
+            registry=r,
+        )
+        self.stale_decisions = Counter(
+            "pdserve_router_stale_decisions",
+            "Routing decisions that counted on prefix blocks the node turned out not to hold (the index "
+            "records they were made on were stale).",
             ["node_id"],
             registry=r,
         )

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.router.admission import Lease, Ledger
 from pdserve.router.breaker import Breakers
 from pdserve.router.dispatch import Background, Route
 from pdserve.router.membership import Membership
@@ -37,11 +38,17 @@ _PLACE_TRIES = 3
 
 @dataclass(frozen=True)
 class Placement:
-    """A routed prompt: its route, the context limit of the nodes it uses, and the block-size fingerprint."""
+    """A routed prompt: its route, the context limit of the nodes it uses, the block-size fingerprint, and
+    one lease on the nodes per choice (router/admission.py), which the choice gives back when it ends."""
 
     route: Route
     max_model_len: int
     model_fingerprint: str
+    leases: tuple[Lease, ...]
+
+    def release(self) -> None:
+        for lease in self.leases:
+            lease.release()
 
 
 class Router:
@@ -56,8 +63,10 @@ class Router:
         metrics: RouterMetrics,
         background: Background,
         breakers: Breakers,
+        ledger: Ledger,
     ) -> None:
         self._index = index
+        self._ledger = ledger
         self._clients = clients
         self._breakers = breakers
         self._policy = policy
@@ -95,17 +104,30 @@ class Router:
         without waiting for the cached node list to expire; the index shows the drain within a TTL."""
         self._refused[node_id] = time.monotonic() + 5.0
 
-    async def place(self, prompt: Sequence[int], cache_salt: str | None) -> Placement:
-        """Route one prompt. OpenAIError 503 when no node can take it."""
+    async def place(
+        self, prompt: Sequence[int], cache_salt: str | None, deadline: float, n: int = 1
+    ) -> Placement:
+        """Route one prompt for n choices. OpenAIError 503 when no node can take it; while every node of a
+        role it needs is at its in-flight limit it waits for room (429 past the admission queue)."""
         for _ in range(_PLACE_TRIES - 1):
             try:
-                return await self._place_once(prompt, cache_salt)
+                return await self._place_once(prompt, cache_salt, deadline, n)
             except _Unreachable:
                 continue  # its breaker is open now: the next choice avoids it
         try:
-            return await self._place_once(prompt, cache_salt)
+            return await self._place_once(prompt, cache_salt, deadline, n)
         except _Unreachable as exc:
             raise _unavailable(exc.error) from exc
+
+    async def _with_room(self, deadline: float) -> list[NodeStatus]:
+        """The usable nodes below their in-flight limit, once every role among the usable nodes has one."""
+        while True:
+            statuses = await self.nodes()
+            room = [s for s in statuses if not self._ledger.full(s.info.node_id)]
+            if {s.info.role for s in room} == {s.info.role for s in statuses}:
+                return room
+            self._metrics.admission_waits.inc()
+            await self._ledger.wait_for_room(deadline)
 
     def usable(self, status: NodeStatus, now: float) -> bool:
         """Whether a live node may get new work: not draining, not refusing, its breaker closed."""
@@ -113,9 +135,11 @@ class Router:
         refused = self._refused.get(node_id, 0.0) >= now
         return not (status.draining or refused or self._breakers.is_open(node_id))
 
-    async def _place_once(self, prompt: Sequence[int], cache_salt: str | None) -> Placement:
+    async def _place_once(
+        self, prompt: Sequence[int], cache_salt: str | None, deadline: float, n: int
+    ) -> Placement:
+        statuses = await self._with_room(deadline)
         started = time.perf_counter()
-        statuses = await self.nodes()
         if not statuses:
             raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
         first = statuses[0].info
@@ -138,7 +162,7 @@ class Router:
                 len(hashes),
                 len(prompt),
                 hits,
-                [NodeView.from_status(s) for s in statuses],
+                [self._ledger.view(NodeView.from_status(s)) for s in statuses],
                 policy,
                 self._rotation,
             )
@@ -161,9 +185,14 @@ class Router:
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self.index_ok:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
-        infos = await asyncio.gather(*(self.info(n) for n in (decode, prefill) if n is not None))
+        infos = await asyncio.gather(*(self.info(node) for node in (decode, prefill) if node is not None))
+        owner = None if prefill is None else prefill.node_id
+        leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
         return Placement(
-            Route(kind, decode, prefill), min(i.max_model_len for i in infos), first.model_fingerprint
+            Route(kind, decode, prefill, decision.cached_blocks_prefill),
+            min(i.max_model_len for i in infos),
+            first.model_fingerprint,
+            leases,
         )
 
     async def _record_hits(self, node_id: NodeId, local: int, remote: int, miss: int) -> None:

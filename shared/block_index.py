@@ -24,6 +24,7 @@ import redis.exceptions as rexc
 from pdserve.shared import block_index_scripts as lua
 from pdserve.shared.block_index_types import (
     KV_LAYOUT_FIELDS,
+    BlocksDigest,
     HitStats,
     IncompatibleNode,
     IndexAuthError,
@@ -105,6 +106,7 @@ class BlockIndex:
         self._publish, self._lookup, self._nodes = reg(lua.PUBLISH), reg(lua.LOOKUP), reg(lua.NODES)
         self._deregister, self._draining = reg(lua.DEREGISTER), reg(lua.SET_DRAINING)
         self._evict = reg(lua.EVICT_RECORDS)
+        self._digest, self._rebuild = reg(lua.DIGEST), reg(lua.REBUILD_DIGEST)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -272,6 +274,32 @@ class BlockIndex:
             return 0
         reply = await self._call(self._evict, "evict_records", node_id, *(hashes or ()))
         return self._check(reply, node_id)
+
+    # --- the index against the truth (shared/block_digest.py) ---------------------------------------------
+
+    async def digest(self, node_id: NodeId, epoch: int) -> BlocksDigest:
+        """The digest of the node's records (one round trip, O(1) in Redis)."""
+        reply = await self._call(self._digest, "digest", node_id, epoch)
+        self._check(reply, node_id, epoch)
+        return BlocksDigest.from_reply(int(reply[1]), int(reply[2]), int(reply[3]))
+
+    async def rebuild_digest(self, node_id: NodeId, epoch: int) -> int:
+        """Recompute the digest from the records (O(records)); returns the record count."""
+        return self._check(await self._call(self._rebuild, "rebuild_digest", node_id, epoch), node_id, epoch)
+
+    async def records(self, node_id: NodeId, epoch: int) -> set[BlockHash]:
+        """Every block hash recorded for the node's epoch (O(records))."""
+        async with self._guard("records"):
+            members = cast(set[bytes], await self._redis.smembers(f"{self._p}blk:{node_id}:{epoch}"))
+        return {BlockHash(m) for m in members}
+
+    async def recorded(self, node_id: NodeId, epoch: int, hashes: Sequence[BlockHash]) -> list[bool]:
+        """For each hash, whether the node's epoch records it."""
+        if not hashes:
+            return []
+        async with self._guard("recorded"):
+            found = await self._redis.smismember(f"{self._p}blk:{node_id}:{epoch}", list(hashes))
+        return [bool(f) for f in found]
 
     # --- prefix-hit statistics ------------------------------------------------------------------------------
 

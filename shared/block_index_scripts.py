@@ -10,6 +10,57 @@ Invariants the scripts keep together:
   hash tag (one Redis Cluster slot).
 - Scripts answer with a status word first ('OK', 'STALE', 'UNREGISTERED', 'INCOMPATIBLE') rather than Lua
   errors, so callers map outcomes without parsing error text.
+- `blkdig:<id>:<epoch>` (fields a, b) is the XOR of the first two little-endian int32 words of every member
+  of `blk:<id>:<epoch>`: every script that adds or removes a member updates it in the same call (only for
+  members actually added or removed), deletes it with the set and gives it the set's TTL, so a node compares
+  its held set with the index in O(1) (shared/block_digest.py).
+"""
+
+# The node's epoch check of a write or digest read (ARGV: prefix, node_id, epoch, ...).
+_CURRENT_EPOCH = """
+local p, id, epoch = ARGV[1], ARGV[2], ARGV[3]
+local current = redis.call('HGET', p .. 'node:' .. id, 'epoch')
+if not current then return {'UNREGISTERED'} end
+if current ~= epoch then return {'STALE', current} end
+"""
+
+# apply(key, dig, op, hashes): SADD ('S') or SREM ('R') of hashes (at most 1,000), XOR-ing into dig (a
+# two-element table) exactly the members that change; a hash twice in one call counts once.
+_APPLY = """
+local function apply(key, dig, op, hashes)
+  local r = redis.call('SMISMEMBER', key, unpack(hashes))
+  local want = (op == 'S') and 0 or 1
+  local changed, seen = {}, {}
+  for k, h in ipairs(hashes) do
+    if r[k] == want and not seen[h] and #h >= 8 then
+      seen[h] = true
+      changed[#changed + 1] = h
+      local x, y = struct.unpack('<i4i4', h)
+      dig[1], dig[2] = bit.bxor(dig[1], x), bit.bxor(dig[2], y)
+    end
+  end
+  if #changed > 0 then redis.call((op == 'S') and 'SADD' or 'SREM', key, unpack(changed)) end
+  return #changed
+end
+local function load_dig(dkey)
+  local d = redis.call('HMGET', dkey, 'a', 'b')
+  return {tonumber(d[1]) or 0, tonumber(d[2]) or 0}
+end
+-- Writes dig beside the records key (or drops it with an empty set); ttl_ms: the records' new TTL, or nil to
+-- give the digest the records' current one.
+local function save_dig(key, dkey, dig, ttl_ms)
+  if redis.call('EXISTS', key) == 0 then
+    redis.call('DEL', dkey)
+    return
+  end
+  redis.call('HSET', dkey, 'a', dig[1], 'b', dig[2])
+  if ttl_ms then
+    redis.call('PEXPIRE', key, ttl_ms)
+  else
+    ttl_ms = redis.call('PTTL', key)
+  end
+  if tonumber(ttl_ms) > 0 then redis.call('PEXPIRE', dkey, ttl_ms) end
+end
 """
 
 _NOW_MS = """
@@ -48,7 +99,7 @@ end
 for i = 8, #ARGV, 2 do redis.call('HSET', cluster, ARGV[i], ARGV[i + 1]) end
 local key = p .. 'node:' .. id
 local old = redis.call('HGET', key, 'epoch')
-if old then redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. old) end
+if old then redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. old, p .. 'blkdig:' .. id .. ':' .. old) end
 local epoch = redis.call('INCR', p .. 'epoch:' .. id)
 if epoch <= tonumber(ARGV[7]) then
   epoch = tonumber(ARGV[7]) + 1
@@ -76,37 +127,68 @@ redis.call('HSET', key, 'load', ARGV[3], 'hb_ms', now_ms())
 redis.call('PEXPIRE', key, ARGV[5])
 redis.call('SET', p .. 'alive:' .. id, epoch, 'PX', ARGV[4])
 redis.call('PEXPIRE', p .. 'blk:' .. id .. ':' .. epoch, ARGV[5])
+redis.call('PEXPIRE', p .. 'blkdig:' .. id .. ':' .. epoch, ARGV[5])
 return {'OK', epoch}
 """
 )
 
 # ARGV: prefix, node_id, epoch, records_ttl_ms, then ops in order: 'S' n h1..hn (stored), 'R' n h1..hn
 # (removed), 'C' 0 (clear every record of the node, for a full resync).
-PUBLISH = """
-local p, id, epoch = ARGV[1], ARGV[2], ARGV[3]
-local current = redis.call('HGET', p .. 'node:' .. id, 'epoch')
-if not current then return {'UNREGISTERED'} end
-if current ~= epoch then return {'STALE', current} end
+PUBLISH = (
+    _APPLY
+    + _CURRENT_EPOCH
+    + """
 local key = p .. 'blk:' .. id .. ':' .. epoch
+local dkey = p .. 'blkdig:' .. id .. ':' .. epoch
+local dig = load_dig(dkey)
 local i = 5
 while i <= #ARGV do
   local op, last = ARGV[i], i + 1 + tonumber(ARGV[i + 1])
-  if op == 'C' then redis.call('DEL', key) end
+  if op == 'C' then
+    redis.call('DEL', key)
+    dig = {0, 0}
+  end
   local s = i + 2
   while s <= last do
     local e = math.min(last, s + 999)
-    if op == 'S' then
-      redis.call('SADD', key, unpack(ARGV, s, e))
-    else
-      redis.call('SREM', key, unpack(ARGV, s, e))
-    end
+    apply(key, dig, op, {unpack(ARGV, s, e)})
     s = e + 1
   end
   i = last + 1
 end
-redis.call('PEXPIRE', key, ARGV[4])
+save_dig(key, dkey, dig, ARGV[4])
 return {'OK', redis.call('SCARD', key)}
 """
+)
+
+# ARGV: prefix, node_id, epoch. Answer: {'OK', records, a, b} (the digest of the node's records).
+DIGEST = (
+    _CURRENT_EPOCH
+    + """
+local d = redis.call('HMGET', p .. 'blkdig:' .. id .. ':' .. epoch, 'a', 'b')
+local n = redis.call('SCARD', p .. 'blk:' .. id .. ':' .. epoch)
+return {'OK', n, tonumber(d[1]) or 0, tonumber(d[2]) or 0}
+"""
+)
+
+# ARGV: prefix, node_id, epoch. Recomputes the digest from the records (O(records): after a full comparison
+# found the records right but the digest wrong, e.g. records written before digests existed).
+REBUILD_DIGEST = (
+    _APPLY
+    + _CURRENT_EPOCH
+    + """
+local key = p .. 'blk:' .. id .. ':' .. epoch
+local a, b = 0, 0
+for _, h in ipairs(redis.call('SMEMBERS', key)) do
+  if #h >= 8 then
+    local x, y = struct.unpack('<i4i4', h)
+    a, b = bit.bxor(a, x), bit.bxor(b, y)
+  end
+end
+save_dig(key, p .. 'blkdig:' .. id .. ':' .. epoch, {a, b}, nil)
+return {'OK', redis.call('SCARD', key)}
+"""
+)
 
 # ARGV: prefix, h_0 || h_1 || ... (the hashes concatenated: one Lua string, not one per block). Answer:
 # flat (node_id, prefix_blocks) pairs of live nodes holding block 0. A node is probed with one SISMEMBER on
@@ -171,7 +253,7 @@ local epoch = redis.call('HGET', key, 'epoch')
 redis.call('SREM', KEYS[1], id)
 redis.call('DEL', p .. 'alive:' .. id)
 if not epoch then return 0 end
-redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. epoch)
+redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. epoch, p .. 'blkdig:' .. id .. ':' .. epoch)
 redis.call('DEL', key)
 return 1
 """
@@ -185,21 +267,27 @@ return 1
 """
 
 # ARGV: prefix, node_id, then hashes to drop (none = all records). Answer: {'OK', records removed}.
-EVICT_RECORDS = """
+EVICT_RECORDS = (
+    _APPLY
+    + """
 local p, id = ARGV[1], ARGV[2]
 local epoch = redis.call('HGET', p .. 'node:' .. id, 'epoch')
 if not epoch then return {'UNREGISTERED'} end
 local key = p .. 'blk:' .. id .. ':' .. epoch
+local dkey = p .. 'blkdig:' .. id .. ':' .. epoch
 if #ARGV == 2 then
   local n = redis.call('SCARD', key)
-  redis.call('UNLINK', key)
+  redis.call('UNLINK', key, dkey)
   return {'OK', n}
 end
+local dig = load_dig(dkey)
 local removed, s = 0, 3
 while s <= #ARGV do
   local e = math.min(#ARGV, s + 999)
-  removed = removed + redis.call('SREM', key, unpack(ARGV, s, e))
+  removed = removed + apply(key, dig, 'R', {unpack(ARGV, s, e)})
   s = e + 1
 end
+save_dig(key, dkey, dig, nil)
 return {'OK', removed}
 """
+)

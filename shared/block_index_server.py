@@ -122,10 +122,11 @@ class LocalRedis:
             listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", self.tls_cert_file]
             listen += ["--tls-key-file", self.tls_key_file or "", "--tls-ca-cert-file", self.tls_cert_file]
             listen += ["--tls-auth-clients", "no"]
-        args = [self.binary, *listen, "--bind", "127.0.0.1", "--save", ""]
+        conf = os.path.join(self._dir, "redis.conf")  # the password in a 0600 file: argv is public (ps)
+        with open(os.open(conf, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+            f.write("" if self.password is None else f'requirepass "{self.password}"\n')
+        args = [self.binary, conf, *listen, "--bind", "127.0.0.1", "--save", ""]
         args += [*persist, "--daemonize", "no", "--loglevel", "warning"]
-        if self.password is not None:
-            args += ["--requirepass", self.password]
         assert self.log_path is not None
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=log)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal, cast
 from urllib.parse import urlsplit
 
+import numpy as np
 from pdserve.shared.types import BlockHash, NodeId
 
 Role = Literal["prefill", "decode", "single"]
@@ -223,6 +224,31 @@ class NodeBlocks:
 
     count: int
     hashes: tuple[BlockHash, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class BlocksDigest:
+    """An order-free digest of a set of block hashes: its size and the XOR of each hash's first two
+    little-endian int32 words (wrapped to unsigned). The index keeps one per node's records, updated by every
+    script that changes them (block_index_scripts.py); a node folds its held set the same way. Equal digests
+    mean equal sets but for a 2**-64 chance (SHA-256 hashes are uniform)."""
+
+    count: int
+    a: int
+    b: int
+
+    @classmethod
+    def of(cls, hashes: Sequence[BlockHash]) -> BlocksDigest:
+        if not hashes:
+            return cls(0, 0, 0)
+        words = np.frombuffer(b"".join(h[:8] for h in hashes), dtype="<u4").reshape(-1, 2)  # [n, 2]
+        a, b = np.bitwise_xor.reduce(words, axis=0)
+        return cls(len(hashes), int(a), int(b))
+
+    @classmethod
+    def from_reply(cls, count: int, a: int, b: int) -> BlocksDigest:
+        """From the scripts' signed int32 words."""
+        return cls(count, a & 0xFFFFFFFF, b & 0xFFFFFFFF)
 
 
 @dataclass(frozen=True)

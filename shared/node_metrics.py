@@ -38,6 +38,9 @@ class EngineSnapshot:
     waiting: int = 0
     kv_used_blocks: int = 0
     kv_total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+    """Tokens not computed yet over the engine's requests: the prompts left to prefill, plus one per decoding
+    request (as the heartbeat's NodeLoad counts them for the router); the prefill HPA's signal."""
     preemptions: int = 0
     computed_prompt_tokens: int = 0
     computed_tokens: int = 0
@@ -84,6 +87,11 @@ class NodeMetrics:
         self.kv_total_blocks = Gauge("pdserve_node_kv_total_blocks", "KV blocks in the pool", registry=r)
         self.running = Gauge("pdserve_node_running_requests", "Requests running in the engine", registry=r)
         self.waiting = Gauge("pdserve_node_waiting_requests", "Requests queued in the engine", registry=r)
+        self.queued_prefill_tokens = Gauge(
+            "pdserve_node_queued_prefill_tokens",
+            "Tokens of the engine's requests not computed yet (prompts left to prefill)",
+            registry=r,
+        )
         self.ttft = Histogram(
             "pdserve_node_time_to_first_token_seconds",
             "Arrival to first token",

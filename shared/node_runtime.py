@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pdserve.shared.async_engine import AsyncEngine
+from pdserve.shared.block_digest import IndexTruth
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_types import (
     BlockIndexError,
@@ -102,6 +104,10 @@ class NodeRuntime:
         self.kv_layout = dict(kv_layout)
         self.metrics = NodeMetrics(settings.role)
         self.index = BlockIndex(settings.redis) if settings.redis is not None else None
+        held = functools.partial(self.aengine.call, engine.pool.held_hashes)
+        self.truth = (
+            None if self.index is None else IndexTruth(self.index, self.node_id, held, self.metrics.registry)
+        )
         self.epoch = 0
         self.draining = False
         self.deregistered = False
@@ -198,6 +204,8 @@ class NodeRuntime:
         try:
             try:
                 await self.index.heartbeat(self.node_id, load, epoch)
+                if self.truth is not None and not self._need_resync:
+                    await self.truth.check(epoch)  # shared/block_digest.py; logs its own failures
             except NodeNotRegistered:
                 what = "registering again"
                 await self._register_again(epoch)

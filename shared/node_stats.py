@@ -1,6 +1,7 @@
 """The node's periodic engine stats: every second a snapshot read on the engine thread refreshes the
-metrics (running, waiting, KV use, preemptions), and every `interval_s` one log line says what vLLM's
-does: throughput since the last line, requests running and waiting, KV use and the prefix-cache hit rate.
+metrics (running, waiting, KV use, queued prefill tokens, preemptions), and every `interval_s` one log line
+says what vLLM's does: throughput since the last line, requests running and waiting, KV use and the
+prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
         waiting=len(s.waiting),
         kv_used_blocks=audit.in_use + audit.reserved,
         kv_total_blocks=audit.num_blocks,
+        queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running]),
         preemptions=s.stats.preemptions,
         computed_prompt_tokens=s.stats.computed_prompt_tokens,
         computed_tokens=s.stats.computed_tokens,
@@ -60,6 +62,7 @@ async def stats_loop(rt: NodeRuntime, interval_s: float) -> None:
         m.waiting.set(snap.waiting)
         m.kv_used_blocks.set(snap.kv_used_blocks)
         m.kv_total_blocks.set(snap.kv_total_blocks)
+        m.queued_prefill_tokens.set(snap.queued_prefill_tokens)
         now = time.monotonic()
         if interval_s > 0 and now - last_line >= interval_s:
             log.info("%s", stats_line(logged, snap, now - last_line))

@@ -20,7 +20,13 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 import click
 from click.core import ParameterSource
 from pydantic import BeforeValidator, Field, ValidationError
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    NoDecode,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 ENV_PREFIX = "PDSERVE_"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
@@ -42,6 +48,18 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
+
+def _comma_split(value: object) -> object:
+    """A comma-separated string (flag, variable) or a list (TOML; repeated flag) of comma-separated items."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list | tuple):
+        return tuple(n.strip() for v in value for n in str(v).split(",") if n.strip())
+    return value
+
+
+CommaList = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_comma_split)]
+"""A list setting: `--x a,b` or `--x a --x b`, `PDSERVE_X=a,b`, or `x = ["a", "b"]` in the file."""
 
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: str(v).upper())]
 
@@ -144,7 +162,7 @@ def _click_type(annotation: Any) -> tuple[Any, bool]:
 
 
 def _show_default(value: Any) -> str | bool:
-    if value is None:
+    if value is None or value == "":
         return False
     if isinstance(value, tuple):
         return ",".join(map(str, value)) if value else False
@@ -162,6 +180,8 @@ def click_options(cls: type[Settings], *, hidden: frozenset[str] = frozenset()) 
             help_text += f" [env: {env_name(name)}]"
             default = field.default if not field.is_required() else None
             flag = flag_name(name, cls)
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            aliases = [str(a) for a in extra.get("aliases", ())]  # type: ignore[union-attr]
             if field.annotation is bool:
                 decls = [flag] + ([f"--no-{flag[2:]}"] if default else [])
                 option = click.option(
@@ -177,6 +197,7 @@ def click_options(cls: type[Settings], *, hidden: frozenset[str] = frozenset()) 
                 shown = "required" if field.is_required() else _show_default(default)
                 option = click.option(
                     flag,
+                    *aliases,
                     name,
                     type=ctype,
                     multiple=multiple,

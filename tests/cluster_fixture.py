@@ -1,7 +1,8 @@
 """Test helpers for end-to-end tests: a real local cluster (redis-server, nodes, router) as processes.
 
 Owns nothing global: every `LiveCluster` stops exactly the processes it started, by pid (process group),
-and `stop()` asserts that none of them, nor anything in their process groups, is left running.
+and `stop()` asserts that none of them, nor anything in their process groups, is left running. Once started,
+`ps` shows the cluster's credential (the KV-transfer token) on no command line.
 The helpers also run the real command-line tools (`pdserve generate`, `kvctl`) as subprocesses and read
 node endpoints (/internal/audit with the cluster's credential, /metrics) over loopback.
 """
@@ -90,6 +91,7 @@ class LiveCluster:
             cluster.stop()
             raise
         live = LiveCluster(cluster, base, cluster.redis[0].url)
+        assert_not_on_any_command_line(cluster.auth_token)
         for name, proc in cluster.procs:
             if name != "router":
                 argv = [str(a) for a in proc.args]  # type: ignore[union-attr]
@@ -178,6 +180,14 @@ def stopped_on_failure(cluster: Cluster) -> Iterator[None]:
         raise
 
 
+def assert_not_on_any_command_line(*secrets: str) -> None:
+    """No process on the machine (`ps`, every user's argv) shows any of `secrets`."""
+    listing = subprocess.run(["ps", "-eo", "args", "--no-headers", "-ww"], capture_output=True, text=True,
+                             check=True).stdout.splitlines()  # fmt: skip
+    for secret in secrets:
+        assert len(secret) >= 8 and not [line for line in listing if secret in line], "a secret is on argv"
+
+
 def up_config(**kw: Any) -> UpConfig:
     """UpConfig on the real model, a free router port and one torch thread per node."""
     return UpConfig(model=model_path(), port=free_port(), threads_per_node=1, **kw)
@@ -191,7 +201,7 @@ def run_cli(module: str, *args: str, timeout_s: float = 300.0) -> subprocess.Com
 
 _TOKENS: dict[str, str] = {}
 """The credential of each live cluster, by its Redis URL."""
-_NODE_ACTIONS = ("drain", "undrain", "evict")
+_NODE_ACTIONS = ("drain", "undrain", "evict", "diff")
 
 
 def _credential(redis_url: str, args: tuple[str, ...]) -> list[str]:

@@ -3,8 +3,9 @@
 Triton decides interpreted or compiled when each kernel is decorated, so on a machine without a GPU the
 interpreter is switched on here, before any test module (or anything it imports, such as a benchmark
 script) imports triton: every kernel then runs under TRITON_INTERPRET=1, as CI tests them. On a GPU machine
-nothing is set and the kernels compile. A CPU install without triton (`make test KERNEL_TESTS=0`: it is the
-[gpu] extra) collects none of the Triton kernels' test modules, and says so in the header.
+nothing is set and the kernels compile. A CPU install without triton (`make test`; triton is the [gpu] extra,
+which `make test KERNEL_TESTS=1` and CI add) collects none of the Triton kernels' test modules, and says so in
+the header.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """`pdserve bench` through its command line against a real single-node cluster (redis-server, a node, the
 router): a short sweep of two loads writes a result file that matches the schema, with every request served
-at its exact output length, and a PNG; chat works too; `--backend engine` runs the same workload in-process.
+at its exact output length, and a PNG; chat works too (and --save-detailed keeps every request);
+`--backend engine` runs the same workload in-process.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +13,11 @@ from typing import Any
 
 import jsonschema
 import pytest
-from pdserve.bench import loads
+from pdserve.bench import command_line, loads
 from pdserve.bench_datasets import Lengths, jsonl_requests, shared_prefix_requests
+from pdserve.bench_options import BenchOptions
 from pdserve.bench_report import RESULT_SCHEMA, parse_goodput
+from pdserve.shared.settings import load_settings
 from pdserve.tests.cluster_fixture import LiveCluster, model_path, run_cli, up_config
 
 pytestmark = pytest.mark.slow
@@ -63,7 +65,7 @@ def test_a_sweep_against_the_router_writes_results_and_a_plot(live: LiveCluster,
     png = tmp_path / "sweep.png"
     result = bench(
         tmp_path, "sweep", "--base-url", live.base, *SHORT, "--max-concurrency", "1,4", "--plot", str(png),
-        "--label", "single", "--goodput", "ttft:60000", "tpot:60000", "--compare-engine", "--threads", "1",
+        "--label", "single", "--goodput", "ttft:60000,tpot:60000", "--compare-engine", "--threads", "1",
     )  # fmt: skip
     assert result["label"] == "single" and [r["load"]["max_concurrency"] for r in result["runs"]] == [1, 4]
     for run in result["runs"]:
@@ -82,12 +84,14 @@ def test_a_sweep_against_the_router_writes_results_and_a_plot(live: LiveCluster,
 def test_chat_at_a_poisson_rate(live: LiveCluster, tmp_path: Path) -> None:
     result = bench(
         tmp_path, "chat", "--base-url", live.base, "--backend", "openai-chat", *SHORT,
-        "--request-rate", "20", "--burstiness", "0.5", "--goodput", "ttft:1",
+        "--request-rate", "20", "--burstiness", "0.5", "--goodput", "ttft:1", "--save-detailed",
     )  # fmt: skip
     (run,) = result["runs"]
     assert run["load"] == {"request_rate": 20.0, "burstiness": 0.5, "max_concurrency": None}
     assert_all_served(run, 6, 12)
     assert 0 <= run["request_goodput"] <= run["request_throughput"]
+    assert len(run["requests"]) == 6  # --save-detailed: [ttft, tpot, e2el ms, tokens] of each request
+    assert all(0 < ttft < e2el and tpot > 0 and n == 12 for ttft, tpot, e2el, n in run["requests"])
 
 
 def test_the_engine_backend_runs_the_same_workload_in_process(tmp_path: Path) -> None:
@@ -114,8 +118,11 @@ def test_workloads_and_flags_without_a_server(tmp_path: Path) -> None:
     assert parse_goodput(["ttft:500", "e2el:2000"]) == {"ttft": 500.0, "e2el": 2000.0}
     with pytest.raises(ValueError, match="--goodput 'itl:5'"):
         parse_goodput(["itl:5"])
-    flags = argparse.Namespace(request_rate="1,2", max_concurrency="4,8", burstiness=1.0)
+    flags = load_settings(BenchOptions, {"request_rate": "1,2", "max_concurrency": "4,8"}, None)
     with pytest.raises(ValueError, match="sweep one of"):
         loads(flags)
-    flags.max_concurrency = "4"
+    flags = flags.model_copy(update={"max_concurrency": "4"})
     assert [(x["request_rate"], x["max_concurrency"]) for x in loads(flags)] == [(1.0, 4), (2.0, 4)]
+    flags = flags.model_copy(update={"goodput": ("ttft:500",), "input_len": 24, "ignore_eos": True})
+    assert command_line(flags) == ("pdserve bench --input-len 24 --request-rate 1,2 --max-concurrency 4 "
+                                   "--ignore-eos --goodput ttft:500")  # fmt: skip

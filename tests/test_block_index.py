@@ -19,6 +19,7 @@ from pdserve.shared.block_hash import hash_blocks, hash_seed
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_server import LocalRedis, free_port
 from pdserve.shared.block_index_types import (
+    BlocksDigest,
     IncompatibleNode,
     IndexAuthError,
     IndexUnavailable,
@@ -404,3 +405,41 @@ def test_tls_with_the_servers_ca_works_and_without_it_fails(tmp_path: Any) -> No
     with LocalRedis(tls_cert_file=str(cert), tls_key_file=str(key)) as server:
         assert server.url.startswith("rediss://")
         run(body(server.url, server.port))
+
+
+_POOL = [BlockHash(bytes([i]) * 32) for i in range(12)]
+_OPS = st.lists(
+    st.tuples(st.sampled_from("SRCE"), st.lists(st.sampled_from(_POOL), max_size=6)), min_size=1, max_size=12
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_digest_follows_every_write_of_the_records(redis_server: LocalRedis, ops: list[Any]) -> None:
+    """Stored (repeats included), Removed (absent hashes included), a resync's clear, evict_records: after
+    each, the index's digest is the digest of its records, and equals the node's fold of the same set."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            nid = NodeId("n0")
+            epoch = await index.register(node("n0"))
+            truth: set[BlockHash] = set()
+            for op, chosen in ops:
+                if op == "S":
+                    await index.publish(nid, epoch, [BlockStored(tuple(chosen), None)])
+                    truth |= set(chosen)
+                elif op == "R":
+                    await index.publish(nid, epoch, [BlockRemoved(tuple(chosen))])
+                    truth -= set(chosen)
+                elif op == "C":
+                    await index.resync(nid, epoch, chosen)
+                    truth = set(chosen)
+                else:
+                    await index.evict_records(nid, chosen or None)
+                    truth = truth - set(chosen) if chosen else set()
+                assert await index.records(nid, epoch) == truth
+                assert await index.digest(nid, epoch) == BlocksDigest.of(sorted(truth))
+            await index.rebuild_digest(nid, epoch)
+            assert await index.digest(nid, epoch) == BlocksDigest.of(list(truth))
+
+    run(body())

@@ -31,7 +31,7 @@ from pdserve.shared.settings import (
 )
 
 COMMANDS: list[tuple[click.Group, str]] = [
-    *((pdserve, name) for name in ("generate", "up", "router", "prefill", "decode", "single")),
+    *((pdserve, name) for name in ("generate", "up", "router", "prefill", "decode", "single", "bench")),
     *((kvctl, name) for name in ("nodes", "blocks", "where", "stats", "drain", "undrain", "evict")),
 ]
 SPECIAL = {"block_size": 32, "device": "cuda:1"}
@@ -45,10 +45,11 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
     from pdserve.up_options import UpOptions
 
     if group is pdserve:
+        from pdserve.bench_options import BenchOptions
         from pdserve.shared.engine_args import GenerateOptions
 
         commands: dict[str, type[Settings]] = {"generate": GenerateOptions, "up": UpOptions,
-            "router": RouterOptions, "prefill": PrefillOptions}  # fmt: skip
+            "router": RouterOptions, "prefill": PrefillOptions, "bench": BenchOptions}  # fmt: skip
         return commands.get(name, NodeOptions)
     classes: dict[str, type[Settings]] = {"blocks": kvctl_cli.Blocks, "where": kvctl_cli.PromptOptions,
         "evict": kvctl_cli.Evict, "drain": kvctl_cli.NodeAction, "undrain": kvctl_cli.NodeAction}  # fmt: skip

@@ -171,10 +171,12 @@ def start_from_manifests(cluster: Cluster) -> tuple[LiveCluster, str]:
     spawn("router", "router", port, {})
     base = f"http://127.0.0.1:{port}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
-    for _, proc in cluster.procs:
-        with open(f"/proc/{proc.pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().decode(errors="replace")
-        assert not any(v in argv for v in values.values()), f"a secret is on the command line: {argv}"
+    listing = subprocess.run(["ps", "-eo", "pid,args", "--no-headers", "-ww"], capture_output=True, text=True,
+                             check=True).stdout.splitlines()  # fmt: skip
+    pids = {str(redis.pid), *(str(proc.pid) for _, proc in cluster.procs)}
+    assert pids <= {line.split()[0] for line in listing}, "ps lists every process of the cluster"
+    for line in listing:  # redis-server, the nodes and the router included: no secret on any command line
+        assert not any(v in line for v in values.values()), f"a secret is on a command line: {line}"
     return LiveCluster(cluster, base, redis.url, nodes, values["auth-token"]), values["api-keys"]
 
 

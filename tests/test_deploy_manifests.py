@@ -219,7 +219,7 @@ def test_pools_scale_separately_on_their_own_signals(name: str) -> None:
         component(deployments[t]): {m["pods"]["metric"]["name"] for m in h["spec"]["metrics"] if "pods" in m}
         for t, h in targets.items()
     }
-    assert signals["prefill"] == {"pdserve_prefill_waiting_requests"}
+    assert signals["prefill"] == {"pdserve_prefill_queued_prefill_tokens"}
     assert signals["decode"] == {"pdserve_decode_kv_usage_ratio", "pdserve_decode_running_requests"}
     values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
     served = {rule["name"]["as"] for rule in values["rules"]["custom"]}

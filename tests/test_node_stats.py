@@ -1,0 +1,41 @@
+"""The node's engine snapshot, read as the stats loop reads it, on the real SmolLM2 GGUF (CPU): the queued
+prefill tokens that the prefill pool's autoscaler scales on (`pdserve_node_queued_prefill_tokens`) count the
+prompt tokens not computed yet, falling as chunked prefill advances, and one per decoding request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pdserve.cli import default_model_path
+from pdserve.shared.config import EngineConfig
+from pdserve.shared.engine import LLMEngine
+from pdserve.shared.node_stats import engine_snapshot
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import RequestId
+
+pytestmark = pytest.mark.slow
+CHUNK = 64
+
+
+def test_queued_prefill_tokens_follow_chunked_prefill() -> None:
+    torch.set_num_threads(1)
+    engine = LLMEngine(
+        EngineConfig(model=default_model_path(), num_kv_blocks=64, max_num_batched_tokens=CHUNK)
+    )
+    prompts = [list(range(100, 100 + 150)), list(range(300, 300 + 40))]
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    for i, ids in enumerate(prompts):
+        engine.add_request(engine.new_request(RequestId(f"r{i}"), ids, params))
+    snap = engine_snapshot(engine)
+    assert (snap.waiting, snap.running, snap.queued_prefill_tokens) == (2, 0, 190)
+    engine.step()  # the first CHUNK tokens of r0
+    assert engine_snapshot(engine).queued_prefill_tokens == 190 - CHUNK
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    snap = engine_snapshot(engine)
+    assert snap.running == 2 and snap.queued_prefill_tokens == 2, "one token per decoding request"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine_snapshot(engine).queued_prefill_tokens == 0
