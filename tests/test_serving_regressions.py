@@ -28,6 +28,10 @@ import httpx
 import pytest
 from pdserve.launch import Cluster, free_port, start_redis
 from pdserve.shared.block_index_server import LocalRedis
+from pdserve.shared.node_auth import bearer
+from pdserve.shared.node_protocol import NodeGenerateRequest
+from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.types import RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     NodeProc,
@@ -265,17 +269,22 @@ def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(stag
 
 
 def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: LiveCluster) -> None:
-    """decode-0 drained with a request streaming, then Redis restarts empty: it registers again as draining
-    (the router gives it nothing new); once its client leaves, it deregisters and holds nothing."""
+    """decode-0 drained with a request running, then Redis restarts empty: it registers again as draining
+    (the router gives it nothing new); once the request's client leaves, it deregisters and holds nothing.
+    The request is sent to decode-0 as the router sends a local prefill (its /internal/generate), so it runs
+    there from the first step whatever P does."""
     live = staged
-    body = {"model": MODEL, "prompt": "List the ports of the North Sea:", "max_tokens": 1500,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=300) as r:
+    node = live.nodes["decode-0"]
+    params = SamplingParams(max_tokens=1500, ignore_eos=True)
+    gen = NodeGenerateRequest(RequestId(f"drain-{os.getpid()}"), tuple(range(100, 140)), params, None,
+                              time.time() + 300)  # fmt: skip
+    url = f"{node.url}/internal/generate"
+    with httpx.stream("POST", url, content=gen.to_json(), headers=bearer(TOKEN), timeout=300) as r:
         assert r.status_code == 200
-        assert next(line for line in r.iter_lines() if line.startswith("data: {"))
-        # P streams the first token before D admits the request: drained before that, D would count as idle
-        _wait("the request runs on decode-0", lambda: _audits_busy(live, "decode-0"), 30, poll_s=0.1)
+        lines = r.iter_lines()
+        assert next(lines)  # its first step
         kvctl_main(live.redis_url, "drain", "decode-0")
+        assert live.audit("decode-0")["live_requests"] == 1, f"the request ended: {[*lines][-1:]}"
         _restart_redis_empty(live, down_s=0.5)
         listed = _wait("decode-0 registered again", lambda: _listed(live).get("decode-0"), 10, poll_s=0.1)
         assert listed["draining"] and listed["info"]["epoch"] > 1, listed
@@ -283,10 +292,10 @@ def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: 
             "the router sees decode-0 draining", lambda: _health_if(live, "decode", "draining"), 10
         )
         assert health.status_code == 503, health.text
-        assert _audits_busy(live, "decode-0")  # still streaming: the client leaves now, mid-stream
+        assert live.audit("decode-0")["live_requests"] == 1  # still running: its client leaves now
     _wait("decode-0 leaves the index once idle", lambda: "decode-0" not in _listed(live), 30)
     live.wait_clean()
-    kvctl_main(live.redis_url, "undrain", "decode-0", "--url", live.nodes["decode-0"].url)
+    kvctl_main(live.redis_url, "undrain", "decode-0", "--url", node.url)
     _wait("/health 200 again", lambda: _health(live).status_code == 200, 15)
 
 
@@ -294,11 +303,6 @@ def _health_if(live: LiveCluster, role: str, state: str) -> httpx.Response | Non
     """The router's /health once it counts a `role` node as `state`."""
     r = _health(live)
     return r if r.json()["nodes"][role][state] else None
-
-
-def _audits_busy(live: LiveCluster, node: str) -> bool:
-    audit = live.audit(node)
-    return bool(audit["live_requests"] and audit["in_use"])
 
 
 def test_defect6_pdserve_up_shows_the_operator_how_to_reach_its_cluster() -> None:
