@@ -14,8 +14,8 @@ The SLOs are fixed before any loaded run, from the colocated setup's unloaded re
 unloaded TTFT x --ttft-scale and TPOT <= median unloaded TPOT x --tpot-scale. DistServe's definitions: a
 request is good when it meets both; goodput is good requests per second; SLO attainment is the share of good
 requests. Prints the sweep, the P/D / colocated goodput ratio at the first rate where the colocated pair's
-attainment falls below --attainment, the same ratio under other SLO scales, and writes goodput.json and
-goodput.png in --out.
+attainment falls below --attainment, the same ratio under other SLO scales, each setup's highest rate with
+every rate up to it at that attainment (DistServe's goodput), and writes goodput.json and goodput.png.
 """
 
 from __future__ import annotations
@@ -118,6 +118,14 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             print(f"  {key}: {pd_j['goodput']:.2f} / {co_j['goodput']:.2f}")
     else:
         print(f"\nthe colocated pair kept {args.attainment:.0%} attainment at every rate: raise --rates")
+    # DistServe's per-setup goodput: the highest rate swept below which every rate kept the attainment
+    sustained = {name: max([0.0] + [r["rate"] for i, r in enumerate(rows)
+                                     if all(x[name]["attainment"] >= args.attainment for x in rows[: i + 1])])
+                 for name in SETUPS}  # fmt: skip
+    verdict["sustained_rate"] = sustained
+    print(f"highest rate with every rate up to it at >= {args.attainment:.0%} attainment"
+          f" (DistServe's goodput): "
+          f"P/D {sustained['pd']:g} req/s, colocated {sustained['colocated']:g} req/s")  # fmt: skip
     out = {"slo": slo, "reference": {"ttft_ms": ttft0, "tpot_ms": tpot0}, "rows": rows, "verdict": verdict}
     with open(os.path.join(args.out, "goodput.json"), "w", encoding="utf-8") as f:
         json.dump(out, f, indent=1)

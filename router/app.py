@@ -29,6 +29,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import Background, ChoiceEvent, ChoiceJob, RequestRun
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.model_check import ModelCheck
 from pdserve.router.node_client import NodeClients
 from pdserve.router.openai_builders import ResponseHead, models_response, usage
 from pdserve.router.openai_protocol import (
@@ -103,13 +104,17 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
     clients.on_down = breakers.trip
     membership = Membership(index, clients, breakers, metrics, config.node_list_ttl_s, config.seed_nodes)
     ledger = Ledger(config.admission)
-    router = Router(index, clients, config.policy, membership, metrics, background, breakers, ledger)
+    model_check = ModelCheck(config.model_path, tokenizer)
+    router = Router(
+        index, clients, config.policy, membership, metrics, background, breakers, ledger, model_check
+    )
     started = int(time.time())
     served = set(config.served_model_names)
     tenants = Tenants(config.api_keys, config.rate_limit)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await model_check.prepare()
         watch = asyncio.create_task(membership.run())
         yield
         watch.cancel()

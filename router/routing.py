@@ -3,7 +3,8 @@
 Invariants: the nodes come from router/membership.py's view (at most about `node_list_ttl_s` old; kept,
 checked by the nodes' health, while Redis is away or comes back empty); while Redis is unreachable the
 choice is load-only (no prefix hits), as DESIGN.md's failure model asks. A node whose circuit breaker is open
-(router/breaker.py: its connection was refused or reset) gets no request.
+(router/breaker.py: its connection was refused or reset) gets no request, and none goes to a node whose model
+or tokenizer is not the router's (router/model_check.py).
 Block size and model fingerprint come from the nodes' registrations (the index refuses nodes that
 disagree), never from the router's own config. A node's NodeInfoReply (max_model_len) is fetched once
 per (node id, epoch).
@@ -22,6 +23,7 @@ from pdserve.router.breaker import Breakers
 from pdserve.router.dispatch import Background, Route
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.model_check import ModelCheck
 from pdserve.router.node_client import NodeClients, NodeError
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
@@ -64,8 +66,10 @@ class Router:
         background: Background,
         breakers: Breakers,
         ledger: Ledger,
+        model_check: ModelCheck,
     ) -> None:
         self._index = index
+        self._model_check = model_check
         self._ledger = ledger
         self._clients = clients
         self._breakers = breakers
@@ -138,11 +142,11 @@ class Router:
     async def _place_once(
         self, prompt: Sequence[int], cache_salt: str | None, deadline: float, n: int
     ) -> Placement:
-        statuses = await self._with_room(deadline)
         started = time.perf_counter()
-        if not statuses:
+        known = await self.nodes()
+        if not known:
             raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
-        first = statuses[0].info
+        first = known[0].info
         block_size = first.block_size
         hashes = hash_blocks(
             prompt, block_size, hash_seed(bytes.fromhex(first.model_fingerprint), cache_salt)
@@ -153,6 +157,13 @@ class Router:
                 hits = await self._index.lookup(hashes)
             except IndexUnavailable:
                 self._membership.index_failed()
+        # From the room check to the leases nothing awaits (no suspension while there is room), so a burst
+        # cannot pass the check all at once; time spent waiting for room is not routing time.
+        waited = time.perf_counter()
+        statuses = await self._with_room(deadline)
+        started += time.perf_counter() - waited
+        if not statuses:
+            raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
         policy = self._policy
         if policy.block_size != block_size:
             policy = self._policy = dataclasses.replace(policy, block_size=block_size)
@@ -171,6 +182,9 @@ class Router:
         by_id = {s.info.node_id: s.info for s in statuses}
         decode = by_id[decision.decode]
         prefill = by_id[decision.prefill] if decision.mode == "disaggregated" else None
+        for node in (decode, prefill):
+            if node is not None:
+                self._model_check.check(node)  # 503 model_mismatch: the router's model is not theirs
         self._metrics.routing.observe(time.perf_counter() - started)
         kind = _KIND[decision.mode]
         m = self._metrics
@@ -185,9 +199,14 @@ class Router:
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self.index_ok:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
-        infos = await asyncio.gather(*(self.info(node) for node in (decode, prefill) if node is not None))
         owner = None if prefill is None else prefill.node_id
         leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
+        try:
+            infos = await asyncio.gather(*(self.info(node) for node in (decode, prefill) if node is not None))
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
         return Placement(
             Route(kind, decode, prefill, decision.cached_blocks_prefill),
             min(i.max_model_len for i in infos),

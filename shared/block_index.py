@@ -3,9 +3,9 @@
 Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts keep them atomically):
 - A node counts (in `nodes()` and `lookup()`) only while its heartbeat key is alive and carries its current
   epoch; records of older epochs are never read and are deleted on re-registration or by their TTL.
-- Nodes of one cluster share one credential digest, model fingerprint, KV layout and protocol version while
-  any of them is live; a node that differs is refused with `IncompatibleNode` naming the field and both
-  values (for the credential, a prefix of each digest).
+- Nodes of one cluster share one credential digest, model fingerprint, tokenizer fingerprint, KV layout and
+  protocol version while any of them is live; a node that differs is refused with `IncompatibleNode` naming
+  the field and both values (for the credential, a prefix of each digest).
 - `lookup` is one EVALSHA whatever the prompt length, and reads only.
 - The index is an estimate for routing: a block it lists may have been evicted; the transfer verifies.
 Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
@@ -76,6 +76,8 @@ def _layout_pairs(info: NodeInfo) -> list[str]:
     pairs = ["credential_digest", info.credential_digest, "protocol_version", str(info.protocol_version)]
     for name in KV_LAYOUT_FIELDS:
         pairs += [f"kv_layout.{name}", str(info.kv_layout[name])]
+    if info.tokenizer_fingerprint:  # a node that predates it is not compared on it
+        pairs += ["tokenizer_fingerprint", info.tokenizer_fingerprint]
     return [*pairs, "model_fingerprint", info.model_fingerprint]
 
 

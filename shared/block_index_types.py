@@ -129,6 +129,8 @@ class NodeInfo:
     credential_digest: str
     """64 lowercase hex digits: shared.node_auth.credential_digest(the KV-transfer token); never the token."""
     epoch: int = 0
+    tokenizer_fingerprint: str = ""
+    """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.node_id):
@@ -139,6 +141,10 @@ class NodeInfo:
             raise ValueError(f"model_fingerprint={self.model_fingerprint!r}: need 64 lowercase hex digits")
         if not _HEX64_RE.fullmatch(self.credential_digest):
             raise ValueError(f"credential_digest={self.credential_digest!r}: need 64 lowercase hex digits")
+        if self.tokenizer_fingerprint and not _HEX64_RE.fullmatch(self.tokenizer_fingerprint):
+            raise ValueError(
+                f"tokenizer_fingerprint={self.tokenizer_fingerprint!r}: need 64 lowercase hex digits or ''"
+            )
         if sorted(self.kv_layout) != sorted(KV_LAYOUT_FIELDS):
             raise ValueError(
                 f"kv_layout has fields {sorted(self.kv_layout)}; need {sorted(KV_LAYOUT_FIELDS)}"

@@ -144,6 +144,7 @@ class NodeRuntime:
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
                 credential_digest=credential_digest,
+                tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
             )
             self._info = info
             self.epoch = await self.index.register(info)  # IncompatibleNode propagates: refuse to start

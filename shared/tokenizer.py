@@ -9,6 +9,8 @@ Loading a tokenizer never touches model weights, so its time is measured on its 
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -28,6 +30,7 @@ class _Backend(Protocol):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def vocab_size(self) -> int: ...
+    def identity(self) -> bytes: ...
 
 
 class _RustBackend:
@@ -42,6 +45,9 @@ class _RustBackend:
 
     def vocab_size(self) -> int:
         return int(self.tok.get_vocab_size(with_added_tokens=True))
+
+    def identity(self) -> bytes:
+        return str(self.tok.to_str()).encode()
 
 
 class _ByteBackend:
@@ -73,6 +79,9 @@ class _ByteBackend:
     def vocab_size(self) -> int:
         return self.size
 
+    def identity(self) -> bytes:
+        return json.dumps({"byte_level": self.size, "special": sorted(self.special_ids)}).encode()
+
 
 class Tokenizer:
     def __init__(
@@ -94,6 +103,19 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Ids the tokenizer can produce (may be below the model's padded vocab_size)."""
         return self._backend.vocab_size()
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 (hex) of what turns text into ids and back: the backend's vocabulary, merges, normalizer
+        and special tokens, the EOS ids, the chat template and its token strings (not the display name).
+        The router and every node must share it (docs/faults.md)."""
+        parts = {
+            "backend": hashlib.sha256(self._backend.identity()).hexdigest(),
+            "eos": sorted(self.eos_token_ids),
+            "chat_template": self.chat_template,
+            "template_tokens": self._template_tokens,
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self._backend.encode(text, add_special_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import socket
@@ -146,6 +147,21 @@ def test_registering_again_gives_a_newer_epoch_and_keeps_draining(redis_server: 
             assert await index.register(node("d0", "decode"), draining=True, after_epoch=3) == 9
             (status,) = await index.nodes()
             assert status.draining and status.info.epoch == 9
+
+    run(body())
+
+
+def test_a_node_with_another_tokenizer_is_refused(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            await index.register(dataclasses.replace(node("p0"), tokenizer_fingerprint="11" * 32))
+            with pytest.raises(IncompatibleNode) as err:
+                await index.register(dataclasses.replace(node("p1"), tokenizer_fingerprint="22" * 32))
+            assert f"tokenizer_fingerprint is {'22' * 32} on the node but {'11' * 32}" in str(err.value)
+            await index.register(
+                node("p2")
+            )  # a node that predates tokenizer fingerprints is not compared on it
+            assert [s.info.node_id for s in await index.nodes()] == ["p0", "p2"]
 
     run(body())
 

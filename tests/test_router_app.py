@@ -27,9 +27,11 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
+from pdserve.shared.block_hash import model_fingerprint
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_server import LocalRedis, free_port
 from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.gguf_loader import read_gguf
 from pdserve.shared.loader import load_tokenizer
 from pdserve.shared.node_auth import credential_digest
 from pdserve.shared.node_protocol import (
@@ -63,7 +65,6 @@ def _model_path() -> str:
 
 MODEL = _model_path()
 MAX_MODEL_LEN = 256
-FINGERPRINT = "ab" * 32
 LAYOUT: dict[str, int | str] = {
     "num_layers": 30,
     "num_kv_heads": 3,
@@ -72,6 +73,17 @@ LAYOUT: dict[str, int | str] = {
     "dtype": "float32",
     "tp_size": 1,
 }
+
+
+def _fingerprint() -> str:
+    """The model fingerprint a real node of MODEL registers with LAYOUT (the router checks it)."""
+    config, _, identity = read_gguf(MODEL)
+    return model_fingerprint(
+        config.to_dict(), identity, str(LAYOUT["dtype"]), int(LAYOUT["block_size"])
+    ).hex()
+
+
+FINGERPRINT = _fingerprint()
 
 
 class FakeNodes:
