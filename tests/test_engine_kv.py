@@ -43,7 +43,7 @@ def _assert_pool_clean(engine: LLMEngine) -> None:
 
 
 def _run(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-    out = generate(engine, prompts, params)
+    out = generate(engine, [(p, params) for p in prompts])
     _assert_pool_clean(engine)
     return out
 
