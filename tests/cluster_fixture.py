@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -164,6 +165,19 @@ def assert_all_gone(procs: list[subprocess.Popen[bytes]]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, 0)
             raise AssertionError(f"process group {proc.pid} still has members after stop")
+
+
+@contextlib.contextmanager
+def stopped_on_failure(cluster: Cluster) -> Iterator[None]:
+    """Around building a cluster by hand: if anything fails, stops every process started so far, asserts none
+    is left, and re-raises."""
+    try:
+        yield
+    except BaseException:
+        procs = [p for _, p in cluster.procs]
+        cluster.stop()
+        assert_all_gone(procs)
+        raise
 
 
 def assert_not_on_any_command_line(*secrets: str) -> None:
