@@ -12,8 +12,8 @@ import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from pdserve.router.config import RouterConfig
 from pdserve.shared.settings import (
     CommaList,
     LogLevel,
@@ -23,6 +23,9 @@ from pdserve.shared.settings import (
     read_secret,
 )
 from pydantic import Field
+
+if TYPE_CHECKING:
+    from pdserve.router.config import RouterConfig
 
 log = logging.getLogger("pdserve.router")
 
@@ -97,6 +100,7 @@ class RouterOptions(SecretFiles):
 def router_config(opts: RouterOptions) -> RouterConfig:
     """The frozen RouterConfig; raises SettingsError (model not on disk, unreadable secret) or ValueError."""
     from pdserve.router.admission import AdmissionConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.router.policy import PolicyConfig
     from pdserve.router.tenants import RateLimit
     from pdserve.shared.block_index_types import RedisConfig
