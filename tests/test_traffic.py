@@ -223,8 +223,9 @@ def make_call(rng: random.Random, number: int) -> Call:
 def make_mix(seed: int, prefill: int, decode: int) -> Mix:
     """WAVES waves of 4-6 calls, one of them over the context (400). Between waves: two D caches and one
     P cache evicted whole and one prompt's blocks evicted from some node, so prefixes end up cached on P
-    but not on D and the reverse; one P and one D drained and undrained one or two waves later (a role's
-    only D at once, with a probe request that must get 503 in between)."""
+    but not on D and the reverse; one P and one D drained, and undrained one or two waves later (a role's
+    only D at once, with a probe request that must get 503 in between); after an undrain the node must be
+    listed as serving again before the next wave."""
     rng = random.Random(seed)
     waves: list[tuple[Call, ...]] = []
     for _ in range(WAVES):
@@ -342,26 +343,31 @@ def apply(live: LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict
 
 
 def _apply(live: LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict[str, Any]]) -> list[str]:
-    redis, url = live.redis_url, live.nodes[op.node].url
+    redis = live.redis_url
     if op.action == "evict":
         target = ["--all"] if op.call is None else _prompt_args(op.call)
         reply = kvctl_main(redis, "evict", "--node", op.node, *target)
         return [] if reply["node_reply"].get("ok") else [f"{op.describe()}: {reply}"]
     if op.action == "undrain":
-        kvctl_main(redis, "undrain", op.node, "--url", url)
+        _undrain(live, op.node)
         return []
     kvctl_main(redis, "drain", op.node)
     if op.probe is None:
         return []
     time.sleep(ROUTER_TTL_S)
     problems = [f"{op.probe.describe()}: {p}" for p in check(op.probe, send(client, op.probe), refs)]
-    kvctl_main(redis, "undrain", op.node, "--url", url)
+    _undrain(live, op.node)
+    return problems
+
+
+def _undrain(live: LiveCluster, node: str) -> None:
+    """kvctl undrain, then waits until the index lists the node as serving and the router has seen it."""
+    kvctl_main(live.redis_url, "undrain", node, "--url", live.nodes[node].url)
     deadline = time.monotonic() + 60
-    while not _serving(live, op.node):
-        assert time.monotonic() < deadline, f"{op.node} is not back in the index 60 s after its undrain"
+    while not _serving(live, node):
+        assert time.monotonic() < deadline, f"{node} is not back in the index 60 s after its undrain"
         time.sleep(0.3)
     time.sleep(ROUTER_TTL_S)
-    return problems
 
 
 def _prompt_args(call: Call) -> list[str]:
@@ -419,9 +425,15 @@ def test_traffic(seed: int, tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
     t0 = time.monotonic()
-    refs = dict(zip(lines, generate_offline_lines("--prompts-file", str(path)), strict=True))
-    t1 = time.monotonic()
-    live = LiveCluster.start(up_config(prefill=prefill, decode=decode, extra_node_args=NODE_ARGS))
+    with ThreadPoolExecutor(1) as offline:  # the reference run and the cluster's start overlap
+        reference = offline.submit(generate_offline_lines, "--prompts-file", str(path))
+        live = LiveCluster.start(up_config(prefill=prefill, decode=decode, extra_node_args=NODE_ARGS))
+        t1 = time.monotonic()
+        try:
+            refs = dict(zip(lines, reference.result(), strict=True))
+        except BaseException:
+            live.stop()
+            raise
     try:
         t2 = time.monotonic()
         failures: list[str] = []
@@ -447,7 +459,7 @@ def test_traffic(seed: int, tmp_path: Path) -> None:
         except (AssertionError, httpx.HTTPError) as exc:
             failures.append(f"audit at the end: {exc!r}")
         print(
-            f"traffic seed={seed}: {len(refs)} references in {t1 - t0:.1f} s, cluster up in {t2 - t1:.1f} s, "
+            f"traffic seed={seed}: cluster up in {t1 - t0:.1f} s, {len(refs)} references by {t2 - t0:.1f} s, "
             f"{len(mix.calls())} requests in {t3 - t2:.1f} s (the cluster's processes used {cpu_s:.0f} CPU s "
             f"since they started), {len(failures)} failures",
             flush=True,
