@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -118,6 +118,9 @@ class NodeRuntime:
         self._info: NodeInfo | None = None
         self.connector_kind = "none"
         """The KV connector this node uses (a metrics label), set by the role's server."""
+        self.requests_outside_engine: Callable[[], int] = lambda: 0
+        """Requests the role holds before they enter the engine (D: waiting for their KV; P: waiting for D's
+        room), set by the role's server: a draining node deregisters only when these are done too."""
 
     @property
     def node_id(self) -> NodeId:
@@ -187,7 +190,8 @@ class NodeRuntime:
             m.kv_used_blocks.set(load.kv_used_blocks)
             m.running.set(load.running)
             m.waiting.set(load.waiting)
-            if self.draining and load.running == 0 and load.waiting == 0 and not self.deregistered:
+            idle = load.running == 0 and load.waiting == 0 and self.requests_outside_engine() == 0
+            if self.draining and idle and not self.deregistered:
                 try:
                     await self.index.deregister(self.node_id)
                     self.deregistered = True
