@@ -89,11 +89,10 @@ def _generate(opts: GenerateOptions) -> int:
     from pdserve.shared.settings import SettingsError, check_model_path
 
     model = check_model_path(opts.model or default_model_path())  # before torch loads
-    import json
 
     from pdserve.shared.engine_args import engine_config
     from pdserve.shared.loader import ModelLoadError
-    from pdserve.shared.offline import Prompt, parse_messages, run
+    from pdserve.shared.offline import Prompt, parse_messages, read_prompts_file, run
     from pdserve.shared.sampling_params import SamplingParams
 
     sources = [n for n in ("prompt", "messages", "prompts_file") if getattr(opts, n) is not None]
@@ -103,15 +102,6 @@ def _generate(opts: GenerateOptions) -> int:
         import torch
 
         torch.set_num_threads(opts.threads)
-    if opts.prompts_file:
-        with open(opts.prompts_file, encoding="utf-8") as f:
-            prompts = [Prompt.from_json(json.loads(line)) for line in f if line.strip()]
-    elif opts.messages is not None:
-        prompts = [Prompt(messages=parse_messages(opts.messages))]
-    else:
-        if not opts.prompt:
-            raise ValueError("--prompt is empty; give at least one character")
-        prompts = [Prompt(text=opts.prompt)]
     params = SamplingParams(
         max_tokens=opts.max_tokens,
         temperature=opts.temperature,
@@ -122,9 +112,17 @@ def _generate(opts: GenerateOptions) -> int:
         logprobs=opts.logprobs,
         ignore_eos=opts.ignore_eos,
     )
+    if opts.prompts_file:
+        prompts = read_prompts_file(opts.prompts_file, params)
+    elif opts.messages is not None:
+        prompts = [Prompt(params, messages=parse_messages(opts.messages))]
+    else:
+        if not opts.prompt:
+            raise ValueError("--prompt is empty; give at least one character")
+        prompts = [Prompt(params, text=opts.prompt)]
     config = engine_config(opts.model_copy(update={"model": model}))
     try:
-        return run(config, prompts, params, opts.json_output)
+        return run(config, prompts, opts.json_output)
     except ModelLoadError as exc:
         raise ValueError(str(exc)) from exc
 

@@ -40,17 +40,38 @@ class Cluster:
     redis: list[LocalRedis] = field(default_factory=list)
     auth_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
     """The cluster's credential: the nodes' KV-transfer token, which the router (and kvctl) send to nodes."""
+    urls: dict[str, str] = field(default_factory=dict)
+    """Where each started component answers (a node's internal API, the router's OpenAI API), by name."""
 
     @property
     def secret_env(self) -> dict[str, str]:
         """The environment of a process that holds the credential (a secret: never on argv)."""
         return os.environ | {"PDSERVE_AUTH_TOKEN": self.auth_token}
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")  # noqa: SIM115 - owned by the child
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, url: str = ""
+    ) -> subprocess.Popen[bytes]:
+        log = open(self.log_path(name), "wb")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         self.procs.append((name, proc))
+        if url:
+            self.urls[name] = url
         return proc
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.workdir, f"{name}.log")
+
+    def table(self) -> str:
+        """The operator's map of the cluster: each component's role, pid, URL and log file."""
+        rows = [("component", "role", "pid", "url", "log")]
+        for redis in self.redis:
+            rows.append(("redis", "index", str(redis.pid), redis.url, redis.log_path or "-"))
+        for name, proc in self.procs:
+            role = "router" if name == "router" else name.rsplit("-", 1)[0]
+            rows.append((name, role, str(proc.pid), self.urls.get(name, "-"), self.log_path(name)))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        cells = [[c.ljust(w) for c, w in zip(r[:4], widths, strict=True)] + [r[4]] for r in rows]
+        return "\n".join("  " + "  ".join(c) for c in cells)
 
     def check_alive(self) -> None:
         for name, proc in self.procs:
@@ -59,7 +80,7 @@ class Cluster:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}; last log lines:\n{tail}")
 
     def log_tail(self, name: str, lines: int = 15) -> str:
-        with open(os.path.join(self.workdir, f"{name}.log"), "rb") as f:
+        with open(self.log_path(name), "rb") as f:
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
@@ -157,7 +178,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         ]
         if role == "single":
             argv += ["--role", "single"]
-        cluster.spawn(name, argv, env=cluster.secret_env)
+        cluster.spawn(name, argv, env=cluster.secret_env, url=f"http://127.0.0.1:{port}")
         urls.append(f"http://127.0.0.1:{port}/internal/health")
     for url in urls:
         cluster.wait_http(url, timeout_s=300)
@@ -173,8 +194,8 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         str(cfg.port),
         *cfg.router_args,
     ]
-    cluster.spawn("router", router_argv, env=cluster.secret_env)
     base = f"http://127.0.0.1:{cfg.port}"
+    cluster.spawn("router", router_argv, env=cluster.secret_env, url=base)
     cluster.wait_http(f"{base}/health", timeout_s=120)
     return base
 
@@ -210,11 +231,20 @@ def run_up(cfg: UpConfig) -> int:
             flush=True,
         )
         base = start_cluster(cfg, cluster)
-        print(f"pdserve up: serving the OpenAI API on {base}/v1", flush=True)
         token_file = os.path.join(cluster.workdir, "auth-token")
         with open(os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(cluster.auth_token)
-        print(f"pdserve up: kvctl drain/undrain/evict need PDSERVE_AUTH_TOKEN_FILE={token_file}", flush=True)
+        redis_url = cluster.redis[0].url
+        print(
+            f"pdserve up: serving the OpenAI API on {base}/v1\n"
+            f"pdserve up: the block index is Redis at {redis_url} (no persistence; stops with the cluster)\n"
+            f"{cluster.table()}\n"
+            f"pdserve up: point kvctl at it with `kvctl --redis {redis_url} nodes`, or in a shell:\n"
+            f"  export PDSERVE_REDIS={redis_url} PDSERVE_AUTH_TOKEN_FILE={token_file}\n"
+            f"pdserve up: kvctl drain/undrain/evict need PDSERVE_AUTH_TOKEN_FILE={token_file} (the cluster's "
+            "credential)",
+            flush=True,
+        )
         if cfg.demo:
             answer = demo_request(base)
             print(

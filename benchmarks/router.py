@@ -26,11 +26,13 @@ from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_server import LocalRedis
 from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
 from pdserve.shared.block_pool import BlockStored
+from pdserve.shared.node_auth import credential_digest
 from pdserve.shared.types import BlockHash, NodeId
 
 BLOCK = 16
 VOCAB = 49152
 FINGERPRINT = bytes(range(32))
+CRED = credential_digest("bench")  # the digest of a token every node of the run holds
 LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": BLOCK}
 LAYOUT |= {"dtype": "bfloat16", "tp_size": 1}
 TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
@@ -86,7 +88,7 @@ async def main(args: argparse.Namespace) -> None:
             role: Role = "prefill" if i % 2 == 0 else "decode"
             node = NodeId(f"{role}-{i}")
             url, addr = f"http://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}"  # never contacted
-            info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000)
+            info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000, CRED)
             epoch = await index.register(info)
             load = NodeLoad(rng.randint(0, 8), rng.randint(0, 4), rng.randint(0, 50_000), 200_000, 0,
                             queued_prefill_tokens=rng.randint(0, 4096))  # fmt: skip

@@ -27,9 +27,11 @@ from pdserve.cli import default_model_path
 from pdserve.shared.block_index import BlockIndex
 from pdserve.shared.block_index_server import LocalRedis, free_port
 from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.node_auth import credential_digest
 from pdserve.shared.node_protocol import NodeGenerateRequest, NodeInfoReply, StepOutput
 from pdserve.shared.types import NodeId
 
+CRED = credential_digest("bench")
 FINGERPRINT_HEX = "ab" * 32
 LAYOUT: dict[str, int | str] = {
     "num_layers": 30,
@@ -49,7 +51,9 @@ def echo_node(port: int, redis_url: str) -> None:
 
     async def register() -> None:
         index = BlockIndex(RedisConfig(url=redis_url, heartbeat_ttl_s=3600, records_ttl_s=7200))
-        info = NodeInfo(node, "single", f"http://127.0.0.1:{port}", "", FINGERPRINT_HEX, LAYOUT, 1, 100_000)
+        info = NodeInfo(
+            node, "single", f"http://127.0.0.1:{port}", "", FINGERPRINT_HEX, LAYOUT, 1, 100_000, CRED
+        )
         await index.register(info)
         await index.heartbeat(node, NodeLoad(0, 0, 0, 100_000, 0))
 

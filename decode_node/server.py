@@ -63,6 +63,7 @@ class DecodeHandler(TransferHandler):
     def __init__(self, rt: NodeRuntime) -> None:
         self.rt = rt
         self.pending: dict[RequestId, _Pending] = {}
+        rt.requests_outside_engine = lambda: len(self.pending)
         self._admission = asyncio.Lock()  # FIFO: asyncio wakes a lock's waiters in arrival order
         self._ended: dict[RequestId, float] = {}  # tombstones: request id -> when to forget it
         self._ended_order: deque[RequestId] = deque()

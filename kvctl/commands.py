@@ -45,7 +45,7 @@ def tokenize(model: str | None, prompt: str | None, messages: list[dict[str, Any
         tokenizer = load_tokenizer(model or default_model_path())
         if messages is not None:
             return tokenizer.apply_chat_template(messages)
-        return tokenizer.encode(prompt or "")
+        return tokenizer.encode(prompt or "", add_special_tokens=True)  # as the router encodes a prompt
     except (ModelLoadError, ValueError) as exc:
         raise KvctlError(str(exc)) from exc
 

@@ -118,6 +118,8 @@ class PrefillService:
         self.sender = sender
         self.layers_per_frame = layers_per_frame
         self.observer: PrefillObserver | None = None
+        self._opening = 0  # requests waiting for D's OPEN reply, not yet in the engine
+        rt.requests_outside_engine = lambda: self._opening
 
     def attach(self) -> None:
         self.observer = PrefillObserver(self.rt, asyncio.get_running_loop(), self.layers_per_frame)
@@ -158,9 +160,13 @@ class PrefillService:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 session = await self.sender.session(req.decode_transfer_addr, rid)
                 # waits while D has no room (its admission queue); P holds nothing for the request meanwhile
-                reply: OpenReply = await session.open(
-                    tuple(engine_req.block_hashes), num_blocks, req.deadline
-                )
+                self._opening += 1
+                try:
+                    reply: OpenReply = await session.open(
+                        tuple(engine_req.block_hashes), num_blocks, req.deadline
+                    )
+                finally:
+                    self._opening -= 1
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
                 self.observer.jobs[rid] = job

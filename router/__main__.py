@@ -8,11 +8,12 @@ SIGINT/SIGTERM. Imports nothing heavy until it runs, so `--help` answers at once
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from pdserve.router.config import RouterConfig
 from pdserve.shared.settings import (
     CommaList,
     LogLevel,
@@ -22,6 +23,11 @@ from pdserve.shared.settings import (
     read_secret,
 )
 from pydantic import Field
+
+if TYPE_CHECKING:
+    from pdserve.router.config import RouterConfig
+
+log = logging.getLogger("pdserve.router")
 
 
 class RouterOptions(SecretFiles):
@@ -84,12 +90,17 @@ class RouterOptions(SecretFiles):
         ge=0,
         description="requests that may wait for a node below its limit; beyond: 429 with Retry-After",
     )
-    log_level: LogLevel = Field("INFO", description="log level")
+    log_level: LogLevel = Field(
+        "INFO",
+        description="log level of the router and of its HTTP server (INFO and below: one access-log "
+        "line per request)",
+    )
 
 
 def router_config(opts: RouterOptions) -> RouterConfig:
     """The frozen RouterConfig; raises SettingsError (model not on disk, unreadable secret) or ValueError."""
     from pdserve.router.admission import AdmissionConfig
+    from pdserve.router.config import RouterConfig
     from pdserve.router.policy import PolicyConfig
     from pdserve.router.tenants import RateLimit
     from pdserve.shared.block_index_types import RedisConfig
@@ -127,17 +138,48 @@ def run(opts: RouterOptions) -> int:
 
     import uvicorn
     from pdserve.router.app import create_app
+    from pdserve.router.request_log import RequestLog
     from pdserve.shared.block_index import BlockIndex
     from pdserve.shared.loader import ModelLoadError, load_tokenizer
 
     logging.basicConfig(level=opts.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
+    if opts.log_level != "DEBUG":  # httpx logs every call to a node at INFO: the access log is per request
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         tokenizer = load_tokenizer(config.model_path)
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from exc
     app = create_app(config, tokenizer, BlockIndex(config.redis))
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    log.info(
+        "router for %s (model %s) starting on http://%s:%d; index: Redis at %s, cluster %r; nodes seen: %s",
+        ", ".join(config.served_model_names), config.model_path, config.host, config.port,
+        config.redis.address, config.redis.cluster, asyncio.run(_nodes_seen(config)),
+    )  # fmt: skip
+    # log_config=None: uvicorn's loggers (its access log among them) go through the format set above, at
+    # the same --log-level
+    uvicorn.run(
+        RequestLog(app),
+        host=config.host,
+        port=config.port,
+        log_level=opts.log_level.lower(),
+        log_config=None,
+        access_log=True,
+        timeout_graceful_shutdown=5,
+    )
     return 0
+
+
+async def _nodes_seen(config: RouterConfig) -> str:
+    from pdserve.shared.block_index import BlockIndex
+    from pdserve.shared.block_index_types import IndexUnavailable
+
+    async with BlockIndex(config.redis) as index:
+        try:
+            nodes = await index.nodes()
+        except IndexUnavailable as exc:
+            return f"none yet (the index does not answer: {exc})"
+    seen = [f"{s.info.node_id} ({s.info.role}{', draining' if s.draining else ''})" for s in nodes]
+    return ", ".join(seen) or "none yet"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """The router's OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics.
+/health (a readiness report: 200 while some node pair can serve, else 503), /metrics.
 
 Invariants: every error leaves as OpenAI's ErrorResponse (never FastAPI's {"detail"}); the router
 tokenizes (chat template included) and only token ids go to the nodes; a request ends on every path
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -39,13 +40,19 @@ from pdserve.router.openai_protocol import (
     parse_completion,
     parse_json_body,
 )
+from pdserve.router.policy import NodeView, NoNodeAvailable, choose
+from pdserve.router.request_log import REQUEST_ID
 from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
 from pdserve.shared.block_index import BlockIndex
+from pdserve.shared.block_index_types import ROLES
+from pdserve.shared.node_auth import credential_digest
 from pdserve.shared.node_protocol import TokenLogprob
 from pdserve.shared.tokenizer import Tokenizer
 from pdserve.shared.types import RequestId
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,10 +162,41 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         model: dict[str, Any] = models_response([model_id], started)["data"][0]
         return model
 
+    credential = None if config.node_token is None else credential_digest(config.node_token)
+
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        nodes = await router.nodes()
-        return {"status": "ok", "nodes": len(nodes), "index": "ok" if router.index_ok else "unavailable"}
+    async def health() -> JSONResponse:
+        """Ready (200) only while the policy can place a request on the nodes the router would use now: a
+        prefill and decode pair, a single node, or a decode node prefilling locally; else 503. Draining
+        nodes, nodes whose breaker is open (`down`) and nodes that registered another credential than this
+        router's token (they would answer it 401) cannot serve. The body counts the router's view of the
+        nodes by role and says whether the index answers (without it the router serves on from its view)."""
+        now = time.monotonic()
+        statuses = await membership.nodes()
+        counts = {role: {"ready": 0, "draining": 0, "down": 0} for role in ROLES}
+        for s in statuses:
+            state = (
+                "ready"
+                if router.usable(s, now)
+                else "down"
+                if breakers.is_open(s.info.node_id)
+                else "draining"
+            )
+            counts[s.info.role][state] += 1
+        body: dict[str, Any] = {"nodes": counts, "index": "ok" if router.index_ok else "unavailable"}
+        usable = [s for s in statuses if router.usable(s, now)]
+        trusted = [s for s in usable if credential in (None, s.info.credential_digest)]
+        try:
+            decision = choose(0, 1, {}, [NodeView.from_status(s) for s in trusted], config.policy)
+        except NoNodeAvailable as exc:
+            reason = str(exc)
+            if len(trusted) < len(usable):
+                reason += (
+                    f"; {len(usable) - len(trusted)} live node(s) hold another credential than this "
+                    "router's (PDSERVE_AUTH_TOKEN or --auth-token-file)"
+                )
+            return JSONResponse({"status": "unavailable", **body, "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok", "mode": decision.mode, **body})
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -393,6 +431,9 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
             finished = True
         except OpenAIError as exc:
             status = str(exc.status)
+            if exc.status >= 500:  # the response is a 200 already: RequestLog cannot see this one
+                log.warning("request %s: its stream ended with %d %s: %s", REQUEST_ID.get(), exc.status,
+                            exc.code or exc.type, exc.message)  # fmt: skip
             if exc.status != 499:
                 yield _sse(exc.body())
                 yield b"data: [DONE]\n\n"

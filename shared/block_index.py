@@ -3,9 +3,9 @@
 Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts keep them atomically):
 - A node counts (in `nodes()` and `lookup()`) only while its heartbeat key is alive and carries its current
   epoch; records of older epochs are never read and are deleted on re-registration or by their TTL.
-- Nodes of one cluster share one model fingerprint, tokenizer fingerprint, KV layout and protocol version
-  while any of them is live; a node that differs is refused with `IncompatibleNode` naming the field and both
-  values.
+- Nodes of one cluster share one credential digest, model fingerprint, tokenizer fingerprint, KV layout and
+  protocol version while any of them is live; a node that differs is refused with `IncompatibleNode` naming
+  the field and both values (for the credential, a prefix of each digest).
 - `lookup` is one EVALSHA whatever the prompt length, and reads only.
 - The index is an estimate for routing: a block it lists may have been evicted; the transfer verifies.
 Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
@@ -70,9 +70,10 @@ def connect(config: RedisConfig) -> aioredis.Redis:
 
 
 def _layout_pairs(info: NodeInfo) -> list[str]:
-    """Fields a node must share with the cluster, most specific first: the fingerprint covers the block
+    """Fields a node must share with the cluster. The credential first: a node that cannot authenticate to
+    its peers is refused whatever else matches. Then the most specific: the fingerprint covers the block
     size and KV dtype too, so checking the layout before it names the field that actually differs."""
-    pairs = ["protocol_version", str(info.protocol_version)]
+    pairs = ["credential_digest", info.credential_digest, "protocol_version", str(info.protocol_version)]
     for name in KV_LAYOUT_FIELDS:
         pairs += [f"kv_layout.{name}", str(info.kv_layout[name])]
     if info.tokenizer_fingerprint:  # a node that predates it is not compared on it
@@ -155,8 +156,10 @@ class BlockIndex:
         async with self._guard("ping"):
             await self._redis.ping()
 
-    async def register(self, info: NodeInfo) -> int:
-        """Register (or re-register) a node; returns its new epoch. Refuses an incompatible node."""
+    async def register(self, info: NodeInfo, draining: bool = False, after_epoch: int = 0) -> int:
+        """Register (or re-register) a node; returns its new epoch, above `after_epoch` (the node's previous
+        one: Redis may have lost the counter). `draining` is set in the same step, so a draining node that
+        registers again never looks ready. Refuses an incompatible node (IncompatibleNode)."""
         stored = dataclasses.replace(info, epoch=0).to_json()  # the epoch lives in its own field
         reply = await self._call(
             self._register,
@@ -165,10 +168,18 @@ class BlockIndex:
             stored,
             self._hb_ms,
             self._records_ms,
+            int(draining),
+            after_epoch,
             *_layout_pairs(info),
         )
         if reply[0] == b"INCOMPATIBLE":
             field, mine, recorded = (v.decode() for v in reply[1:4])
+            if field == "credential_digest":
+                raise IncompatibleNode(
+                    f"node {info.node_id!r} refused by cluster {self.config.cluster!r}: credential mismatch, "
+                    "its KV-transfer token (PDSERVE_AUTH_TOKEN or --auth-token-file) differs from the live "
+                    f"nodes' (token digests {mine[:12]}... vs {recorded[:12]}...)"
+                )
             raise IncompatibleNode(
                 f"node {info.node_id!r} refused by cluster {self.config.cluster!r}: {field} is {mine} on the "
                 f"node but {recorded} on the live nodes already registered"

@@ -70,8 +70,9 @@ local function now_ms()
 end
 """
 
-# ARGV: prefix, node_id, info_json, heartbeat_ttl_ms, records_ttl_ms, then (field, value) pairs that must
-# match the cluster's recorded ones while another node is live.
+# ARGV: prefix, node_id, info_json, heartbeat_ttl_ms, records_ttl_ms, draining (0/1), last epoch the node
+# had (0: none; the new epoch is above it even when Redis lost the counter), then (field, value) pairs that
+# must match the cluster's recorded ones while another node is live.
 REGISTER = (
     _NOW_MS
     + """
@@ -86,7 +87,7 @@ for _, other in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 local cluster = p .. 'cluster'
 if live then
-  for i = 6, #ARGV, 2 do
+  for i = 8, #ARGV, 2 do
     local recorded = redis.call('HGET', cluster, ARGV[i])
     if recorded and recorded ~= ARGV[i + 1] then
       return {'INCOMPATIBLE', ARGV[i], ARGV[i + 1], recorded}
@@ -95,13 +96,17 @@ if live then
 else
   redis.call('DEL', cluster)
 end
-for i = 6, #ARGV, 2 do redis.call('HSET', cluster, ARGV[i], ARGV[i + 1]) end
+for i = 8, #ARGV, 2 do redis.call('HSET', cluster, ARGV[i], ARGV[i + 1]) end
 local key = p .. 'node:' .. id
 local old = redis.call('HGET', key, 'epoch')
 if old then redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. old, p .. 'blkdig:' .. id .. ':' .. old) end
 local epoch = redis.call('INCR', p .. 'epoch:' .. id)
+if epoch <= tonumber(ARGV[7]) then
+  epoch = tonumber(ARGV[7]) + 1
+  redis.call('SET', p .. 'epoch:' .. id, epoch)
+end
 redis.call('DEL', key)
-redis.call('HSET', key, 'info', ARGV[3], 'epoch', epoch, 'draining', 0, 'load', '', 'hb_ms', now_ms())
+redis.call('HSET', key, 'info', ARGV[3], 'epoch', epoch, 'draining', ARGV[6], 'load', '', 'hb_ms', now_ms())
 redis.call('PEXPIRE', key, ARGV[5])
 redis.call('SADD', KEYS[1], id)
 redis.call('SET', p .. 'alive:' .. id, epoch, 'PX', ARGV[4])

@@ -87,6 +87,11 @@ class LocalRedis:
         return None if self._proc is None else self._proc.pid
 
     @property
+    def log_path(self) -> str | None:
+        """The server's log file while it runs (removed with its directory on stop)."""
+        return None if self._dir is None else os.path.join(self._dir, "redis.log")
+
+    @property
     def running(self) -> bool:
         """Whether the process start() started is still running."""
         return self._proc is not None and self._proc.poll() is None
@@ -122,7 +127,8 @@ class LocalRedis:
             f.write("" if self.password is None else f'requirepass "{self.password}"\n')
         args = [self.binary, conf, *listen, "--bind", "127.0.0.1", "--save", ""]
         args += [*persist, "--daemonize", "no", "--loglevel", "warning"]
-        with open(os.path.join(self._dir, "redis.log"), "wb") as log:
+        assert self.log_path is not None
+        with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(args, stdout=log, stderr=log)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

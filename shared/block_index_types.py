@@ -3,7 +3,8 @@
 Invariants:
 - Every message here is a frozen dataclass with an explicit JSON encoding (no pickle); `from_json(to_json(x))
   == x` for each of them.
-- A `NodeInfo`'s kv_layout has exactly the fields of `KV_LAYOUT_FIELDS`; its fingerprint is 64 hex digits.
+- A `NodeInfo`'s kv_layout has exactly the fields of `KV_LAYOUT_FIELDS`; its fingerprint and its credential
+  digest are 64 hex digits each.
 - Nothing here does I/O; `block_index.py` owns the Redis side.
 """
 
@@ -39,7 +40,8 @@ class IndexAuthError(IndexUnavailable):
 
 
 class IncompatibleNode(BlockIndexError):
-    """A node's fingerprint, KV layout or protocol version differs from the cluster's recorded ones."""
+    """A node's credential, protocol version, KV layout or fingerprint differs from the cluster's recorded
+    ones."""
 
 
 class StaleEpoch(BlockIndexError):
@@ -124,6 +126,8 @@ class NodeInfo:
     """num_layers, num_kv_heads, head_dim, block_size, tp_size (ints) and dtype (a torch dtype name)."""
     protocol_version: int
     capacity_blocks: int
+    credential_digest: str
+    """64 lowercase hex digits: shared.node_auth.credential_digest(the KV-transfer token); never the token."""
     epoch: int = 0
     tokenizer_fingerprint: str = ""
     """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""
@@ -135,6 +139,8 @@ class NodeInfo:
             raise ValueError(f"role={self.role!r}: accepted {list(ROLES)}")
         if not _HEX64_RE.fullmatch(self.model_fingerprint):
             raise ValueError(f"model_fingerprint={self.model_fingerprint!r}: need 64 lowercase hex digits")
+        if not _HEX64_RE.fullmatch(self.credential_digest):
+            raise ValueError(f"credential_digest={self.credential_digest!r}: need 64 lowercase hex digits")
         if self.tokenizer_fingerprint and not _HEX64_RE.fullmatch(self.tokenizer_fingerprint):
             raise ValueError(
                 f"tokenizer_fingerprint={self.tokenizer_fingerprint!r}: need 64 lowercase hex digits or ''"

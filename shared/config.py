@@ -69,4 +69,6 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device(self.device)
+        """The device; a bare "cuda" means GPU 0 (the engine binds its threads to one GPU by index)."""
+        device = torch.device(self.device)
+        return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device

@@ -56,7 +56,9 @@ class GenerateOptions(EngineOptions):
         None, description='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]'
     )
     prompts_file: str | None = Field(
-        None, description="JSON lines of {prompt|messages, ...}: run them all at once"
+        None,
+        description="JSON lines of {prompt|messages, and any sampling field (max_tokens, stop, ...) that "
+        "overrides the options for that prompt}: run them all at once",
     )
     max_tokens: int = Field(64, description="tokens to generate at most")
     temperature: float = Field(0.0, description="sampling temperature (0: greedy)")

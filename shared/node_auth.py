@@ -4,17 +4,31 @@ and kvctl already hold (PDSERVE_AUTH_TOKEN or the file PDSERVE_AUTH_TOKEN_FILE n
 
 Invariants: checked in one place, an ASGI middleware in front of every route, so a route added later is
 closed by default; the header is compared in constant time; a refusal never reaches a route's code (no
-body is read, no engine call is made). Health and metrics stay open for probes and scrapers.
+body is read, no engine call is made). Health and metrics stay open for probes and scrapers. The token never
+leaves the process: a node registers `credential_digest(token)` (HMAC-SHA256 keyed by a fixed domain
+string), which the index compares across nodes like the KV layout.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 OPEN_PATHS = frozenset({"/internal/health", "/metrics"})
+
+
+_DIGEST_KEY = b"pdserve cluster credential v1"
+
+
+def credential_digest(token: str) -> str:
+    """64 hex digits naming the credential in a node's registration: nodes of one cluster must show the same
+    digest (a node with another token is refused at registration). Keyed by a fixed domain string so the
+    digest is of no use anywhere else; it can be checked against a guessed token, so a token must be hard to
+    guess (`pdserve up` draws 128 random bits)."""
+    return hmac.new(_DIGEST_KEY, token.encode(), hashlib.sha256).hexdigest()
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -4,13 +4,14 @@ from the environment or files (read_secret), never from argv."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.engine_args import EngineOptions, engine_config
-from pdserve.shared.settings import LogLevel, SecretFiles, check_model_path, read_secret
+from pdserve.shared.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
 from pydantic import Field
 
 if TYPE_CHECKING:
@@ -70,11 +71,14 @@ class NodeConfigs:
 
 
 def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
-    """The node's frozen configs; raises SettingsError (missing secret, model not on disk) or ValueError.
+    """The node's frozen configs; raises SettingsError (missing secret, model not on disk, connector not
+    installed) or ValueError.
     The cheap checks come first, so a bad start fails before torch loads."""
     token = read_secret("auth_token", "the KV-transfer token", opts.auth_token_file, required=True)
     assert token is not None
     check_model_path(opts.model)
+    if opts.connector == "ucx" and importlib.util.find_spec("ucxx") is None:
+        raise SettingsError("--connector ucx needs ucxx: install the [ucx] extra (pdserve[ucx])")
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
 
     from pdserve.kvtransfer.connector import ConnectorConfig

@@ -1,9 +1,12 @@
 """What every node process shares whatever its role: the engine in its thread, the node's registration,
 heartbeat and block-event publishing in the Redis index, drain and evict, and the common internal routes.
 
-Invariants: the node registers once per process start (a new epoch), publishes its pool's Stored/Removed
-events in order and in batches, and after Redis comes back re-sends its whole held set (resync), so the
-index converges to the truth; a drained node takes no new request and deregisters when its last one ends.
+Invariants: the node registers at start (a new epoch), publishes its pool's Stored/Removed events in order
+and in batches, and after Redis comes back re-sends its whole held set (resync), so the index converges to
+the truth. A node the index no longer knows (Redis restarted empty, or lost the node's keys) registers again
+with a new epoch, as draining if it is, and then resyncs; only the publish loop writes block records. A
+drained node takes no new request and deregisters when its last one ends. Index trouble is logged once when
+it starts, at most once a minute while it lasts, and once when the index answers again.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -22,7 +25,14 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.shared.async_engine import AsyncEngine
 from pdserve.shared.block_digest import IndexTruth
 from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import BlockIndexError, NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.block_index_types import (
+    BlockIndexError,
+    NodeInfo,
+    NodeLoad,
+    NodeNotRegistered,
+    RedisConfig,
+    StaleEpoch,
+)
 from pdserve.shared.block_pool import BlockEvent
 from pdserve.shared.engine import LLMEngine
 from pdserve.shared.node_metrics import NodeMetrics
@@ -31,6 +41,38 @@ from pdserve.shared.types import BlockHash, NodeId, RequestId
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
+
+
+class IndexLink:
+    """Whether the index answered this node's last call, and the log lines that say so: a warning when
+    trouble starts, at most one more every `repeat_s` while it lasts, one line when the index answers."""
+
+    def __init__(self, address: str, repeat_s: float = 60.0) -> None:
+        self.address = address
+        self.repeat_s = repeat_s
+        self.down_since: float | None = None
+        self._logged_at = 0.0
+
+    def failed(self, what: str, exc: BlockIndexError) -> None:
+        now = time.monotonic()
+        if self.down_since is None:
+            self.down_since = self._logged_at = now
+            log.warning(
+                "index at %s: %s failed (%s); serving on, and resyncing once it answers (next warning in "
+                "%.0fs if it does not)", self.address, what, exc, self.repeat_s,
+            )  # fmt: skip
+        elif now - self._logged_at >= self.repeat_s:
+            self._logged_at = now
+            log.warning(
+                "index at %s: still failing after %.0fs: %s", self.address, now - self.down_since, exc
+            )
+
+    def answered(self) -> None:
+        if self.down_since is not None:
+            log.info(
+                "index reachable again at %s after %.1fs", self.address, time.monotonic() - self.down_since
+            )
+            self.down_since = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +113,14 @@ class NodeRuntime:
         self.deregistered = False
         self._tasks: list[asyncio.Task[None]] = []
         self._need_resync = False
+        self._register_lock = asyncio.Lock()
+        self._link = IndexLink(settings.redis.address if settings.redis is not None else "")
         self._info: NodeInfo | None = None
         self.connector_kind = "none"
         """The KV connector this node uses (a metrics label), set by the role's server."""
+        self.requests_outside_engine: Callable[[], int] = lambda: 0
+        """Requests the role holds before they enter the engine (D: waiting for their KV; P: waiting for D's
+        room), set by the role's server: a draining node deregisters only when these are done too."""
 
     @property
     def node_id(self) -> NodeId:
@@ -84,7 +131,9 @@ class NodeRuntime:
         """The node's registration with its current epoch (None before it registered)."""
         return None if self._info is None else dataclasses.replace(self._info, epoch=self.epoch)
 
-    async def start(self, transfer_addr: str, protocol_version: int) -> None:
+    async def start(self, transfer_addr: str, protocol_version: int, credential_digest: str) -> None:
+        """Starts the engine and registers; IncompatibleNode (another model, KV layout, protocol version or
+        credential than the live nodes') propagates, so a refused node stops before it serves."""
         self.aengine.start()
         self.metrics.kv_total_blocks.set(self.engine.num_blocks)
         if self.index is not None:
@@ -97,6 +146,7 @@ class NodeRuntime:
                 kv_layout=self.kv_layout,
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
+                credential_digest=credential_digest,
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
             )
             self._info = info
@@ -140,38 +190,90 @@ class NodeRuntime:
             m.kv_used_blocks.set(load.kv_used_blocks)
             m.running.set(load.running)
             m.waiting.set(load.waiting)
-            if self.draining and load.running == 0 and load.waiting == 0 and not self.deregistered:
-                with contextlib.suppress(BlockIndexError):
+            idle = load.running == 0 and load.waiting == 0 and self.requests_outside_engine() == 0
+            if self.draining and idle and not self.deregistered:
+                try:
                     await self.index.deregister(self.node_id)
                     self.deregistered = True
                     log.info("node %s drained and deregistered", self.node_id)
-            elif not self.deregistered:
-                try:
-                    await self.index.heartbeat(self.node_id, load, self.epoch)
-                    if self.truth is not None and not self._need_resync:
-                        await self.truth.check(self.epoch)  # shared/block_digest.py
+                    self._link.answered()
                 except BlockIndexError as exc:
-                    log.warning("heartbeat failed: %s", exc)
-                    self._need_resync = True
+                    self._link.failed("deregister", exc)
+            elif not self.deregistered:
+                await self._beat(load)
             await asyncio.sleep(self.settings.heartbeat_s)
 
+    async def _beat(self, load: NodeLoad) -> None:
+        assert self.index is not None
+        epoch, what = self.epoch, "heartbeat"
+        try:
+            try:
+                await self.index.heartbeat(self.node_id, load, epoch)
+                if self.truth is not None and not self._need_resync:
+                    await self.truth.check(epoch)  # shared/block_digest.py; logs its own failures
+            except NodeNotRegistered:
+                what = "registering again"
+                await self._register_again(epoch)
+                await self.index.heartbeat(self.node_id, load, self.epoch)  # its load, for the router
+            self._link.answered()
+        except StaleEpoch as exc:
+            if epoch == self.epoch:  # not the other loop's re-registration racing this beat
+                self._link.failed(what, exc)
+        except BlockIndexError as exc:
+            self._link.failed(what, exc)
+            self._need_resync = True
+
+    async def _register_again(self, seen_epoch: int) -> None:
+        """The index lost this node (Redis restarted empty): register with a new epoch, draining if the node
+        is, and have the publish loop resync every block it holds. A no-op if the other loop already did it
+        since `seen_epoch`."""
+        assert self.index is not None and self._info is not None
+        async with self._register_lock:
+            if self.epoch != seen_epoch or self.deregistered:
+                return
+            self.epoch = await self.index.register(self._info, self.draining, after_epoch=seen_epoch)
+            self._need_resync = True
+        log.warning(
+            "node %s was not registered in the index (Redis lost its data?): registered again, epoch %d -> "
+            "%d%s; resyncing every block it holds", self.node_id, seen_epoch, self.epoch,
+            ", draining" if self.draining else "",
+        )  # fmt: skip
+
     async def _publish_loop(self) -> None:
+        """The only writer of the node's block records. Events drained before a resync's listing are
+        covered by it; those after it are applied after it, in order, so the records end as the pool is."""
         assert self.index is not None
         while True:
             await asyncio.sleep(self.settings.publish_s)
             events: list[BlockEvent] = await self.aengine.call(self.engine.drain_events)
-            if self.deregistered:
-                continue
+            if not self.deregistered and (self._need_resync or events):
+                await self._publish(events)
+
+    async def _publish(self, events: list[BlockEvent]) -> None:
+        assert self.index is not None
+        epoch, what = self.epoch, "publish"
+        try:
             try:
                 if self._need_resync:
+                    what = "resync"
                     held = await self.aengine.call(self.engine.pool.held_hashes)
-                    await self.index.resync(self.node_id, self.epoch, held)
+                    await self.index.resync(self.node_id, epoch, held)
                     self._need_resync = False
-                elif events:
-                    await self.index.publish(self.node_id, self.epoch, events)
-            except BlockIndexError as exc:
-                log.warning("block events not published (%s); will resync", exc)
+                    log.info("node %s: index resynced, %d blocks at epoch %d", self.node_id, len(held), epoch)
+                else:
+                    await self.index.publish(self.node_id, epoch, events)
+            except NodeNotRegistered:
+                what = "registering again"
                 self._need_resync = True
+                await self._register_again(epoch)
+            self._link.answered()
+        except StaleEpoch as exc:
+            self._need_resync = True  # at the current epoch, next tick
+            if epoch == self.epoch:  # not the heartbeat's re-registration racing this publish
+                self._link.failed(what, exc)
+        except BlockIndexError as exc:
+            self._link.failed(what, exc)
+            self._need_resync = True
 
     async def drain(self) -> None:
         self.draining = True
@@ -185,8 +287,9 @@ class NodeRuntime:
         if self.index is None or self._info is None:
             return
         if self.deregistered:
-            self.epoch = await self.index.register(self._info)
-            self.deregistered, self._need_resync = False, True
+            async with self._register_lock:
+                self.epoch = await self.index.register(self._info, after_epoch=self.epoch)
+                self.deregistered, self._need_resync = False, True
         else:
             await self.index.set_draining(self.node_id, False)
 

@@ -15,7 +15,7 @@ from pdserve.shared.block_index_types import BlockIndexError
 from pdserve.shared.engine import LLMEngine
 from pdserve.shared.loader import ModelLoadError
 from pdserve.shared.node_announce import add_announce_routes
-from pdserve.shared.node_auth import NodeAuth
+from pdserve.shared.node_auth import NodeAuth, credential_digest
 from pdserve.shared.node_cli import NodeConfigs
 from pdserve.shared.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node_runtime import NodeRuntime, add_common_routes, engine_kv_layout
@@ -50,7 +50,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         transfer_addr, teardown = await setup(app, rt, cfg)
         try:
-            await rt.start(transfer_addr, protocol_version)
+            await rt.start(transfer_addr, protocol_version, credential_digest(cfg.connector.auth_token))
         except BlockIndexError as exc:
             failure.append(exc)
         if failure:

@@ -1,5 +1,9 @@
 """`pdserve generate`: the engine run offline over one or more prompts, all submitted at once so that
-several prompts exercise continuous batching. Prints text, or JSON with token ids and logprobs."""
+several prompts exercise continuous batching. Prints text, or JSON with token ids and logprobs.
+
+A prompt is tokenized exactly as the router tokenizes the same request (chat through the model's template,
+raw text with the tokenizer's special tokens), so an offline greedy run is the reference for served output.
+Each prompt carries its own SamplingParams: the command line's, with a prompts-file line's overrides."""
 
 from __future__ import annotations
 
@@ -17,18 +21,38 @@ from pdserve.shared.types import RequestId
 
 @dataclass(frozen=True)
 class Prompt:
-    """Exactly one of `text` (raw completion) or `messages` (chat, through the model's template)."""
+    """Exactly one of `text` (raw completion) or `messages` (chat, through the model's template), and the
+    sampling of this prompt."""
 
+    params: SamplingParams
     text: str | None = None
     messages: tuple[dict[str, Any], ...] | None = None
 
     @staticmethod
-    def from_json(obj: Any) -> Prompt:
+    def from_json(obj: Any, defaults: SamplingParams) -> Prompt:
+        """One prompts-file line: {"prompt": str} or {"messages": [...]}, plus any SamplingParams field
+        (max_tokens, stop, ...) that overrides `defaults` for this prompt alone."""
         if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
             raise ValueError(f"each prompt line needs exactly one of 'prompt' or 'messages', got {obj!r:.80}")
+        overrides = {k: v for k, v in obj.items() if k not in ("prompt", "messages")}
+        params = SamplingParams.from_dict(defaults.to_dict() | overrides) if overrides else defaults
         if "prompt" in obj:
-            return Prompt(text=str(obj["prompt"]))
-        return Prompt(messages=parse_messages(obj["messages"]))
+            return Prompt(params, text=str(obj["prompt"]))
+        return Prompt(params, messages=parse_messages(obj["messages"]))
+
+
+def read_prompts_file(path: str, defaults: SamplingParams) -> list[Prompt]:
+    """Every non-blank JSON line of `path` (see Prompt.from_json); ValueError names the bad line."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(Prompt.from_json(json.loads(line), defaults))
+            except ValueError as exc:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"{path}, line {number}: {exc}") from exc
+    return prompts
 
 
 def parse_messages(raw: Any) -> tuple[dict[str, Any], ...]:
@@ -55,12 +79,14 @@ def tokenize(engine: LLMEngine, prompt: Prompt) -> list[int]:
     if prompt.messages is not None:
         return tok.apply_chat_template(list(prompt.messages), add_generation_prompt=True)
     assert prompt.text is not None
-    return tok.encode(prompt.text)
+    return tok.encode(prompt.text, add_special_tokens=True)  # as the router encodes a completion prompt
 
 
-def generate(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-    """Runs every prompt concurrently to completion; validates all before starting any."""
-    requests = [engine.new_request(RequestId(f"offline-{i}"), p, params) for i, p in enumerate(prompts)]
+def generate(engine: LLMEngine, prompts: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Completion]:
+    """Runs every (prompt tokens, sampling) concurrently to completion; validates all before starting any."""
+    requests = [
+        engine.new_request(RequestId(f"offline-{i}"), ids, params) for i, (ids, params) in enumerate(prompts)
+    ]
     for r in requests:
         engine.add_request(r)
     collected: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
@@ -70,7 +96,8 @@ def generate(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sampli
     result = []
     for r in requests:
         outs = collected[r.request_id]
-        lps = tuple(lp for o in outs for lp in (o.logprobs or ())) if params.logprobs is not None else None
+        wants_logprobs = r.params.logprobs is not None
+        lps = tuple(lp for o in outs for lp in (o.logprobs or ())) if wants_logprobs else None
         result.append(
             Completion(
                 r.prompt_token_ids,
@@ -83,12 +110,11 @@ def generate(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sampli
     return result
 
 
-def run(cfg: EngineConfig, prompts: Sequence[Prompt], params: SamplingParams, as_json: bool) -> int:
+def run(cfg: EngineConfig, prompts: Sequence[Prompt], as_json: bool) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     load_s = time.perf_counter() - t0
-    token_lists = [tokenize(engine, p) for p in prompts]
-    completions = generate(engine, token_lists, params)
+    completions = generate(engine, [(tokenize(engine, p), p.params) for p in prompts])
     for c in completions:
         if as_json:
             print(

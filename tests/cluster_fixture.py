@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -166,6 +167,19 @@ def assert_all_gone(procs: list[subprocess.Popen[bytes]]) -> None:
             raise AssertionError(f"process group {proc.pid} still has members after stop")
 
 
+@contextlib.contextmanager
+def stopped_on_failure(cluster: Cluster) -> Iterator[None]:
+    """Around building a cluster by hand: if anything fails, stops every process started so far, asserts none
+    is left, and re-raises."""
+    try:
+        yield
+    except BaseException:
+        procs = [p for _, p in cluster.procs]
+        cluster.stop()
+        assert_all_gone(procs)
+        raise
+
+
 def assert_not_on_any_command_line(*secrets: str) -> None:
     """No process on the machine (`ps`, every user's argv) shows any of `secrets`."""
     listing = subprocess.run(["ps", "-eo", "args", "--no-headers", "-ww"], capture_output=True, text=True,
@@ -219,11 +233,19 @@ def kvctl_main(redis_url: str, *args: str) -> dict[str, Any]:
 
 
 def generate_offline(*args: str) -> dict[str, Any]:
-    """`pdserve generate --json` on the real model with one thread; returns its JSON line."""
-    done = run_cli("pdserve.cli", "generate", "--json", "--threads", "1", "--model", model_path(), *args)
+    """`pdserve generate --json` on the real model with one thread; returns its (last) JSON line."""
+    return generate_offline_lines(*args)[-1]
+
+
+def generate_offline_lines(*args: str) -> list[dict[str, Any]]:
+    """`pdserve generate --json` on the real model with one thread; one JSON object per prompt, in the
+    order of the prompts (of --prompts-file). A generous limit: a few dozen prompts take 20 CPU seconds, and
+    a CI machine shared with other jobs has been seen to stretch that past 300 s of wall time."""
+    done = run_cli(
+        "pdserve.cli", "generate", "--json", "--threads", "1", "--model", model_path(), *args, timeout_s=900
+    )
     assert done.returncode == 0, f"pdserve generate exited {done.returncode}: {done.stderr[-2000:]}"
-    line: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return line
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
 def secret_file(value: str) -> str:

@@ -32,10 +32,12 @@ from pdserve.shared.block_index_types import (
     StaleEpoch,
 )
 from pdserve.shared.block_pool import BlockPool, BlockRemoved, BlockStored
+from pdserve.shared.node_auth import credential_digest
 from pdserve.shared.types import BlockHash, BlockId, NodeId
 
 T = TypeVar("T")
 FP = "ab" * 32
+CRED = credential_digest("test-cluster-token")
 LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
 LAYOUT |= {"dtype": "float32", "tp_size": 1}
 _clusters = itertools.count()
@@ -60,10 +62,15 @@ def make_index(server: LocalRedis, **kw: Any) -> BlockIndex:
 
 
 def node(
-    name: str, role: Role = "prefill", fingerprint: str = FP, protocol: int = 1, **layout: Any
+    name: str,
+    role: Role = "prefill",
+    fingerprint: str = FP,
+    protocol: int = 1,
+    credential: str = CRED,
+    **layout: Any,
 ) -> NodeInfo:
     return NodeInfo(NodeId(name), role, f"http://127.0.0.1:1/{name}", "127.0.0.1:2", fingerprint,
-                    {**LAYOUT, **layout}, protocol, 1000)  # fmt: skip
+                    {**LAYOUT, **layout}, protocol, 1000, credential)  # fmt: skip
 
 
 def hashes(n: int) -> list[BlockHash]:
@@ -111,6 +118,35 @@ def test_incompatible_node_is_refused_naming_the_field(
                 await index.register(other)
             assert f"{field} is {mine} on the node but {recorded}" in str(err.value)
             assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+
+    run(body())
+
+
+def test_node_with_another_credential_is_refused_without_showing_the_token(redis_server: LocalRedis) -> None:
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            await index.register(node("p0"))
+            other = credential_digest("another-token")
+            with pytest.raises(IncompatibleNode) as err:
+                await index.register(node("d0", "decode", credential=other))
+            message = str(err.value)
+            assert "credential mismatch" in message and other[:12] in message and CRED[:12] in message
+            assert other not in message and "another-token" not in message
+            assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+
+    run(body())
+
+
+def test_registering_again_gives_a_newer_epoch_and_keeps_draining(redis_server: LocalRedis) -> None:
+    """What a node does when Redis restarted empty: its epoch counter is gone, so the node names the epoch
+    it had; a draining node registers as draining in the same step."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            assert await index.register(node("d0", "decode"), after_epoch=7) == 8
+            assert await index.register(node("d0", "decode"), draining=True, after_epoch=3) == 9
+            (status,) = await index.nodes()
+            assert status.draining and status.info.epoch == 9
 
     run(body())
 

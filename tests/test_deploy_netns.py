@@ -328,12 +328,15 @@ def test_probe_health_and_drain_let_the_running_request_finish(net: NetCluster) 
     hosts = net.hosts
     router = ("--role", "router", "--host", hosts.addr("router"), "--port", str(ROUTER_PORT))
     decode = ("--role", "node", "--host", hosts.addr("decode"), "--port", str(NODE_PORT))
-    assert _probe(net, "health", *router).returncode == 0
+    _wait_listed(net, "decode-0", True, timeout_s=30)  # heartbeats resume once a cut link is back
+    deadline = time.monotonic() + 30  # the router serves again once it sees D back (a probe's retry)
+    while _probe(net, "health", *router).returncode != 0:
+        assert time.monotonic() < deadline, "the router's health did not come back with D"
+        time.sleep(1)
     assert _probe(net, "health", *decode).returncode == 0
     assert (
         _probe(net, "health", "--role", "node", "--host", hosts.addr("decode"), "--port", "1").returncode == 1
     )
-    _wait_listed(net, "decode-0", True, timeout_s=30)  # heartbeats resume once a cut link is back
     with _client(net) as client:
         stream = client.completions.create(
             model=served_model_name(), prompt=PROMPT, max_tokens=64, temperature=0, stream=True,

