@@ -90,6 +90,12 @@ class RouterOptions(SecretFiles):
         ge=0,
         description="requests that may wait for a node below its limit; beyond: 429 with Retry-After",
     )
+    migration_limit: int = Field(
+        0,
+        ge=0,
+        description="times a stream whose node fails after its first token is re-prefilled on other nodes "
+        "from its prompt and the tokens already sent, and goes on (0: it ends with an error)",
+    )
     log_level: LogLevel = Field(
         "INFO",
         description="log level of the router and of its HTTP server (INFO and below: one access-log "
@@ -123,6 +129,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         max_n=opts.max_n,
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
+        migration_limit=opts.migration_limit,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),

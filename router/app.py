@@ -280,7 +280,7 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
                 placement.release()
             raise
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
-        run = RequestRun(jobs, salt, deadline, clients, metrics, background, router)
+        run = RequestRun(jobs, salt, deadline, clients, metrics, background, router, config.migration_limit)
         head = ResponseHead(spec.kind, base, int(time.time()), spec.model,
                             f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
         choices = {job.index: _Choice() for job in jobs}

@@ -46,6 +46,9 @@ class RouterConfig:
     """How a node whose connection was refused or reset is probed back into routing."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     """Per-node in-flight limit and the queue in front of it (router/admission.py)."""
+    migration_limit: int = 0
+    """Times a choice whose node fails after its first token may be re-prefilled on other nodes from its
+    prompt and the tokens already streamed (router/migration.py); 0: it ends with the error."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Routing weights; its block_size is replaced by the one the nodes registered."""
     api_keys: tuple[str, ...] = ()
@@ -74,6 +77,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.default_deadline_s > self.max_deadline_s:
             raise ValueError(f"default_deadline_s {self.default_deadline_s} exceeds max_deadline_s")
+        if self.migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
         for name in ("max_request_bytes", "max_n", "max_connections_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -7,7 +7,9 @@ disconnect, deadline). Aborts run as their own tasks, so a cancelled caller cann
 requests of one client request carry the same absolute deadline. A choice that has streamed nothing to its
 client is placed again (at most _MAX_REROUTES times, under a fresh node request id) when a node refuses it
 (503: draining) or cannot be reached (refused, reset, cut: that node's breaker is open by then, so the new
-placement avoids it); a choice that has streamed a token ends with the error. Routing: router/routing.py.
+placement avoids it); a choice that has streamed a token migrates (router/migration.py: re-prefilled
+elsewhere from its prompt and the tokens already streamed, at most `migration_limit` times) when its node
+became unreachable or failed it, else ends with the error. Routing: router/routing.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Protocol
 
 from pdserve.router.admission import Lease
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import Continuation
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.shared.block_index_types import NodeInfo
@@ -106,13 +109,14 @@ def _step_error(node: NodeInfo, step: StepOutput, deadline: float) -> OpenAIErro
     )
 
 
-class _FailedEarly(NodeError):
-    """A node ended a choice with an error before its first token; `error` is what the client gets if the
-    choice cannot be placed again."""
+class _StepFailed(NodeError):
+    """A node ended a choice with an error line (finish_reason `reason`: abort or error); `error` is what the
+    client gets if the choice can neither be placed again nor migrate."""
 
-    def __init__(self, node_id: NodeId, error: OpenAIError) -> None:
-        super().__init__(node_id, f"failed before the first token: {error.message}", retryable=True)
+    def __init__(self, node_id: NodeId, error: OpenAIError, reason: str) -> None:
+        super().__init__(node_id, f"failed the request: {error.message}", retryable=True)
         self.error = error
+        self.reason = reason
 
 
 async def _blame(exc: NodeError, other: asyncio.Task[Any]) -> NodeError:
@@ -145,12 +149,15 @@ class RequestRun:
         metrics: RouterMetrics,
         background: Background,
         rerouter: Rerouter | None = None,
+        migration_limit: int = 0,
     ) -> None:
         assert [job.index for job in jobs] == list(range(len(jobs))), "choices are indexed by position"
         self._jobs = jobs
         # a response the client dropped before it started streaming never runs start() or cancel()
         weakref.finalize(self, RequestRun._release_jobs, jobs)
         self._rerouter = rerouter
+        self._migration_limit = migration_limit
+        self._streamed = {job.index: Continuation(job.prompt_token_ids, job.sampling) for job in jobs}
         self._started: set[int] = set()
         """Choices that have delivered a step to the client (they can no longer be placed again)."""
         self._salt = cache_salt
@@ -217,34 +224,58 @@ class RequestRun:
 
     async def _run_choice(self, job: ChoiceJob) -> None:
         """Runs a choice; a node that refuses it (503: draining) or dies before it streamed anything gets it
-        placed again, under a fresh node request id so the failed node's abort cannot race the new attempt."""
+        placed again, and one that fails it after migrates; each new attempt has a fresh node request id, so
+        the failed node's abort cannot race it."""
         attempt = 0
         while True:
             try:
                 await self._run_route(job)
                 return
             except NodeError as exc:
-                if not self._may_reroute(job, exc, attempt):
-                    err = exc.error if isinstance(exc, _FailedEarly) else _node_error(exc, self.deadline)
+                if self._may_migrate(job, exc):
+                    prompt, sampling = self._streamed[job.index].migrate()
+                    tag, reason = f"m{self._streamed[job.index].migrations}", "migrated"
+                elif self._may_reroute(job, exc, attempt):
+                    attempt += 1
+                    prompt, sampling, tag, reason = (
+                        job.prompt_token_ids,
+                        job.sampling,
+                        f"r{attempt}",
+                        "rerouted",
+                    )
+                else:
+                    err = exc.error if isinstance(exc, _StepFailed) else _node_error(exc, self.deadline)
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
                 assert self._rerouter is not None
                 if exc.status == 503:
                     self._rerouter.refused(exc.node_id)
-                attempt += 1
-                self._metrics.aborts.labels(reason="rerouted").inc()
+                self._metrics.aborts.labels(reason=reason).inc()
                 try:
-                    placement = await self._rerouter.place(job.prompt_token_ids, self._salt, self.deadline)
+                    placement = await self._rerouter.place(prompt, self._salt, self.deadline)
                 except OpenAIError as err:
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
                 job = replace(
                     job,
-                    request_id=RequestId(f"{job.request_id}-r{attempt}"),
+                    request_id=RequestId(f"{job.request_id}-{tag}"),
+                    prompt_token_ids=tuple(prompt),
+                    sampling=sampling,
                     route=placement.route,
                     lease=placement.leases[0],
                 )
                 self._jobs[job.index] = job
+
+    def _may_migrate(self, job: ChoiceJob, exc: NodeError) -> bool:
+        """After a streamed token: the node is gone, or failed the choice (not an abort, not the deadline)."""
+        failed = exc.unreachable or (isinstance(exc, _StepFailed) and exc.reason == "error")
+        return (
+            failed
+            and job.index in self._started
+            and self._rerouter is not None
+            and self._streamed[job.index].eligible(self._migration_limit)
+            and time.time() < self.deadline
+        )
 
     def _may_reroute(self, job: ChoiceJob, exc: NodeError, attempt: int) -> bool:
         return (
@@ -365,11 +396,7 @@ class RequestRun:
             first = False
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
-            if step.finish_reason in ("abort", "error"):
-                error = _step_error(node, step, self.deadline)
-                if job.index not in self._started:  # nothing streamed yet: the choice may go elsewhere
-                    raise _FailedEarly(client.node_id, error)
-                await self._queue.put(ChoiceEvent(job.index, None, error))
-                return
+            if step.finish_reason in ("abort", "error"):  # the choice may go on elsewhere (_run_choice)
+                raise _StepFailed(client.node_id, _step_error(node, step, self.deadline), step.finish_reason)
             self._started.add(job.index)
-            await self._queue.put(ChoiceEvent(job.index, step, None))
+            await self._queue.put(ChoiceEvent(job.index, self._streamed[job.index].record(step), None))

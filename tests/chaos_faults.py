@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 from pdserve.launch import start_redis
@@ -33,11 +34,18 @@ def small_cluster(prefill: int, decode: int) -> Iterator[LiveCluster]:
         cluster.stop()
 
 
-def reference(live: LiveCluster, model: str, prompts: list[str], max_tokens: int) -> dict[str, str]:
-    """Each prompt's greedy text through the undisturbed cluster."""
+def reference(
+    live: LiveCluster, model: str, prompts: list[str], max_tokens: int, sampling: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """Each prompt's text through the undisturbed cluster (greedy, or the given seeded sampling)."""
     out = {}
     for prompt in prompts:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            **(sampling or {"temperature": 0}),
+        }
         r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         out[prompt] = r.json()["choices"][0]["text"]

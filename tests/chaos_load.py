@@ -61,6 +61,7 @@ class Load:
         leave_every: int = 0,
         leave_after: int = 2,
         pause_s: float = 0.0,
+        sampling: dict[str, Any] | None = None,
     ) -> None:
         self.base = base
         self.model = model
@@ -70,6 +71,8 @@ class Load:
         self.leave_every = leave_every
         self.leave_after = leave_after
         self.pause_s = pause_s
+        self.sampling = sampling or {"temperature": 0}
+        """Sampling fields of every request (default greedy)."""
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -117,7 +120,7 @@ class Load:
             "model": self.model,
             "prompt": prompt,
             "max_tokens": self.max_tokens,
-            "temperature": 0,
+            **self.sampling,
             "stream": True,
             "timeout": self.timeout_s,
         }

@@ -36,6 +36,8 @@ WORKERS = 12
 MAX_TOKENS = 16
 TIMEOUT_S = 60.0
 HEARTBEAT_S = 1.0
+MIGRATION = ("--migration-limit", "1")
+"""A stream whose node dies after its first token goes on on another pair (router/migration.py)."""
 WORDS = ("Apples", "Bridges", "Comets", "Deserts", "Engines", "Forests", "Glaciers", "Harbours", "Islands")
 SHORT = [f"{w} are interesting because" for w in WORDS]
 LONG = [
@@ -63,6 +65,8 @@ class Row:
     leaked: int
     wrong: int = 0
     """Completed with another text than the undisturbed run (0 but where a known bug is named)."""
+    migrated: int = 0
+    """Streams that went on on another pair after their node failed (router/migration.py)."""
 
 
 ROWS: list[Row] = []
@@ -74,7 +78,7 @@ def live() -> Iterator[LiveCluster]:
     seeds = ",".join(f"http://127.0.0.1:{p}" for ps in ports.values() for p in ps)
     cfg = up_config(
         prefill=2, decode=2, extra_node_args=SMALL_KV, redis_aof=True,
-        role_ports=tuple(ports.items()), router_args=("--seed-nodes", seeds),
+        role_ports=tuple(ports.items()), router_args=("--seed-nodes", seeds, *MIGRATION),
     )  # fmt: skip
     cluster = LiveCluster.start(cfg)
     try:
@@ -95,6 +99,7 @@ HEADERS = (
     "kvctl diff clean (s after the fault's end)",
     "blocks leaked",
     "wrong text",
+    "migrated",
 )
 
 
@@ -102,8 +107,9 @@ def table(rows: list[Row]) -> str:
     """The scenario table of docs/benchmarks.md (markdown)."""
     lines = ["| " + " | ".join(HEADERS) + " |", "|---" + "|---:" * (len(HEADERS) - 1) + "|"]
     for r in rows:
-        cells = (r.scenario, r.requests, r.completed, r.failed_cleanly, r.cut, r.left,
-                 f"{r.failures_until_s:.2f}", f"{r.index_clean_s:.2f}", r.leaked, r.wrong)  # fmt: skip
+        timing = (f"{r.failures_until_s:.2f}", f"{r.index_clean_s:.2f}")
+        cells = (r.scenario, r.requests, r.completed, r.failed_cleanly, r.cut, r.left, *timing, r.leaked,
+                 r.wrong, r.migrated)  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -133,6 +139,11 @@ def index_diff(live: LiveCluster) -> dict[str, object] | None:
     return None if ok else survivors
 
 
+def migrations(live: LiveCluster) -> float:
+    """Streams the router has migrated (its counter: a restarted router starts again from 0)."""
+    return metric_of(live.base, "pdserve_router_aborts_total", {"reason": "migrated"})
+
+
 def wait_index_clean(live: LiveCluster, since: float, budget_s: float) -> float:
     """Seconds from `since` to the start of the first kvctl diff that came back clean; asserts one that
     started within budget_s did. (A node answers between engine steps: on the 2-core CPU a step of long
@@ -159,6 +170,7 @@ def run(
 ) -> list[Outcome]:
     """Load, the fault (it returns when it struck and when it ended), more load, then every check."""
     load = Load(live.base, MODEL, prompts, WORKERS, MAX_TOKENS, TIMEOUT_S, leave_every=leave_every)
+    migrated_before = migrations(live)
     load.start()
     try:
         load.wait_until(lambda outs: sum(len(o.events) >= 2 for o in outs if o.ended is None) >= 4, 120)
@@ -203,6 +215,7 @@ def run(
         clean_s,
         leaked,
         len(wrong),
+        max(0, int(migrations(live) - migrated_before)),
     )
     ROWS.append(row)
     print(f"\n{row}")
@@ -282,7 +295,7 @@ def test_router_killed_and_restarted(live: LiveCluster, expected: dict[str, str]
         struck = time.monotonic()
         kill9(live, "router")
         time.sleep(1.0)
-        start_router(live, "router", port, "--seed-nodes", seeds)
+        start_router(live, "router", port, "--seed-nodes", seeds, *MIGRATION)
         return struck, time.monotonic()
 
     outcomes = run(live, expected, "router kill -9, restarted", fault, cut_ok=True, known_bug=ROUTER_KILL_BUG)
