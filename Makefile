@@ -2,17 +2,18 @@
 # `make test`: install what is missing, then lint, type-check and run the whole test suite.
 # Extras per platform: a GPU machine (nvidia-smi) gets [gpu] (triton) and [ucx] (the UCX CUDA stack); a CPU
 # one neither (triton's wheel is its GPU build, 0.64 GB; the UCX stack 0.25 GB). On a CPU, KERNEL_TESTS=1 adds
-# triton to run the Triton kernels' tests under its interpreter, and UCX_TESTS=1 adds [ucx] to run the ucx
+# triton to run the Triton kernels' tests under its interpreter, and WITH_UCX=1 adds [ucx] to run the ucx
 # connector's tests over host memory (CI does both, .ci/run); without them those tests are not collected.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PORT ?= 8000
 KERNEL_TESTS ?= 0
-UCX_TESTS ?= 0
+# not UCX_*: make exports it to the tests, and UCX warns on stderr about every UCX_ variable it does not know
+WITH_UCX ?= 0
 comma := ,
 GPU := $(shell command -v nvidia-smi >/dev/null && echo 1)
-EXTRAS := test,bench$(if $(GPU)$(filter 1,$(KERNEL_TESTS)),$(comma)gpu)$(if $(GPU)$(filter 1,$(UCX_TESTS)),$(comma)ucx)
-CHECK := $(if $(GPU)$(filter 1,$(KERNEL_TESTS)),triton$(comma))$(if $(GPU)$(filter 1,$(UCX_TESTS)),ucxx$(comma))
+EXTRAS := test,bench$(if $(GPU)$(filter 1,$(KERNEL_TESTS)),$(comma)gpu)$(if $(GPU)$(filter 1,$(WITH_UCX)),$(comma)ucx)
+CHECK := $(if $(GPU)$(filter 1,$(KERNEL_TESTS)),triton$(comma))$(if $(GPU)$(filter 1,$(WITH_UCX)),ucxx$(comma))
 
 .PHONY: deps up test lint typecheck pytest
 

@@ -58,11 +58,11 @@ from pdserve.kvtransfer.transport import Transport, parse_address
 from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
 
 UCX = importlib.util.find_spec("ucxx") is not None
-"""The ucx connector runs over host memory too, but needs the [ucx] extra (`make test UCX_TESTS=1`, CI)."""
+"""The ucx connector runs over host memory too, but needs the [ucx] extra (`make test WITH_UCX=1`, CI)."""
 if UCX:
     import ucxx
     from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport, progress_mode
-needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test UCX_TESTS=1)")
+needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test WITH_UCX=1)")
 
 T = TypeVar("T")
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="bfloat16")
