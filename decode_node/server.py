@@ -118,6 +118,10 @@ class DecodeHandler(TransferHandler):
             )
             raise
         if entry.ended is not None or entry.reservation is None:
+            late = entry.reservation  # reserved while the request ended (fail() found none to give back)
+            if late is not None:
+                engine = self.rt.engine
+                await self.rt.aengine.call(lambda: engine.release_remote(late))
             raise OpenRefused(entry.ended or "the request ended on the decode node")
         res = entry.reservation
         return OpenReply(len(res.held), tuple(res.dst))
