@@ -13,8 +13,7 @@ import httpx
 import pytest
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
-    model_path,
-    run_cli,
+    generate_offline_lines,
     sample,
     served_model_name,
     up_config,
@@ -32,11 +31,9 @@ def test_a_burst_past_the_queue_gets_429_and_every_admitted_request_completes() 
         prompts = [f"Write one sentence about the colour number {i}." for i in range(12)]
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             f.write("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        done = run_cli("pdserve.cli", "generate", "--json", "--threads", "1", "--model", model_path(),
-                       "--prompts-file", f.name, "--max-tokens", "24")  # fmt: skip
+        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", "24")
         os.unlink(f.name)
-        assert done.returncode == 0, done.stderr[-2000:]
-        want = [json.loads(line)["text"] for line in done.stdout.strip().splitlines()]
+        want = [line["text"] for line in lines]
 
         def stream(prompt: str) -> tuple[int, str, str | None]:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}

@@ -22,9 +22,8 @@ import openai
 import pytest
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
+    generate_offline_lines,
     kvctl_main,
-    model_path,
-    run_cli,
     served_model_name,
     up_config,
 )
@@ -46,14 +45,10 @@ def references(prompts: list[dict[str, Any]], max_tokens: int) -> list[str]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps(p) + "\n" for p in prompts))
     try:
-        done = run_cli(
-            "pdserve.cli", "generate", "--json", "--threads", "1", "--model", model_path(),
-            "--prompts-file", f.name, "--max-tokens", str(max_tokens),
-        )  # fmt: skip
+        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", str(max_tokens))
     finally:
         os.unlink(f.name)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [json.loads(line)["text"] for line in done.stdout.strip().splitlines()]
+    return [line["text"] for line in lines]
 
 
 def client(live: LiveCluster) -> openai.OpenAI:
