@@ -29,12 +29,12 @@ from pdserve.bench_datasets import (
 )
 from pdserve.bench_options import BenchOptions
 from pdserve.bench_report import RequestResult, parse_goodput, plot, ratio, summarize, table
-from pdserve.shared.settings import flag_name
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.cli.settings import flag_name
+from pdserve.shared.model.tokenizer import Tokenizer
 from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from pdserve.shared.async_engine import AsyncEngine
+    from pdserve.shared.engine.async_engine import AsyncEngine
 
 Send = Callable[[BenchRequest], Awaitable[RequestResult]]
 
@@ -172,7 +172,7 @@ class EngineClient:
     """Runs one request through pdserve's engine in this process (no HTTP), timed per step output."""
 
     def __init__(self, args: BenchOptions, aengine: AsyncEngine) -> None:
-        from pdserve.shared.sampling_params import SamplingParams
+        from pdserve.shared.engine.sampling_params import SamplingParams
 
         self.chat = args.backend == "openai-chat"
         self.aengine = aengine
@@ -252,9 +252,9 @@ def _model(args: BenchOptions) -> str:
 
 
 async def _engine_runs(args: BenchOptions, workloads: list[list[BenchRequest]]) -> list[dict[str, Any]]:
-    from pdserve.shared.async_engine import AsyncEngine
-    from pdserve.shared.engine import LLMEngine
-    from pdserve.shared.engine_args import engine_config
+    from pdserve.shared.cli.engine_args import engine_config
+    from pdserve.shared.engine.async_engine import AsyncEngine
+    from pdserve.shared.engine.engine import LLMEngine
 
     if args.threads:
         import torch
@@ -270,7 +270,7 @@ async def _engine_runs(args: BenchOptions, workloads: list[list[BenchRequest]]) 
 
 
 async def bench(args: BenchOptions) -> dict[str, Any]:
-    from pdserve.shared.loader import load_tokenizer
+    from pdserve.shared.model.loader import load_tokenizer
 
     tokenizer = None if args.random_text else load_tokenizer(_model(args), args.tokenizer)
     workloads = [workload(args, tokenizer, args.dataset_seed + i) for i in range(len(loads(args)) + 1)]
@@ -303,7 +303,7 @@ async def bench(args: BenchOptions) -> dict[str, Any]:
 
 def main(args: BenchOptions) -> int:
     """`pdserve bench` with its validated settings."""
-    from pdserve.shared.loader import ModelLoadError
+    from pdserve.shared.model.loader import ModelLoadError
 
     try:
         result = asyncio.run(bench(args))

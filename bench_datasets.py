@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.model.tokenizer import Tokenizer
 
 _TEXT = (
     "the of and to in is was for on that with as by at from his her are be this have it not an which or "

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pdserve.shared.engine_args import EngineOptions
-from pdserve.shared.settings import CommaList
+from pdserve.shared.cli.engine_args import EngineOptions
+from pdserve.shared.cli.settings import CommaList
 from pydantic import Field
 
 

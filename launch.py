@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-from pdserve.shared.block_index_server import LocalRedis, free_port
+from pdserve.redis_launch import LocalRedis, free_port
 
 MODULES = {
     "router": "pdserve.router",

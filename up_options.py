@@ -12,7 +12,7 @@ import os
 import shlex
 from typing import TYPE_CHECKING
 
-from pdserve.shared.settings import Settings, SettingsError, flag_name, load_settings
+from pdserve.shared.cli.settings import Settings, SettingsError, flag_name, load_settings
 from pydantic import Field
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
 def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]) -> tuple[str, ...]:
     """`text` split like a shell would, after checking it against `pdserve <command>`'s own settings."""
     from pdserve.cli import command as pdserve_command
-    from pdserve.shared.settings import given_flags
+    from pdserve.shared.cli.settings import given_flags
 
     try:
         args = shlex.split(text)
@@ -86,7 +86,7 @@ def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]
 
 def _settings_class(command: str) -> type[Settings]:
     from pdserve.router.__main__ import RouterOptions
-    from pdserve.shared.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
 
     classes: dict[str, type[Settings]] = {"router": RouterOptions, "prefill": PrefillOptions}
     return classes.get(command, NodeOptions)

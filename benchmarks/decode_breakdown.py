@@ -17,9 +17,9 @@ import time
 import torch
 from pdserve.benchmarks.gpu_decode import copy_bandwidth, kv_bytes_per_token, weight_bytes_read
 from pdserve.kernels.linear import DenseLinear, GemvLinear, Linear
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.loader import LoadedModel, load_model
-from pdserve.shared.model_runner import BatchItem, ModelRunner
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
+from pdserve.shared.model.loader import LoadedModel, load_model
 from torch.profiler import ProfilerActivity, profile
 
 GIB = 1 << 30

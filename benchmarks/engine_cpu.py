@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from pdserve.cli import default_model_path
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.engine import LLMEngine
-from pdserve.shared.loader import LoadedModel, load_model, load_tokenizer
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.model.loader import LoadedModel, load_model, load_tokenizer
 from pdserve.shared.types import RequestId
 
 QUESTIONS = (

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.engine import LLMEngine
-from pdserve.shared.loader import LoadedModel, load_model
-from pdserve.shared.model import LlamaModel
-from pdserve.shared.model_config import NAMED_SHAPES, ModelConfig
-from pdserve.shared.model_runner import BatchItem, ModelRunner
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
 from pdserve.shared.types import RequestId
 
 GIB = 1 << 30

@@ -23,10 +23,10 @@ import sys
 import time
 
 import httpx
-from pdserve.shared.block_index_server import free_port
-from pdserve.shared.node_auth import bearer
-from pdserve.shared.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.redis_launch import free_port
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.types import NodeId, RequestId
 
 

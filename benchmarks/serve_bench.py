@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import httpx
 from pdserve.cli import default_model_path
 from pdserve.launch import MODULES, Cluster, free_port, start_redis
-from pdserve.shared.node_auth import bearer
+from pdserve.shared.node.node_auth import bearer
 
 
 def node_specs(values: Sequence[str]) -> list[tuple[str, list[str]]]:

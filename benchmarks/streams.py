@@ -36,7 +36,7 @@ import time
 
 import httpx
 from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
-from pdserve.shared.node_auth import bearer
+from pdserve.shared.node.node_auth import bearer
 
 
 def cpu_seconds(pid: int) -> float:

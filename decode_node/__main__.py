@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from pdserve.decode_node.server import DecodeHandler, add_decode_routes
 from pdserve.kvtransfer.common import KVLayout, PeerIdentity
 from pdserve.kvtransfer.connector import create_server
-from pdserve.shared.node_cli import NodeConfigs
-from pdserve.shared.node_runtime import NodeRuntime
+from pdserve.shared.node.node_cli import NodeConfigs
+from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:

@@ -29,13 +29,13 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import OpenRefused, OpenReply, TransferHandler
-from pdserve.shared.engine import RemoteReservation, RequestOutput, TokenLogprob
-from pdserve.shared.node_metrics import RequestTiming
-from pdserve.shared.node_protocol import NodeGenerateRequest, StepOutput
-from pdserve.shared.node_protocol import TokenLogprob as WireLogprob
-from pdserve.shared.node_protocol import TopLogprob as WireTop
-from pdserve.shared.node_runtime import NodeRuntime
-from pdserve.shared.request import Request as EngineRequest
+from pdserve.shared.engine.engine import RemoteReservation, RequestOutput, TokenLogprob
+from pdserve.shared.engine.request import Request as EngineRequest
+from pdserve.shared.node.node_metrics import RequestTiming
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
+from pdserve.shared.node.node_protocol import TokenLogprob as WireLogprob
+from pdserve.shared.node.node_protocol import TopLogprob as WireTop
+from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 log = logging.getLogger(__name__)

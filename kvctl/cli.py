@@ -20,7 +20,7 @@ from typing import Any
 import click
 from pdserve.kvctl import commands
 from pdserve.kvctl.render import render
-from pdserve.shared.settings import (
+from pdserve.shared.cli.settings import (
     SecretFiles,
     SettingsError,
     click_options,
@@ -114,8 +114,8 @@ def _prompt(opts: PromptOptions, allow_all: bool = False) -> tuple[str | None, l
 
 
 async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
-    from pdserve.shared.block_index import BlockIndex
-    from pdserve.shared.block_index_types import RedisConfig
+    from pdserve.shared.index.block_index import BlockIndex
+    from pdserve.shared.index.block_index_types import RedisConfig
 
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
     try:
@@ -212,7 +212,7 @@ _command(kvctl, "evict", Evict, "Evict a prompt's cached blocks (or all) from a 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; usage errors exit 2 (SystemExit), failures return 1 with one line on stderr."""
-    from pdserve.shared.block_index_types import BlockIndexError
+    from pdserve.shared.index.block_index_types import BlockIndexError
 
     args = list(sys.argv[1:] if argv is None else argv)
     name = next((a for a in args if not a.startswith("-")), "kvctl")

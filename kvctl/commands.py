@@ -16,10 +16,10 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
-from pdserve.shared.block_hash import hash_blocks, hash_seed
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import HitStats, NodeStatus
-from pdserve.shared.node_auth import bearer
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import HitStats, NodeStatus
+from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.types import BlockHash, NodeId
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +39,7 @@ def default_model_path() -> str:
 
 def tokenize(model: str | None, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
     """Token ids as the router makes them: the prompt encoded, or the messages through the chat template."""
-    from pdserve.shared.loader import ModelLoadError, load_tokenizer
+    from pdserve.shared.model.loader import ModelLoadError, load_tokenizer
 
     try:
         tokenizer = load_tokenizer(model or default_model_path())
@@ -113,7 +113,7 @@ async def diff(
     index: BlockIndex, node_id: str | None, repair: bool, timeout_s: float, token: str
 ) -> dict[str, Any]:
     """Each live node's records in the index against the blocks it holds (the node compares, after letting
-    events in flight land: shared/block_digest.py); with repair, the node fixes what disagrees. A node that
+    events in flight land: index/block_digest.py); with repair, the node fixes what disagrees. A node that
     cannot be asked gets an `error` row; `clean` is whether every node answered with no disagreement."""
     statuses = [await live_node(index, node_id)] if node_id is not None else await index.nodes()
     rows: dict[str, Any] = {}

@@ -9,8 +9,8 @@ from fastapi import FastAPI
 from pdserve.kvtransfer.common import KVLayout, PeerIdentity
 from pdserve.kvtransfer.connector import create_sender
 from pdserve.prefill_node.server import PrefillService, add_prefill_routes
-from pdserve.shared.node_cli import NodeConfigs
-from pdserve.shared.node_runtime import NodeRuntime
+from pdserve.shared.node.node_cli import NodeConfigs
+from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:

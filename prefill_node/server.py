@@ -33,10 +33,10 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
 )
 from pdserve.kvtransfer.device_sync import event_done
-from pdserve.shared.engine import RequestOutput, StepObserver
-from pdserve.shared.node_protocol import PrefillRequest, PrefillResult
-from pdserve.shared.node_runtime import NodeRuntime
-from pdserve.shared.scheduler import ScheduledRequest
+from pdserve.shared.engine.engine import RequestOutput, StepObserver
+from pdserve.shared.engine.scheduler import ScheduledRequest
+from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
+from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.types import BlockId, RequestId
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from pdserve.shared.settings import (
+from pdserve.shared.cli.settings import (
     CommaList,
     LogLevel,
     SecretFiles,
@@ -109,7 +109,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
     from pdserve.router.config import RouterConfig
     from pdserve.router.policy import PolicyConfig
     from pdserve.router.tenants import RateLimit
-    from pdserve.shared.block_index_types import RedisConfig
+    from pdserve.shared.index.block_index_types import RedisConfig
 
     model = check_model_path(opts.model)
     keys = read_secret("api_keys", "the API keys", opts.api_keys_file, required=False) or ""
@@ -146,8 +146,8 @@ def run(opts: RouterOptions) -> int:
     import uvicorn
     from pdserve.router.app import create_app
     from pdserve.router.request_log import RequestLog
-    from pdserve.shared.block_index import BlockIndex
-    from pdserve.shared.loader import ModelLoadError, load_tokenizer
+    from pdserve.shared.index.block_index import BlockIndex
+    from pdserve.shared.model.loader import ModelLoadError, load_tokenizer
 
     logging.basicConfig(level=opts.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
     if opts.log_level != "DEBUG":  # httpx logs every call to a node at INFO: the access log is per request
@@ -177,8 +177,8 @@ def run(opts: RouterOptions) -> int:
 
 
 async def _nodes_seen(config: RouterConfig) -> str:
-    from pdserve.shared.block_index import BlockIndex
-    from pdserve.shared.block_index_types import IndexUnavailable
+    from pdserve.shared.index.block_index import BlockIndex
+    from pdserve.shared.index.block_index_types import IndexUnavailable
 
     async with BlockIndex(config.redis) as index:
         try:

@@ -44,11 +44,11 @@ from pdserve.router.policy import NodeView, NoNodeAvailable, choose
 from pdserve.router.request_log import REQUEST_ID
 from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import ROLES
-from pdserve.shared.node_auth import credential_digest
-from pdserve.shared.node_protocol import TokenLogprob
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import ROLES
+from pdserve.shared.model.tokenizer import Tokenizer
+from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.node.node_protocol import TokenLogprob
 from pdserve.shared.types import RequestId
 from starlette.exceptions import HTTPException as StarletteHTTPException
 

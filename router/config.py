@@ -12,7 +12,7 @@ from pdserve.router.admission import AdmissionConfig
 from pdserve.router.breaker import BreakerConfig
 from pdserve.router.policy import PolicyConfig
 from pdserve.router.tenants import RateLimit
-from pdserve.shared.block_index_types import RedisConfig
+from pdserve.shared.index.block_index_types import RedisConfig
 
 
 @dataclass(frozen=True)

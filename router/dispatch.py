@@ -26,9 +26,9 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Continuation
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
 from pdserve.router.openai_protocol import OpenAIError
-from pdserve.shared.block_index_types import NodeInfo
-from pdserve.shared.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.index.block_index_types import NodeInfo
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.types import NodeId, RequestId
 
 _PREFILL_GRACE_S = 1.0

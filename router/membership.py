@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pdserve.router.breaker import Breakers
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.node_client import NodeClients, NodeError
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import IndexUnavailable, NodeStatus
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import IndexUnavailable, NodeStatus
 from pdserve.shared.types import NodeId
 
 log = logging.getLogger(__name__)

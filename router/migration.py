@@ -4,7 +4,7 @@ its prompt plus the tokens already streamed (Dynamo's request migration), at mos
 Invariants:
 - The continuation's prompt is the original prompt followed by exactly the token ids the client has received
   (in order); its max_tokens is what remains. Sampling randomness is a function of (seed, absolute position)
-  (shared/sampler.py), and positions are unchanged by moving tokens from output to prompt, so a greedy or
+  (engine/sampler.py), and positions are unchanged by moving tokens from output to prompt, so a greedy or
   seeded choice continues with the text an undisturbed run gives (frequency and presence penalties count
   output tokens only: a choice that uses them is not migrated).
 - Every step the client sees after a migration is rewritten to the original request's view: its prompt
@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pdserve.shared.node_protocol import StepOutput
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_protocol import StepOutput
 
 
 @dataclass

@@ -3,7 +3,7 @@ the nodes registered refuses to serve (503 `model_mismatch`, naming both) instea
 
 Invariants:
 - A node is checked once per (node id, epoch): its registration's tokenizer fingerprint against the router's
-  tokenizer (shared/tokenizer.py), and its model fingerprint against the one the router computes from its own
+  tokenizer (model/tokenizer.py), and its model fingerprint against the one the router computes from its own
   checkpoint (config and weights identity from the file headers, never the weights; the KV dtype and block
   size the node registered). A dummy model (`dummy:...`) has no checkpoint to read: its tokenizer alone is
   compared. A node that registered no tokenizer fingerprint (an older node) is compared on its model only.
@@ -18,13 +18,13 @@ import logging
 import os
 
 from pdserve.router.openai_protocol import OpenAIError
-from pdserve.shared.block_hash import model_fingerprint
-from pdserve.shared.block_index_types import NodeInfo
-from pdserve.shared.gguf_loader import read_gguf
-from pdserve.shared.hf_loader import read_hf_dir
-from pdserve.shared.loader import DUMMY_PREFIX
-from pdserve.shared.model_config import ModelConfig
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.engine.block_hash import model_fingerprint
+from pdserve.shared.index.block_index_types import NodeInfo
+from pdserve.shared.model.gguf_loader import read_gguf
+from pdserve.shared.model.hf_loader import read_hf_dir
+from pdserve.shared.model.loader import DUMMY_PREFIX
+from pdserve.shared.model.model_config import ModelConfig
+from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.types import NodeId
 
 log = logging.getLogger(__name__)

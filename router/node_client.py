@@ -1,4 +1,4 @@
-"""HTTP clients of the nodes' internal API (shared/node_protocol.py), one connection pool per node.
+"""HTTP clients of the nodes' internal API (shared/node/node_protocol.py), one connection pool per node.
 
 Invariants: one NodeClient per (node id, http url); a node that re-registers at a new URL gets a new
 client and the old pool is closed. Every call carries the cluster's credential (when the router has one)
@@ -16,9 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
-from pdserve.shared.block_index_types import NodeInfo
-from pdserve.shared.node_auth import bearer
-from pdserve.shared.node_protocol import (
+from pdserve.shared.index.block_index_types import NodeInfo
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import (
     CLIENT_KEEPALIVE_S,
     AbortRequest,
     NodeGenerateRequest,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.router.openai_protocol import Kind
-from pdserve.shared.node_protocol import TokenLogprob
+from pdserve.shared.node.node_protocol import TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 Kind = Literal["chat", "completion"]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.shared.block_index_types import NodeStatus, Role
+from pdserve.shared.index.block_index_types import NodeStatus, Role
 from pdserve.shared.types import NodeId
 
 Mode = Literal["disaggregated", "local_prefill", "single"]

@@ -27,10 +27,10 @@ from pdserve.router.model_check import ModelCheck
 from pdserve.router.node_client import NodeClients, NodeError
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
-from pdserve.shared.block_hash import hash_blocks, hash_seed
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import IndexUnavailable, NodeInfo, NodeStatus
-from pdserve.shared.node_protocol import NodeInfoReply
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import IndexUnavailable, NodeInfo, NodeStatus
+from pdserve.shared.node.node_protocol import NodeInfoReply
 from pdserve.shared.types import NodeId
 
 _KIND = {"disaggregated": "pd", "local_prefill": "local", "single": "single"}

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 from pdserve.launch import MODULES, Cluster, UpConfig, free_port, start_cluster
-from pdserve.shared.node_auth import bearer
+from pdserve.shared.node.node_auth import bearer
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdserve.shared.block_hash import hash_block, hash_blocks, hash_seed, model_fingerprint
+from pdserve.shared.engine.block_hash import hash_block, hash_blocks, hash_seed, model_fingerprint
 from pdserve.shared.types import BlockHash
 
 Z = bytes(32)

@@ -15,11 +15,12 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pdserve.shared import block_index_server
-from pdserve.shared.block_hash import hash_blocks, hash_seed
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_server import LocalRedis, free_port
-from pdserve.shared.block_index_types import (
+from pdserve import redis_launch as block_index_server
+from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
+from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import (
     BlocksDigest,
     IncompatibleNode,
     IndexAuthError,
@@ -31,8 +32,7 @@ from pdserve.shared.block_index_types import (
     Role,
     StaleEpoch,
 )
-from pdserve.shared.block_pool import BlockPool, BlockRemoved, BlockStored
-from pdserve.shared.node_auth import credential_digest
+from pdserve.shared.node.node_auth import credential_digest
 from pdserve.shared.types import BlockHash, BlockId, NodeId
 
 T = TypeVar("T")

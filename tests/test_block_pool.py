@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from pdserve.shared.block_pool import (
+from pdserve.shared.engine.block_pool import (
     BlockPool,
     BlockRemoved,
     BlockStored,

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from pdserve.shared.block_hash import hash_blocks, hash_seed
-from pdserve.shared.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocks
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
+from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocks
 from pdserve.shared.types import BlockHash, BlockId
 
 BLOCK_SIZE = 2

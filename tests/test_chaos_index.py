@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 from pdserve.kvctl.commands import prompt_hashes, tokenize
-from pdserve.shared.block_digest import MISMATCHES_TO_COMPARE, SETTLE_S
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import RedisConfig
-from pdserve.shared.block_pool import BlockEvent, BlockRemoved, BlockStored
+from pdserve.shared.engine.block_pool import BlockEvent, BlockRemoved, BlockStored
+from pdserve.shared.index.block_digest import MISMATCHES_TO_COMPARE, SETTLE_S
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import RedisConfig
 from pdserve.shared.types import BlockHash, NodeId
 from pdserve.tests.chaos_faults import small_cluster
 from pdserve.tests.chaos_load import metric_of

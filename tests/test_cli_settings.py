@@ -21,7 +21,7 @@ import pytest
 from pdserve.cli import command as pdserve_command
 from pdserve.cli import pdserve
 from pdserve.kvctl.cli import kvctl
-from pdserve.shared.settings import (
+from pdserve.shared.cli.settings import (
     Settings,
     SettingsError,
     env_name,
@@ -42,12 +42,12 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
     """The settings model whose fields a command's options are (read back from its click callback)."""
     from pdserve.kvctl import cli as kvctl_cli
     from pdserve.router.__main__ import RouterOptions
-    from pdserve.shared.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
     from pdserve.up_options import UpOptions
 
     if group is pdserve:
         from pdserve.bench_options import BenchOptions
-        from pdserve.shared.engine_args import GenerateOptions
+        from pdserve.shared.cli.engine_args import GenerateOptions
 
         commands: dict[str, type[Settings]] = {"generate": GenerateOptions, "up": UpOptions,
             "router": RouterOptions, "prefill": PrefillOptions, "bench": BenchOptions}  # fmt: skip
@@ -250,7 +250,7 @@ def test_start_up_failures_are_one_line(tmp_path: Path) -> None:
 
 
 def test_connector_choices_match_the_registry() -> None:
-    from pdserve.shared.node_cli import Connector
+    from pdserve.shared.node.node_cli import Connector
 
     # a fresh interpreter: test modules register stand-in connectors in this one (test_kvtransfer_pair_group)
     code = "from pdserve.kvtransfer.connector import connector_kinds; print(','.join(connector_kinds()))"

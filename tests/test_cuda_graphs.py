@@ -16,14 +16,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
-from pdserve.shared.dummy_weights import fill_dummy_weights
-from pdserve.shared.loader import LoadedModel
-from pdserve.shared.model import LlamaModel
-from pdserve.shared.model_config import NAMED_SHAPES
-from pdserve.shared.model_runner import BatchItem, ModelRunner
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.cuda_graphs import DecodeGraphs, bucket_sizes, pick_bucket
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.loader import LoadedModel
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES
+from pdserve.shared.model.tokenizer import Tokenizer
 
 BLOCK = 16
 MAX_LEN = 128  # 8 blocks per sequence

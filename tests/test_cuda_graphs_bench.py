@@ -14,14 +14,14 @@ from types import ModuleType
 
 import pytest
 import torch
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.cuda_graphs import DecodeGraphs
-from pdserve.shared.dummy_weights import fill_dummy_weights
-from pdserve.shared.loader import LoadedModel
-from pdserve.shared.model import LlamaModel
-from pdserve.shared.model_config import NAMED_SHAPES
-from pdserve.shared.model_runner import ModelRunner
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.cuda_graphs import DecodeGraphs
+from pdserve.shared.engine.model_runner import ModelRunner
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.loader import LoadedModel
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES
+from pdserve.shared.model.tokenizer import Tokenizer
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_decode.py"
 

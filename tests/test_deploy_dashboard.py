@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 from pdserve.launch import Cluster
-from pdserve.shared.block_index_server import LocalRedis, free_port
+from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.tests.cluster_fixture import LiveCluster, NodeProc, model_path, served_model_name
 from pdserve.tests.test_deploy_manifests import objs, pod_spec
 

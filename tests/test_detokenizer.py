@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.shared.detokenizer import IncrementalDetokenizer
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
+from pdserve.shared.engine.sampling_params import SamplingParams
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # ASCII only, so that accented, CJK and emoji characters stay split into single-byte tokens.

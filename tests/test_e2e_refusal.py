@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from pdserve.launch import Cluster, free_port, start_redis
-from pdserve.shared.node_auth import bearer
-from pdserve.shared.node_protocol import PrefillRequest, PrefillResult
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.types import NodeId, RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve.shared.node_auth import bearer
-from pdserve.shared.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     kvctl,

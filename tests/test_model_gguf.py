@@ -17,7 +17,7 @@ import pytest
 import torch
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.shared.loader import LoadedModel, load_model
+from pdserve.shared.model.loader import LoadedModel, load_model
 from safetensors.torch import save_file
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import pytest
 import torch
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.shared.loader import LoadedModel, load_model
-from pdserve.shared.model import LlamaModel
+from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.model import LlamaModel
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.model_runner import TABLE_ALIGN, BatchItem, ModelRunner
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.model_runner import TABLE_ALIGN, BatchItem, ModelRunner
 
 from tests.test_cuda_graphs import tiny_loaded
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from pdserve.cli import default_model_path
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.engine import LLMEngine
-from pdserve.shared.node_stats import engine_snapshot
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_stats import engine_snapshot
 from pdserve.shared.types import RequestId
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
-from pdserve.shared.block_index_types import NodeInfo, NodeLoad, NodeStatus, Role
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, NodeStatus, Role
 from pdserve.shared.types import NodeId
 
 

@@ -1,6 +1,6 @@
 """The router as a real HTTP server over a real Redis, in front of scripted nodes on loopback sockets.
 
-The nodes here are test doubles that speak shared/node_protocol.py (the real nodes come later): they
+The nodes here are test doubles that speak shared/node/node_protocol.py (the real nodes come later): they
 stream deterministic tokens, record what they received and which aborts reached them, and can be told
 to be slow (stop string "SLOW") or to fail the prefill ("FAIL_PREFILL"). Everything else is real: the
 router process's app under uvicorn, redis-server, BlockIndex registrations, the SmolLM2 tokenizer, the
@@ -25,16 +25,17 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
+from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
-from pdserve.shared.block_hash import model_fingerprint
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_server import LocalRedis, free_port
-from pdserve.shared.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
-from pdserve.shared.gguf_loader import read_gguf
-from pdserve.shared.loader import load_tokenizer
-from pdserve.shared.node_auth import credential_digest
-from pdserve.shared.node_protocol import (
+from pdserve.shared.engine.block_hash import model_fingerprint
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.model.gguf_loader import read_gguf
+from pdserve.shared.model.loader import load_tokenizer
+from pdserve.shared.model.tokenizer import Tokenizer
+from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.node.node_protocol import (
     AbortRequest,
     NodeGenerateRequest,
     NodeInfoReply,
@@ -44,7 +45,6 @@ from pdserve.shared.node_protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from pdserve.shared.tokenizer import Tokenizer
 from pdserve.shared.types import NodeId
 
 pytestmark = pytest.mark.slow

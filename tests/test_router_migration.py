@@ -4,8 +4,8 @@ tokens, max_tokens what remains, and later steps are reported as the original re
 from __future__ import annotations
 
 from pdserve.router.migration import Continuation
-from pdserve.shared.node_protocol import StepOutput
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_protocol import StepOutput
 from pdserve.shared.types import RequestId
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pdserve.router.openai_builders import ResponseHead, models_response, usage
 from pdserve.router.openai_protocol import OpenAIError, parse_chat, parse_completion
-from pdserve.shared.node_protocol import TokenLogprob, TopLogprob
+from pdserve.shared.node.node_protocol import TokenLogprob, TopLogprob
 
 sys.path.insert(0, os.path.dirname(__file__))
 spec = importlib.util.spec_from_file_location(

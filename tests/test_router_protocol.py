@@ -1,4 +1,4 @@
-"""shared/node_protocol.py: every message round-trips through its JSON form; bad input is refused by name."""
+"""node/node_protocol.py: every message round-trips through its JSON form; bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.shared.node_protocol import (
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_protocol import (
     LOGPROB_FLOOR,
     PROTOCOL_VERSION,
     AbortRequest,
@@ -20,7 +21,6 @@ from pdserve.shared.node_protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from pdserve.shared.sampling_params import SamplingParams
 from pdserve.shared.types import NodeId, RequestId
 
 ids = st.lists(st.integers(0, 2**31), min_size=1, max_size=40).map(tuple)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve.shared.sampler import Sampler, SamplingState, _truncate
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampler import Sampler, SamplingState, _truncate
+from pdserve.shared.engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from pdserve.shared.block_hash import hash_seed
-from pdserve.shared.block_pool import BlockPool
-from pdserve.shared.request import Request, RequestStatus
-from pdserve.shared.sampling_params import SamplingParams
-from pdserve.shared.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.engine.block_hash import hash_seed
+from pdserve.shared.engine.block_pool import BlockPool
+from pdserve.shared.engine.request import Request, RequestStatus
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.types import RequestId
 
 SEED = hash_seed(bytes(32), None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pdserve.shared.block_pool import NoFreeBlocks
+from pdserve.shared.engine.block_pool import NoFreeBlocks
 from pdserve.shared.types import RequestId
 
 from .test_scheduler import EOS, Harness

@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 import pytest
 from pdserve.launch import Cluster, free_port, start_redis
-from pdserve.shared.block_index_server import LocalRedis
-from pdserve.shared.node_auth import bearer
-from pdserve.shared.node_protocol import NodeGenerateRequest
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.redis_launch import LocalRedis
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.types import RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,

@@ -10,9 +10,9 @@ import asyncio
 import logging
 import time
 
-from pdserve.shared.engine import LLMEngine
-from pdserve.shared.node_metrics import EngineSnapshot
-from pdserve.shared.node_runtime import NodeRuntime
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.node.node_metrics import EngineSnapshot
+from pdserve.shared.node.node_runtime import NodeRuntime
 
 log = logging.getLogger("pdserve.stats")
 REFRESH_S = 1.0

@@ -16,8 +16,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from pdserve.shared.engine import LLMEngine, RequestOutput
-from pdserve.shared.request import Request
+from pdserve.shared.engine.engine import LLMEngine, RequestOutput
+from pdserve.shared.engine.request import Request
 from pdserve.shared.types import RequestId
 
 log = logging.getLogger(__name__)

@@ -23,17 +23,17 @@ from typing import Protocol
 
 import torch
 from pdserve.kernels.ops import get_ops
-from pdserve.shared.block_hash import hash_seed, model_fingerprint
-from pdserve.shared.block_pool import BlockEvent, BlockPool, PoolAudit
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.cuda_graphs import plan_gpu_memory
-from pdserve.shared.detokenizer import IncrementalDetokenizer
-from pdserve.shared.loader import LoadedModel, load_model
-from pdserve.shared.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
-from pdserve.shared.request import Request
-from pdserve.shared.sampler import Sampler, SamplingState
-from pdserve.shared.sampling_params import SamplingParams
-from pdserve.shared.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.engine.block_hash import hash_seed, model_fingerprint
+from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.cuda_graphs import plan_gpu_memory
+from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
+from pdserve.shared.engine.request import Request
+from pdserve.shared.engine.sampler import Sampler, SamplingState
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.model.loader import LoadedModel, load_model
 from pdserve.shared.types import BlockHash, BlockId, RequestId
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
-from pdserve.shared.model import rope_inv_freq
-from pdserve.shared.model_config import ModelConfig, RopeScaling
+from pdserve.shared.model.model import rope_inv_freq
+from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 
 WeightThunks = dict[str, Callable[[], torch.Tensor]]
 Q = GGMLQuantizationType

@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import BlockIndexError, BlocksDigest
-from pdserve.shared.block_pool import BlockEvent, BlockRemoved, BlockStored
+from pdserve.shared.engine.block_pool import BlockEvent, BlockRemoved, BlockStored
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import BlockIndexError, BlocksDigest
 from pdserve.shared.types import BlockHash, NodeId
 from prometheus_client import CollectorRegistry, Counter, Gauge
 

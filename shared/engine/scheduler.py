@@ -20,8 +20,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pdserve.shared.block_pool import BlockPool, NoFreeBlocks
-from pdserve.shared.request import Request, RequestStatus
+from pdserve.shared.engine.block_pool import BlockPool, NoFreeBlocks
+from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.types import BlockId, RequestId
 
 

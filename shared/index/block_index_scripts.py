@@ -13,7 +13,7 @@ Invariants the scripts keep together:
 - `blkdig:<id>:<epoch>` (fields a, b) is the XOR of the first two little-endian int32 words of every member
   of `blk:<id>:<epoch>`: every script that adds or removes a member updates it in the same call (only for
   members actually added or removed), deletes it with the set and gives it the set's TTL, so a node compares
-  its held set with the index in O(1) (shared/block_digest.py).
+  its held set with the index in O(1) (shared/index/block_digest.py).
 """
 
 # The node's epoch check of a write or digest read (ARGV: prefix, node_id, epoch, ...).

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
 
 GREEDY_EPS = 1e-5
 _M64 = 0xFFFFFFFFFFFFFFFF

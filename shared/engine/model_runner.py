@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, get_ops
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.cuda_graphs import DecodeGraphs
-from pdserve.shared.loader import LoadedModel
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.cuda_graphs import DecodeGraphs
+from pdserve.shared.model.loader import LoadedModel
 
 TABLE_ALIGN = 16
 """Block-table columns of an eager step are a multiple of this (one kernel specialization for all widths)."""

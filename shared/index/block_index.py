@@ -21,8 +21,9 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from pdserve.shared import block_index_scripts as lua
-from pdserve.shared.block_index_types import (
+from pdserve.shared.engine.block_pool import BlockRemoved, BlockStored
+from pdserve.shared.index import block_index_scripts as lua
+from pdserve.shared.index.block_index_types import (
     KV_LAYOUT_FIELDS,
     BlocksDigest,
     HitStats,
@@ -37,7 +38,6 @@ from pdserve.shared.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
-from pdserve.shared.block_pool import BlockRemoved, BlockStored
 from pdserve.shared.types import BlockHash, NodeId
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -277,7 +277,7 @@ class BlockIndex:
         reply = await self._call(self._evict, "evict_records", node_id, *(hashes or ()))
         return self._check(reply, node_id)
 
-    # --- the index against the truth (shared/block_digest.py) ---------------------------------------------
+    # --- the index against the truth (index/block_digest.py) ---------------------------------------------
 
     async def digest(self, node_id: NodeId, epoch: int) -> BlocksDigest:
         """The digest of the node's records (one round trip, O(1) in Redis)."""

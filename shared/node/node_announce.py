@@ -1,20 +1,20 @@
 """What a node tells about itself outside Redis: its registration, for a router that cannot find it in the
 index (started while Redis is away, or Redis came back empty: router/membership.py's seed list), and its
-records in the index against the blocks it holds (`kvctl diff`, shared/block_digest.py).
+records in the index against the blocks it holds (`kvctl diff`, shared/index/block_digest.py).
 
 Invariants: `GET /internal/registration` answers the NodeInfo the node registered (block_index_types.py's
 JSON, its current epoch); `GET /internal/index-diff` answers IndexDiff.to_dict(), `POST` the same after
 repairing (`{"repair": true}`); all answer 404 before the node registered (or without an index), 503 when
 Redis fails the comparison, and, like every internal route but health and metrics, need the cluster's
-credential (shared/node_auth.py).
+credential (shared/node/node_auth.py).
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pdserve.shared.block_index_types import BlockIndexError
-from pdserve.shared.node_runtime import NodeRuntime
+from pdserve.shared.index.block_index_types import BlockIndexError
+from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 def add_announce_routes(app: FastAPI, rt: NodeRuntime) -> None:

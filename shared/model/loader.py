@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-from pdserve.shared.dummy_weights import dummy_weights_identity, fill_dummy_weights
-from pdserve.shared.gguf_loader import read_gguf
-from pdserve.shared.hf_loader import read_hf_dir
-from pdserve.shared.model import LlamaModel
-from pdserve.shared.model_config import NAMED_SHAPES, ModelConfig
-from pdserve.shared.tokenizer import Tokenizer
+from pdserve.shared.model.dummy_weights import dummy_weights_identity, fill_dummy_weights
+from pdserve.shared.model.gguf_loader import read_gguf
+from pdserve.shared.model.hf_loader import read_hf_dir
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.shared.model.tokenizer import Tokenizer
 from safetensors import SafetensorError
 from tqdm import tqdm
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
 
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import NodeId, RequestId
 
 PROTOCOL_VERSION = 1

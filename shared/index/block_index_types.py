@@ -121,13 +121,13 @@ class NodeInfo:
     http_url: str
     transfer_addr: str
     model_fingerprint: str
-    """64 lowercase hex digits: shared.block_hash.model_fingerprint(...).hex()."""
+    """64 lowercase hex digits: shared.engine.block_hash.model_fingerprint(...).hex()."""
     kv_layout: Mapping[str, int | str]
     """num_layers, num_kv_heads, head_dim, block_size, tp_size (ints) and dtype (a torch dtype name)."""
     protocol_version: int
     capacity_blocks: int
     credential_digest: str
-    """64 lowercase hex digits: shared.node_auth.credential_digest(the KV-transfer token); never the token."""
+    """64 lowercase hex digits: node_auth.credential_digest(the KV-transfer token); never the token."""
     epoch: int = 0
     tokenizer_fingerprint: str = ""
     """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps
-from pdserve.shared.model import LlamaModel
+from pdserve.shared.model.model import LlamaModel
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.shared.config import EngineConfig
-from pdserve.shared.engine import LLMEngine, RequestOutput
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine, RequestOutput
+from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import RequestId
 
 

@@ -10,14 +10,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pdserve.shared.engine_args import EngineOptions, engine_config
-from pdserve.shared.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
+from pdserve.shared.cli.engine_args import EngineOptions, engine_config
+from pdserve.shared.cli.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
 from pydantic import Field
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.connector import ConnectorConfig
-    from pdserve.shared.config import EngineConfig
-    from pdserve.shared.node_runtime import NodeSettings
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.node.node_runtime import NodeSettings
 
 Connector = Literal["tcp", "ucx", "nccl", "cuda_ipc"]
 """The connector kinds kvtransfer registers (a test keeps the two lists equal; importing it loads torch)."""
@@ -82,8 +82,8 @@ def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
 
     from pdserve.kvtransfer.connector import ConnectorConfig
-    from pdserve.shared.block_index_types import RedisConfig
-    from pdserve.shared.node_runtime import NodeSettings
+    from pdserve.shared.index.block_index_types import RedisConfig
+    from pdserve.shared.node.node_runtime import NodeSettings
 
     redis = None
     if opts.redis:

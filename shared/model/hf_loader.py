@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from pdserve.shared.model_config import ModelConfig
+from pdserve.shared.model.model_config import ModelConfig
 from safetensors import safe_open
 
 WeightThunks = dict[str, Callable[[], torch.Tensor]]

@@ -16,8 +16,8 @@ import json
 import math
 
 import torch
-from pdserve.shared.model import LlamaModel, RMSNorm
-from pdserve.shared.model_config import ModelConfig
+from pdserve.shared.model.model import LlamaModel, RMSNorm
+from pdserve.shared.model.model_config import ModelConfig
 
 INIT_STD = 0.02
 

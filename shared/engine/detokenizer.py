@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 6
 MAX_HELD_TOKENS = 8

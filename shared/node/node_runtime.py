@@ -22,10 +22,12 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pdserve.shared.async_engine import AsyncEngine
-from pdserve.shared.block_digest import IndexTruth
-from pdserve.shared.block_index import BlockIndex
-from pdserve.shared.block_index_types import (
+from pdserve.shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.block_pool import BlockEvent
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.index.block_digest import IndexTruth
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import (
     BlockIndexError,
     NodeInfo,
     NodeLoad,
@@ -33,10 +35,8 @@ from pdserve.shared.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
-from pdserve.shared.block_pool import BlockEvent
-from pdserve.shared.engine import LLMEngine
-from pdserve.shared.node_metrics import NodeMetrics
-from pdserve.shared.node_protocol import AbortRequest, NodeInfoReply
+from pdserve.shared.node.node_metrics import NodeMetrics
+from pdserve.shared.node.node_protocol import AbortRequest, NodeInfoReply
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -210,7 +210,7 @@ class NodeRuntime:
             try:
                 await self.index.heartbeat(self.node_id, load, epoch)
                 if self.truth is not None and not self._need_resync:
-                    await self.truth.check(epoch)  # shared/block_digest.py; logs its own failures
+                    await self.truth.check(epoch)  # shared/index/block_digest.py; logs its own failures
             except NodeNotRegistered:
                 what = "registering again"
                 await self._register_again(epoch)
@@ -299,7 +299,7 @@ class NodeRuntime:
 
 def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
     """Internal routes every role serves. They live on the node's internal port, never the public API, and
-    all but health and metrics need the cluster's credential (shared/node_auth.py, in front of them)."""
+    all but health and metrics need the cluster's credential (shared/node/node_auth.py, in front of them)."""
 
     @app.get("/internal/info")
     async def info() -> Response:

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.shared.block_hash import hash_blocks
-from pdserve.shared.sampling_params import SamplingParams
+from pdserve.shared.engine.block_hash import hash_blocks
+from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import BlockHash, BlockId, RequestId
 
 

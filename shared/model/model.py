@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps
-from pdserve.shared.model_config import ModelConfig, RopeScaling
+from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 from torch import nn
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pdserve.shared.settings import Settings, check_model_path
+from pdserve.shared.cli.settings import Settings, check_model_path
 from pydantic import Field, field_validator
 
 if TYPE_CHECKING:
-    from pdserve.shared.config import EngineConfig
+    from pdserve.shared.engine.config import EngineConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -75,7 +75,7 @@ class GenerateOptions(EngineOptions):
 
 def engine_config(opts: EngineOptions) -> EngineConfig:
     """The frozen EngineConfig of validated options; raises SettingsError when the model is not on disk."""
-    from pdserve.shared.config import EngineConfig
+    from pdserve.shared.engine.config import EngineConfig
 
     return EngineConfig(
         model=check_model_path(opts.model),

@@ -1,0 +1,1 @@
+"""Command-line glue: settings models, engine arguments, offline generation."""

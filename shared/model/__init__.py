@@ -1,0 +1,1 @@
+"""The model: its configuration, weights loaders (GGUF, HF, seeded dummy) and tokenizer."""
