@@ -173,24 +173,29 @@ def main() -> int:
                 nodes[name] = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
         print(f"cluster: {args.prefill} P + {args.decode} D, router args {args.router_args!r}, node args "
               f"{args.node_args!r}, {args.max_tokens} tokens per request\n")  # fmt: skip
-        print("| requests / at a time | completed | refused | failed | wrong text | wall s | completed/s | "
-              "router CPU s | busiest node CPU s |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| requests / at a time | completed | refused 429 / 503 | failed | wrong text | wall s "
+              "| completed/s | router CPU s | busiest node CPU s | all nodes CPU s "
+              "| client CPU s |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n, c in loads:
             before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+            client0 = time.process_time()
             results, wall = asyncio.run(load(base, served, prompts[n], c, args.max_tokens, args.ignore_eos))
             expected = [want_of[p] for p in prompts[n]]
             time.sleep(2)
             after = {name: cpu_seconds(pid) for name, pid in procs.items()}
             used = {name: after[name] - before[name] for name in procs}
+            client = time.process_time() - client0
             ok = [i for i, (o, _) in enumerate(results) if o == "ok"]
-            refused = sum(o.startswith("refused") for o, _ in results)
+            refused = [sum(o == f"refused {code}" for o, _ in results) for code in (429, 503)]
             failed = [o for o, _ in results if o.startswith("failed")]
             wrong = sum(results[i][1] != expected[i] for i in ok)
             busiest = max(v for k, v in used.items() if k != "router")
+            nodes_cpu = sum(v for k, v in used.items() if k != "router")
             rate = len(ok) / wall
-            print(f"| {n} / {c} | {len(ok)} | {refused} | {len(failed)} | {wrong} | {wall:.1f} | "
-                  f"{rate:.2f} | {used['router']:.1f} | {busiest:.1f} |", flush=True)  # fmt: skip
+            print(f"| {n} / {c} | {len(ok)} | {refused[0]} / {refused[1]} | {len(failed)} | {wrong} | "
+                  f"{wall:.1f} | {rate:.2f} | {used['router']:.1f} | {busiest:.1f} | {nodes_cpu:.1f} | "
+                  f"{client:.1f} |", flush=True)  # fmt: skip
             if wrong:
                 share = sorted(
                     _shared(results[i][1], expected[i]) for i in ok if results[i][1] != expected[i]
