@@ -88,7 +88,7 @@ async def main(args: argparse.Namespace) -> None:
             role: Role = "prefill" if i % 2 == 0 else "decode"
             node = NodeId(f"{role}-{i}")
             url, addr = f"http://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}"  # never contacted
-            info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000, CRED)
+            info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000, CRED, 8192)
             epoch = await index.register(info)
             load = NodeLoad(rng.randint(0, 8), rng.randint(0, 4), rng.randint(0, 50_000), 200_000, 0,
                             queued_prefill_tokens=rng.randint(0, 4096))  # fmt: skip

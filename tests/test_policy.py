@@ -107,7 +107,9 @@ def test_bad_inputs_name_the_values() -> None:
 def test_node_view_from_status() -> None:
     layout: dict[str, int | str] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 16}
     layout |= {"dtype": "float32", "tp_size": 1}
-    info = NodeInfo(NodeId("d0"), "decode", "http://x", "x:1", "ab" * 32, layout, 1, 100, "cd" * 32, epoch=3)
+    info = NodeInfo(
+        NodeId("d0"), "decode", "http://x", "x:1", "ab" * 32, layout, 1, 100, "cd" * 32, 8192, epoch=3
+    )
     load = NodeLoad(
         running=2, waiting=1, kv_used_blocks=7, kv_total_blocks=100, blocks_held=9, queued_prefill_tokens=33
     )
