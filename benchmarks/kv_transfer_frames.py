@@ -114,6 +114,9 @@ class SinkReceiver:
     async def on_abort(self, tid: RequestId, reason: str) -> None:
         self.free.extend(self.reserved.pop(tid))
 
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        return None
+
 
 async def serve(kind: str, profile: bool) -> None:
     """D: serve until stdin closes; `reset` zeroes the meters, `stats` prints them as one JSON line."""

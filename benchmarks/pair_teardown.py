@@ -51,6 +51,9 @@ class Sink:
     async def on_abort(self, tid: RequestId, reason: str) -> None:
         return None
 
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        return None
+
 
 def config(device: str) -> ConnectorConfig:
     return ConnectorConfig(
