@@ -74,10 +74,9 @@ def _gemv_kernel(
 
 
 def default_config(n: int, k: int, rows: int) -> GemvConfig:
-    """Tiles from benchmarks/gemv_sweep.py on an H100 (8B layer shapes, bf16). One row: two output columns
-    per program over all of K at once (up to 4096), the most programs and the longest loads in flight,
-    56-102 % of the copy bandwidth where cuBLAS gave 48-91 %. Several rows: 32 x 256 tiles for tl.dot,
-    on par with cuBLAS (faster on the LM head)."""
+    """Tiles chosen by a sweep over the 8B layer shapes in bf16 (docs/benchmarks.md, GPU decode). One row:
+    two output columns per program over all of K at once (up to 4096), the most programs and the longest
+    loads in flight. Several rows: 32 x 256 tiles for tl.dot."""
     if rows == 1:
         return GemvConfig(block_n=2, block_k=min(4096, triton.next_power_of_2(k)), num_warps=8, num_stages=2)
     return GemvConfig(

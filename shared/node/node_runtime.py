@@ -147,6 +147,7 @@ class NodeRuntime:
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
                 credential_digest=credential_digest,
+                max_model_len=self.engine.max_model_len,
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
             )
             self._info = info
