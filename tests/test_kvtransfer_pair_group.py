@@ -180,7 +180,7 @@ def test_announced_payload_that_never_comes_aborts_the_pair(
             waited = time.monotonic() - t0
             assert [t for t, _ in receiver.aborts] == ["stuck"]
             assert "connection" in receiver.aborts[0][1]
-            # no payload within the window: the payload wait or the silence (D reads no PING meanwhile) ends it
+            # no payload within the window: the payload wait or the silence (no PING read meanwhile) ends it
             expected = ["control connection closed"] if cut else ["not done within 0.5s", "silent for"]
             assert any(e in caplog.text for e in expected), caplog.text
             assert waited < (1.0 if cut else 2.0), waited
