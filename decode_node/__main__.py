@@ -21,7 +21,7 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
     server = create_server(cfg.connector, identity, handler)
     await server.start()
     rt.connector_kind = cfg.connector.kind
-    return server.address, server.stop
+    return cfg.transfer_advertise or server.address, server.stop
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,11 @@ class NodeOptions(EngineOptions, SecretFiles):
     )
     cluster: str = Field("default", description="the cluster name of the index's keys")
     transfer_port: int = Field(0, ge=0, le=65535, description="KV-transfer listener port (0: a free one)")
+    transfer_advertise: str | None = Field(
+        None,
+        description="the KV-transfer address announced to the cluster, <connector>://<host>:<port>, when "
+        "prefill nodes reach this one through another address (a NAT, a proxy; default: the listener's)",
+    )
     connector: Connector = Field("tcp", description="KV connector")
     auth_token_file: str | None = Field(
         None, description="file holding the KV-transfer token (else PDSERVE_AUTH_TOKEN is read; required)"
@@ -83,6 +88,8 @@ class NodeConfigs:
     """The `model_name` label of the node's vllm:* metrics."""
     layers_per_frame: int = 4
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    transfer_advertise: str | None = None
+    """The transfer address announced in the index (None: the listener's own)."""
 
 
 def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
@@ -113,11 +120,15 @@ def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
         listen_port=opts.transfer_port,
         liveness_s=opts.transfer_liveness_s,
     )
+    if opts.transfer_advertise is not None:
+        from pdserve.kvtransfer.transport import parse_address
+
+        parse_address(opts.transfer_advertise, opts.connector)  # ValueError naming the expected form
     frames = opts.layers_per_frame if isinstance(opts, PrefillOptions) else 4
     policy = opts.kv_load_failure_policy if isinstance(opts, DecodeOptions) else "recompute"
     engine = engine_config(opts)
     name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
-    return NodeConfigs(engine, node, connector, name, frames, policy)
+    return NodeConfigs(engine, node, connector, name, frames, policy, opts.transfer_advertise)
 
 
 def setup_process(opts: NodeOptions) -> None:

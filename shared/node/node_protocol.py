@@ -185,7 +185,9 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """Prefill node -> router. error None: the KV reached the decode node. Counts: tokens, blocks."""
+    """Prefill node -> router. error None: the KV reached the decode node. Counts: tokens, blocks.
+    decode_computes: the transfer failed after the decode node took it, so that node computes the prompt
+    itself (or fails the request, by its kv_load_failure_policy): its stream says how the request ends."""
 
     request_id: RequestId
     first_token: int | None
@@ -193,6 +195,7 @@ class PrefillResult:
     cached_tokens: int
     transferred_blocks: int
     error: str | None = None
+    decode_computes: bool = False
 
     def __post_init__(self) -> None:
         if self.error is None and self.first_token is None:
@@ -210,6 +213,7 @@ class PrefillResult:
                 "cached_tokens": self.cached_tokens,
                 "transferred_blocks": self.transferred_blocks,
                 "error": self.error,
+                "decode_computes": self.decode_computes,
             }
         )
 
@@ -223,6 +227,7 @@ class PrefillResult:
             cached_tokens=_field(d, "cached_tokens", int),
             transferred_blocks=_field(d, "transferred_blocks", int),
             error=_field(d, "error", str, optional=True),
+            decode_computes=_field(d, "decode_computes", bool, optional=True) or False,
         )
 
 
