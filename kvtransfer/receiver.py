@@ -2,10 +2,10 @@
 
 State of an accepted transfer: OPEN -> (DATA)* -> COMPLETED | ABORTED. Invariants: the terminal decision is
 taken under the transfer's lock, so exactly one of `on_complete` (then ACK, rung on the channel's doorbell
-first when it has one) or `on_abort` runs per accepted transfer and no handler call for it overlaps another; a
-transfer is in `_transfers` exactly while it is OPEN; DATA may only name reserved destination blocks, and
-COMPLETE is accepted only once every (layer, reserved block) pair has arrived. On a channel whose payloads
-land after `recv` returned them (ucx), a DATA frame is checked at once and delivered (`on_data`) by a task
+first) or `on_abort` runs per accepted transfer and no handler call for it overlaps another; a transfer is in
+`_transfers` exactly while it is OPEN; DATA may only name reserved destination blocks, and COMPLETE is
+accepted only once every (layer, reserved block) pair has arrived. A DATA frame whose payload has not landed
+when `recv` returned it (`ByteChannel.payload_landed`) is checked at once and delivered (`on_data`) by a task
 once its bytes landed, while the next frames are read; a COMPLETE read meanwhile is finished by the last such
 task of its transfer (its ACK then leaves before the channel may post its next receive), and the next payload
 waits for that frame's release. Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
@@ -37,7 +37,7 @@ from pdserve.kvtransfer.common import (
 )
 from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
 from pdserve.kvtransfer.doorbell import ack_key
-from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection, LandingPayloads
+from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection
 from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal, Ping
 from pdserve.kvtransfer.transport import Listener, Transport
@@ -104,7 +104,7 @@ class ChannelServer:
         log.info("KV receiver %s listening on %s", self.identity.node_id, self.address)
 
     async def stop(self) -> None:
-        """Connections first (their handlers must end before a UCX listener goes), then the listener."""
+        """Connections first (their handlers end before a transport's listener goes), then the listener."""
         self._stopping = True
         for _, task in list(self._opening.values()):
             task.cancel()
@@ -314,15 +314,14 @@ class ChannelServer:
         buffer = payload.view(lay.torch_dtype).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
-        landing = t.conn.landing
-        if landing is None:
+        if t.conn.channel.payload_landed():
             await self._deliver(t, msg, buffer, blocks)
             return
         # The bytes are still landing (the checks above ran meanwhile): deliver them from a task, so the next
         # frames, COMPLETE typically, are read and checked before they land, not after.
         release = t.conn.defer_release()
         t.landing += 1
-        task = asyncio.ensure_future(self._land(t, msg, buffer, blocks, landing, release))
+        task = asyncio.ensure_future(self._land(t, msg, buffer, blocks, release))
         self._landings.add(task)
         task.add_done_callback(self._landed)
 
@@ -338,13 +337,12 @@ class ChannelServer:
         msg: Data,
         buffer: torch.Tensor,
         blocks: tuple[torch.Tensor, Cols],
-        landing: LandingPayloads,
         release: Callable[[], None],
     ) -> None:
         try:
             # A failed landing kills the connection: its reader then aborts the connection's transfers.
             with contextlib.suppress(ConnectionLost):
-                await landing.landed()
+                await t.conn.channel.landed()
                 await self._deliver(t, msg, buffer, blocks)
                 t.landing -= 1
                 if not t.landing and t.complete is not None:
@@ -383,8 +381,7 @@ class ChannelServer:
         if missing:
             await self._abort(t, f"COMPLETE with {missing} of {t.received.size} layer-blocks missing", True)
             return
-        if t.conn.deferred is not None:  # every payload landed; ConnectionLost if not
-            await t.conn.deferred.flush()
+        await t.conn.channel.flush()  # every payload landed; ConnectionLost if not
         async with t.lock:
             if t.done:
                 return
@@ -395,8 +392,7 @@ class ChannelServer:
                 failure = f"receiver error in on_complete: {e!r}"
             else:
                 self._end(t)
-                if t.conn.doorbell is not None:  # a peer on this host may take the ACK from there
-                    t.conn.doorbell.ring_ack(ack_key(t.tid, t.deadline))
+                t.conn.channel.ring_ack(ack_key(t.tid, t.deadline))  # a peer on this host may take it there
                 with contextlib.suppress(ConnectionLost):
                     await t.conn.send(Ack(t.tid))
                 return
