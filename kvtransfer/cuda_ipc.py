@@ -7,12 +7,9 @@ soon as it has the payload, before it checks and encodes the frame's header (fra
 Both ends must run on one host; CUDA opens IPC memory of a GPU the process does not otherwise see, so
 per-process CUDA_VISIBLE_DEVICES is fine.
 
-Setup (`authenticated`, after the handshake): D allocates its window (`CudaIpcOptions.window_bytes` on
-its device) and exports it with torch's IPC handle, creates SLOTS interprocess "freed" events and a
-shared-memory file (doorbell.py) holding a one-word progress counter and the ACK doorbell, and writes one
-SETUP record on the TCP connection; P maps the window into its own device's address space, maps the file
-read-only, opens the events, and answers with SLOTS interprocess "copied" events of its own. Records are a
-u32 length and a msgpack map, checked field by field.
+Setup (`authenticated`, after the handshake; the record's fields are in docs/kv_transfer_protocol.md): D
+exports its window (`CudaIpcOptions.window_bytes`), SLOTS interprocess "freed" events and a shared-memory
+file (the progress counter and the ACK doorbell); P maps them and answers with SLOTS "copied" events.
 
 Frames: payload k of a connection lands at an offset both ends compute alike (`WindowRing`), so no offset
 travels. P waits on the host until D has released frame `must` (the newest earlier frame whose bytes the new
@@ -35,7 +32,6 @@ ConnectionLost.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import mmap
@@ -53,11 +49,10 @@ from pdserve.kvtransfer.connector import ConnectorConfig, CudaIpcOptions
 from pdserve.kvtransfer.device_sync import on_device, on_stream, poll
 from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, Doorbell, SharedFile, open_shared
 from pdserve.kvtransfer.tcp import ControlChannel, ControlTransport, TcpChannel
+from pdserve.kvtransfer.window_ring import SLOTS, WindowRing
 
 log = logging.getLogger("pdserve.kvtransfer")
 
-SLOTS = 32  # frames that may be in flight per connection (one "copied" and one "freed" event each)
-ALIGN = 512  # window offsets are multiples of this
 RECORD_LEN = struct.Struct("<I")
 MAX_RECORD_BYTES = 1 << 16
 SETUP_MAGIC = "pdserve-cuda-ipc-1"
@@ -72,48 +67,6 @@ def live_windows() -> int:
     """Windows owned or mapped in this process, counting P's mappings that wait for their copies to end
     before they are dropped (an audit: 0 once every cuda_ipc connection closed)."""
     return sum(1 for channel in _LIVE if channel.has_window) + len(_DROPPING)
-
-
-class WindowRing:
-    """Where each payload of a connection lands in D's window: the next ALIGN-aligned offset, wrapping to 0
-    when the payload does not fit before the end. Both ends place the same sizes in the same order, so they
-    agree on every offset."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._next = 0
-        self._seq = 0
-        # frames placed since the last one known released on the GPU: (seq, start, end), oldest first
-        self._live: collections.deque[tuple[int, int, int]] = collections.deque()
-        self._saved: tuple[int, int, list[tuple[int, int, int]]] | None = None
-
-    def place(self, nbytes: int) -> tuple[int, int, int]:
-        """(seq, offset, must) of the next payload: `must` is the newest earlier frame that has to be
-        released before this one is written (it overwrites that frame's bytes, or reuses its event slot),
-        or -1."""
-        if not 0 < nbytes <= self.capacity:
-            raise ValueError(f"a {nbytes} B payload does not fit the cuda_ipc window of {self.capacity} B")
-        self._saved = (self._next, self._seq, list(self._live))
-        start = self._next if self._next + nbytes <= self.capacity else 0
-        end = start + nbytes
-        seq = self._seq
-        must = max(seq - SLOTS, -1)
-        for other, lo, hi in self._live:
-            if lo < end and start < hi:
-                must = max(must, other)
-        while self._live and self._live[0][0] <= must:
-            self._live.popleft()
-        self._live.append((seq, start, end))
-        self._next = -(-end // ALIGN) * ALIGN
-        self._seq = seq + 1
-        return seq, start, must
-
-    def undo(self) -> None:
-        """Forget the last `place` (its frame is not sent after all)."""
-        assert self._saved is not None, "undo without a place"
-        self._next, self._seq, live = self._saved
-        self._live = collections.deque(live)
-        self._saved = None
 
 
 def _event() -> torch.cuda.Event:

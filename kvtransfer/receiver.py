@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-import numpy as np
 import torch
 from pdserve.kvtransfer.common import (
     ChecksumError,
@@ -40,36 +39,11 @@ from pdserve.kvtransfer.doorbell import ack_key
 from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection
 from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal, Ping
+from pdserve.kvtransfer.open_transfer import Cols, OpenTransfer
 from pdserve.kvtransfer.transport import Listener, Transport
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
-Cols = slice | list[int]  # a DATA frame's columns among the reserved blocks
-
-
-class _Transfer:
-    def __init__(
-        self, tid: RequestId, conn: FramedConnection, reply: OpenReply, deadline: float, layers: int
-    ):
-        self.tid = tid
-        self.conn = conn
-        self.reply = reply
-        self.deadline = deadline
-        self.lock = asyncio.Lock()
-        self.done = False
-        self.received = np.zeros((layers, len(reply.dst_block_ids)), dtype=np.bool_)  # [L, reserved]
-        self.expiry: asyncio.Task[None] | None = None
-        self.landing = 0  # DATA frames whose bytes are still landing (delivered by a task)
-        self.complete: Complete | None = None  # COMPLETE, read while some DATA was still landing
-        self._dst_ids: torch.Tensor | None = None  # [reserved] int64: dst_block_ids where payloads land
-
-    def dst_ids(self, device: torch.device) -> torch.Tensor:
-        """The reserved destination ids as one tensor on `device`, built at the first DATA (a frame's ids are
-        then a slice of it: no tensor built from a list, no synchronous host-to-device copy per frame)."""
-        if self._dst_ids is None or self._dst_ids.device != device:
-            ids = torch.tensor(self.reply.dst_block_ids, dtype=torch.int64, pin_memory=device.type == "cuda")
-            self._dst_ids = ids.to(device, non_blocking=True)
-        return self._dst_ids
 
 
 class ChannelServer:
@@ -81,7 +55,7 @@ class ChannelServer:
         self.identity = identity
         self.handler = handler
         self._listener: Listener | None = None
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, OpenTransfer] = {}
         self._opening: dict[str, tuple[FramedConnection, asyncio.Task[None]]] = {}
         self._connections: dict[ByteChannel, asyncio.Future[None]] = {}
         # the tasks answering OPENs and delivering payloads that are still landing
@@ -266,45 +240,14 @@ class ChannelServer:
         if conn.channel not in self._connections:  # the connection ended while the handler reserved
             await self._call_on_abort(tid, "connection ended before OPEN was answered")
             return
-        t = _Transfer(tid, conn, reply, msg.deadline, self.identity.layout.num_layers)
+        t = OpenTransfer(tid, conn, reply, msg.deadline, self.identity.layout.num_layers)
         self._transfers[tid] = t
         t.expiry = asyncio.create_task(self._expire(t))
         with contextlib.suppress(ConnectionLost):
             await conn.send(OpenOk(tid, reply.num_held_blocks, tuple(reply.dst_block_ids)))
 
-    def _blocks(
-        self, t: _Transfer, msg: Data, payload: torch.Tensor | None
-    ) -> tuple[torch.Tensor, Cols] | str:
-        """(dst ids on the payload's device, reserved columns) of a valid DATA, or what is wrong with it."""
-        layout, reply, n = self.identity.layout, t.reply, len(msg.block_indices)
-        if payload is None:
-            return "DATA without payload"
-        if n == 0 or not n == len(msg.src_blocks) == len(msg.dst_blocks):
-            return f"DATA descriptor lists differ in length or are empty ({n}, {len(msg.dst_blocks)})"
-        if not 0 <= msg.layer_start < msg.layer_start + msg.num_layers <= layout.num_layers:
-            return f"DATA layers {msg.layer_start}+{msg.num_layers} outside [0, {layout.num_layers})"
-        if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
-            return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
-        reserved = reply.dst_block_ids
-        first = msg.block_indices[0]
-        j0 = first - reply.num_held_blocks
-        # The usual frame names a run of consecutive blocks: one slice comparison checks it (reserved ids are
-        # distinct, so equal destinations pin every index), and its ids and columns are slices.
-        if (
-            j0 >= 0
-            and msg.dst_blocks == reserved[j0 : j0 + n]
-            and msg.block_indices == tuple(range(first, first + n))
-        ):
-            return t.dst_ids(payload.device)[j0 : j0 + n], slice(j0, j0 + n)
-        for index, dst in zip(msg.block_indices, msg.dst_blocks, strict=True):
-            j = index - reply.num_held_blocks
-            if not 0 <= j < len(reserved) or reserved[j] != dst:
-                return f"DATA block {index} -> {dst} is not in the reservation"
-        cols = [i - reply.num_held_blocks for i in msg.block_indices]
-        return t.dst_ids(payload.device)[cols], cols
-
-    async def _data(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> None:
-        blocks = self._blocks(t, msg, payload)
+    async def _data(self, t: OpenTransfer, msg: Data, payload: torch.Tensor | None) -> None:
+        blocks = t.blocks_of(msg, payload, self.identity.layout)
         if isinstance(blocks, str):
             await self._abort(t, blocks, notify=True)
             return
@@ -333,7 +276,7 @@ class ChannelServer:
 
     async def _land(
         self,
-        t: _Transfer,
+        t: OpenTransfer,
         msg: Data,
         buffer: torch.Tensor,
         blocks: tuple[torch.Tensor, Cols],
@@ -351,7 +294,7 @@ class ChannelServer:
             release()
 
     async def _deliver(
-        self, t: _Transfer, msg: Data, buffer: torch.Tensor, blocks: tuple[torch.Tensor, Cols]
+        self, t: OpenTransfer, msg: Data, buffer: torch.Tensor, blocks: tuple[torch.Tensor, Cols]
     ) -> None:
         """Hand a landed payload (as [num_layers, 2, n, block_size, Hkv, D]) to `on_data` and mark its
         layer-blocks received."""
@@ -369,13 +312,13 @@ class ChannelServer:
                 return
         await self._abort(t, failure, notify=True)
 
-    async def _complete(self, t: _Transfer, msg: Complete) -> None:
+    async def _complete(self, t: OpenTransfer, msg: Complete) -> None:
         if t.landing:  # the last DATA still landing finishes the transfer once it was delivered
             t.complete = msg
             return
         await self._finish(t, msg)
 
-    async def _finish(self, t: _Transfer, msg: Complete) -> None:
+    async def _finish(self, t: OpenTransfer, msg: Complete) -> None:
         """COMPLETE once every DATA before it was delivered: nothing missing, then on_complete and ACK."""
         missing = int((~t.received).sum())
         if missing:
@@ -398,13 +341,13 @@ class ChannelServer:
                 return
         await self._abort(t, failure, notify=True)
 
-    def _end(self, t: _Transfer) -> None:
+    def _end(self, t: OpenTransfer) -> None:
         t.done = True
         del self._transfers[t.tid]
         if t.expiry is not None and t.expiry is not asyncio.current_task():
             t.expiry.cancel()
 
-    async def _abort(self, t: _Transfer, reason: str, notify: bool) -> None:
+    async def _abort(self, t: OpenTransfer, reason: str, notify: bool) -> None:
         async with t.lock:
             if t.done:
                 return
@@ -427,6 +370,6 @@ class ChannelServer:
         except Exception:
             log.exception("the transfer handler failed")
 
-    async def _expire(self, t: _Transfer) -> None:
+    async def _expire(self, t: OpenTransfer) -> None:
         await asyncio.sleep(max(t.deadline - time.time(), 0.0))
         await self._abort(t, f"deadline {t.deadline:.3f} passed", notify=True)

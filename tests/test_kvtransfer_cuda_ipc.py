@@ -25,7 +25,8 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
     create_sender,
 )
-from pdserve.kvtransfer.cuda_ipc import ALIGN, SLOTS, WindowRing, live_windows
+from pdserve.kvtransfer.cuda_ipc import live_windows
+from pdserve.kvtransfer.window_ring import ALIGN, SLOTS, WindowRing
 from pdserve.shared.types import BlockHash, BlockId, RequestId
 from pdserve.tests.test_kvtransfer_protocol import (
     LAYOUT,
