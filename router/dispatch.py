@@ -52,12 +52,23 @@ class Route:
     prefill: NodeInfo | None
     indexed_blocks: int = 0
     """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
+    fetch_from: NodeInfo | None = None
+    """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
+    the prefill node fetches them from it (shared/node/kv_fetch.py) instead of computing them."""
+    fetch_blocks: int = 0
 
     def expected_cached_tokens(self, prompt_len: int) -> int:
         """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
         least the prompt's last token, so a block holding it is never a hit)."""
         size = self.decode.block_size
         return min(self.indexed_blocks, (prompt_len - 1) // size) * size
+
+    def planned_fetch_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the prefilling node should fetch if the index was right (beyond its own hits)."""
+        if self.fetch_from is None:
+            return 0
+        usable = min(self.fetch_blocks, (prompt_len - 1) // self.decode.block_size) * self.decode.block_size
+        return max(0, usable - self.expected_cached_tokens(prompt_len))
 
 
 @dataclass(frozen=True)
@@ -345,6 +356,8 @@ class RequestRun:
             deadline=self.deadline,
             decode_node_id=route.decode.node_id,
             decode_transfer_addr=route.decode.transfer_addr,
+            fetch_from_url=None if route.fetch_from is None else route.fetch_from.http_url,
+            fetch_blocks=route.fetch_blocks if route.fetch_from is not None else 0,
         )
         pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
         pre_task = asyncio.create_task(prefill.prefill(pre))
@@ -357,6 +370,7 @@ class RequestRun:
                 result = None if failure is not None else pre_task.result()
                 if result is not None and result.error is None:
                     self._check_hits(job, prefill.node_id, result.cached_tokens)
+                    self._count_fetch(job, result.fetched_tokens)
                 # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
                 # have died after its transfer completed). Before that, P's failure ends this attempt (the
                 # decode side is aborted in finally).
@@ -380,6 +394,17 @@ class RequestRun:
         finally:
             for task in (pump, pre_task):
                 task.cancel()
+
+    def _count_fetch(self, job: ChoiceJob, fetched_tokens: int) -> None:
+        """The "remote" prefix hits are what the prefill node really fetched; what the route planned to fetch
+        and did not come (a stale holder) was computed: a miss (routing counted neither)."""
+        route = job.route
+        if route.fetch_from is None:
+            return
+        planned = route.planned_fetch_tokens(len(job.prompt_token_ids))
+        hits = self._metrics.prefix_hit_tokens
+        hits.labels(kind="remote").inc(fetched_tokens)
+        hits.labels(kind="miss").inc(max(0, planned - fetched_tokens))
 
     def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
         """Counts a decision made on index records the prefilling node turned out not to hold."""

@@ -194,7 +194,10 @@ class Router:
             decision.tokens_to_compute
         )
         local = decision.cached_blocks_prefill * block_size
-        miss = len(prompt) - local
+        holder, fetch_blocks = _holder(hits, known, prefill, decision.cached_blocks_prefill)
+        route = Route(kind, decode, prefill, decision.cached_blocks_prefill, holder, fetch_blocks)
+        # what a fetch brings is counted when the prefill node says what came (dispatch: remote, or miss)
+        miss = len(prompt) - local - route.planned_fetch_tokens(len(prompt))
         m.prefix_hit_tokens.labels(kind="local").inc(local)
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self.index_ok:
@@ -208,7 +211,7 @@ class Router:
                 lease.release()
             raise
         return Placement(
-            Route(kind, decode, prefill, decision.cached_blocks_prefill),
+            route,
             min(i.max_model_len for i in infos),
             first.model_fingerprint,
             leases,
@@ -219,6 +222,23 @@ class Router:
             await self._index.record_hits(node_id, local, remote, miss)
         except IndexUnavailable:
             self._membership.index_failed()
+
+
+def _holder(
+    hits: dict[NodeId, int], known: Sequence[NodeStatus], prefill: NodeInfo | None, own_blocks: int
+) -> tuple[NodeInfo | None, int]:
+    """The live node (any role) holding the longest prefix of the prompt, when a prefill node will compute
+    it and that node holds more than the prefill node itself: (holder, its blocks); else (None, 0)."""
+    if prefill is None:
+        return None, 0
+    live = {s.info.node_id: s.info for s in known}
+    best = max(
+        ((n, node_id) for node_id, n in hits.items() if node_id != prefill.node_id and node_id in live),
+        default=None,
+    )
+    if best is None or best[0] <= own_blocks:
+        return None, 0
+    return live[best[1]], best[0]
 
 
 class _Unreachable(Exception):

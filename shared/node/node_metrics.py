@@ -45,6 +45,10 @@ class EngineSnapshot:
     computed_prompt_tokens: int = 0
     computed_tokens: int = 0
     cached_prompt_tokens: int = 0
+    host_blocks: int = 0
+    """Blocks held in the host-memory tier (shared/engine/host_tier.py)."""
+    host_offloaded_blocks: int = 0
+    host_restored_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -79,9 +83,24 @@ class NodeMetrics:
         self.generation_tokens = Counter("pdserve_node_generation_tokens", "Tokens generated", registry=r)
         self.prefix_hit_tokens = Counter(
             "pdserve_node_prefix_hit_tokens",
-            "Prompt tokens by KV source: local (own cache), transferred (sent by P), miss (computed)",
+            "Prompt tokens by KV source: local (own cache), remote (fetched from another node for this "
+            "request), transferred (sent by P), miss (computed)",
             ["kind"],
             registry=r,
+        )
+        self.fetched_blocks = Counter(
+            "pdserve_node_fetched_blocks",
+            "Prefix KV blocks fetched from another node instead of computed (shared/node/kv_fetch.py)",
+            registry=r,
+        )
+        self.fetch_miss_blocks = Counter(
+            "pdserve_node_fetch_miss_blocks",
+            "Prefix KV blocks a fetch asked for that did not come (the holder had evicted them, or the fetch "
+            "failed); they were computed",
+            registry=r,
+        )
+        self.exported_blocks = Counter(
+            "pdserve_node_exported_blocks", "Prefix KV blocks this node sent to a fetching node", registry=r
         )
         self.kv_used_blocks = Gauge("pdserve_node_kv_used_blocks", "KV blocks in use", registry=r)
         self.kv_total_blocks = Gauge("pdserve_node_kv_total_blocks", "KV blocks in the pool", registry=r)
@@ -229,6 +248,19 @@ class _VllmEngineView(Collector):
             metric = family(f"vllm:{name}", doc, labels=["model_name"])
             metric.add_metric(labels, value)
             yield metric
+        yield GaugeMetricFamily(
+            "pdserve_node_host_tier_blocks", "KV blocks held in the host-memory tier", value=snap.host_blocks
+        )
+        yield CounterMetricFamily(
+            "pdserve_node_host_tier_offloaded_blocks",
+            "KV blocks copied from the device pool into the host tier on eviction",
+            value=snap.host_offloaded_blocks,
+        )
+        yield CounterMetricFamily(
+            "pdserve_node_host_tier_restored_blocks",
+            "KV blocks copied back from the host tier on a prefix hit instead of being recomputed",
+            value=snap.host_restored_blocks,
+        )
 
 
 def _value(counter: Counter) -> float:

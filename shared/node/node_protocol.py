@@ -2,8 +2,10 @@
 
 Endpoints on every node: `POST /internal/generate` (body NodeGenerateRequest; reply an NDJSON stream, one
 StepOutput line per engine step, the last one carrying finish_reason), `POST /internal/prefill` (body
-PrefillRequest; reply PrefillResult), `POST /internal/abort` (body AbortRequest), `GET /internal/info`
-(reply NodeInfoReply). Encoding: one JSON object per message with `"v": PROTOCOL_VERSION`; a decoder refuses
+PrefillRequest; reply PrefillResult), `POST /internal/export` (body ExportRequest from a fetching node; reply
+ExportResult: the holder pushed the prefix blocks it still has over the KV-transfer protocol),
+`POST /internal/abort` (body AbortRequest), `GET /internal/info` (reply NodeInfoReply). Encoding: one JSON
+object per message with `"v": PROTOCOL_VERSION`; a decoder refuses
 any other version and any field of the wrong type, naming it. Invariants: messages are frozen and valid
 once built; `deadline` is absolute unix seconds (the ONE deadline of the request, shared by every node);
 logprobs are finite floats >= -9999.0 (OpenAI's floor: -inf is clamped on encode, NaN is refused). A top
@@ -154,6 +156,10 @@ class PrefillRequest:
     deadline: float
     decode_node_id: NodeId
     decode_transfer_addr: str
+    fetch_from_url: str | None = None
+    """The internal URL of a node the index says holds `fetch_blocks` leading prompt blocks this prefill node
+    lacks: fetch them from it (ExportRequest) before computing; None: compute what is not cached here."""
+    fetch_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_request(self.request_id, self.deadline)
@@ -163,6 +169,11 @@ class PrefillRequest:
                 f"decode_node_id {self.decode_node_id!r} and decode_transfer_addr "
                 f"{self.decode_transfer_addr!r} must both be set"
             )
+        if self.fetch_blocks < 0 or (self.fetch_blocks > 0) != bool(self.fetch_from_url):
+            raise ValueError(
+                f"fetch_blocks {self.fetch_blocks} must be > 0 exactly when fetch_from_url is set "
+                f"({self.fetch_from_url!r})"
+            )
 
     def to_json(self) -> bytes:
         return _encode(
@@ -170,6 +181,8 @@ class PrefillRequest:
                 **_request_out(self),
                 "decode_node_id": self.decode_node_id,
                 "decode_transfer_addr": self.decode_transfer_addr,
+                "fetch_from_url": self.fetch_from_url,
+                "fetch_blocks": self.fetch_blocks,
             }
         )
 
@@ -180,6 +193,73 @@ class PrefillRequest:
             **_request_in(d),
             decode_node_id=NodeId(_field(d, "decode_node_id", str)),
             decode_transfer_addr=_field(d, "decode_transfer_addr", str),
+            fetch_from_url=_field(d, "fetch_from_url", str, optional=True),
+            fetch_blocks=_field(d, "fetch_blocks", int, optional=True) or 0,
+        )
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """Fetching node -> holder: push the longest prefix of `block_hashes` you hold to `fetcher_transfer_addr`
+    as KV transfer `transfer_id` (the fetcher's receiver answers its OPEN with the blocks it already has)."""
+
+    transfer_id: RequestId
+    block_hashes: tuple[bytes, ...]
+    fetcher_transfer_addr: str
+    deadline: float
+
+    def __post_init__(self) -> None:
+        _check_request(self.transfer_id, self.deadline)
+        if not self.block_hashes or any(len(h) != 32 for h in self.block_hashes):
+            raise ValueError("block_hashes must be a non-empty list of 32-byte hashes")
+        if not self.fetcher_transfer_addr:
+            raise ValueError("fetcher_transfer_addr is empty")
+
+    def to_json(self) -> bytes:
+        return _encode(
+            {
+                "transfer_id": self.transfer_id,
+                "block_hashes": [h.hex() for h in self.block_hashes],
+                "fetcher_transfer_addr": self.fetcher_transfer_addr,
+                "deadline": self.deadline,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ExportRequest:
+        d = _decode(data, cls.__name__)
+        hashes = _field(d, "block_hashes", list)
+        if not all(isinstance(h, str) for h in hashes):
+            raise ValueError("ExportRequest: block_hashes must be hex strings")
+        return cls(
+            transfer_id=RequestId(_field(d, "transfer_id", str)),
+            block_hashes=tuple(bytes.fromhex(h) for h in hashes),
+            fetcher_transfer_addr=_field(d, "fetcher_transfer_addr", str),
+            deadline=float(_field(d, "deadline", (int, float))),
+        )
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """Holder -> fetching node: `held_blocks` leading blocks were still here (fewer than asked: the index
+    was stale), `sent_blocks` of them went out (the fetcher had the others). error None: it completed."""
+
+    held_blocks: int
+    sent_blocks: int
+    error: str | None = None
+
+    def to_json(self) -> bytes:
+        return _encode(
+            {"held_blocks": self.held_blocks, "sent_blocks": self.sent_blocks, "error": self.error}
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ExportResult:
+        d = _decode(data, cls.__name__)
+        return cls(
+            held_blocks=_field(d, "held_blocks", int),
+            sent_blocks=_field(d, "sent_blocks", int),
+            error=_field(d, "error", str, optional=True),
         )
 
 
@@ -193,11 +273,13 @@ class PrefillResult:
     cached_tokens: int
     transferred_blocks: int
     error: str | None = None
+    fetched_tokens: int = 0
+    """Of cached_tokens, those fetched from another node for this request (the router's "remote" hits)."""
 
     def __post_init__(self) -> None:
         if self.error is None and self.first_token is None:
             raise ValueError("a successful PrefillResult needs first_token")
-        for name in ("computed_tokens", "cached_tokens", "transferred_blocks"):
+        for name in ("computed_tokens", "cached_tokens", "transferred_blocks", "fetched_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} is negative: {getattr(self, name)}")
 
@@ -210,6 +292,7 @@ class PrefillResult:
                 "cached_tokens": self.cached_tokens,
                 "transferred_blocks": self.transferred_blocks,
                 "error": self.error,
+                "fetched_tokens": self.fetched_tokens,
             }
         )
 
@@ -223,6 +306,7 @@ class PrefillResult:
             cached_tokens=_field(d, "cached_tokens", int),
             transferred_blocks=_field(d, "transferred_blocks", int),
             error=_field(d, "error", str, optional=True),
+            fetched_tokens=_field(d, "fetched_tokens", int, optional=True) or 0,
         )
 
 

@@ -31,6 +31,9 @@ def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
         computed_prompt_tokens=s.stats.computed_prompt_tokens,
         computed_tokens=s.stats.computed_tokens,
         cached_prompt_tokens=s.stats.cached_prompt_tokens,
+        host_blocks=audit.host,
+        host_offloaded_blocks=0 if engine.tier is None else engine.tier.offloaded,
+        host_restored_blocks=0 if engine.tier is None else engine.tier.restored,
     )
 
 
