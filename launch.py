@@ -223,7 +223,10 @@ def run_up(cfg: UpConfig) -> int:
         stop = True
         raise KeyboardInterrupt
 
+    # SIGINT too, explicitly: a process started in the background by a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: Ctrl-C (or a test's SIGINT) did nothing
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         print(
             f"pdserve up: starting Redis, {cfg.prefill} prefill and {cfg.decode} decode node(s); logs in "

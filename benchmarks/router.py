@@ -88,7 +88,7 @@ async def main(args: argparse.Namespace) -> None:
             role: Role = "prefill" if i % 2 == 0 else "decode"
             node = NodeId(f"{role}-{i}")
             url, addr = f"http://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}"  # never contacted
-            info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000, CRED)
+            info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000, CRED, 8192)
             epoch = await index.register(info)
             load = NodeLoad(rng.randint(0, 8), rng.randint(0, 4), rng.randint(0, 50_000), 200_000, 0,
                             queued_prefill_tokens=rng.randint(0, 4096))  # fmt: skip
@@ -127,7 +127,7 @@ async def main(args: argparse.Namespace) -> None:
             await index.ping()
             ping.append(time.perf_counter() - t)
         lines.append(row("Redis PING round trip (floor)", ping))
-        cfg = PolicyConfig(block_size=BLOCK)
+        cfg = PolicyConfig()
         server_usec: dict[int, tuple[float, float, int]] = {}
         client_cpu: dict[int, float] = {}
         for length in (1024, 8192):
@@ -141,7 +141,7 @@ async def main(args: argparse.Namespace) -> None:
                 t1 = time.perf_counter()
                 hits = await index.lookup(hashes)
                 t2 = time.perf_counter()
-                decision = choose(len(hashes), len(ids), hits, views, cfg, i)
+                decision = choose(len(hashes), len(ids), hits, views, cfg, i, block_size=BLOCK)
                 t3 = time.perf_counter()
                 total.append(t3 - t0)
                 hashing.append(t1 - t0)
@@ -226,7 +226,7 @@ async def decisions_per_second(
         while time.perf_counter() < stop_at:
             ids = prompts[i % len(prompts)]
             hashes = hash_blocks(ids, BLOCK, seed)
-            choose(len(hashes), len(ids), await index.lookup(hashes), views, cfg, i)
+            choose(len(hashes), len(ids), await index.lookup(hashes), views, cfg, i, block_size=BLOCK)
             done += 1
             i += concurrency
 

@@ -52,7 +52,7 @@ def echo_node(port: int, redis_url: str) -> None:
     async def register() -> None:
         index = BlockIndex(RedisConfig(url=redis_url, heartbeat_ttl_s=3600, records_ttl_s=7200))
         info = NodeInfo(
-            node, "single", f"http://127.0.0.1:{port}", "", FINGERPRINT_HEX, LAYOUT, 1, 100_000, CRED
+            node, "single", f"http://127.0.0.1:{port}", "", FINGERPRINT_HEX, LAYOUT, 1, 100_000, CRED, 8192
         )
         await index.register(info)
         await index.heartbeat(node, NodeLoad(0, 0, 0, 100_000, 0))

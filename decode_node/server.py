@@ -176,9 +176,9 @@ class DecodeHandler(TransferHandler):
         out = await self.rt.aengine.call(lambda: engine.admit_remote(req, res, token, first_lp))
         self.pending.pop(transfer_id, None)
         m = self.rt.metrics
-        held_tokens = min(len(res.held) * engine.cfg.block_size, req.num_prompt_tokens)
+        held_tokens = min(len(res.held) * engine.cfg.block_size, out.prompt_tokens)
         m.prefix_hit_tokens.labels("local").inc(held_tokens)
-        m.prefix_hit_tokens.labels("transferred").inc(req.num_prompt_tokens - held_tokens)
+        m.prefix_hit_tokens.labels("transferred").inc(out.prompt_tokens - held_tokens)
         q.put_nowait(out)
         if entry.ended is not None and not out.finished:  # the client left while it was being admitted
             await self.rt.aengine.abort(transfer_id)
@@ -263,10 +263,10 @@ def add_decode_routes(app: FastAPI, rt: NodeRuntime, handler: DecodeHandler) -> 
         else:
             q = rt.aengine.open_stream(rid)
             engine_req = rt.engine.new_request(rid, gen.prompt_token_ids, gen.sampling, gen.cache_salt)
-            engine_req.extend_block_hashes(rt.engine.cfg.block_size)
+            rt.engine.prompt_hashes(engine_req)
             handler.arrive(gen, engine_req, q)
             outputs = _remote_stream(rt, handler, rid, q)
-        return StreamingResponse(_lines(rt, gen, outputs, engine_req), media_type="application/x-ndjson")
+        return StreamingResponse(_lines(rt, gen, outputs), media_type="application/x-ndjson")
 
 
 async def _remote_stream(
@@ -280,7 +280,7 @@ async def _remote_stream(
 
 
 async def _lines(
-    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[RequestOutput], req: EngineRequest
+    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[RequestOutput]
 ) -> AsyncIterator[bytes]:
     t0 = time.monotonic()
     last = t0
@@ -323,7 +323,7 @@ async def _lines(
             yield to_step_output(rt, out, error).to_line()
             if out.finished:
                 # A remotely prefilled request's queue and prefill time are the prefill node's to report.
-                scheduled = req.scheduled_time if gen.prefill_node_id is None else None
+                scheduled = out.scheduled_time if gen.prefill_node_id is None else None
                 m.request_done(
                     RequestTiming(
                         t0,

@@ -5,10 +5,9 @@ Invariants: `prepare(weight)` is called once a weight's values are final and ret
 `prepare`). The result is the same product either way, up to fp32 summation order.
 
 Why two: on a CPU in fp32, oneDNN's matmul over a weight re-laid out once for it (the weight pre-packing an
-inductor CPU build does) reads and multiplies 1.5-2.5x faster than `F.linear` over the plain row-major
-weight at the batch sizes of decode (1-64 rows): measured on this project's 2-core AVX-512 machine, 90
-SmolLM2-sized matrices at 16 rows went from 6.7 to 9.8 GB/s of weights, the tied 49152 x 576 head from 24.5
-to 9.6 ms. The packed copy costs the weights' size again in host memory. On a GPU the handle is the weight
+inductor CPU build does) reads and multiplies faster than `F.linear` over the plain row-major weight at the
+batch sizes of decode (1-64 rows; docs/benchmarks.md, Engine on the CPU). The packed copy costs the
+weights' size again in host memory. On a GPU the handle is the weight
 itself (CUDA graphs see the parameters); products of up to 16 rows (decode) run the Triton GEMV of
 kernels/triton_gemv.py, which reads the 8B shapes' weights faster than cuBLAS's small-M kernels, and larger
 ones `F.linear` (cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over the weight as stored.

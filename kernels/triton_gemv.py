@@ -1,8 +1,8 @@
 """Triton matrix-vector products for decode: y[M, N] = x[M, K] W[N, K]^T (+ b), M from 1 to 16.
 
 At decode's batch sizes a step is nothing but reading the weights once, and cuBLAS's small-M kernels
-leave HBM bandwidth unused on the 8B layer shapes (measured on an H100: 48-69 % of the copy bandwidth
-for the 4096 x 4096, 6144 x 4096 and 4096 x 14336 products, with split-K reduce kernels besides). Each
+leave HBM bandwidth unused on the 8B layer shapes (well under the copy bandwidth, with split-K reduce
+kernels besides; the figures are in docs/benchmarks.md, GPU decode). Each
 program here owns BLOCK_N output columns for every row of x and streams its [BLOCK_N, K] slice of W
 once in [BLOCK_N, BLOCK_K] tiles, accumulating in fp32. One row (M = 1) multiplies on CUDA cores;
 several rows go through `tl.dot` with x padded to 16 rows (fp32 operands in IEEE precision, never TF32;
@@ -74,10 +74,9 @@ def _gemv_kernel(
 
 
 def default_config(n: int, k: int, rows: int) -> GemvConfig:
-    """Tiles from benchmarks/gemv_sweep.py on an H100 (8B layer shapes, bf16). One row: two output columns
-    per program over all of K at once (up to 4096), the most programs and the longest loads in flight,
-    56-102 % of the copy bandwidth where cuBLAS gave 48-91 %. Several rows: 32 x 256 tiles for tl.dot,
-    on par with cuBLAS (faster on the LM head)."""
+    """Tiles chosen by a sweep over the 8B layer shapes in bf16 (docs/benchmarks.md, GPU decode). One row:
+    two output columns per program over all of K at once (up to 4096), the most programs and the longest
+    loads in flight. Several rows: 32 x 256 tiles for tl.dot."""
     if rows == 1:
         return GemvConfig(block_n=2, block_k=min(4096, triton.next_power_of_2(k)), num_warps=8, num_stages=2)
     return GemvConfig(

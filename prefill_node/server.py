@@ -35,13 +35,11 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
 )
 from pdserve.kvtransfer.device_sync import event_done
-from pdserve.shared.engine.engine import RequestOutput, StepObserver
-from pdserve.shared.engine.request import Request as EngineRequest
-from pdserve.shared.engine.scheduler import ScheduledRequest
+from pdserve.shared.engine.engine import RequestOutput, StepObserver, StepSlice
 from pdserve.shared.node.kv_fetch import FetchedPrefix, PrefixFetcher
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +71,24 @@ class PrefillObserver(StepObserver):
         self.jobs: dict[RequestId, _Job] = {}
         self.layers_per_frame = layers_per_frame
 
-    def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
+    def on_layer(self, layer: int, scheduled: Sequence[StepSlice]) -> None:
         engine = self.rt.engine
         bs, num_layers = engine.cfg.block_size, engine.num_layers
         for s in scheduled:
-            job = self.jobs.get(s.request.request_id)
+            job = self.jobs.get(s.request_id)
             if job is None:
                 continue
-            end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens)
+            end = min(s.start + s.num_new_tokens, s.num_prompt_tokens)
             b0, b1 = job.next_block, -(-end // bs)
             if layer == num_layers - 1:  # the step's last layer: later steps export from here
-                job.next_block = b1 if end == s.request.num_prompt_tokens else max(b0, end // bs)
+                job.next_block = b1 if end == s.num_prompt_tokens else max(b0, end // bs)
             if b1 <= b0:
                 continue
             # this step's layers go out in frames of `layers_per_frame` consecutive layers
             first = layer - layer % self.layers_per_frame
             n_layers = min(self.layers_per_frame, num_layers - first)
             if layer == first:
-                ids = list(s.request.block_ids[b0:b1])
+                ids = list(s.blocks[b0:b1])
                 # buf: [n_layers, 2, n, B, Hkv, D], a private copy: P's blocks may be reused after this step
                 buf = engine.export_buffer(n_layers, len(ids))
                 # ids from pinned memory without a sync: a pageable copy would stall the host until the GPU
@@ -151,19 +149,18 @@ class PrefillService:
             await job.session.send_layers(layer, blocks, buf)
             sent.update(blocks.indices)
 
-    async def _fetch(self, req: PrefillRequest, engine_req: EngineRequest) -> FetchedPrefix | None:
+    async def _fetch(self, req: PrefillRequest, hashes: Sequence[BlockHash]) -> FetchedPrefix | None:
         """Fetches the prefix blocks the router said another node holds and this one lacks (never the block
         holding the prompt's last token: the engine computes at least that token)."""
         engine = self.rt.engine
         want = min(req.fetch_blocks, (len(req.prompt_token_ids) - 1) // engine.cfg.block_size)
         if self.fetcher is None or req.fetch_from_url is None or want <= 0:
             return None
-        hashes = engine_req.block_hashes[:want]
-        local = await self.rt.aengine.call(lambda: len(engine.pool.match_prefix(hashes)))
+        wanted = hashes[:want]
+        local = await self.rt.aengine.call(lambda: engine.cached_prefix_blocks(wanted))
         if local >= want:
             return None
-        rid, url = engine_req.request_id, req.fetch_from_url
-        return await self.fetcher.fetch(rid, url, hashes, local, req.deadline)
+        return await self.fetcher.fetch(req.request_id, req.fetch_from_url, wanted, local, req.deadline)
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         engine = self.rt.engine
@@ -174,9 +171,8 @@ class PrefillService:
             {**params.to_dict(), "max_tokens": 1, "ignore_eos": True, "stop": []}
         )
         engine_req = engine.new_request(rid, req.prompt_token_ids, first_params, req.cache_salt)
-        bs = engine.cfg.block_size
-        engine_req.extend_block_hashes(bs)
-        num_blocks = -(-len(req.prompt_token_ids) // bs)
+        hashes = engine.prompt_hashes(engine_req)
+        num_blocks = -(-len(req.prompt_token_ids) // engine.cfg.block_size)
         t0 = time.perf_counter()
         last: RequestOutput | None = None
         job: _Job | None = None
@@ -188,12 +184,10 @@ class PrefillService:
                 # waits while D has no room (its admission queue); P holds nothing for the request meanwhile
                 self._opening += 1
                 try:
-                    reply: OpenReply = await session.open(
-                        tuple(engine_req.block_hashes), num_blocks, req.deadline
-                    )
+                    reply: OpenReply = await session.open(hashes, num_blocks, req.deadline)
                 finally:
                     self._opening -= 1
-                fetched = await self._fetch(req, engine_req)
+                fetched = await self._fetch(req, hashes)
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
                 self.observer.jobs[rid] = job
@@ -216,8 +210,9 @@ class PrefillService:
             m.transfer_seconds.labels(self.rt.connector_kind).observe(stats.seconds)
             m.transfers.labels(self.rt.connector_kind, "ok").inc()
             m.prompt_tokens.inc(len(req.prompt_token_ids))
-            scheduled = engine_req.scheduled_time or engine_req.arrival_time
-            m.prefill_done(engine_req.arrival_time, scheduled, prefilled_at, len(req.prompt_token_ids))
+            scheduled = last.scheduled_time or last.arrival_time
+            m.prefill_done(last.arrival_time, scheduled, prefilled_at, len(req.prompt_token_ids))
+            bs = engine.cfg.block_size
             remote = 0 if fetched is None else min(fetched.landed * bs, last.cached_tokens)
             m.prefix_hit_tokens.labels("local").inc(last.cached_tokens - remote)
             m.prefix_hit_tokens.labels("remote").inc(remote)

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.errors import NoRoom, QueueFull
 from pdserve.router.policy import NodeView
 from pdserve.shared.types import NodeId
 
@@ -113,25 +113,21 @@ class Ledger:
         return Lease(self, nodes, prefill, prompt_tokens)
 
     async def wait_for_room(self, deadline: float) -> None:
-        """Waits for some lease to end; OpenAIError 429 when the queue is full, 503 at the deadline."""
+        """Waits for some lease to end; QueueFull when the queue is full, NoRoom at the deadline."""
         if len(self._waiters) >= self.config.max_queued:
-            raise OpenAIError(
-                429,
+            raise QueueFull(
                 f"every node is at its limit of {self.config.max_requests_per_node} requests and "
                 f"{len(self._waiters)} requests are waiting; retry later",
-                "rate_limit_exceeded",
-                code="overloaded",
-                headers={"Retry-After": str(self.config.retry_after_s)},
+                self.config.retry_after_s,
             )
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             await asyncio.wait_for(waiter, max(0.0, deadline - time.time()))
         except TimeoutError:
-            raise OpenAIError(
-                503, "no node had room before the request's deadline", "server_error", code="overloaded",
-                headers={"Retry-After": str(self.config.retry_after_s)},
-            ) from None  # fmt: skip
+            raise NoRoom(
+                "no node had room before the request's deadline", self.config.retry_after_s
+            ) from None
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

@@ -50,7 +50,7 @@ class RouterConfig:
     """Times a choice whose node fails after its first token may be re-prefilled on other nodes from its
     prompt and the tokens already streamed (router/migration.py); 0: it ends with the error."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    """Routing weights; its block_size is replaced by the one the nodes registered."""
+    """Routing weights (the block size is the nodes' own, from their registrations)."""
     api_keys: tuple[str, ...] = ()
     """Accepted bearer keys (`Authorization: Bearer <key>` only); empty accepts any client. A key's digest is
     its tenant's cache salt, which a client's `cache_salt` narrows but never replaces (router/tenants.py)."""

@@ -9,7 +9,8 @@ client is placed again (at most _MAX_REROUTES times, under a fresh node request 
 (503: draining) or cannot be reached (refused, reset, cut: that node's breaker is open by then, so the new
 placement avoids it); a choice that has streamed a token migrates (router/migration.py: re-prefilled
 elsewhere from its prompt and the tokens already streamed, at most `migration_limit` times) when its node
-became unreachable or failed it, else ends with the error. Routing: router/routing.py.
+became unreachable or failed it, else ends with the error. Routing: router/routing.py. A choice ends
+with a domain error (router/errors.py), which the request handler maps to the client's OpenAI error.
 """
 
 from __future__ import annotations
@@ -17,15 +18,24 @@ from __future__ import annotations
 import asyncio
 import time
 import weakref
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pdserve.router.admission import Lease
+from pdserve.router.background import Background
+from pdserve.router.errors import (
+    DeadlineExceeded,
+    Internal,
+    NodeAborted,
+    NodeFailed,
+    NodeUnavailable,
+    RouterError,
+)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Continuation
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
-from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.routing import Placement, Route
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index_types import NodeInfo
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
@@ -40,35 +50,9 @@ class Rerouter(Protocol):
 
     def refused(self, node_id: NodeId) -> None: ...
 
-    def place(self, prompt: Sequence[int], cache_salt: str | None, deadline: float) -> Awaitable[Any]: ...
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where one prompt runs: decode (or single) node, and the prefill node when disaggregated."""
-
-    kind: str
-    decode: NodeInfo
-    prefill: NodeInfo | None
-    indexed_blocks: int = 0
-    """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
-    fetch_from: NodeInfo | None = None
-    """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
-    the prefill node fetches them from it (shared/node/kv_fetch.py) instead of computing them."""
-    fetch_blocks: int = 0
-
-    def expected_cached_tokens(self, prompt_len: int) -> int:
-        """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
-        least the prompt's last token, so a block holding it is never a hit)."""
-        size = self.decode.block_size
-        return min(self.indexed_blocks, (prompt_len - 1) // size) * size
-
-    def planned_fetch_tokens(self, prompt_len: int) -> int:
-        """Prompt tokens the prefilling node should fetch if the index was right (beyond its own hits)."""
-        if self.fetch_from is None:
-            return 0
-        usable = min(self.fetch_blocks, (prompt_len - 1) // self.decode.block_size) * self.decode.block_size
-        return max(0, usable - self.expected_cached_tokens(prompt_len))
+    def place(
+        self, prompt: Sequence[int], cache_salt: str | None, deadline: float
+    ) -> Awaitable[Placement]: ...
 
 
 @dataclass(frozen=True)
@@ -88,43 +72,23 @@ class ChoiceEvent:
 
     index: int
     step: StepOutput | None
-    error: OpenAIError | None
+    error: RouterError | None
 
 
-class Background:
-    """Fire-and-forget tasks (aborts) that must outlive a cancelled request; kept referenced until done."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def drain(self) -> None:
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _step_error(node: NodeInfo, step: StepOutput, deadline: float) -> OpenAIError:
+def _step_error(node: NodeInfo, step: StepOutput, deadline: float) -> RouterError:
     reason = step.error or step.finish_reason or "unknown"
     if time.time() >= deadline:
-        return OpenAIError(504, f"deadline exceeded on node {node.node_id}: {reason}", "timeout_error",
-                           code="deadline_exceeded")  # fmt: skip
+        return DeadlineExceeded(f"deadline exceeded on node {node.node_id}: {reason}")
     if step.finish_reason == "abort":
-        return OpenAIError(503, f"node {node.node_id} aborted the request: {reason}", "server_error",
-                           code="aborted")  # fmt: skip
-    return OpenAIError(
-        500, f"node {node.node_id} failed the request: {reason}", "server_error", code="node_error"
-    )
+        return NodeAborted(f"node {node.node_id} aborted the request: {reason}")
+    return NodeFailed(f"node {node.node_id} failed the request: {reason}")
 
 
 class _StepFailed(NodeError):
     """A node ended a choice with an error line (finish_reason `reason`: abort or error); `error` is what the
     client gets if the choice can neither be placed again nor migrate."""
 
-    def __init__(self, node_id: NodeId, error: OpenAIError, reason: str) -> None:
+    def __init__(self, node_id: NodeId, error: RouterError, reason: str) -> None:
         super().__init__(node_id, f"failed the request: {error.message}", retryable=True)
         self.error = error
         self.reason = reason
@@ -141,10 +105,10 @@ async def _blame(exc: NodeError, other: asyncio.Task[Any]) -> NodeError:
     return exc
 
 
-def _node_error(exc: NodeError, deadline: float) -> OpenAIError:
+def _node_error(exc: NodeError, deadline: float) -> RouterError:
     if time.time() >= deadline:
-        return OpenAIError(504, f"deadline exceeded: {exc}", "timeout_error", code="deadline_exceeded")
-    return OpenAIError(503, str(exc), "server_error", code="node_unavailable")
+        return DeadlineExceeded(f"deadline exceeded: {exc}")
+    return NodeUnavailable(str(exc))
 
 
 class RequestRun:
@@ -264,7 +228,7 @@ class RequestRun:
                 self._metrics.aborts.labels(reason=reason).inc()
                 try:
                     placement = await self._rerouter.place(prompt, self._salt, self.deadline)
-                except OpenAIError as err:
+                except RouterError as err:
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
                 job = replace(
@@ -317,9 +281,7 @@ class RequestRun:
             raise
         except Exception as exc:
             # A bug must fail the request with its cause, never leave the client waiting for the deadline.
-            err = OpenAIError(
-                500, f"router error in {job.request_id}: {exc!r}", "server_error", code="internal"
-            )
+            err = Internal(f"router error in {job.request_id}: {exc!r}")
             await self._queue.put(ChoiceEvent(job.index, None, err))
             raise
         finally:

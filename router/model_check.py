@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 
-from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.errors import ModelMismatch
 from pdserve.shared.engine.block_hash import model_fingerprint
 from pdserve.shared.index.block_index_types import NodeInfo
 from pdserve.shared.model.gguf_loader import read_gguf
@@ -58,7 +58,7 @@ class ModelCheck:
         await asyncio.to_thread(lambda: self._tokenizer.fingerprint)
 
     def check(self, node: NodeInfo) -> None:
-        """OpenAIError 503 `model_mismatch` when the node serves another model or tokenizer than ours."""
+        """ModelMismatch when the node serves another model or tokenizer than ours."""
         key = (node.node_id, node.epoch)
         if key not in self._verdicts:
             self._verdicts[key] = self._verdict(node)
@@ -66,7 +66,7 @@ class ModelCheck:
                 log.error("%s", self._verdicts[key])
         message = self._verdicts[key]
         if message is not None:
-            raise OpenAIError(503, message, "server_error", code="model_mismatch")
+            raise ModelMismatch(message)
 
     def _verdict(self, node: NodeInfo) -> str | None:
         mine = self._tokenizer.fingerprint

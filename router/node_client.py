@@ -22,7 +22,6 @@ from pdserve.shared.node.node_protocol import (
     CLIENT_KEEPALIVE_S,
     AbortRequest,
     NodeGenerateRequest,
-    NodeInfoReply,
     PrefillRequest,
     PrefillResult,
     StepOutput,
@@ -110,14 +109,6 @@ class NodeClient:
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
         return None
-
-    async def info(self) -> NodeInfoReply:
-        try:
-            resp = await self._http.get("/internal/info")
-            self._check(resp.status_code, resp.text)
-            return NodeInfoReply.from_json(resp.content)
-        except (httpx.HTTPError, ValueError) as exc:
-            raise self._failed("/internal/info", exc) from exc
 
     async def generate(self, request: NodeGenerateRequest) -> AsyncIterator[StepOutput]:
         """The node's step outputs for `request`, ending with the one that carries finish_reason."""

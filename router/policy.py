@@ -38,7 +38,6 @@ class NoNodeAvailable(Exception):
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    block_size: int = 16
     queue_token_weight: float = 1.0
     transfer_block_cost: float = 0.5
     """Token equivalents to send one block P -> D (mostly overlapped with compute)."""
@@ -48,11 +47,8 @@ class PolicyConfig:
     """Prefill on D itself when D would compute at most this many tokens (0: never while P nodes exist)."""
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.local_prefill_max_tokens < 0:
-            raise ValueError(
-                f"block_size={self.block_size} must be >= 1, "
-                f"local_prefill_max_tokens={self.local_prefill_max_tokens} must be >= 0"
-            )
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens={self.local_prefill_max_tokens} must be >= 0")
         weights = (self.queue_token_weight, self.transfer_block_cost)
         if min((*weights, self.decode_running_cost, self.kv_pressure_cost)) < 0:
             raise ValueError(f"policy weights must be >= 0, got {self}")
@@ -107,11 +103,12 @@ class Decision:
 class _Prompt:
     tokens: int
     hits: Mapping[NodeId, int]
+    block_size: int
 
 
 def _prefill_terms(cfg: PolicyConfig, p: _Prompt, node: NodeView) -> tuple[float, int]:
     """(score, tokens_to_compute) of prefilling on node: its queue plus every block it lacks, computed."""
-    compute = max(1, p.tokens - p.hits.get(node.node_id, 0) * cfg.block_size)
+    compute = max(1, p.tokens - p.hits.get(node.node_id, 0) * p.block_size)
     return node.queued_prefill_tokens * cfg.queue_token_weight + compute, compute
 
 
@@ -142,23 +139,28 @@ def choose(
     nodes: Sequence[NodeView],
     config: PolicyConfig | None = None,
     rotation: int = 0,
+    *,
+    block_size: int,
 ) -> Decision:
-    """Pick the prefill and decode nodes for a prompt of prompt_tokens tokens (prompt_blocks full blocks).
+    """Pick the prefill and decode nodes for a prompt of prompt_tokens tokens (prompt_blocks full blocks of
+    block_size tokens: the KV block size the nodes registered).
 
     prefix_hits: per node, leading prompt blocks it holds (BlockIndex.lookup; {} when the index is down).
     """
     cfg = config or PolicyConfig()
-    if prompt_tokens < 1 or not 0 <= prompt_blocks <= prompt_tokens // cfg.block_size:
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    if prompt_tokens < 1 or not 0 <= prompt_blocks <= prompt_tokens // block_size:
         raise ValueError(
             f"prompt_tokens={prompt_tokens}, prompt_blocks={prompt_blocks}: need tokens >= 1 and "
-            f"0 <= blocks <= tokens // block_size ({cfg.block_size})"
+            f"0 <= blocks <= tokens // block_size ({block_size})"
         )
     usable = [n for n in nodes if not n.draining]
     ids = {n.node_id for n in usable}
     hits = {k: min(v, prompt_blocks) for k, v in prefix_hits.items() if k in ids and v > 0}
-    p = _Prompt(prompt_tokens, hits)
+    p = _Prompt(prompt_tokens, hits, block_size)
     pool = {r: [n for n in usable if n.role == r] for r in ("prefill", "decode", "single")}
-    needed = -(-prompt_tokens // cfg.block_size)
+    needed = -(-prompt_tokens // block_size)
 
     def new_blocks(n: NodeView) -> int:
         return needed - p.hits.get(n.node_id, 0)

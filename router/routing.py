@@ -5,37 +5,59 @@ checked by the nodes' health, while Redis is away or comes back empty); while Re
 choice is load-only (no prefix hits), as DESIGN.md's failure model asks. A node whose circuit breaker is open
 (router/breaker.py: its connection was refused or reset) gets no request, and none goes to a node whose model
 or tokenizer is not the router's (router/model_check.py).
-Block size and model fingerprint come from the nodes' registrations (the index refuses nodes that
-disagree), never from the router's own config. A node's NodeInfoReply (max_model_len) is fetched once
-per (node id, epoch).
+Block size, model fingerprint and context limit (max_model_len) come from the nodes' registrations (the
+index refuses nodes that disagree), never from the router's own config, which nothing here rewrites.
+Refusals are domain errors (router/errors.py); the request handler maps them to OpenAI errors.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.router.admission import Lease, Ledger
+from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
-from pdserve.router.dispatch import Background, Route
+from pdserve.router.errors import NoNodes
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
-from pdserve.router.node_client import NodeClients, NodeError
-from pdserve.router.openai_protocol import OpenAIError
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import IndexUnavailable, NodeInfo, NodeStatus
-from pdserve.shared.node.node_protocol import NodeInfoReply
 from pdserve.shared.types import NodeId
 
 _KIND = {"disaggregated": "pd", "local_prefill": "local", "single": "single"}
-_PLACE_TRIES = 3
-"""Placements tried when a chosen node cannot be reached for its info (then its breaker is open)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one prompt runs: decode (or single) node, and the prefill node when disaggregated."""
+
+    kind: str
+    decode: NodeInfo
+    prefill: NodeInfo | None
+    indexed_blocks: int = 0
+    """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
+    fetch_from: NodeInfo | None = None
+    """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
+    the prefill node fetches them from it (shared/node/kv_fetch.py) instead of computing them."""
+    fetch_blocks: int = 0
+
+    def expected_cached_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
+        least the prompt's last token, so a block holding it is never a hit)."""
+        size = self.decode.block_size
+        return min(self.indexed_blocks, (prompt_len - 1) // size) * size
+
+    def planned_fetch_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the prefilling node should fetch if the index was right (beyond its own hits)."""
+        if self.fetch_from is None:
+            return 0
+        usable = min(self.fetch_blocks, (prompt_len - 1) // self.decode.block_size) * self.decode.block_size
+        return max(0, usable - self.expected_cached_tokens(prompt_len))
 
 
 @dataclass(frozen=True)
@@ -59,7 +81,6 @@ class Router:
     def __init__(
         self,
         index: BlockIndex,
-        clients: NodeClients,
         policy: PolicyConfig,
         membership: Membership,
         metrics: RouterMetrics,
@@ -71,13 +92,11 @@ class Router:
         self._index = index
         self._model_check = model_check
         self._ledger = ledger
-        self._clients = clients
         self._breakers = breakers
         self._policy = policy
         self._membership = membership
         self._metrics = metrics
         self._background = background
-        self._infos: dict[tuple[NodeId, int], NodeInfoReply] = {}
         self._rotation = 0
         self._refused: dict[NodeId, float] = {}
         """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
@@ -92,17 +111,6 @@ class Router:
         now = time.monotonic()
         return [s for s in await self._membership.nodes() if self.usable(s, now)]
 
-    async def info(self, node: NodeInfo) -> NodeInfoReply:
-        key = (node.node_id, node.epoch)
-        reply = self._infos.get(key)
-        if reply is None:
-            try:
-                reply = await self._clients.get(node.node_id, node.http_url).info()
-            except NodeError as exc:
-                raise _Unreachable(exc) if exc.unreachable else _unavailable(exc) from exc
-            self._infos[key] = reply
-        return reply
-
     def refused(self, node_id: NodeId) -> None:
         """A node turned a request away before starting it (it is draining): route around it at once,
         without waiting for the cached node list to expire; the index shows the drain within a TTL."""
@@ -111,41 +119,13 @@ class Router:
     async def place(
         self, prompt: Sequence[int], cache_salt: str | None, deadline: float, n: int = 1
     ) -> Placement:
-        """Route one prompt for n choices. OpenAIError 503 when no node can take it; while every node of a
-        role it needs is at its in-flight limit it waits for room (429 past the admission queue)."""
-        for _ in range(_PLACE_TRIES - 1):
-            try:
-                return await self._place_once(prompt, cache_salt, deadline, n)
-            except _Unreachable:
-                continue  # its breaker is open now: the next choice avoids it
-        try:
-            return await self._place_once(prompt, cache_salt, deadline, n)
-        except _Unreachable as exc:
-            raise _unavailable(exc.error) from exc
-
-    async def _with_room(self, deadline: float) -> list[NodeStatus]:
-        """The usable nodes below their in-flight limit, once every role among the usable nodes has one."""
-        while True:
-            statuses = await self.nodes()
-            room = [s for s in statuses if not self._ledger.full(s.info.node_id)]
-            if {s.info.role for s in room} == {s.info.role for s in statuses}:
-                return room
-            self._metrics.admission_waits.inc()
-            await self._ledger.wait_for_room(deadline)
-
-    def usable(self, status: NodeStatus, now: float) -> bool:
-        """Whether a live node may get new work: not draining, not refusing, its breaker closed."""
-        node_id = status.info.node_id
-        refused = self._refused.get(node_id, 0.0) >= now
-        return not (status.draining or refused or self._breakers.is_open(node_id))
-
-    async def _place_once(
-        self, prompt: Sequence[int], cache_salt: str | None, deadline: float, n: int
-    ) -> Placement:
+        """Route one prompt for n choices. NoNodes when no node can take it, ModelMismatch when the chosen
+        nodes serve another model; while every node of a role it needs is at its in-flight limit it waits
+        for room (QueueFull past the admission queue, NoRoom at the deadline)."""
         started = time.perf_counter()
         known = await self.nodes()
         if not known:
-            raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
+            raise NoNodes("no serving node is available")
         first = known[0].info
         block_size = first.block_size
         hashes = hash_blocks(
@@ -163,10 +143,7 @@ class Router:
         statuses = await self._with_room(deadline)
         started += time.perf_counter() - waited
         if not statuses:
-            raise OpenAIError(503, "no serving node is available", "server_error", code="no_nodes")
-        policy = self._policy
-        if policy.block_size != block_size:
-            policy = self._policy = dataclasses.replace(policy, block_size=block_size)
+            raise NoNodes("no serving node is available")
         self._rotation += 1
         try:
             decision = choose(
@@ -174,17 +151,18 @@ class Router:
                 len(prompt),
                 hits,
                 [self._ledger.view(NodeView.from_status(s)) for s in statuses],
-                policy,
+                self._policy,
                 self._rotation,
+                block_size=block_size,
             )
         except NoNodeAvailable as exc:
-            raise OpenAIError(503, str(exc), "server_error", code="no_nodes") from exc
+            raise NoNodes(str(exc)) from exc
         by_id = {s.info.node_id: s.info for s in statuses}
         decode = by_id[decision.decode]
         prefill = by_id[decision.prefill] if decision.mode == "disaggregated" else None
-        for node in (decode, prefill):
-            if node is not None:
-                self._model_check.check(node)  # 503 model_mismatch: the router's model is not theirs
+        nodes = [node for node in (decode, prefill) if node is not None]
+        for node in nodes:
+            self._model_check.check(node)  # ModelMismatch: the router's model is not theirs
         self._metrics.routing.observe(time.perf_counter() - started)
         kind = _KIND[decision.mode]
         m = self._metrics
@@ -204,18 +182,28 @@ class Router:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
         owner = None if prefill is None else prefill.node_id
         leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
-        try:
-            infos = await asyncio.gather(*(self.info(node) for node in (decode, prefill) if node is not None))
-        except BaseException:
-            for lease in leases:
-                lease.release()
-            raise
         return Placement(
             route,
-            min(i.max_model_len for i in infos),
+            min(node.max_model_len for node in nodes),
             first.model_fingerprint,
             leases,
         )
+
+    async def _with_room(self, deadline: float) -> list[NodeStatus]:
+        """The usable nodes below their in-flight limit, once every role among the usable nodes has one."""
+        while True:
+            statuses = await self.nodes()
+            room = [s for s in statuses if not self._ledger.full(s.info.node_id)]
+            if {s.info.role for s in room} == {s.info.role for s in statuses}:
+                return room
+            self._metrics.admission_waits.inc()
+            await self._ledger.wait_for_room(deadline)
+
+    def usable(self, status: NodeStatus, now: float) -> bool:
+        """Whether a live node may get new work: not draining, not refusing, its breaker closed."""
+        node_id = status.info.node_id
+        refused = self._refused.get(node_id, 0.0) >= now
+        return not (status.draining or refused or self._breakers.is_open(node_id))
 
     async def _record_hits(self, node_id: NodeId, local: int, remote: int, miss: int) -> None:
         try:
@@ -239,15 +227,3 @@ def _holder(
     if best is None or best[0] <= own_blocks:
         return None, 0
     return live[best[1]], best[0]
-
-
-class _Unreachable(Exception):
-    """A chosen node could not be reached for its info (its breaker is open now): place again."""
-
-    def __init__(self, error: NodeError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _unavailable(exc: NodeError) -> OpenAIError:
-    return OpenAIError(503, str(exc), "server_error", code="node_unavailable")

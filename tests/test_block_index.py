@@ -70,7 +70,7 @@ def node(
     **layout: Any,
 ) -> NodeInfo:
     return NodeInfo(NodeId(name), role, f"http://127.0.0.1:1/{name}", "127.0.0.1:2", fingerprint,
-                    {**LAYOUT, **layout}, protocol, 1000, credential)  # fmt: skip
+                    {**LAYOUT, **layout}, protocol, 1000, credential, 8192)  # fmt: skip
 
 
 def hashes(n: int) -> list[BlockHash]:

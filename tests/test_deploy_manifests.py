@@ -31,7 +31,7 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 KUBE_VERSION = "1.37.0"
 """The newest Kubernetes release whose API schemas kubernetes-validate ships."""
-RENDERS = ("base", "overlays/cpu-demo", "overlays/gpu", "cpu-demo+redis-tls")
+RENDERS = ("base", "overlays/cpu-demo", "overlays/gpu", "cpu-demo+redis-tls", "cpu-demo+redis-no-aof")
 CRD_KINDS = {"ServiceMonitor"}
 """prometheus-operator's kinds: no schema ships offline; test_service_monitor_selects_every_component
 checks them."""
@@ -52,23 +52,22 @@ def _kustomize(path: Path) -> list[Obj]:
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-@functools.cache
-def _tls_render() -> tuple[Obj, ...]:
-    """cpu-demo with the redis-tls component, from a copy of deploy/ (kustomize takes no absolute paths)."""
+def _with_component(component: str) -> tuple[Obj, ...]:
+    """cpu-demo with one of components/, from a copy of deploy/ (kustomize takes no absolute paths)."""
     with tempfile.TemporaryDirectory(prefix="pdserve-kustomize-") as tmp:
         shutil.copytree(DEPLOY, Path(tmp) / "deploy")
-        k = Path(tmp) / "deploy" / "k8s" / "tls-check"
+        k = Path(tmp) / "deploy" / "k8s" / "component-check"
         k.mkdir()
         (k / "kustomization.yaml").write_text(
-            "resources: [../overlays/cpu-demo]\ncomponents: [../components/redis-tls]\n"
+            f"resources: [../overlays/cpu-demo]\ncomponents: [../components/{component}]\n"
         )
         return tuple(_kustomize(k))
 
 
 @functools.cache
 def render(name: str) -> tuple[Obj, ...]:
-    if name == "cpu-demo+redis-tls":
-        return _tls_render()
+    if name.startswith("cpu-demo+"):
+        return _with_component(name.removeprefix("cpu-demo+"))
     return tuple(_kustomize(K8S / name))
 
 
@@ -302,6 +301,35 @@ def test_redis_asks_for_auth_and_tls_is_an_option() -> None:
     assert "port 0" in tls_conf and "tls-port 6379" in tls_conf
     urls = {c["data"]["PDSERVE_REDIS"] for c in tls.values() if "PDSERVE_REDIS" in c.get("data", {})}
     assert urls and all(u.startswith("rediss://") and "ssl_ca_certs=" in u for u in urls)
+
+
+def _redis_conf(name: str) -> dict[str, str]:
+    (data,) = [c["data"] for n, c in objs(name, "ConfigMap").items() if n.startswith("pdserve-redis")]
+    return dict(data)
+
+
+@pytest.mark.parametrize("name", ["overlays/cpu-demo", "overlays/gpu", "cpu-demo+redis-tls"])
+def test_redis_keeps_an_append_only_file(name: str) -> None:
+    """AOF is on in every manifest (issue 20): redis.conf includes persistence.conf, which turns it on in the
+    pod's data volume; the StatefulSet mounts that volume where the file points."""
+    conf = _redis_conf(name)
+    assert "include /etc/redis/persistence.conf" in conf["redis.conf"]
+    assert "appendonly no" not in conf["redis.conf"]
+    persistence = conf["persistence.conf"].splitlines()
+    assert (
+        "appendonly yes" in persistence
+        and "appendfsync everysec" in persistence
+        and "dir /data" in persistence
+    )
+    (redis,) = objs(name, "StatefulSet").values()
+    mounts = {m["mountPath"] for m in pod_spec(redis)["containers"][0]["volumeMounts"]}
+    assert "/data" in mounts
+
+
+def test_redis_aof_is_an_option() -> None:
+    conf = _redis_conf("cpu-demo+redis-no-aof")
+    assert "include /etc/redis/persistence.conf" in conf["redis.conf"]
+    assert "appendonly no" in conf["persistence.conf"].splitlines()
 
 
 @pytest.mark.parametrize("name", RENDERS)

@@ -15,6 +15,7 @@ from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.model_runner import kv_bytes_per_block
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.types import RequestId
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -48,7 +49,9 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(loaded: LoadedModel) ->
         generate(tiered, [(p, GREEDY)])
     audit = tiered.audit()
     assert audit.host >= len(prefix) // BLOCK, f"the prefix went to the host tier: {audit}"
-    assert not tiered.pool.match_prefix(tiered.new_request("x", prefix, GREEDY).block_hashes[:1])
+    assert not tiered.cached_prefix_blocks(
+        tiered.prompt_hashes(tiered.new_request(RequestId("x"), prefix, GREEDY))
+    )
     computed = tiered.scheduler.stats.computed_prompt_tokens
     got = generate(tiered, [(prefix + question, GREEDY)])[0]
     assert got.token_ids == want[2]

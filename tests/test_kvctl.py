@@ -83,7 +83,8 @@ def cluster() -> Iterator[Cluster]:
     async def setup(url: str) -> None:
         async with BlockIndex(RedisConfig(url=url, heartbeat_ttl_s=600, records_ttl_s=600)) as index:
             for name, role in (("p0", "prefill"), ("d0", "decode")):
-                info = NodeInfo(NodeId(name), role, fake.url, "127.0.0.1:1", FP, LAYOUT, 1, 1000, "ef" * 32)  # type: ignore[arg-type]
+                info = NodeInfo(NodeId(name), role, fake.url, "127.0.0.1:1", FP, LAYOUT, 1, 1000, "ef" * 32,  # type: ignore[arg-type]
+                                8192)  # fmt: skip
                 epoch = await index.register(info)
                 await index.heartbeat(NodeId(name), NodeLoad(1, 0, 30, 1000, 8))
                 if name == "p0":

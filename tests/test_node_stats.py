@@ -1,4 +1,4 @@
-"""The node's engine snapshot, read as the stats loop reads it, on the real SmolLM2 GGUF (CPU): the queued
+"""The engine's snapshot, read as the node's stats loop reads it, on the real SmolLM2 GGUF (CPU): the queued
 prefill tokens that the prefill pool's autoscaler scales on (`pdserve_node_queued_prefill_tokens`) count the
 prompt tokens not computed yet, falling as chunked prefill advances, and one per decoding request."""
 
@@ -10,7 +10,6 @@ from pdserve.cli import default_model_path
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_stats import engine_snapshot
 from pdserve.shared.types import RequestId
 
 pytestmark = pytest.mark.slow
@@ -26,16 +25,16 @@ def test_queued_prefill_tokens_follow_chunked_prefill() -> None:
     params = SamplingParams(max_tokens=4, temperature=0.0)
     for i, ids in enumerate(prompts):
         engine.add_request(engine.new_request(RequestId(f"r{i}"), ids, params))
-    snap = engine_snapshot(engine)
+    snap = engine.snapshot()
     assert (snap.waiting, snap.running, snap.queued_prefill_tokens) == (2, 0, 190)
     engine.step()  # the first CHUNK tokens of r0
-    assert engine_snapshot(engine).queued_prefill_tokens == 190 - CHUNK
+    assert engine.snapshot().queued_prefill_tokens == 190 - CHUNK
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
         engine.step()
-    snap = engine_snapshot(engine)
+    snap = engine.snapshot()
     assert snap.running == 2 and snap.queued_prefill_tokens == 2, "one token per decoding request"
     while engine.has_unfinished():
         engine.step()
-    assert engine_snapshot(engine).queued_prefill_tokens == 0
+    assert engine.snapshot().queued_prefill_tokens == 0

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from pdserve.router.admission import AdmissionConfig, Ledger
-from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.errors import NoRoom, QueueFull, to_openai
 from pdserve.router.policy import NodeView
 from pdserve.shared.types import NodeId
 
@@ -59,9 +59,10 @@ def test_waiters_wake_in_order_and_the_queue_is_bounded() -> None:
         second = asyncio.create_task(wait(2))
         await asyncio.sleep(0)
         assert ledger.queued == 2
-        with pytest.raises(OpenAIError) as refused:
+        with pytest.raises(QueueFull) as refused:
             await ledger.wait_for_room(deadline)
-        assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "3"}
+        error = to_openai(refused.value)
+        assert error.status == 429 and error.headers == {"Retry-After": "3"}
         lease.release()
         await first
         assert order == [1] and not second.done()
@@ -76,9 +77,9 @@ def test_a_waiter_gives_up_at_its_deadline() -> None:
     async def scenario() -> None:
         ledger = Ledger(AdmissionConfig(max_requests_per_node=1))
         ledger.take((D,), None, 1)
-        with pytest.raises(OpenAIError) as late:
+        with pytest.raises(NoRoom) as late:
             await ledger.wait_for_room(time.time() + 0.05)
-        assert late.value.status == 503 and ledger.queued == 0
+        assert to_openai(late.value).status == 503 and ledger.queued == 0
 
     asyncio.run(scenario())
 

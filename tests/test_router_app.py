@@ -218,6 +218,7 @@ class Cluster:
                         1,
                         1000,
                         FINGERPRINT,  # a credential digest: these nodes ask the router for none
+                        MAX_MODEL_LEN,
                     )
                     epoch = await index.register(info)
                     await index.heartbeat(NodeId(nid), NodeLoad(0, 0, 0, 1000, 0), epoch)
@@ -534,7 +535,7 @@ def test_health_counts_no_node_holding_another_credential(redis_url: str, tokeni
         """/health of a fresh router (its first call reads the index) after s0 registered with `token`."""
         async with BlockIndex(redis) as index:
             info = NodeInfo(NodeId("s0"), "single", "http://127.0.0.1:1", "127.0.0.1:2", FINGERPRINT, LAYOUT,
-                            1, 1000, credential_digest(token))  # fmt: skip
+                            1, 1000, credential_digest(token), MAX_MODEL_LEN)  # fmt: skip
             await index.heartbeat(NodeId("s0"), NodeLoad(0, 0, 0, 1000, 0), await index.register(info))
         app = create_app(config, tokenizer, BlockIndex(redis))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:

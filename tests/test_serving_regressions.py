@@ -305,11 +305,6 @@ def _health_if(live: LiveCluster, role: str, state: str) -> httpx.Response | Non
     return r if r.json()["nodes"][role][state] else None
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: in two full-suite runs (not alone, not by hand) pdserve up did not exit within 180 s of "
-    "Ctrl-C; under investigation, see the closing note of 2026-11-26",
-)
 def test_defect6_pdserve_up_shows_the_operator_how_to_reach_its_cluster() -> None:
     """`pdserve up` prints the Redis URL, a table of its processes (role, pid, URL, log) and how to point
     kvctl at the cluster; kvctl reaches it from the environment alone; Ctrl-C stops every process."""

@@ -8,6 +8,10 @@ or, after its exec, `python -m pdserve.prefill_node ...`), then from PDSERVE_HOS
 its health already says draining), then waits until its engine holds no request (GET /internal/audit:
 live_requests == 0) or --timeout passes.
 Exit codes: 0 healthy / drained; 1 not healthy, not drained in time, or the node unreachable.
+
+It is an entry point of its own (the image's HEALTHCHECK and the nodes' preStop hook run it as a process),
+so, like the CLI's settings (docs/architecture.md, "The environment"), it reads the pod's PDSERVE_HOST,
+PDSERVE_PORT and PDSERVE_AUTH_TOKEN(_FILE): in `main` only, and hands the values on as arguments.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 ROUTER_MARKERS = ("router", "pdserve.router")
@@ -49,22 +54,23 @@ def _flag(argv: list[str], name: str) -> str | None:
     return None
 
 
-def _token() -> str | None:
-    path = os.environ.get("PDSERVE_AUTH_TOKEN_FILE")
+def _token(env: Mapping[str, str]) -> str | None:
+    path = env.get("PDSERVE_AUTH_TOKEN_FILE")
     if path:
         with open(path, encoding="utf-8") as f:
             return f.read().strip() or None
-    return os.environ.get("PDSERVE_AUTH_TOKEN") or None
+    return env.get("PDSERVE_AUTH_TOKEN") or None
 
 
-def target(args: argparse.Namespace) -> Target:
+def target(args: argparse.Namespace, env: Mapping[str, str]) -> Target:
+    """What to probe: --role/--host/--port, else PID 1's flags, else `env`'s PDSERVE_HOST / PDSERVE_PORT."""
     argv = _main_argv()
     role = args.role or ("router" if any(a in ROUTER_MARKERS for a in argv[:3]) else "node")
-    host = args.host or _flag(argv, "--host") or os.environ.get("PDSERVE_HOST") or "127.0.0.1"
+    host = args.host or _flag(argv, "--host") or env.get("PDSERVE_HOST") or "127.0.0.1"
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    port = args.port or _flag(argv, "--port") or os.environ.get("PDSERVE_PORT") or DEFAULT_PORTS[role]
-    return Target(role, f"http://{host}:{port}", _token())
+    port = args.port or _flag(argv, "--port") or env.get("PDSERVE_PORT") or DEFAULT_PORTS[role]
+    return Target(role, f"http://{host}:{port}", _token(env))
 
 
 def _call(t: Target, method: str, path: str, timeout_s: float) -> tuple[int, dict[str, object]]:
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds: a health call; a whole drain")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between a draining node's audits")
     args = p.parse_args(argv)
-    t = target(args)
+    t = target(args, os.environ)
     if args.action == "health":
         return health(t, args.timeout)
     return drain(t, args.timeout, args.poll)

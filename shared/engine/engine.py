@@ -3,12 +3,15 @@
 Invariants: the engine is driven by one thread (the async wrapper's loop); every request added is ended
 exactly once (finished, stopped or aborted) and its blocks go back to the pool on that path; outputs of a
 step are produced only after the scheduler has applied the step. A role (prefill, decode, single) is a
-policy around this class, never a fork of it, and reaches it only through its public methods: the prefill
-role watches layers through `StepObserver` and copies them out with `export_layer`; the decode role uses
-the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`). A prefix
+policy around this class, never a fork of it, and reaches it only through its public methods (never its
+pool, scheduler, runner or a `Request`'s fields): the prefill role watches layers through `StepObserver`
+(which sees each scheduled request as a `StepSlice`) and copies them out with `export_layer`; the decode
+role uses the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`);
+the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`. A prefix
 fetch uses the same port on both ends: the holder pins its blocks (`hold_prefix` ... `release_held`) while
-it exports them, and the fetcher reserves, imports, then `commit_fetched` makes the landed blocks matchable
-under their hashes while the reservation still holds them, until `release_remote` leaves them CACHED.
+it exports them, and the fetcher checks `cached_prefix_blocks`, reserves, imports, then `commit_fetched`
+makes the landed blocks matchable under their hashes while the reservation still holds them, until
+`release_remote` leaves them CACHED.
 
 Remote-KV port invariants: a `RemoteReservation` holds one reference on each of its blocks until exactly
 one of `admit_remote` (the scheduler takes them over) or `release_remote` (idempotent) ends it; its
@@ -36,7 +39,7 @@ from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_
 from pdserve.shared.engine.request import Request
 from pdserve.shared.engine.sampler import Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model.loader import LoadedModel, load_model
 from pdserve.shared.types import BlockHash, BlockId, RequestId
 
@@ -46,9 +49,47 @@ _RESTORE_AHEAD = 8
 """Waiting requests whose prefixes each step brings back from the host tier before scheduling."""
 
 
+@dataclass(frozen=True)
+class StepSlice:
+    """One request's part of a step as an observer sees it: tokens [start, start + num_new_tokens) of its
+    prompt and output run this step, into `blocks` (the request's block ids so far, in prompt order)."""
+
+    request_id: RequestId
+    start: int
+    num_new_tokens: int
+    num_prompt_tokens: int
+    blocks: tuple[BlockId, ...]
+
+
 class StepObserver(Protocol):
-    def on_layer(self, layer: int, scheduled: Sequence[ScheduledRequest]) -> None:
+    def on_layer(self, layer: int, scheduled: Sequence[StepSlice]) -> None:
         """Layer `layer` has written its KV for every scheduled request of this step."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine counts read together on the engine thread. Token counts are cumulative since start-up."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_used_blocks: int = 0
+    kv_total_blocks: int = 0
+    queued_prefill_tokens: int = 0
+    """Tokens not computed yet over the engine's requests: the prompts left to prefill, plus one per decoding
+    request (as the heartbeat's NodeLoad counts them for the router); the prefill HPA's signal."""
+    preemptions: int = 0
+    computed_prompt_tokens: int = 0
+    computed_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    host_blocks: int = 0
+    """Blocks held in the host-memory tier (shared/engine/host_tier.py)."""
+    host_offloaded_blocks: int = 0
+    host_restored_blocks: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """KV blocks in use or reserved over the pool, a float from 0 to 1."""
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +111,10 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    arrival_time: float = 0.0
+    """time.monotonic() when the request was built."""
+    scheduled_time: float | None = None
+    """time.monotonic() when this engine first computed it (None: not yet, or its prompt came remotely)."""
 
     @property
     def finished(self) -> bool:
@@ -207,6 +252,13 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         return Request(request_id, tuple(prompt_token_ids), params, self.hash_seed(cache_salt), priority)
 
+    def prompt_hashes(self, request: Request) -> tuple[BlockHash, ...]:
+        """The chained hashes of the prompt's full blocks, computed once and kept on the request (so a
+        request admitted later through `admit_remote` is not hashed on the path to its first token). Any
+        thread, before the request enters the engine."""
+        request.extend_block_hashes(self.cfg.block_size)
+        return tuple(request.block_hashes)
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)
         self._track(request)
@@ -242,6 +294,10 @@ class LLMEngine:
         held = self.pool.match_prefix(block_hashes)
         self.pool.acquire(held)
         return tuple(held)
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading `block_hashes` the device pool holds now (no reference taken)."""
+        return len(self.pool.match_prefix(block_hashes))
 
     def release_held(self, block_ids: Sequence[BlockId]) -> None:
         """Drops the references `hold_prefix` took (last-first, as every sequence is released)."""
@@ -382,8 +438,22 @@ class LLMEngine:
             BatchItem(s.request.all_token_ids, s.start, s.num_new_tokens, s.request.block_ids, s.samples)
             for s in out.scheduled
         ]
-        observer = self.observer
-        hook = None if observer is None else (lambda layer: observer.on_layer(layer, out.scheduled))
+        observer, hook = self.observer, None
+        if observer is not None:
+            slices = tuple(
+                StepSlice(
+                    s.request.request_id,
+                    s.start,
+                    s.num_new_tokens,
+                    s.request.num_prompt_tokens,
+                    tuple(s.request.block_ids),
+                )
+                for s in out.scheduled
+            )
+
+            def hook(layer: int) -> None:
+                observer.on_layer(layer, slices)
+
         return self.runner.execute(items, hook)
 
     def _emit(self, live: _Live) -> RequestOutput:
@@ -414,10 +484,49 @@ class LLMEngine:
             r.num_prompt_tokens,
             len(r.output_token_ids),
             r.num_cached_tokens,
+            r.arrival_time,
+            r.scheduled_time,
         )
 
     def drain_events(self) -> list[BlockEvent]:
         return self.pool.drain_events()
+
+    # ---- what the node runtime reads (engine thread only) ----------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counts, read together."""
+        s, audit = self.scheduler, self.pool.audit()
+        return EngineSnapshot(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_used_blocks=audit.in_use + audit.reserved,
+            kv_total_blocks=audit.num_blocks,
+            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running]),
+            preemptions=s.stats.preemptions,
+            computed_prompt_tokens=s.stats.computed_prompt_tokens,
+            computed_tokens=s.stats.computed_tokens,
+            cached_prompt_tokens=s.stats.cached_prompt_tokens,
+            host_blocks=audit.host,
+            host_offloaded_blocks=0 if self.tier is None else self.tier.offloaded,
+            host_restored_blocks=0 if self.tier is None else self.tier.restored,
+        )
+
+    def held_hashes(self) -> list[BlockHash]:
+        """The hashes of every full block the node holds (in use, cached-free, or in the host tier): what
+        the index lists."""
+        return self.pool.held_hashes()
+
+    def host_hashes(self) -> list[BlockHash]:
+        """The held hashes that sit in the host tier (the index's host list)."""
+        return self.pool.host_hashes()
+
+    def evict(self, hashes: Sequence[BlockHash] | None) -> int:
+        """Drops these cached-free blocks and host-tier entries (None: all of them) from this node; returns
+        how many."""
+        return self.pool.evict(hashes)
+
+    def num_requests(self) -> int:
+        """Requests the scheduler holds (waiting, running or preempted)."""
+        return len(self.scheduler.requests)
 
     def audit(self) -> PoolAudit:
         self.pool.check_invariants()

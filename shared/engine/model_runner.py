@@ -149,7 +149,7 @@ class ModelRunner:
         seq_lens = [it.start + it.num_tokens for it in items]
         # Columns padded to a multiple of TABLE_ALIGN: Triton specializes a kernel on whether an int argument
         # (the table's row stride) divides by 16, so a ragged width compiled a second attention kernel the
-        # first time a mixed batch ran (~0.8 s stall mid-serving on an H100). Padding entries are never read.
+        # first time a mixed batch ran (a compile stall mid-serving). Padding entries are never read.
         width = -(-max(len(it.block_ids) for it in items) // TABLE_ALIGN) * TABLE_ALIGN
         table = [list(it.block_ids) + [0] * (width - len(it.block_ids)) for it in items]
         return AttentionMetadata(

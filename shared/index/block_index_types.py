@@ -128,6 +128,8 @@ class NodeInfo:
     capacity_blocks: int
     credential_digest: str
     """64 lowercase hex digits: node_auth.credential_digest(the KV-transfer token); never the token."""
+    max_model_len: int
+    """The longest context (prompt + output tokens) the node serves; the router's limit for its requests."""
     epoch: int = 0
     tokenizer_fingerprint: str = ""
     """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""
@@ -155,6 +157,8 @@ class NodeInfo:
                 raise ValueError(f"kv_layout.{name}={value!r}: must be a positive int")
         if not isinstance(self.kv_layout["dtype"], str):
             raise ValueError(f"kv_layout.dtype={self.kv_layout['dtype']!r}: must be a dtype name")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
         if self.capacity_blocks < 0 or self.protocol_version < 0 or self.epoch < 0:
             raise ValueError(
                 f"capacity_blocks={self.capacity_blocks}, protocol_version={self.protocol_version}, "

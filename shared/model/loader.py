@@ -131,8 +131,8 @@ def _load_checkpoint(
             )
         model = LlamaModel(config, device, dtype)
         threads = torch.get_num_threads()
-        # dequantizing and copying are small memory-bound ops: on the shared 2-core CI machine, 2 OpenMP
-        # threads under contention made the SmolLM2 load 20x slower (24 s) than 1 thread (0.8 s)
+        # dequantizing and copying are small memory-bound ops: on a shared 2-core CI machine, 2 OpenMP
+        # threads under contention made the load many times slower than 1 thread
         torch.set_num_threads(1)
         try:
             with tqdm(

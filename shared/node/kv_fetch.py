@@ -44,7 +44,7 @@ from pdserve.shared.engine.engine import RemoteReservation
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import ExportRequest, ExportResult
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockHash, NodeId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +57,11 @@ class PrefixExporter:
         self._sender = sender
         self.layers_per_frame = layers_per_frame
 
-    def _gather(self, ids: torch.Tensor, first: int, n_layers: int) -> tuple[torch.Tensor, Any]:
-        """Engine thread: layers [first, first + n_layers) of blocks `ids` into a private buffer."""
+    def _gather(self, src: list[BlockId], first: int, n_layers: int) -> tuple[torch.Tensor, Any]:
+        """Engine thread: layers [first, first + n_layers) of blocks `src` into a private buffer."""
         engine = self.rt.engine
-        buf = engine.export_buffer(n_layers, int(ids.numel()))  # [n_layers, 2, n, B, Hkv, D]
+        buf = engine.export_buffer(n_layers, len(src))  # [n_layers, 2, n, B, Hkv, D]
+        ids = torch.tensor(src, dtype=torch.int64, device=buf.device)
         for i in range(n_layers):
             engine.export_layer(first + i, ids, buf[i])
         event = None
@@ -84,13 +85,11 @@ class PrefixExporter:
                 b0 = reply.num_held_blocks
                 src = list(held[b0:])
                 if src:
-                    device = engine.runner.device
-                    ids = torch.tensor(src, dtype=torch.int64, device=device)
                     blocks = FrameBlocks.run(reply, b0, src)
                     num_layers = engine.num_layers
                     for first in range(0, num_layers, self.layers_per_frame):
                         n = min(self.layers_per_frame, num_layers - first)
-                        buf, event = await aengine.call(functools.partial(self._gather, ids, first, n))
+                        buf, event = await aengine.call(functools.partial(self._gather, src, first, n))
                         if event is not None:
                             await event_done(event)
                         await session.send_layers(first, blocks, buf)

@@ -54,7 +54,7 @@ class PrefillOptions(NodeOptions):
         4,
         ge=1,
         description="consecutive layers of a prefill step sent as one KV-transfer frame (1: one per layer); "
-        "4 measured best on two H200s",
+        "4 is the best measured (docs/benchmarks.md)",
     )
 
 

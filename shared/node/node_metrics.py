@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pdserve.shared.engine.engine import EngineSnapshot
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -28,32 +29,6 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 VLLM_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                         7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Engine counts read together on the engine thread. Token counts are cumulative since start-up."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_used_blocks: int = 0
-    kv_total_blocks: int = 0
-    queued_prefill_tokens: int = 0
-    """Tokens not computed yet over the engine's requests: the prompts left to prefill, plus one per decoding
-    request (as the heartbeat's NodeLoad counts them for the router); the prefill HPA's signal."""
-    preemptions: int = 0
-    computed_prompt_tokens: int = 0
-    computed_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    host_blocks: int = 0
-    """Blocks held in the host-memory tier (shared/engine/host_tier.py)."""
-    host_offloaded_blocks: int = 0
-    host_restored_blocks: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        """KV blocks in use or reserved over the pool, a float from 0 to 1."""
-        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ class NodeRuntime:
         self.kv_layout = dict(kv_layout)
         self.metrics = NodeMetrics(settings.role)
         self.index = BlockIndex(settings.redis) if settings.redis is not None else None
-        held = functools.partial(self.aengine.call, engine.pool.held_hashes)
+        held = functools.partial(self.aengine.call, engine.held_hashes)
         self.truth = (
             None if self.index is None else IndexTruth(self.index, self.node_id, held, self.metrics.registry)
         )
@@ -147,6 +147,7 @@ class NodeRuntime:
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
                 credential_digest=credential_digest,
+                max_model_len=self.engine.max_model_len,
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
             )
             self._info = info
@@ -169,17 +170,15 @@ class NodeRuntime:
 
     def load(self) -> NodeLoad:
         """Read on the loop thread (engine.call) so counts are consistent."""
-        s = self.engine.scheduler
-        audit = self.engine.pool.audit()
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running])
+        snap = self.engine.snapshot()
         return NodeLoad(
-            running=len(s.running),
-            waiting=len(s.waiting),
-            kv_used_blocks=audit.in_use + audit.reserved,
-            kv_total_blocks=audit.num_blocks,
-            blocks_held=len(self.engine.pool.held_hashes()),
+            running=snap.running,
+            waiting=snap.waiting,
+            kv_used_blocks=snap.kv_used_blocks,
+            kv_total_blocks=snap.kv_total_blocks,
+            blocks_held=len(self.engine.held_hashes()),
             draining=self.draining,
-            queued_prefill_tokens=queued,
+            queued_prefill_tokens=snap.queued_prefill_tokens,
         )
 
     async def _heartbeat_loop(self) -> None:
@@ -256,8 +255,8 @@ class NodeRuntime:
             try:
                 if self._need_resync:
                     what = "resync"
-                    pool = self.engine.pool
-                    held, host = await self.aengine.call(lambda: (pool.held_hashes(), pool.host_hashes()))
+                    engine = self.engine
+                    held, host = await self.aengine.call(lambda: (engine.held_hashes(), engine.host_hashes()))
                     await self.index.resync(self.node_id, epoch, held, host)
                     self._need_resync = False
                     log.info("node %s: index resynced, %d blocks at epoch %d", self.node_id, len(held), epoch)
@@ -295,7 +294,7 @@ class NodeRuntime:
             await self.index.set_draining(self.node_id, False)
 
     async def evict(self, hashes: list[BlockHash] | None) -> int:
-        return await self.aengine.call(lambda: self.engine.pool.evict(hashes))
+        return await self.aengine.call(lambda: self.engine.evict(hashes))
 
 
 def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
@@ -320,7 +319,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
 
     @app.get("/internal/audit")
     async def audit() -> JSONResponse:
-        a = await rt.aengine.call(rt.engine.audit)
+        a, live = await rt.aengine.call(lambda: (rt.engine.audit(), rt.engine.num_requests()))
         return JSONResponse(
             {
                 "num_blocks": a.num_blocks,
@@ -328,7 +327,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
                 "cached": a.cached,
                 "in_use": a.in_use,
                 "reserved": a.reserved,
-                "live_requests": len(rt.engine.scheduler.requests),
+                "live_requests": live,
             }
         )
 

@@ -10,31 +10,11 @@ import asyncio
 import logging
 import time
 
-from pdserve.shared.engine.engine import LLMEngine
-from pdserve.shared.node.node_metrics import EngineSnapshot
+from pdserve.shared.engine.engine import EngineSnapshot
 from pdserve.shared.node.node_runtime import NodeRuntime
 
 log = logging.getLogger("pdserve.stats")
 REFRESH_S = 1.0
-
-
-def engine_snapshot(engine: LLMEngine) -> EngineSnapshot:
-    """Reads the counts together; call on the engine thread (AsyncEngine.call)."""
-    s, audit = engine.scheduler, engine.pool.audit()
-    return EngineSnapshot(
-        running=len(s.running),
-        waiting=len(s.waiting),
-        kv_used_blocks=audit.in_use + audit.reserved,
-        kv_total_blocks=audit.num_blocks,
-        queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running]),
-        preemptions=s.stats.preemptions,
-        computed_prompt_tokens=s.stats.computed_prompt_tokens,
-        computed_tokens=s.stats.computed_tokens,
-        cached_prompt_tokens=s.stats.cached_prompt_tokens,
-        host_blocks=audit.host,
-        host_offloaded_blocks=0 if engine.tier is None else engine.tier.offloaded,
-        host_restored_blocks=0 if engine.tier is None else engine.tier.restored,
-    )
 
 
 def stats_line(prev: EngineSnapshot, now: EngineSnapshot, seconds: float) -> str:
@@ -59,7 +39,7 @@ async def stats_loop(rt: NodeRuntime, interval_s: float) -> None:
     m = rt.metrics
     logged, last_line = m.engine, time.monotonic()
     while True:
-        snap = await rt.aengine.call(lambda: engine_snapshot(rt.engine))
+        snap = await rt.aengine.call(rt.engine.snapshot)
         m.engine = snap
         m.running.set(snap.running)
         m.waiting.set(snap.waiting)

@@ -1,0 +1,372 @@
+"""Request handling of the router's OpenAI API, without a web framework: an `Incoming` request (its
+Authorization header, declared length, body chunks and a disconnect probe) in, a `Reply` out (a JSON body
+with its status and headers, or the SSE chunks of a stream). router/app.py only binds it to FastAPI routes.
+
+Invariants: every refusal leaves as OpenAI's ErrorResponse with its status; routing and node outcomes arrive
+as domain errors (router/errors.py) and are mapped by `to_openai` alone; the router tokenizes (chat template
+included) and only token ids go to the nodes; a request ends on every path (finish, node failure, deadline,
+client disconnect, streaming or not) with its node requests aborted where they may still run
+(router/dispatch.py); every request counted in flight is counted out once. The handler owns the BlockIndex
+it is given and closes it in `stop()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.router.admission import Ledger
+from pdserve.router.background import Background
+from pdserve.router.breaker import Breakers
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import ChoiceEvent, ChoiceJob, RequestRun
+from pdserve.router.errors import ClientGone, DeadlineExceeded, RouterError, to_openai
+from pdserve.router.membership import Membership
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.model_check import ModelCheck
+from pdserve.router.node_client import NodeClients
+from pdserve.router.openai_builders import ResponseHead, models_response
+from pdserve.router.openai_protocol import (
+    GenerationSpec,
+    OpenAIError,
+    check_token_ids,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
+from pdserve.router.policy import NodeView, NoNodeAvailable, choose
+from pdserve.router.request_log import REQUEST_ID
+from pdserve.router.request_state import ChoiceState, ServedRequest, check_length
+from pdserve.router.routing import Placement, Router
+from pdserve.router.tenants import Tenants, cache_salt
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import ROLES
+from pdserve.shared.model.tokenizer import Tokenizer
+from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.types import RequestId
+
+log = logging.getLogger(__name__)
+
+Endpoint = Literal["completions", "chat"]
+_PARSERS: dict[Endpoint, Callable[[dict[str, Any]], GenerationSpec]] = {
+    "completions": parse_completion,
+    "chat": parse_chat,
+}
+
+
+async def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One API request as the handler needs it, whatever server carries it."""
+
+    authorization: str | None
+    body: AsyncIterable[bytes]
+    content_length: str | None = None
+    is_disconnected: Callable[[], Awaitable[bool]] = _never
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What goes back: a JSON body with its status and headers, or (`stream` set) SSE chunks under 200."""
+
+    status: int
+    body: dict[str, Any] | None = None
+    headers: dict[str, str] | None = None
+    stream: AsyncIterator[bytes] | None = None
+
+
+def error_reply(exc: OpenAIError | RouterError) -> Reply:
+    err = to_openai(exc) if isinstance(exc, RouterError) else exc
+    return Reply(err.status, err.body(), err.headers)
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class RequestHandler:
+    """The router's API over its view of the cluster; one per router process."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.index = index
+        self.metrics = RouterMetrics()
+        self.background = Background()
+        self.clients = NodeClients(
+            config.node_connect_timeout_s, config.max_connections_per_node, config.node_token
+        )
+        self.breakers = Breakers(config.breaker, self.clients.probe, self.metrics)
+        self.clients.on_down = self.breakers.trip
+        self.membership = Membership(
+            index, self.clients, self.breakers, self.metrics, config.node_list_ttl_s, config.seed_nodes
+        )
+        self.model_check = ModelCheck(config.model_path, tokenizer)
+        self.router = Router(
+            index, config.policy, self.membership, self.metrics, self.background, self.breakers,
+            Ledger(config.admission), self.model_check,
+        )  # fmt: skip
+        self.tenants = Tenants(config.api_keys, config.rate_limit)
+        self._served = set(config.served_model_names)
+        self._started = int(time.time())
+        self._credential = None if config.node_token is None else credential_digest(config.node_token)
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.model_check.prepare()
+        self._watch = asyncio.create_task(self.membership.run())
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        await self.breakers.aclose()
+        await self.background.drain()
+        await self.clients.aclose()
+        await self.index.close()
+
+    def authenticate(self, authorization: str | None) -> None:
+        """OpenAIError 401 unless the API keys accept `authorization`."""
+        self.tenants.authenticate(authorization)
+
+    def models(self, authorization: str | None) -> dict[str, Any]:
+        self.authenticate(authorization)
+        return models_response(self.config.served_model_names, self._started)
+
+    def model(self, model_id: str, authorization: str | None) -> dict[str, Any]:
+        self.authenticate(authorization)
+        if model_id not in self._served:
+            raise OpenAIError(
+                404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
+        model: dict[str, Any] = models_response([model_id], self._started)["data"][0]
+        return model
+
+    def metrics_page(self, authorization: str | None) -> bytes:
+        if self.config.metrics_auth:
+            self.authenticate(authorization)
+        return self.metrics.render()
+
+    async def health(self) -> Reply:
+        """Ready (200) only while the policy can place a request on the nodes the router would use now: a
+        prefill and decode pair, a single node, or a decode node prefilling locally; else 503. Draining
+        nodes, nodes whose breaker is open (`down`) and nodes that registered another credential than this
+        router's token (they would answer it 401) cannot serve. The body counts the router's view of the
+        nodes by role and says whether the index answers (without it the router serves on from its view)."""
+        now = time.monotonic()
+        router = self.router
+        statuses = await self.membership.nodes()
+        counts = {role: {"ready": 0, "draining": 0, "down": 0} for role in ROLES}
+        for s in statuses:
+            ready, down = router.usable(s, now), self.breakers.is_open(s.info.node_id)
+            counts[s.info.role]["ready" if ready else "down" if down else "draining"] += 1
+        body: dict[str, Any] = {"nodes": counts, "index": "ok" if router.index_ok else "unavailable"}
+        usable = [s for s in statuses if router.usable(s, now)]
+        trusted = [s for s in usable if self._credential in (None, s.info.credential_digest)]
+        views = [NodeView.from_status(s) for s in trusted]
+        block_size = trusted[0].info.block_size if trusted else 1
+        try:
+            decision = choose(0, 1, {}, views, self.config.policy, block_size=block_size)
+        except NoNodeAvailable as exc:
+            reason = str(exc)
+            if len(trusted) < len(usable):
+                reason += (
+                    f"; {len(usable) - len(trusted)} live node(s) hold another credential than this "
+                    "router's (PDSERVE_AUTH_TOKEN or --auth-token-file)"
+                )
+            return Reply(503, {"status": "unavailable", **body, "reason": reason})
+        return Reply(200, {"status": "ok", "mode": decision.mode, **body})
+
+    async def generate(self, endpoint: Endpoint, incoming: Incoming) -> Reply:
+        """A completion or chat completion: its JSON reply, or its SSE stream."""
+        metrics = self.metrics
+        metrics.in_flight.inc()
+        streaming = False
+        status = 500
+        try:
+            req = await self._start(incoming, _PARSERS[endpoint])
+            if req.spec.stream:
+                streaming = True
+                status = 200
+                return Reply(200, stream=self._stream(req, incoming, endpoint))
+            body = await self._collect(req, incoming)
+            status = 200
+            return Reply(200, body)
+        except (OpenAIError, RouterError) as exc:
+            reply = error_reply(exc)
+            status = reply.status
+            return reply
+        finally:
+            if not streaming:
+                metrics.in_flight.dec()
+                metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    async def _start(
+        self, incoming: Incoming, parse: Callable[[dict[str, Any]], GenerationSpec]
+    ) -> ServedRequest:
+        config = self.config
+        arrival = time.perf_counter()
+        tenant = self.tenants.admit(incoming.authorization)
+        spec = parse(await self._read_json(incoming))
+        check_token_ids(spec, self.tokenizer.vocab_size)
+        if spec.model not in self._served:
+            served = ", ".join(sorted(self._served))
+            raise OpenAIError(404, f"The model {spec.model!r} does not exist; this server serves {served}",
+                              param="model", code="model_not_found")  # fmt: skip
+        if spec.n * max(len(spec.prompts), 1) > config.max_n:
+            raise OpenAIError(400, f"n x prompts = {spec.n * max(len(spec.prompts), 1)} exceeds the limit "
+                              f"{config.max_n}", param="n")  # fmt: skip
+        prompts, echo = await self._tokenize(spec)
+        salt = cache_salt(tenant, spec.cache_salt)
+        timeout = min(spec.timeout_s or config.default_deadline_s, config.max_deadline_s)
+        deadline = time.time() + timeout
+        placed = await asyncio.gather(
+            *(self.router.place(ids, salt, deadline, spec.n) for ids in prompts), return_exceptions=True
+        )
+        placements = [p for p in placed if isinstance(p, Placement)]
+        base = f"{'cmpl' if spec.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        jobs = []
+        try:
+            for outcome in placed:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            for p, (ids, placement) in enumerate(zip(prompts, placements, strict=True)):
+                max_tokens = check_length(spec, len(ids), placement.max_model_len)
+                for j in range(spec.n):
+                    index = p * spec.n + j
+                    sampling = spec.sampling_for(max_tokens, j)
+                    job_id = RequestId(f"{base}-{index}")
+                    jobs.append(ChoiceJob(index, job_id, ids, sampling, placement.route, placement.leases[j]))
+        except BaseException:
+            for placement in placements:
+                placement.release()
+            raise
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
+        run = RequestRun(jobs, salt, deadline, self.clients, self.metrics, self.background, self.router,
+                         config.migration_limit)  # fmt: skip
+        head = ResponseHead(spec.kind, base, int(time.time()), spec.model,
+                            f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
+        choices = {job.index: ChoiceState(offset=len(echo[job.index // spec.n])) for job in jobs}
+        return ServedRequest(spec, head, [len(ids) for ids in prompts], echo, run, arrival, choices)
+
+    async def _read_json(self, incoming: Incoming) -> Any:
+        limit = self.config.max_request_bytes
+        declared = incoming.content_length or ""
+        if declared.isdigit() and int(declared) > limit:
+            raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        body = bytearray()
+        async for chunk in incoming.body:
+            body += chunk
+            if len(body) > limit:
+                raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
+        return parse_json_body(bytes(body))
+
+    async def _tokenize(self, spec: GenerationSpec) -> tuple[list[tuple[int, ...]], list[str]]:
+        """Token ids of each prompt, and the text `echo` puts in front of each prompt's choices."""
+        tokenizer = self.tokenizer
+        t0 = time.perf_counter()
+        if spec.kind == "chat":
+            try:
+                ids = await asyncio.to_thread(tokenizer.apply_chat_template, list(spec.messages), True)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="messages") from exc
+            prompts = [tuple(ids)]
+        else:
+            prompts = [
+                p if isinstance(p, tuple) else tuple(await asyncio.to_thread(tokenizer.encode, p, True))
+                for p in spec.prompts
+            ]
+        self.metrics.tokenize.observe(time.perf_counter() - t0)
+        if any(not ids for ids in prompts):
+            raise OpenAIError(400, "the prompt encodes to no tokens", param="prompt")
+        echo = [""] * len(prompts)
+        if spec.echo:
+            echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in spec.prompts]
+        return prompts, echo
+
+    async def _events(self, req: ServedRequest, incoming: Incoming) -> AsyncIterator[ChoiceEvent]:
+        """The run's events, each choice's error raised; cancels the run and raises DeadlineExceeded at the
+        deadline, ClientGone when the client left."""
+        poll = self.config.disconnect_poll_s
+        run = req.run
+        run.start()
+        checked = time.monotonic()
+        while not run.finished:
+            remaining = run.deadline - time.time()
+            if remaining <= 0:
+                run.cancel("deadline")
+                raise DeadlineExceeded(f"the request did not finish before its deadline ({run.deadline:.3f})")
+            event = await run.next_event(min(poll, remaining))
+            if time.monotonic() - checked >= poll:
+                checked = time.monotonic()
+                if await incoming.is_disconnected():
+                    run.cancel("client_disconnect")
+                    raise ClientGone("client closed the request")
+            if event is not None:
+                if event.error is not None:
+                    raise event.error
+                yield event
+
+    async def _collect(self, req: ServedRequest, incoming: Incoming) -> dict[str, Any]:
+        try:
+            async for event in self._events(req, incoming):
+                req.record(event, self.metrics)
+        except RouterError:
+            req.run.cancel("error")
+            raise
+        self.metrics.e2e.observe(time.perf_counter() - req.arrival)
+        choices = [
+            req.head.choice(i, "".join(c.text), c.finish_reason or "stop",
+                            c.logprobs if req.spec.sampling.logprobs is not None else None, c.offset)
+            for i, c in req.choices.items()
+        ]  # fmt: skip
+        return req.head.response(choices, req.usage())
+
+    async def _stream(self, req: ServedRequest, incoming: Incoming, endpoint: str) -> AsyncIterator[bytes]:
+        metrics = self.metrics
+        status, finished = "200", False
+        include_usage = req.spec.include_usage
+        try:
+            if req.spec.kind == "chat":
+                for index in req.choices:
+                    yield _sse(req.head.chunk(index, "", None, None, include_usage, role=True))
+            async for event in self._events(req, incoming):
+                choice = req.choices[event.index]
+                offset = sum(len(t) for t in choice.text) if choice.text else choice.offset
+                text, logprobs = req.record(event, self.metrics)
+                assert event.step is not None
+                if text or logprobs or event.step.finish_reason is not None:
+                    yield _sse(req.head.chunk(event.index, text, event.step.finish_reason, logprobs,
+                                              include_usage, offset))  # fmt: skip
+            if include_usage:
+                yield _sse(req.head.usage_chunk(req.usage()))
+            metrics.e2e.observe(time.perf_counter() - req.arrival)
+            yield b"data: [DONE]\n\n"
+            finished = True
+        except RouterError as exc:
+            err = to_openai(exc)
+            status = str(err.status)
+            if err.status >= 500:  # the response is a 200 already: RequestLog cannot see this one
+                log.warning("request %s: its stream ended with %d %s: %s", REQUEST_ID.get(), err.status,
+                            err.code or err.type, err.message)  # fmt: skip
+            if not isinstance(exc, ClientGone):
+                yield _sse(err.body())
+                yield b"data: [DONE]\n\n"
+        finally:
+            if not finished:
+                # Client gone (GeneratorExit / cancellation), deadline or node failure: stop the rest.
+                status = "499" if status == "200" else status
+                req.run.cancel("client_disconnect" if status == "499" else "error")
+            metrics.in_flight.dec()
+            metrics.requests.labels(endpoint=endpoint, status=status).inc()
