@@ -251,7 +251,7 @@ PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=4
 TestBlockPoolStateful = PoolMachine.TestCase
 
 
-HOST_BLOCKS = 5
+HOST_BLOCKS = 3
 
 
 class TieredPoolMachine(PoolMachine):

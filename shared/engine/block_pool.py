@@ -387,9 +387,12 @@ class BlockPool:
             self._event("R", h)
             return
         slot, dropped = self.host.put(h)
-        self._copies.append(CopyOp(True, block.block_id, slot))
         if dropped is not None:
             self._event("R", dropped)
+        if slot is None:  # every slot is being restored from: this one leaves the node
+            self._event("R", h)
+            return
+        self._copies.append(CopyOp(True, block.block_id, slot))
         self._event("H", h)
 
     def _event(self, kind: str, block_hash: BlockHash) -> None:

@@ -4,7 +4,8 @@ tensor the engine owns (pinned on CUDA, plain memory on the CPU build) and are m
 block pool queues (block_pool.CopyOp).
 
 Invariants (check_invariants() verifies them):
-- every slot is either free or holds exactly one hash; `_lru` (oldest first) maps exactly the used slots;
+- every slot is free, holds exactly one hash, or is taken by a restore in progress; `_lru` (oldest
+  first) maps exactly the used slots;
 - a hash is held at most once; capacity never changes; `put` into a full tier first drops the LRU entry.
 """
 
@@ -42,11 +43,14 @@ class HostTier:
             out.append(h)
         return out
 
-    def put(self, block_hash: BlockHash) -> tuple[int, BlockHash | None]:
-        """A slot for `block_hash` (which must not be here) and the hash dropped to make room, if any."""
+    def put(self, block_hash: BlockHash) -> tuple[int | None, BlockHash | None]:
+        """A slot for `block_hash` (which must not be here) and the hash dropped to make room, if any; no slot
+        when every slot is taken (a restore in progress holds them)."""
         assert block_hash not in self._lru, f"hash {block_hash.hex()} is in the host tier already"
         dropped = None
         if not self._free:
+            if not self._lru:
+                return None, None
             dropped, slot = self._lru.popitem(last=False)
             self._free.append(slot)
         slot = self._free.pop()
