@@ -299,28 +299,15 @@ class RequestRun:
 
     async def _run_nodes(self, job: ChoiceJob, decode: NodeClient, prefill: NodeClient | None) -> None:
         route = job.route
-        gen = NodeGenerateRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling=job.sampling,
-            cache_salt=self._salt,
-            deadline=self.deadline,
-            prefill_node_id=None if route.prefill is None else route.prefill.node_id,
-        )
+        # what to run, the same in both node requests: id, prompt, sampling, salt, deadline
+        what = (job.request_id, job.prompt_token_ids, job.sampling, self._salt, self.deadline)
+        gen = NodeGenerateRequest(*what, None if route.prefill is None else route.prefill.node_id)
         if prefill is None or route.prefill is None:
             await self._pump(job, decode, route.decode, gen)
             return
-        pre = PrefillRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling=job.sampling,
-            cache_salt=self._salt,
-            deadline=self.deadline,
-            decode_node_id=route.decode.node_id,
-            decode_transfer_addr=route.decode.transfer_addr,
-            fetch_from_url=None if route.fetch_from is None else route.fetch_from.http_url,
-            fetch_blocks=route.fetch_blocks if route.fetch_from is not None else 0,
-        )
+        fetch_url = None if route.fetch_from is None else route.fetch_from.http_url
+        fetch_blocks = route.fetch_blocks if route.fetch_from is not None else 0
+        pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr, fetch_url, fetch_blocks)
         pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
         pre_task = asyncio.create_task(prefill.prefill(pre))
         try:

@@ -141,5 +141,6 @@ def test_step_output_invariants() -> None:
         PrefillResult(RequestId("r"), None, 1, 0, 0)
     with pytest.raises(ValueError, match="role"):
         NodeInfoReply(NodeId("n"), "router", "m", 10, 16)  # type: ignore[arg-type]
+    line = StepOutput(RequestId("r"), (1,), "a", (TokenLogprob(1, "a", -1.0, (3,)),), None, 0, 1, 0).to_line()
     with pytest.raises(ValueError, match="bytes out of range"):
-        TokenLogprob.from_wire({"token_id": 1, "token": "a", "logprob": -1.0, "bytes": [300], "top": []})
+        StepOutput.from_line(line.replace(b'"bytes":[3]', b'"bytes":[300]'))

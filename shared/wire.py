@@ -1,0 +1,308 @@
+"""The one codec of pdserve's messages: frozen dataclasses <-> JSON or msgpack, versioned, strictly checked.
+
+A `Codec` serves one protocol at one version (the node protocol, the index records, the KV-transfer
+headers). It encodes a message as a map of its fields plus `"v": version`, and decodes only a map with that
+version whose fields are exactly the message's (none unknown, every one without a default present) and have
+exactly their annotated types: no bool for an int, no int for a str, no string for a number; an int is taken
+for a float. What the decoder refuses, and anything the message's own `__post_init__` refuses, becomes a
+`WireError` naming the message and the field (`PrefillResult.first_token: expected int | None, got str
+'x'`); malformed input never raises anything else.
+
+Field types: int, float, bool, str, bytes (msgpack bin; lowercase hex in JSON), a NewType of one of them,
+Literal[...], X | None, tuple[X, ...], a NamedTuple (an array of its fields), a dataclass (a nested map,
+without "v"), dict[str, X]. A float is finite on the wire: JSON's NaN and Infinity are refused both ways.
+
+Why not a library: msgspec would fit but is installed neither here nor in the GPU image; pydantic, which is,
+decodes JSON strictly, but in strict mode it takes a dataclass only as an instance from Python objects, so a
+msgpack map could not go through the same checks as a JSON object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import operator
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import msgpack
+
+_T = TypeVar("_T")
+_Check = Callable[[str, object], object]  # (where, wire value) -> the field's value, or WireError
+_Encode = Callable[[Any], object]  # the field's value -> its wire value
+_ABSENT = object()
+
+
+class WireError(ValueError):
+    """A message could not be decoded (or encoded): the text names the message, the field and the value."""
+
+
+def _bad(where: str, expected: object, value: object) -> WireError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return WireError(f"{where}: expected {_name(expected)}, got {type(value).__name__} {shown}")
+
+
+def _name(annotation: object) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "")
+
+
+def _reject_constant(name: str) -> float:
+    raise WireError(f"{name} is not a finite number")
+
+
+class Codec:
+    """Encodes and decodes the messages of one protocol at one version."""
+
+    def __init__(self, protocol: str, version: int) -> None:
+        self.protocol = protocol
+        self.version = version
+        # per (class, json?): the compiled field decoders and encoders, built on first use
+        self._decoders: dict[tuple[type, bool], _Check] = {}
+        self._encoders: dict[tuple[type, bool], _Encode] = {}
+
+    # ---- JSON -------------------------------------------------------------------------------------
+    def to_json(self, msg: object) -> bytes:
+        body = self._encoder(type(msg), True)(msg)
+        try:
+            return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+        except ValueError as e:  # a float that is not finite
+            raise WireError(f"{type(msg).__name__}: {e}") from e
+
+    def from_json(self, cls: type[_T], data: bytes | str) -> _T:
+        try:
+            obj = json.loads(data, parse_constant=_reject_constant)
+        except WireError as e:
+            raise WireError(f"{cls.__name__}: {e}") from None
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise WireError(f"{cls.__name__}: not JSON ({type(e).__name__}: {str(e)[:80]})") from None
+        return self._top(cls, obj, True)
+
+    # ---- msgpack ----------------------------------------------------------------------------------
+    def to_msgpack(self, msg: object) -> bytes:
+        return cast(bytes, msgpack.packb(self._encoder(type(msg), False)(msg), use_bin_type=True))
+
+    def from_msgpack(self, cls: type[_T], data: bytes) -> _T:
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as e:
+            raise WireError(f"{cls.__name__}: not msgpack ({type(e).__name__}: {str(e)[:80]})") from None
+        return self._top(cls, obj, False)
+
+    # ---- shared -----------------------------------------------------------------------------------
+    def _top(self, cls: type[_T], obj: object, as_json: bool) -> _T:
+        if type(obj) is not dict:
+            raise WireError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
+        version = obj.pop("v", None)
+        if version != self.version or type(version) is not int:
+            raise WireError(
+                f"{cls.__name__}: {self.protocol} version {version!r} is not {self.version}; both ends must "
+                "run the same pdserve release"
+            )
+        return cast(_T, self._decoder(cls, as_json)(cls.__name__, obj))
+
+    def _encoder(self, cls: type, as_json: bool) -> _Encode:
+        key = (cls, as_json)
+        enc = self._encoders.get(key)
+        if enc is None:
+            enc = self._encoders[key] = _dataclass_encoder(cls, as_json, {"v": self.version})
+        return enc
+
+    def _decoder(self, cls: type, as_json: bool) -> _Check:
+        key = (cls, as_json)
+        dec = self._decoders.get(key)
+        if dec is None:
+            dec = self._decoders[key] = _dataclass_check(cls, as_json)
+        return dec
+
+
+# ---- compiling a type into its checker and encoder -----------------------------------------------------
+def _hints(cls: type) -> list[tuple[str, object, bool]]:
+    """(name, annotation, required) of each dataclass field, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return [
+        (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    ]
+
+
+def _dataclass_check(cls: type, as_json: bool) -> _Check:
+    assert dataclasses.is_dataclass(cls), f"{cls} is not a dataclass"
+    fields = [(name, _check(hint, as_json), required) for name, hint, required in _hints(cls)]
+    known = {name for name, _, _ in fields}
+
+    def check(where: str, value: object) -> object:
+        if type(value) is not dict:
+            raise _bad(where, cls, value)
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise WireError(f"{where}: unknown field(s) {sorted(map(str, unknown))[:5]}")
+        kwargs: dict[str, object] = {}
+        for name, field_check, required in fields:
+            item = value.get(name, _ABSENT)
+            if item is not _ABSENT:
+                kwargs[name] = field_check(f"{where}.{name}", item)
+            elif required:
+                raise WireError(f"{where}: lacks field {name!r}")
+        try:
+            return cls(**kwargs)
+        except (ValueError, TypeError) as e:  # the message's own invariants (__post_init__)
+            raise WireError(f"{where}: {e}") from None
+
+    return check
+
+
+def _check(annotation: Any, as_json: bool) -> _Check:
+    """A function (where, wire value) -> value of `annotation`, raising WireError naming `where`."""
+    supertype = getattr(annotation, "__supertype__", None)
+    if supertype is not None:  # a NewType
+        return _check(supertype, as_json)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in (int, bool, str) or (annotation is bytes and not as_json):
+
+        def exact(where: str, value: object) -> object:
+            if type(value) is annotation:  # `is`: a bool is not an int on the wire, nor an int a bool
+                return value
+            raise _bad(where, annotation, value)
+
+        return exact
+    if annotation is bytes:
+
+        def hex_bytes(where: str, value: object) -> object:
+            if type(value) is str:
+                try:
+                    return bytes.fromhex(value)
+                except ValueError:
+                    pass
+            raise _bad(where, "hex digits", value)
+
+        return hex_bytes
+    if annotation is float:
+
+        def number(where: str, value: object) -> object:
+            if type(value) is float and math.isfinite(value):
+                return value
+            if type(value) is int:
+                try:
+                    return float(value)
+                except OverflowError:
+                    pass
+            raise _bad(where, "a finite number", value)
+
+        return number
+    if origin is typing.Literal:
+        allowed = {(type(a), a) for a in args}
+        kinds = {type(a) for a in args}  # hashable ones (str, int, bool): test the type before the value
+
+        def literal(where: str, value: object) -> object:
+            if type(value) in kinds and (type(value), value) in allowed:
+                return value
+            raise _bad(where, f"one of {list(args)}", value)
+
+        return literal
+    if origin in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        assert len(rest) == 1 and len(args) == 2, f"only X | None is supported, not {annotation}"
+        inner = _check(rest[0], as_json)
+
+        def optional(where: str, value: object) -> object:
+            return None if value is None else inner(where, value)
+
+        return optional
+    if origin is tuple:
+        assert len(args) == 2 and args[1] is Ellipsis, f"only tuple[X, ...] is supported, not {annotation}"
+        item_type = args[0]
+        item = _check(item_type, as_json)
+
+        def array(where: str, value: object) -> object:
+            if type(value) is not list:
+                raise _bad(where, annotation, value)
+            if item_type in (int, str) and set(map(type, value)) <= {item_type}:  # one C-level pass
+                return tuple(value)
+            return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
+
+        return array
+    if origin is dict:
+        assert args[0] is str, f"only dict[str, X] is supported, not {annotation}"
+        values = _check(args[1], as_json)
+
+        def mapping(where: str, value: object) -> object:
+            if type(value) is not dict or not all(type(k) is str for k in value):
+                raise _bad(where, annotation, value)
+            return {k: values(f"{where}.{k}", v) for k, v in value.items()}
+
+        return mapping
+    if isinstance(annotation, type) and issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
+        hints = typing.get_type_hints(annotation)
+        names = annotation._fields
+        items = [_check(hints[n], as_json) for n in names]
+        ntuple = cast(Callable[..., object], annotation)
+
+        def named(where: str, value: object) -> object:
+            if type(value) is not list or len(value) != len(names):
+                raise _bad(where, f"[{', '.join(names)}]", value)
+            return ntuple(*(c(f"{where}.{n}", v) for c, n, v in zip(items, names, value, strict=True)))
+
+        return named
+    if dataclasses.is_dataclass(annotation):
+        return _dataclass_check(cast(type, annotation), as_json)
+    raise AssertionError(f"no wire encoding for {annotation}")
+
+
+def _identity(value: object) -> object:
+    return value
+
+
+def _encode(annotation: Any, as_json: bool) -> _Encode | None:
+    """A function value -> wire value for `annotation`, or None where the value is its own wire form
+    (json and msgpack both write a tuple as an array)."""
+    supertype = getattr(annotation, "__supertype__", None)
+    if supertype is not None:
+        return _encode(supertype, as_json)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is bytes and as_json:
+        return lambda value: value.hex()
+    if origin in (typing.Union, types.UnionType):
+        inner = _encode(next(a for a in args if a is not type(None)), as_json)
+        if inner is None:
+            return None
+        return lambda value: None if value is None else inner(value)
+    if origin is tuple:
+        item = _encode(args[0], as_json)
+        return None if item is None else (lambda value: [item(v) for v in value])
+    if origin is dict:
+        entry = _encode(args[1], as_json)
+        return None if entry is None else (lambda value: {k: entry(v) for k, v in value.items()})
+    if isinstance(annotation, type) and issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
+        hints = typing.get_type_hints(annotation)
+        items = [_encode(hints[n], as_json) or _identity for n in annotation._fields]
+        if all(i is _identity for i in items):
+            return None
+        return lambda value: [enc(v) for enc, v in zip(items, value, strict=True)]
+    if dataclasses.is_dataclass(annotation):
+        return _dataclass_encoder(cast(type, annotation), as_json)
+    return None
+
+
+def _dataclass_encoder(cls: type, as_json: bool, head: dict[str, object] | None = None) -> _Encode:
+    """The map of a dataclass's fields, after `head`'s entries (the version, at the top level)."""
+    assert dataclasses.is_dataclass(cls), f"{cls} is not a dataclass"
+    plan = [(name, _encode(hint, as_json)) for name, hint, _ in _hints(cls)]
+    names = [name for name, _ in plan]
+    values = operator.attrgetter(*names) if len(names) > 1 else (lambda msg: (getattr(msg, names[0]),))
+    converted = [(name, enc) for name, enc in plan if enc is not None]
+    first = dict(head or {})
+
+    def encode(msg: object) -> dict[str, object]:
+        out = first.copy()
+        out.update(zip(names, values(msg), strict=True))
+        for name, enc in converted:
+            out[name] = enc(out[name])
+        return out
+
+    return encode

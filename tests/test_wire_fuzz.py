@@ -1,0 +1,108 @@
+"""A fuzzer of the node protocol's decoder (shared/wire.py under node_protocol.py): whatever bytes arrive,
+decoding gives a valid message or the codec's own `WireError`, never another exception; a message it accepts
+encodes again to the same message. Inputs: random bytes, and valid messages with one value anywhere in them
+replaced by random JSON (wrong types, missing and unknown fields, deep nesting, huge numbers)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_protocol import (
+    CODEC,
+    AbortRequest,
+    NodeGenerateRequest,
+    NodeInfoReply,
+    PrefillRequest,
+    PrefillResult,
+    StepOutput,
+    TokenLogprob,
+    TopLogprob,
+)
+from pdserve.shared.types import NodeId, RequestId
+from pdserve.shared.wire import WireError
+
+SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, stop=("x",), logprobs=2, seed=3)
+SAMPLES: list[Any] = [
+    NodeGenerateRequest(RequestId("r"), (1, 2, 3), SAMPLING, "salt", 1e9, NodeId("p0")),
+    PrefillRequest(RequestId("r"), (1, 2), SAMPLING, None, 1e9, NodeId("d0"), "127.0.0.1:9000"),
+    PrefillResult(RequestId("r"), 42, 10, 6, 2),
+    StepOutput(
+        RequestId("r"),
+        (5,),
+        "a",
+        (TokenLogprob(5, "a", -0.5, (97,), (TopLogprob("b", 6, -1.0, None),)),),
+        "stop",
+        3,
+        1,
+        0,
+    ),
+    AbortRequest(RequestId("r")),
+    NodeInfoReply(NodeId("d0"), "decode", "m", 2048, 16),
+]
+KINDS = [type(m) for m in SAMPLES]
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(-(10**400), 10**400) | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def decode_or_refuse(kind: type, data: bytes | str) -> None:
+    try:
+        msg: object = CODEC.from_json(kind, data)
+    except WireError:
+        return
+    assert CODEC.from_json(kind, CODEC.to_json(msg)) == msg
+
+
+def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every place in a decoded JSON value, as the keys and indices leading to it."""
+    out = [prefix]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += paths(v, (*prefix, i))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(KINDS), st.binary(max_size=200))
+def test_random_bytes_are_refused_cleanly(kind: type, data: bytes) -> None:
+    decode_or_refuse(kind, data)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.integers(0, len(SAMPLES) - 1), st.data(), json_values, st.sampled_from(["replace", "drop", "add"]))
+def test_one_damaged_value_is_refused_cleanly(which: int, data: st.DataObject, value: Any, how: str) -> None:
+    msg = SAMPLES[which]
+    obj = json.loads(CODEC.to_json(msg))
+    path = data.draw(st.sampled_from(paths(obj)))
+    if not path:
+        obj = value
+    else:
+        parent = obj
+        for key in path[:-1]:
+            parent = parent[key]
+        if how == "replace" or isinstance(parent, list):
+            parent[path[-1]] = value
+        elif how == "drop":
+            del parent[path[-1]]
+        else:
+            parent[f"{path[-1]}_extra"] = value
+    decode_or_refuse(type(msg), json.dumps(obj, allow_nan=True))
+
+
+def test_deep_nesting_and_non_finite_numbers_are_wire_errors() -> None:
+    for data in ("[" * 100_000, '{"v": 1, "request_id": NaN}', b"\xff\xfe", '{"v": 1, "request_id": "r"} x'):
+        try:
+            AbortRequest.from_json(data)
+        except WireError:
+            continue
+        raise AssertionError(f"{data[:20]!r} was accepted")
