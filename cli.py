@@ -188,9 +188,9 @@ def _build(name: str) -> click.Command:
         from pdserve.router.__main__ import RouterOptions
 
         return _command(name, RouterOptions, _router)
-    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
 
-    return _command(name, PrefillOptions if name == "prefill" else NodeOptions, _node(name))
+    return _command(name, PrefillOptions if name == "prefill" else DecodeOptions, _node(name))
 
 
 def _bench(opts: BenchOptions) -> int:

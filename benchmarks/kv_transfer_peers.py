@@ -120,6 +120,9 @@ class BenchHandler:
     async def on_abort(self, tid: RequestId, reason: str) -> None:
         self.free.extend(self.reserved.pop(tid, []))
 
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        return None
+
 
 def raw_nccl_recv(store: dist.Store, device: torch.device) -> None:
     torch.cuda.set_device(device)  # this runs in a worker thread

@@ -16,7 +16,7 @@ from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
-    handler = DecodeHandler(rt)
+    handler = DecodeHandler(rt, cfg.kv_load_failure_policy)
     add_decode_routes(app, rt, handler)
     identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
     server = create_server(cfg.connector, identity, handler)
@@ -36,7 +36,7 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
         for s in senders:
             await s.close()
 
-    return server.address, teardown
+    return cfg.transfer_advertise or server.address, teardown
 
 
 def main(argv: list[str] | None = None) -> int:

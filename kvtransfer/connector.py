@@ -90,6 +90,10 @@ class TransferHandler(Protocol):
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
         """Free the reservation. At most once per accepted transfer, never after on_complete returned."""
 
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        """The connection from `peer` went silent past the liveness window (the peer stopped or hung) and
+        was cut; its transfers were aborted first. Transfers `peer` meant to open on it will not come."""
+
 
 class TransferSession(Protocol):
     """P's side of one transfer (one request) to one D. Used from asyncio."""
@@ -161,9 +165,12 @@ class ConnectorConfig:
     # Where received payloads land ("cpu" or "cuda:N"; the node's KV-cache device) and, for nccl, the
     # GPU of this end's communicator. Sent payloads are read from wherever the caller's buffer lives.
     device: str = "cpu"
-    # Longest one payload send/recv on a GPU link may stay in flight before the pair is declared dead
-    # and its communicator aborted (the request's deadline bounds P's sends before this does).
-    payload_timeout_s: float = 60.0
+    # Liveness: each end sends a PING whenever it sent nothing for a quarter of this window, and a peer from
+    # which no byte arrived for this long (stopped, hung, or its link dead) is cut, as is a payload op on a
+    # GPU link still in flight after it; the transfers of the connection abort at once (D then computes
+    # their prompts itself, or fails them: the decode node's kv_load_failure_policy). It must exceed the
+    # longest one frame takes on the link (tcp: `max_payload_bytes` over its bandwidth).
+    liveness_s: float = 5.0
     # The receive window D allocates per connection on `device`. cuda_ipc: it bounds one frame's payload
     # (P splits larger buffers by layers) and, with the frames in flight, how far P may run ahead of D.
     # ucx: payloads up to this size land in it through a receive D posted before they were sent.
@@ -181,7 +188,7 @@ class ConnectorConfig:
             raise ValueError("ConnectorConfig.auth_token must be a non-empty shared secret")
         if not 0 <= self.listen_port < 65536:
             raise ValueError(f"listen_port {self.listen_port} must be in [0, 65536)")
-        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "payload_timeout_s"):
+        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "liveness_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_payload_bytes <= 0:

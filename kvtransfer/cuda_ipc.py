@@ -145,7 +145,7 @@ class IpcChannel:
         self._rank = rank  # 0: D (owns the window), 1: P (copies into it)
         self._device = torch.device(config.device)
         self._window_bytes = config.window_bytes
-        self._payload_timeout_s = config.payload_timeout_s
+        self._liveness_s = config.liveness_s
         self._ring = WindowRing(config.window_bytes)
         self._window: torch.Tensor | None = None  # [window_bytes] uint8: D's own, or P's mapping of it
         self._freed: list[torch.cuda.Event] = []  # D records, P waits
@@ -162,6 +162,10 @@ class IpcChannel:
     @property
     def peer(self) -> str:
         return self._control.peer
+
+    @property
+    def heard_at(self) -> float:
+        return self._control.heard_at
 
     @property
     def has_window(self) -> bool:
@@ -287,8 +291,8 @@ class IpcChannel:
                 return True
             if self._control.closed:
                 raise ConnectionLost(f"the control connection to {self.peer} closed while waiting for {what}")
-            if time.perf_counter() - since > self._payload_timeout_s:
-                raise ConnectionLost(f"{what} from {self.peer} not within {self._payload_timeout_s}s")
+            if time.perf_counter() - since > self._liveness_s:
+                raise ConnectionLost(f"{what} from {self.peer} not within {self._liveness_s}s")
             return False
 
         try:

@@ -20,18 +20,21 @@ previous one was released (at the next `recv`, or by the function `defer_release
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from pdserve.kvtransfer.common import ChecksumError, ProtocolError
+from pdserve.kvtransfer.common import ChecksumError, ConnectionLost, ProtocolError
 from pdserve.kvtransfer.messages import (
     PROTOCOL_VERSION,
     Data,
     Message,
+    Ping,
     decode_header,
     encode_header,
     transfer_id_of,
@@ -46,6 +49,7 @@ FLAG_PAYLOAD_FIRST = 0x02  # a DATA frame's payload, without its header (which f
 FLAG_HEADER_AFTER = 0x04  # the header of the preceding payload-first frame (none: that frame is dropped)
 MAX_HEADER_BYTES = 16 << 20
 MAX_HANDSHAKE_HEADER_BYTES = 4096  # HELLO, AUTH, READY, ERROR: a few hundred bytes each
+log = logging.getLogger("pdserve.kvtransfer")
 
 
 class ByteChannel(Protocol):
@@ -54,6 +58,10 @@ class ByteChannel(Protocol):
 
     @property
     def peer(self) -> str: ...
+
+    @property
+    def heard_at(self) -> float:
+        """time.monotonic() when bytes from the peer last arrived (a payload's chunks count as they come)."""
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         """payload: 1-D contiguous uint8 in host or device memory, or None; a transport that cannot send
@@ -180,6 +188,9 @@ class FramedConnection:
         self.authenticated = False  # set by the handshake at READY: until then frames carry no payload
         self.max_payload_bytes = max_payload_bytes
         self._send_lock = asyncio.Lock()
+        self._sent_at = time.monotonic()
+        self.silent: str | None = None  # set when keep_alive cut the channel: why
+        self.peer_liveness_s = 0.0  # the peer's liveness window, from its HELLO (0: not stated)
         # the largest payload one frame may carry on this channel (None: max_payload_bytes)
         self.payload_limit = channel.payload_limit if isinstance(channel, BoundedPayloads) else None
         # the channel's capabilities, checked once (a runtime Protocol check costs microseconds per call)
@@ -194,6 +205,32 @@ class FramedConnection:
         prefix, header, body = encode_frame(msg, payload, self.checksum)
         async with self._send_lock:
             await self.channel.send(prefix, header, body)
+            self._sent_at = time.monotonic()
+
+    async def keep_alive(self, liveness_s: float) -> None:
+        """Run (as a task, cancelled when the connection ends) from READY on: sends PING whenever this end
+        sent nothing for a quarter of the shorter of `liveness_s` and the peer's window, and cuts the
+        channel once nothing arrived from the peer for `liveness_s` (`silent` says why; the reader then
+        sees ConnectionLost). A turn that comes late (this process stalled) skips the check once, so bytes
+        that arrived meanwhile are read first."""
+        interval = min(liveness_s, self.peer_liveness_s or liveness_s) / 4
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - before > 2 * interval:
+                continue
+            quiet = now - self.channel.heard_at
+            if quiet > liveness_s:
+                self.silent = f"{self.channel.peer} silent for {quiet:.1f}s (liveness window {liveness_s}s)"
+                log.warning("cutting the transfer connection: %s", self.silent)
+                self.channel.abort()
+                return
+            if now - self._sent_at >= interval and not self._send_lock.locked():
+                try:
+                    await self.send(Ping())
+                except ConnectionLost:
+                    return
 
     async def send_built(self, build: Callable[[], Data], payload: torch.Tensor) -> None:
         """Send the DATA frame of `build()` carrying `payload`. Without checksums the payload goes first, so
@@ -202,6 +239,7 @@ class FramedConnection:
         async with self._send_lock:
             if self.checksum:
                 await self.channel.send(*encode_frame(build(), payload, True))
+                self._sent_at = time.monotonic()
                 return
             body = as_bytes(payload)
             first = PREFIX.pack(MAGIC, PROTOCOL_VERSION, Data.TYPE, FLAG_PAYLOAD_FIRST, 0, body.numel(), 0)
@@ -212,6 +250,7 @@ class FramedConnection:
                 await self.channel.send(_header_after(0), b"", None)
                 raise
             await self.channel.send(_header_after(len(header)), header, None)
+            self._sent_at = time.monotonic()
 
     async def _prefix(self) -> tuple[bytes, int, int, int, int, int, int]:
         raw = await self.channel.recv_exact(PREFIX_SIZE)

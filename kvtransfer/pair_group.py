@@ -21,7 +21,7 @@ a group until its abort has returned, and `close` returns only then.
 Pipelining: P's sends (and D's recvs on a GPU, ordered before D's consumers on the GPU itself) are posted
 without waiting, at most MAX_IN_FLIGHT sends per connection; one reaper task polls them in order.
 Invariants: a payload op is never left in flight on a live group: a wait that fails, times out
-(`payload_timeout_s`), is cancelled, or sees the control connection close aborts the whole channel, so a
+(`liveness_s`), is cancelled, or sees the control connection close aborts the whole channel, so a
 cut send/recv raises `ConnectionLost` instead of hanging; a posted op's tensor stays referenced until the
 op is seen done or the group is aborted; after `abort()` every call raises `ConnectionLost`.
 """
@@ -114,7 +114,7 @@ class PairGroupChannel:
         self._host = host  # where P reaches D's store: the host it dialed
         self._device = torch.device(config.device)
         self._setup_timeout_s = config.handshake_timeout_s
-        self._payload_timeout_s = config.payload_timeout_s
+        self._liveness_s = config.liveness_s
         self._store: dist.Store | None = None
         self._shared: SharedFile | None = None  # D: the doorbell's file, until P mapped it
         self._bell_mapping: mmap.mmap | None = None  # D's own mapping, or P's read-only one
@@ -135,6 +135,10 @@ class PairGroupChannel:
     @property
     def peer(self) -> str:
         return self._control.peer
+
+    @property
+    def heard_at(self) -> float:
+        return self._control.heard_at
 
     @property
     def has_group(self) -> bool:
@@ -173,7 +177,7 @@ class PairGroupChannel:
         if self._bell_mapping is not None:
             self._doorbell = Doorbell(self._bell_mapping, 0)
         self._store = store
-        group_timeout = self._payload_timeout_s + self._setup_timeout_s + 60.0
+        group_timeout = self._liveness_s + self._setup_timeout_s + 60.0
         self._group = await asyncio.to_thread(
             self._backend.connect, dist.PrefixStore(key.hex(), store), self._rank, self._device, group_timeout
         )
@@ -231,8 +235,8 @@ class PairGroupChannel:
                     problem = self._dead
                 elif self._control.closed:
                     problem = "the control connection closed during a payload"
-                elif waited > self._payload_timeout_s:
-                    problem = f"payload not done within {self._payload_timeout_s}s"
+                elif waited > self._liveness_s:
+                    problem = f"payload not done within {self._liveness_s}s"
                 elif hurried and (spin_start is None or now - spin_start <= SPIN_S):
                     spin_start = now if spin_start is None else spin_start
                     delay = 0.0

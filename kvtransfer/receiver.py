@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
 from pdserve.kvtransfer.doorbell import ack_key
 from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection, LandingPayloads
 from pdserve.kvtransfer.handshake import server_handshake
-from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal, Ping
 from pdserve.kvtransfer.transport import Listener, Transport
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
@@ -126,11 +126,13 @@ class ChannelServer:
         self._connections[channel] = done
         conn = FramedConnection(channel, self.config.max_payload_bytes)
         reason, peer_id = "connection closed", channel.peer
+        alive: asyncio.Task[None] | None = None
         try:
             hello_id = await self._handshake(conn)
             if hello_id is None:
                 return
             peer_id = hello_id
+            alive = asyncio.create_task(conn.keep_alive(self.config.liveness_s))
             while True:
                 try:
                     frame = await conn.recv()
@@ -148,15 +150,19 @@ class ChannelServer:
             with contextlib.suppress(ConnectionLost):
                 await conn.send(Error("protocol", str(e)))
         except ConnectionLost as e:
-            reason = f"connection lost: {e}"
+            reason = conn.silent or f"connection lost: {e}"
         finally:
             channel.abort()
+            if alive is not None:
+                alive.cancel()
             opening = [task for c, task in self._opening.values() if c is conn]
             for task in opening:
                 task.cancel()
             await asyncio.gather(*opening, return_exceptions=True)
             for t in [t for t in self._transfers.values() if t.conn is conn]:
                 await self._abort(t, f"connection from {peer_id} ended ({reason})", notify=False)
+            if conn.silent is not None:
+                await self._call_quietly(self.handler.on_peer_silent(NodeId(peer_id), conn.silent))
             del self._connections[channel]
             done.set_result(None)
 
@@ -165,7 +171,11 @@ class ChannelServer:
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 hello = await server_handshake(
-                    conn, self.config.auth_token, self.identity, self.config.frame_checksum
+                    conn,
+                    self.config.auth_token,
+                    self.identity,
+                    self.config.frame_checksum,
+                    self.config.liveness_s,
                 )
         except TimeoutError:
             log.warning(
@@ -186,6 +196,8 @@ class ChannelServer:
         msg = frame.msg
         if frame.payload is not None and not isinstance(msg, Data):
             raise ProtocolError(f"{type(msg).__name__} must not carry a payload")
+        if isinstance(msg, Ping):  # heard: the channel noted when
+            return
         if isinstance(msg, Open):
             self._start_open(conn, peer_id, msg)
             return
@@ -412,6 +424,12 @@ class ChannelServer:
             await self.handler.on_abort(tid, reason)
         except Exception:
             log.exception("on_abort(%r) failed; its reservation may leak", tid)
+
+    async def _call_quietly(self, call: Awaitable[None]) -> None:
+        try:
+            await call
+        except Exception:
+            log.exception("the transfer handler failed")
 
     async def _expire(self, t: _Transfer) -> None:
         await asyncio.sleep(max(t.deadline - time.time(), 0.0))

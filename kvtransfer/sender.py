@@ -36,7 +36,18 @@ from pdserve.kvtransfer.device_sync import SPIN_S, stream_idle
 from pdserve.kvtransfer.doorbell import ack_key as doorbell_key
 from pdserve.kvtransfer.framing import FramedConnection
 from pdserve.kvtransfer.handshake import client_handshake
-from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Message, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.messages import (
+    Abort,
+    Ack,
+    Complete,
+    Data,
+    Error,
+    Message,
+    Open,
+    OpenOk,
+    OpenRefusal,
+    Ping,
+)
 from pdserve.kvtransfer.transport import Transport, parse_address
 from pdserve.shared.types import BlockHash, BlockId, RequestId
 
@@ -55,6 +66,7 @@ class _PeerConnection:
         self.sessions: dict[str, ChannelSession] = {}
         self.lost: str | None = None
         self.reader = asyncio.create_task(self._read_loop())
+        self.alive = asyncio.create_task(conn.keep_alive(config.liveness_s))
 
     async def _read_loop(self) -> None:
         reason = "connection closed"
@@ -65,15 +77,18 @@ class _PeerConnection:
                     raise ProtocolError(f"receiver sent a payload on {type(frame.msg).__name__}")
                 self._dispatch(frame.msg)
         except (ConnectionLost, ProtocolError) as e:
-            reason = f"connection to {self.peer_id} lost: {e}"
+            reason = f"connection to {self.peer_id} lost: {self.conn.silent or e}"
             log.warning("%s", reason)
         finally:
             self.lost = reason
             self.conn.channel.abort()
+            self.alive.cancel()
             for session in list(self.sessions.values()):
                 session._fail(reason)
 
     def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Ping):  # heard: the channel noted when
+            return
         if isinstance(msg, Error):
             raise ProtocolError(f"receiver sent ERROR {msg.code}: {msg.detail}")
         if not isinstance(msg, OpenOk | OpenRefusal | Ack | Abort):
@@ -97,6 +112,7 @@ class _PeerConnection:
         for session in list(self.sessions.values()):
             await session.abort("sender closing")
         self.reader.cancel()
+        self.alive.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.reader
         await self.conn.channel.close()
@@ -322,7 +338,11 @@ class ChannelSender:
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 peer = await client_handshake(
-                    conn, self.config.auth_token, self.identity, self.config.frame_checksum
+                    conn,
+                    self.config.auth_token,
+                    self.identity,
+                    self.config.frame_checksum,
+                    self.config.liveness_s,
                 )
         except TimeoutError:
             channel.abort()

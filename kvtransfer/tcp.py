@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -25,6 +26,11 @@ class TcpChannel:
         self._writer = writer
         host, port = writer.get_extra_info("peername")[:2]
         self._peer = f"{host}:{port}"
+        self._heard_at = time.monotonic()
+
+    @property
+    def heard_at(self) -> float:
+        return self._heard_at
 
     @property
     def peer(self) -> str:
@@ -43,9 +49,11 @@ class TcpChannel:
 
     async def recv_exact(self, nbytes: int) -> bytes:
         try:
-            return await self._reader.readexactly(nbytes)
+            data = await self._reader.readexactly(nbytes)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             raise ConnectionLost(f"connection from {self._peer} closed: {e!r}") from e
+        self._heard_at = time.monotonic()
+        return data
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)
@@ -60,6 +68,7 @@ class TcpChannel:
                 raise ConnectionLost(f"connection from {self._peer} closed after {filled} of {nbytes} B")
             view[filled : filled + len(chunk)] = chunk
             filled += len(chunk)
+            self._heard_at = time.monotonic()  # a long payload still shows the peer alive as it arrives
         return out
 
     async def authenticated(self) -> None:

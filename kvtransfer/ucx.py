@@ -225,6 +225,10 @@ class UcxChannel:
     def peer(self) -> str:
         return self._control.peer
 
+    @property
+    def heard_at(self) -> float:
+        return self._control.heard_at
+
     def _check(self) -> None:
         if self._dead is not None:
             raise ConnectionLost(f"UCX channel to {self.peer} is closed: {self._dead}")
@@ -364,7 +368,7 @@ class UcxChannel:
 
     async def landed(self) -> None:
         """Return once the payload `recv_payload` returned last has arrived; ConnectionLost if it failed,
-        the channel died, or it took longer than `payload_timeout_s`."""
+        the channel died, or it took longer than the liveness window (`liveness_s`)."""
         landing = self._landing
         if landing is None:
             self._check()
@@ -378,10 +382,10 @@ class UcxChannel:
                 while not landing.done() and time.perf_counter() < spin_until:
                     await asyncio.sleep(0)
             if not landing.done():
-                await asyncio.wait_for(asyncio.shield(landing), self._transport.payload_timeout_s)
+                await asyncio.wait_for(asyncio.shield(landing), self._transport.liveness_s)
             landing.result()
         except TimeoutError:
-            raise self._lost(f"payload not done within {self._transport.payload_timeout_s}s") from None
+            raise self._lost(f"payload not done within {self._transport.liveness_s}s") from None
         except _RequestFailed as e:
             raise self._lost(f"a payload receive failed: {e}") from None
         self._landing = None
@@ -467,7 +471,7 @@ class UcxTransport:
         )
         self.device = torch.device(config.device)
         self.setup_timeout_s = config.handshake_timeout_s
-        self.payload_timeout_s = config.payload_timeout_s
+        self.liveness_s = config.liveness_s
         self.window_bytes = config.window_bytes
         self.progress_mode = progress_mode(config)
         self._listener: ucxx.Listener | None = None

@@ -322,11 +322,12 @@ class RequestRun:
                     self._count_fetch(job, result.fetched_tokens)
                 # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
                 # have died after its transfer completed). Before that, P's failure ends this attempt (the
-                # decode side is aborted in finally).
+                # decode side is aborted in finally), unless D took the transfer: D then computes the prompt
+                # itself (kv_load_failure_policy) and its stream tells how the request ends.
                 if job.index not in self._started:
                     if failure is not None:
                         raise failure
-                    if result is not None and result.error is not None:
+                    if result is not None and result.error is not None and not result.decode_computes:
                         failed = NodeError(prefill.node_id, f"prefill failed: {result.error}", retryable=True)
                         raise await _blame(failed, pump)
                 await pump

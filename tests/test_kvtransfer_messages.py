@@ -34,6 +34,7 @@ from pdserve.kvtransfer.messages import (
     Open,
     OpenOk,
     OpenRefusal,
+    Ping,
     Ready,
     decode_header,
     encode_header,
@@ -43,7 +44,7 @@ LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start
 ids = st.text(min_size=1, max_size=40)
 ints = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(tuple)
 EXAMPLES: list[Message] = [
-    Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32),
+    Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32, 5.0),
     Hello(1, "prefill-0", b"fp", KVLayout(2, 1, 8, 4, "float32"), b"\x04" * 32, False),
     Auth(b"\x05" * 32),
     Ready(),
@@ -55,6 +56,7 @@ EXAMPLES: list[Message] = [
     Complete("req-1", {"token_id": 42, "logprob": -0.5, "top": [[1, -1.0]]}),
     Ack("req-1"),
     Abort("req-1", "deadline passed"),
+    Ping(),
 ]
 
 
@@ -117,6 +119,10 @@ class MemoryChannel:
     @property
     def peer(self) -> str:
         return "memory"
+
+    @property
+    def heard_at(self) -> float:
+        return 0.0
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         # an empty header is no part: framing never reads 0 bytes

@@ -199,6 +199,11 @@ class FetchReceiver(TransferHandler):
         await self.rt.aengine.call(lambda: engine.release_remote(res))
         log.info("prefix fetch %s aborted: %s", transfer_id, reason)
 
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        """A holder went silent: its fetches were aborted first (on_abort gave their blocks back) and the
+        fetching requests compute what did not come."""
+        log.warning("prefix holder %s went silent: %s", peer, reason)
+
 
 @dataclass(frozen=True)
 class FetchedPrefix:

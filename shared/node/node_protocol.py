@@ -138,7 +138,9 @@ class ExportResult(_Message):
 
 @dataclass(frozen=True)
 class PrefillResult(_Message):
-    """Prefill node -> router. error None: the KV reached the decode node. Counts: tokens, blocks."""
+    """Prefill node -> router. error None: the KV reached the decode node. Counts: tokens, blocks.
+    decode_computes: the transfer failed after the decode node took it, so that node computes the prompt
+    itself (or fails the request, by its kv_load_failure_policy): its stream says how the request ends."""
 
     request_id: RequestId
     first_token: int | None
@@ -146,6 +148,7 @@ class PrefillResult(_Message):
     cached_tokens: int
     transferred_blocks: int
     error: str | None = None
+    decode_computes: bool = False
     fetched_tokens: int = 0
     """Of cached_tokens, those fetched from another node for this request (the router's "remote" hits)."""
 
