@@ -48,8 +48,9 @@ def _mismatch(mine: PeerIdentity, hello: Hello) -> tuple[str, str] | None:
 
 
 async def _refuse(conn: FramedConnection, code: str, detail: str) -> HandshakeError:
-    """Tell the peer why, then linger until it hangs up (a UCX endpoint cut right after a send can drop
-    the send), and build the local error. The peer may be gone already: the refusal stands either way."""
+    """Tell the peer why, then linger until it hangs up (a transport whose connection is cut right after a
+    send can drop the send), and build the local error. The peer may be gone already: the refusal stands
+    either way."""
     try:
         await conn.send(Error(code, detail))
         async with asyncio.timeout(_LINGER_S):

@@ -177,17 +177,17 @@ class ChannelSession:
     ) -> Message:
         """Send `msg` and wait for the reply to it until unix time `until`. With `spin`, the loop keeps
         turning for up to SPIN_S before it blocks: a reply expected within a millisecond or two is then
-        seen at once, not after the wake-up of an idle core (0.1-0.2 ms measured on the GPU machines).
-        With `ack_key`, on a connection with an ACK doorbell, a ring of that key seen while spinning is the
-        ACK: it is returned as one, and the ACK frame that follows finds the session ended."""
+        seen at once, not after the wake-up of an idle core (docs/kv_transfer_protocol.md, "Measurements").
+        With `ack_key`, a ring of that key on the channel's ACK doorbell (same-host peers) seen while spinning
+        is the ACK: it is returned as one, and the ACK frame that follows finds the session ended."""
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._send(msg)
             if spin:
-                bell = self._connection.conn.doorbell
+                channel = self._connection.conn.channel
                 spin_until = time.perf_counter() + SPIN_S
                 while not waiter.done() and time.perf_counter() < spin_until:
-                    if ack_key is not None and bell is not None and bell.ack_rung(ack_key):
+                    if ack_key is not None and channel.ack_rung(ack_key):
                         return Ack(self._transfer_id)
                     await asyncio.sleep(0)
             if waiter.done():  # seen while spinning: no timeout scope to set up
@@ -258,10 +258,10 @@ class ChannelSession:
         self._check_usable()
         if buffer.dim() == 5:
             buffer = buffer.unsqueeze(0)
-        limit = self._connection.conn.payload_limit
+        limit = self._connection.conn.channel.payload_limit
         nbytes = buffer.numel() * buffer.element_size()
         if limit is not None and nbytes > limit and buffer.shape[0] > 1:
-            # the channel's frames are bounded (cuda_ipc's window): send the layers in groups that fit
+            # the channel's frames are bounded (ByteChannel.payload_limit): send the layers in groups that fit
             per_group = max(1, limit // (nbytes // buffer.shape[0]))
             for first in range(0, buffer.shape[0], per_group):
                 await self.send_layers(layer_start + first, blocks, buffer[first : first + per_group])

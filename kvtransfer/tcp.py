@@ -15,12 +15,13 @@ from collections.abc import Awaitable, Callable
 import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.doorbell import Doorbell
 from pdserve.kvtransfer.framing import ByteChannel
 
 _READ_CHUNK = 4 << 20
 
 
-class TcpChannel:
+class TcpChannel(ByteChannel):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
@@ -119,6 +120,43 @@ class TcpTransport:
             await on_channel(TcpChannel(reader, writer))
 
         return TcpListener(await asyncio.start_server(accept, host, port))
+
+
+class ControlChannel(ByteChannel):
+    """The base of the channels that carry frames on a TCP control connection and payloads another way
+    (nccl's pair group, cuda_ipc's window, ucx's endpoint): the control connection gives the peer, liveness
+    and the frames' prefix and header; `_dead` (why the channel is closed) fails every later call; a channel
+    whose ends share a host sets `_doorbell` to take ACKs from it."""
+
+    name = "control"  # the connector, in errors
+
+    def __init__(self, control: TcpChannel) -> None:
+        self._control = control
+        self._dead: str | None = None
+        self._doorbell: Doorbell | None = None
+
+    @property
+    def peer(self) -> str:
+        return self._control.peer
+
+    @property
+    def heard_at(self) -> float:
+        return self._control.heard_at
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ConnectionLost(f"{self.name} channel to {self.peer} is closed: {self._dead}")
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        self._check()
+        return await self._control.recv_exact(nbytes)
+
+    def ring_ack(self, key: bytes) -> None:
+        if self._doorbell is not None:
+            self._doorbell.ring(key)
+
+    def ack_rung(self, key: bytes) -> bool:
+        return self._doorbell is not None and self._doorbell.rung(key)
 
 
 class ControlTransport:

@@ -26,6 +26,7 @@ from pdserve.kvtransfer.framing import (
     MAX_HANDSHAKE_HEADER_BYTES,
     PREFIX,
     PREFIX_SIZE,
+    ByteChannel,
     Frame,
     FramedConnection,
     encode_frame,
@@ -50,7 +51,7 @@ MAX_PAYLOAD = 1 << 16
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-class StreamChannel:
+class StreamChannel(ByteChannel):
     """A peer's bytes as a stream: reads past the end raise ConnectionLost; records what was read how."""
 
     def __init__(self, data: bytes) -> None:

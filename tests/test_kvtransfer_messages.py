@@ -16,6 +16,7 @@ from pdserve.kvtransfer.framing import (
     FLAG_PAYLOAD_FIRST,
     PREFIX,
     PREFIX_SIZE,
+    ByteChannel,
     FramedConnection,
     VersionMismatch,
     encode_frame,
@@ -110,7 +111,7 @@ def test_layout_names_the_first_difference() -> None:
         KVLayout(1, 1, 1, 1, "int8")
 
 
-class MemoryChannel:
+class MemoryChannel(ByteChannel):
     """Frame parts in a queue: enough of a ByteChannel to test the framing codec without a transport."""
 
     def __init__(self) -> None:

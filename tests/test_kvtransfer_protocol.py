@@ -37,6 +37,7 @@ from pdserve.kvtransfer.connector import (
     TransferRefused,
     TransferSession,
     TransferStats,
+    UcxOptions,
     create_sender,
     create_server,
 )
@@ -798,7 +799,7 @@ def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
 
     async def scenario() -> None:
         receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started("ucx", receiver, window_bytes=2048)
+        server = await started("ucx", receiver, options=UcxOptions(window_bytes=2048))
         sender = create_sender(config("ucx"), identity("prefill-0"))
         src = random_cache(LAYOUT, 12, seed=5)
         assert 4 * LAYOUT.layer_block_bytes <= 2048 < 3 * 4 * LAYOUT.layer_block_bytes
@@ -838,7 +839,7 @@ def test_an_idle_ucx_connection_leaves_the_event_loop_idle() -> None:
             await channel.authenticated()
             accepted.set_result(channel)
 
-        d_transport = UcxTransport(config("ucx", window_bytes=1 << 20))
+        d_transport = UcxTransport(config("ucx", options=UcxOptions(window_bytes=1 << 20)))
         listener = await d_transport.listen("127.0.0.1", 0, on_channel)
         p_channel = await UcxTransport(config("ucx")).dial("127.0.0.1", listener.port, 5.0)
         await asyncio.wait_for(p_channel.authenticated(), 10.0)
@@ -859,9 +860,11 @@ def test_ucx_progress_mode_follows_the_config() -> None:
     """The "auto" mode polls on a GPU and sleeps on host memory; an unknown mode is refused at config time."""
     assert progress_mode(config("ucx")) == "thread"
     assert progress_mode(config("ucx", device="cuda:0")) == "thread-polling"
-    assert progress_mode(config("ucx", ucx_progress="thread-polling")) == "thread-polling"
-    with pytest.raises(ValueError, match="ucx_progress"):
-        config("ucx", ucx_progress="busy")
+    assert progress_mode(config("ucx", options=UcxOptions(progress="thread-polling"))) == "thread-polling"
+    with pytest.raises(ValueError, match="progress"):
+        UcxOptions(progress="busy")
+    with pytest.raises(ValueError, match="do not fit kind 'tcp'"):
+        config("tcp", options=UcxOptions())
 
 
 @needs_ucx
@@ -882,7 +885,7 @@ def test_a_closed_ucx_connection_leaves_no_window_behind() -> None:
 
     async def scenario() -> None:
         handler = PagedReceiver(LAYOUT, 32)
-        server = await started("ucx", handler, window_bytes=window)
+        server = await started("ucx", handler, options=UcxOptions(window_bytes=window))
         sender = create_sender(config("ucx"), identity("prefill-0"))
         src = random_cache(LAYOUT, 16, seed=5)
         for i in range(3):
