@@ -200,30 +200,32 @@ def main() -> int:
         )
     finally:
         stop(procs)
-    host = {} if args.skip_host_tier else host_tier_phase(args)
     med = statistics.median
     print(f"\n{args.model} {args.dtype} on {args.device}, {args.connector}, prefix {args.prefix_tokens} "
           f"tokens + 16, median of {args.runs}\n")  # fmt: skip
     print("| measure | value | against | ratio |\n|---|---:|---:|---:|")
     c, f = med(nodes["cold_ttft_s"]), med(nodes["fetched_ttft_s"])
-    print(
-        f"| TTFT, prefix fetched from another node (ms) | {f * 1e3:.1f} | cold {c * 1e3:.1f} | {c / f:.1f}x |"
-    )
-    print(
-        f"| blocks fetched per request | {med(nodes['fetched_blocks']):.0f} | {args.prefix_tokens // BS} | |"
-    )
-    if host:
-        hc, hr = med(host["cold_s"]), med(host["restored_s"])
-        print(f"| TTFT, prefix back from the host tier (ms) | {hr * 1e3:.1f} | recomputed {hc * 1e3:.1f} | "
-              f"{hc / hr:.1f}x |")  # fmt: skip
+    print(f"| TTFT, prefix fetched from another node (ms) | {f * 1e3:.1f} | cold {c * 1e3:.1f} | "
+          f"{c / f:.1f}x |")  # fmt: skip
+    fetched = med(nodes["fetched_blocks"])
+    print(f"| blocks fetched per request | {fetched:.0f} | {args.prefix_tokens // BS} | |")
     for n, row in nodes["short"].items():
         print(f"| TTFT {n} tokens: on D / P/D (ms) | {row['local_s'] * 1e3:.1f} | {row['pd_s'] * 1e3:.1f} | "
               f"{row['local_s'] / row['pd_s']:.2f} |")  # fmt: skip
     crossover = max((n for n, r in nodes["short"].items() if r["local_s"] <= r["pd_s"]), default=0)
-    print(f"\nshort-prompt crossover: prefill on D is no slower up to {crossover} tokens")
+    print(f"\nshort-prompt crossover: prefill on D is no slower up to {crossover} tokens", flush=True)
+    result: dict[str, Any] = {"nodes": nodes, "crossover": crossover, "args": vars(args)}
     if args.json_out:
         with open(args.json_out, "w") as fh:
-            json.dump({"nodes": nodes, "host": host, "crossover": crossover, "args": vars(args)}, fh)
+            json.dump(result, fh)
+    if not args.skip_host_tier:
+        host = host_tier_phase(args)
+        hc, hr = med(host["cold_s"]), med(host["restored_s"])
+        print(f"| TTFT, prefix back from the host tier (ms) | {hr * 1e3:.1f} | recomputed {hc * 1e3:.1f} | "
+              f"{hc / hr:.1f}x | ({host['restored_blocks']} blocks restored)")  # fmt: skip
+        if args.json_out:
+            with open(args.json_out, "w") as fh:
+                json.dump(result | {"host": host}, fh)
     return 0
 
 
