@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -86,10 +85,14 @@ class PrefixExporter:
                 src = list(held[b0:])
                 if src:
                     blocks = FrameBlocks.run(reply, b0, src)
-                    num_layers = engine.num_layers
-                    for first in range(0, num_layers, self.layers_per_frame):
-                        n = min(self.layers_per_frame, num_layers - first)
-                        buf, event = await aengine.call(functools.partial(self._gather, src, first, n))
+                    num_layers, per = engine.num_layers, self.layers_per_frame
+                    firsts = range(0, num_layers, per)
+                    # every frame gathered in one engine call (one wait for a step boundary, not one per
+                    # frame): a private copy of the exported prefix exists until its frames are sent
+                    frames = await aengine.call(
+                        lambda: [self._gather(src, f, min(per, num_layers - f)) for f in firsts]
+                    )
+                    for first, (buf, event) in zip(firsts, frames, strict=True):
                         if event is not None:
                             await event_done(event)
                         await session.send_layers(first, blocks, buf)
