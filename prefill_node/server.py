@@ -178,6 +178,7 @@ class PrefillService:
         job: _Job | None = None
         session: TransferSession | None = None
         fetched: FetchedPrefix | None = None
+        opened = False  # D took the transfer: from then on its failure is D's to handle
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 session = await self.sender.session(req.decode_transfer_addr, rid)
@@ -187,6 +188,7 @@ class PrefillService:
                     reply: OpenReply = await session.open(hashes, num_blocks, req.deadline)
                 finally:
                     self._opening -= 1
+                opened = True
                 fetched = await self._fetch(req, hashes)
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
@@ -238,9 +240,8 @@ class PrefillService:
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()
             await self._abort(rid, job, session, str(exc) or type(exc).__name__)
-            # once D took the transfer, its failure is D's to handle (it computes the prompt itself)
-            computes = job is not None
-            return PrefillResult(rid, None, 0, 0, 0, f"prefill failed: {exc}", decode_computes=computes)
+            # D took the transfer: it computes the prompt itself (or fails it, by its policy)
+            return PrefillResult(rid, None, 0, 0, 0, f"prefill failed: {exc}", decode_computes=opened)
         except BaseException:
             await self._abort(rid, job, session, "prefill cancelled")
             raise
