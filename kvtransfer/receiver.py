@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from pdserve.kvtransfer.common import (
+    DTYPES,
     ChecksumError,
     ConnectionLost,
     HandshakeError,
@@ -299,7 +300,7 @@ class ChannelServer:
         assert payload is not None
         lay, n = self.identity.layout, len(msg.block_indices)
         # buffer: [num_layers, 2, n, block_size, Hkv, D]
-        buffer = payload.view(lay.torch_dtype).view(
+        buffer = payload.view(DTYPES[lay.dtype]).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
         landing = t.conn.landing

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from pdserve.kvtransfer.common import (
+    DTYPES,
     ConnectionLost,
     FrameBlocks,
     HandshakeError,
@@ -214,7 +215,7 @@ class ChannelSession:
         reply, layout = self._reply, self._connection.layout
         assert reply is not None, "send_layers before open"
         expected = (2, len(blocks), layout.block_size, layout.num_kv_heads, layout.head_dim)
-        if tuple(buffer.shape[1:]) != expected or buffer.dtype != layout.torch_dtype:
+        if tuple(buffer.shape[1:]) != expected or buffer.dtype != DTYPES[layout.dtype]:
             raise ValueError(
                 f"buffer {tuple(buffer.shape)} {buffer.dtype} != [nl, *{expected}] {layout.dtype}"
             )

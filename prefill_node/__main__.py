@@ -6,7 +6,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from pdserve.kvtransfer.common import KVLayout, PeerIdentity
+from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import create_sender
 from pdserve.prefill_node.server import PrefillService, add_prefill_routes
 from pdserve.shared.node.node_cli import NodeConfigs
@@ -14,7 +14,7 @@ from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
-    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
+    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
     sender = create_sender(cfg.connector, identity)
     service = PrefillService(rt, sender, cfg.layers_per_frame)
     service.attach()

@@ -94,6 +94,12 @@ class Codec:
             raise WireError(f"{cls.__name__}: not msgpack ({type(e).__name__}: {str(e)[:80]})") from None
         return self._top(cls, obj, False)
 
+    def fields(self, msg: object) -> dict[str, object]:
+        """The message's JSON-ready map without the version: for a CLI's --json output, not the wire."""
+        body = cast(dict[str, object], self._encoder(type(msg), True)(msg))
+        del body["v"]
+        return body
+
     # ---- shared -----------------------------------------------------------------------------------
     def _top(self, cls: type[_T], obj: object, as_json: bool) -> _T:
         if type(obj) is not dict:

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from pdserve.kernels.reference import ReferenceOps
+from pdserve.kvtransfer.common import DTYPES
 from pdserve.kvtransfer.connector import (
     ConnectionLost,
     ConnectorConfig,
@@ -92,7 +93,7 @@ def random_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """kv: [L, 2, N, B, Hkv, D]"""
     g = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return torch.randn(shape, generator=g).to(layout.torch_dtype)
+    return torch.randn(shape, generator=g).to(DTYPES[layout.dtype])
 
 
 def block_hashes(n: int, salt: int = 0) -> list[BlockHash]:
@@ -107,7 +108,7 @@ class PagedReceiver:
         self.kv = torch.zeros(
             layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
         )
-        self.kv = self.kv.to(layout.torch_dtype)
+        self.kv = self.kv.to(DTYPES[layout.dtype])
         self.free: list[int] = list(range(num_blocks))
         self.held: dict[bytes, int] = {}  # block hash -> block D already has
         self.reserved: dict[str, list[int]] = {}

@@ -36,7 +36,7 @@ from pdserve.shared.engine.sampler import Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model.loader import LoadedModel, load_model
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FinishReason, KVLayout, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class RequestOutput:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -291,6 +291,13 @@ class LLMEngine:
     def num_layers(self) -> int:
         return int(self.runner.kv_cache.shape[0])
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's layout, which a node registers and the transfer handshake compares (tensor
+        parallelism: one rank)."""
+        c = self.loaded.config
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.dtype_name)
+
     def admit_remote(
         self,
         request: Request,
@@ -400,7 +407,9 @@ class LLMEngine:
             del self._live[request.request_id]
         return self._output(live, new, text, reason)
 
-    def _output(self, live: _Live, new: tuple[int, ...], text: str, reason: str | None) -> RequestOutput:
+    def _output(
+        self, live: _Live, new: tuple[int, ...], text: str, reason: FinishReason | None
+    ) -> RequestOutput:
         r = live.request
         lps = None
         if r.params.logprobs is not None:

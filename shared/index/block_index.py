@@ -24,7 +24,6 @@ import redis.exceptions as rexc
 from pdserve.shared.engine.block_pool import BlockRemoved, BlockStored
 from pdserve.shared.index import block_index_scripts as lua
 from pdserve.shared.index.block_index_types import (
-    KV_LAYOUT_FIELDS,
     BlocksDigest,
     HitStats,
     IncompatibleNode,
@@ -38,7 +37,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, NodeId
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -75,7 +74,7 @@ def _layout_pairs(info: NodeInfo) -> list[str]:
     size and KV dtype too, so checking the layout before it names the field that actually differs."""
     pairs = ["credential_digest", info.credential_digest, "protocol_version", str(info.protocol_version)]
     for name in KV_LAYOUT_FIELDS:
-        pairs += [f"kv_layout.{name}", str(info.kv_layout[name])]
+        pairs += [f"kv_layout.{name}", str(getattr(info.kv_layout, name))]
     if info.tokenizer_fingerprint:  # a node that predates it is not compared on it
         pairs += ["tokenizer_fingerprint", info.tokenizer_fingerprint]
     return [*pairs, "model_fingerprint", info.model_fingerprint]

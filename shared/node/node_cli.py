@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.engine_args import EngineOptions, engine_config
 from pdserve.shared.cli.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
+from pdserve.shared.types import Role
 from pydantic import Field
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ class NodeConfigs:
     layers_per_frame: int = 4
 
 
-def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
+def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     """The node's frozen configs; raises SettingsError (missing secret, model not on disk, connector not
     installed) or ValueError.
     The cheap checks come first, so a bad start fails before torch loads."""
