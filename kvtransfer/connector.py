@@ -11,9 +11,9 @@ on_abort is called, on every path (P abort, deadline, connection cut, bad frame,
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from pdserve.kvtransfer.common import (
@@ -31,7 +31,7 @@ from pdserve.kvtransfer.common import (
     TransferRefused,
     TransferStats,
 )
-from pdserve.shared.types import BlockHash, NodeId, RequestId
+from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
 __all__ = [
     "ChecksumError",
@@ -84,7 +84,7 @@ class TransferHandler(Protocol):
         kv_cache[layer_start + i], dst_block_ids)`); GPU kernels reading it must be queued on the current
         stream by the time the call returns (the connector waits for that stream before reusing it)."""
 
-    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken) -> None:
         """Every reserved block has every layer; the request may start decoding. Raising aborts it."""
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
@@ -109,7 +109,7 @@ class TransferSession(Protocol):
         to the transport; a GPU connector may still be sending the buffer then (it keeps it alive), so do
         not write into it again. Raises TransferAborted when D aborted."""
 
-    async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
+    async def complete(self, first_token: FirstToken) -> TransferStats:
         """Send COMPLETE (first token, JSON-able) and return when D acknowledged it."""
 
     async def abort(self, reason: str) -> None:

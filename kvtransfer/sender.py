@@ -14,8 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from pdserve.kvtransfer.common import (
@@ -39,7 +38,7 @@ from pdserve.kvtransfer.framing import FramedConnection
 from pdserve.kvtransfer.handshake import client_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Message, Open, OpenOk, OpenRefusal
 from pdserve.kvtransfer.transport import Transport, parse_address
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
 _LATE = "DATA not delivered by the deadline"
@@ -273,13 +272,13 @@ class ChannelSession:
             self._first_send = start
         self._payload_bytes += nbytes
 
-    async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
+    async def complete(self, first_token: FirstToken) -> TransferStats:
         self._check_usable()
         if self._reply is None:
             raise ValueError(f"complete before open on transfer {self._transfer_id!r}")
         start = self._first_send if self._first_send is not None else time.perf_counter()
         until = self._deadline + self._connection.config.ack_grace_s
-        msg = Complete(self._transfer_id, dict(first_token))
+        msg = Complete(self._transfer_id, first_token)
         key = doorbell_key(self._transfer_id, self._deadline)
         reply = await self._request(msg, until, "ACK", spin=True, ack_key=key)
         assert isinstance(reply, Ack), reply

@@ -20,7 +20,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
@@ -36,7 +35,7 @@ from pdserve.kvtransfer.device_sync import event_done
 from pdserve.shared.engine.engine import RequestOutput, StepObserver, StepSlice
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockId, RequestId
+from pdserve.shared.types import BlockId, FirstToken, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -176,10 +175,10 @@ class PrefillService:
             job.chunks.put_nowait(None)
             sent = await job.sender_task
             lp = last.logprobs[0] if last.logprobs else None
-            first: dict[str, Any] = {"token_id": last.token_ids[0]}
-            if lp is not None:
-                first |= {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-            stats = await session.complete(first)
+            token = last.token_ids[0]
+            stats = await session.complete(
+                FirstToken(token) if lp is None else FirstToken(token, lp.logprob, lp.top)
+            )
             m = self.rt.metrics
             m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
             m.transfer_seconds.labels(self.rt.connector_kind).observe(stats.seconds)

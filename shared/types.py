@@ -86,3 +86,20 @@ class KVLayout:
 KV_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
 """The fields of a KVLayout every node of a cluster shares (the rank's own, tp_rank and kv_head_start, may
 differ): the index's cluster record holds these."""
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The token a prefill node sampled for a prompt, handed to the decode node with the prompt's KV (the
+    transfer's COMPLETE): its id and, when the request asked for logprobs, its logprob and the top
+    alternatives as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.token_id < 0:
+            raise ValueError(f"FirstToken.token_id must be >= 0, got {self.token_id}")
+        if self.logprob is None and self.top:
+            raise ValueError("FirstToken.top given without its logprob")

@@ -20,7 +20,7 @@ import torch
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, TransferSession, create_sender
 from pdserve.kvtransfer.cuda_ipc import ALIGN, SLOTS, WindowRing, live_windows
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_protocol import (
     LAYOUT,
     PagedReceiver,
@@ -123,7 +123,7 @@ async def _push_on_gpu(
         torch.cuda.synchronize(src.device)
         await session.send_layers(start, frame_blocks, buffer)
     if layers is None:
-        await session.complete({"token_id": 7, "logprob": -0.25})
+        await session.complete(FirstToken(7, -0.25))
 
 
 class GpuReceiver(PagedReceiver):

@@ -36,7 +36,7 @@ from pdserve.shared.engine.sampler import Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model.loader import LoadedModel, load_model
-from pdserve.shared.types import BlockHash, BlockId, FinishReason, KVLayout, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -302,24 +302,24 @@ class LLMEngine:
         self,
         request: Request,
         reservation: RemoteReservation,
-        first_token: int,
-        first_logprob: TokenLogprob | None,
+        first: FirstToken,
     ) -> RequestOutput:
         """Enters a request whose prompt KV has landed in `reservation` with the first token sampled where it
-        was computed; returns that token's output (finished at once when it ends the request)."""
+        was computed (its logprob is kept when the request asked for logprobs); returns that token's output
+        (finished at once when it ends the request)."""
         if not reservation.live:
             raise ValueError(f"request {request.request_id!r}: its reservation was already ended")
         reservation.live = False
         blocks = reservation.block_ids
         self.pool.fill_done(reservation.dst)
         try:
-            self.scheduler.add_prefilled(request, blocks, len(reservation.held), first_token)
+            self.scheduler.add_prefilled(request, blocks, len(reservation.held), first.token_id)
         except BaseException:
             self.pool.release(blocks[::-1])
             raise
         live = self._track(request)
-        if first_logprob is not None:
-            live.logprobs.append(first_logprob)
+        if first.logprob is not None:
+            live.logprobs.append(TokenLogprob(first.token_id, first.logprob, first.top))
         return self._emit(live)
 
     def release_remote(self, reservation: RemoteReservation) -> None:
