@@ -189,10 +189,10 @@ def _build(name: str) -> click.Command:
         from pdserve.router.__main__ import RouterOptions
 
         return _command(name, RouterOptions, _router)
-    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
 
     role = cast("Role", name)  # one of the node commands; NodeSettings checks it
-    return _command(name, PrefillOptions if name == "prefill" else NodeOptions, _node(role))
+    return _command(name, PrefillOptions if name == "prefill" else DecodeOptions, _node(role))
 
 
 def _bench(opts: BenchOptions) -> int:

@@ -86,10 +86,10 @@ def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]
 
 def _settings_class(command: str) -> type[Settings]:
     from pdserve.router.__main__ import RouterOptions
-    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
 
     classes: dict[str, type[Settings]] = {"router": RouterOptions, "prefill": PrefillOptions}
-    return classes.get(command, NodeOptions)
+    return classes.get(command, DecodeOptions)
 
 
 def up_config(opts: UpOptions, model: str) -> UpConfig:

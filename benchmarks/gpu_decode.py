@@ -16,6 +16,10 @@ same comparison on trained weights, teacher-forced on English text. Then: copy b
 at batch 1..128 at 2k context, decode-attention bandwidth at batch 64 x 4k, 4,096-token prefill beside HF
 (sdpa, bf16, random weights), HF generate batch-1, the KV pool's size, and the memory left after teardown.
 Weights are seeded dummies drawn on the GPU.
+
+`--overlap-only` measures just the engine loop with async scheduling off and on (one engine each over the
+same weights, runs alternated, three rounds): batch-1 decode at 1k context against the roofline, and
+throughput at batch 8 and 64 at 2k context.
 """
 
 from __future__ import annotations
@@ -374,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(GGUF file or HF directory), teacher-forced on English text")  # fmt: skip
     parser.add_argument("--out", default="gpu_decode.json", help="where the full results go, as JSON")
     parser.add_argument("--device", default="cuda:0")
+    parser.add_argument("--overlap-only", action="store_true",
+                        help="only the engine loop with async scheduling off vs on")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         print(f"gpu_decode: needs a CUDA device, got --device {args.device!r} "
@@ -393,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     bw = res["copy_bytes_per_s"] = copy_bandwidth(dev)
     release(dev)
     rows.append(("HBM copy bandwidth (4 GiB, read + written)", f"{bw / GIB:.0f} GiB/s", "", ""))
+    if args.overlap_only:
+        rows += overlap_rows(args.shape, dev, bw, gen, res)
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
+        print(markdown(rows), flush=True)
+        return 0
 
     log(f"correctness: {args.check_shape} fp32, Triton + graphs vs reference")
     small = load_model(f"dummy:{args.check_shape}", device=dev, dtype=torch.float32, seed=0)
@@ -522,12 +534,72 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok and big_ok and mem_ok else 1
 
 
+def overlap_rows(
+    shape: str, dev: torch.device, bw: float, gen: torch.Generator, res: dict[str, Any]
+) -> list[Row]:
+    """Batch-1 decode at 1k context and throughput at batch 8 and 64 (2k context), async scheduling off and
+    on: two engines over the same weights, runs alternated, three rounds; medians."""
+    c = NAMED_SHAPES[shape]
+    log(f"loading dummy:{shape} bf16 on the GPU")
+    loaded = load_model(f"dummy:{shape}", device=dev, dtype=torch.bfloat16, seed=0)
+    engines = {}
+    for overlap in (False, True):
+        log(f"engine, async scheduling {'on' if overlap else 'off'}")
+        cfg = EngineConfig(model=f"dummy:{shape}", device=str(dev), dtype="bfloat16", max_num_seqs=64,
+                           max_num_batched_tokens=8192, max_model_len=MAX_MODEL_LEN, num_kv_blocks=9000,
+                           async_scheduling=overlap)  # fmt: skip
+        engines[overlap] = LLMEngine(cfg, loaded)
+    prompt = random_tokens(1024, c.vocab_size, gen)
+    prompts = {b: [random_tokens(2048, c.vocab_size, gen) for _ in range(b)] for b in (8, 64)}
+    skip, n_out = 8, 257
+    mean_ctx = 1024 + (skip + n_out) / 2
+    step_bytes = (
+        weight_bytes_read(loaded.model, c.tie_word_embeddings)
+        + kv_bytes_per_token(c, torch.bfloat16) * mean_ctx
+    )
+    roof = bw / step_bytes
+    got: dict[str, dict[bool, list[float]]] = {"b1": {False: [], True: []}, "b8": {False: [], True: []},
+                                               "b64": {False: [], True: []}}  # fmt: skip
+    for rnd in range(3):
+        for overlap in (False, True) if rnd % 2 == 0 else (True, False):
+            engine = engines[overlap]
+            got["b1"][overlap].append(engine_decode(engine, [prompt], n_out, skip)[0])
+            for b in (8, 64):
+                steps = -(-b * 2048 // 8192)
+                got[f"b{b}"][overlap].append(engine_decode(engine, prompts[b], steps + 40, 4)[0])
+            log(
+                f"round {rnd} overlap {overlap}: "
+                + ", ".join(f"{k} {v[overlap][-1]:.1f}" for k, v in got.items())
+            )
+    res["overlap"] = {k: {str(o): v for o, v in d.items()} for k, d in got.items()}
+    res["overlap"]["roofline_tok_s"] = roof
+    rows: list[Row] = []
+    med = {k: {o: statistics.median(v) for o, v in d.items()} for k, d in got.items()}
+    for overlap in (False, True):
+        rate = med["b1"][overlap]
+        mode = "on" if overlap else "off"
+        rows.append((f"batch-1 decode tok/s at ~{mean_ctx:.0f} ctx, async scheduling {mode} "
+                     f"(median of 3: {', '.join(f'{x:.1f}' for x in got['b1'][overlap])})", f"{rate:.1f}",
+                     f"roofline {roof:.1f} ({step_bytes / 1e9:.2f} GB/step)",
+                     f"{rate / roof:.1%} (>= 85%: {verdict(rate / roof >= 0.85)})"))  # fmt: skip
+    for b in (8, 64):
+        off, on = med[f"b{b}"][False], med[f"b{b}"][True]
+        rows.append((f"decode throughput, batch {b}, 2k ctx: async off / on (medians of 3)",
+                     f"{off:.0f} / {on:.0f} tok/s", "", f"on/off {on / off:.3f}"))  # fmt: skip
+    for engine in engines.values():
+        engine.close()
+    return rows
+
+
 def engine_step_seconds(engine: LLMEngine, prompt: list[int]) -> float:
-    """Wall seconds of the one step that prefills `prompt` and samples its only token."""
+    """Wall seconds of the one step that prefills `prompt` and samples its only token (with async
+    scheduling the token comes out of the next call)."""
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.add_request(engine.new_request(RequestId(f"p{time.perf_counter_ns()}"), prompt, params))
     t0 = time.perf_counter()
     outs = engine.step()
+    while not outs and engine.has_unfinished():
+        outs = engine.step()
     seconds = time.perf_counter() - t0
     assert len(outs) == 1 and outs[0].finished and not engine.has_unfinished(), outs
     return seconds

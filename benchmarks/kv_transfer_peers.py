@@ -120,6 +120,9 @@ class BenchHandler:
     async def on_abort(self, tid: RequestId, reason: str) -> None:
         self.free.extend(self.reserved.pop(tid, []))
 
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        return None
+
 
 def raw_nccl_recv(store: dist.Store, device: torch.device) -> None:
     torch.cuda.set_device(device)  # this runs in a worker thread
@@ -202,7 +205,7 @@ def raw_nccl_send(port: int, device: torch.device) -> None:
 async def raw_ucx_listener(device: torch.device, raw_context: contextlib.AsyncExitStack) -> int:
     """D's raw ucxx endpoint (each message answered by a 1-byte ack); returns its port."""
     import ucxx
-    from pdserve.kvtransfer.ucx import ucx_context
+    from pdserve.kvtransfer.ucx_context import ucx_context
 
     buf = torch.empty(max(SIZES), dtype=torch.uint8, device=device)
 
@@ -279,7 +282,7 @@ async def drive(device: torch.device, ready: dict[str, Any], victims: dict[str, 
     if "ucx_port" not in ready:
         await _drive(device, ready, victims)
         return
-    from pdserve.kvtransfer.ucx import ucx_context
+    from pdserve.kvtransfer.ucx_context import ucx_context
 
     async with ucx_context(config("ucx", str(device))):  # raw ucxx in the connector's UCX context
         await raw_ucx_send(ready["ucx_port"], device)

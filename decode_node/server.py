@@ -7,6 +7,12 @@ free block left per live request), so a full pool delays a transfer instead of r
 nothing until D can take it. DATA is scattered straight into the reserved blocks; on COMPLETE the request
 enters continuous batching with the first token P sampled (and ends there at once if that token ends it).
 
+A transfer that fails (aborted, cut, corrupted, or its prefill node silent past the transfer connection's
+liveness window) falls back to compute under `kv_load_failure_policy` "recompute" (vLLM's name; the
+default): the reservation is given back and D prefills the prompt itself, within the request's deadline, on
+the stream the router already reads; under "fail" the request ends with an error. Requests that name a
+prefill node D saw go silent are computed here at once, until that node opens a transfer again.
+
 Invariants: a reservation is ended exactly once (admitted, or released on abort, cut, deadline, client gone);
 the request's deadline is its only clock, owned by the `/internal/generate` stream (`_lines`) and by the
 OPEN's wait; a request that ended is tombstoned until its deadline, so a late OPEN for it is refused instead
@@ -23,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
@@ -59,9 +65,14 @@ class _Pending:
     ended: str | None = None
 
 
+KVLoadFailurePolicy = Literal["recompute", "fail"]
+
+
 class DecodeHandler(TransferHandler):
-    def __init__(self, rt: NodeRuntime) -> None:
+    def __init__(self, rt: NodeRuntime, kv_load_failure_policy: KVLoadFailurePolicy = "recompute") -> None:
         self.rt = rt
+        self.recompute = kv_load_failure_policy == "recompute"
+        self._silent: set[NodeId] = set()  # prefill nodes whose transfer connection went silent
         self.pending: dict[RequestId, _Pending] = {}
         rt.requests_outside_engine = lambda: len(self.pending)
         self._admission = asyncio.Lock()  # FIFO: asyncio wakes a lock's waiters in arrival order
@@ -86,6 +97,8 @@ class DecodeHandler(TransferHandler):
         entry = self._entry(rid)
         entry.request, entry.engine_request, entry.queue = gen, req, q
         entry.arrived.set()
+        if gen.prefill_node_id in self._silent:
+            self._spawn(self.kv_lost(rid, f"prefill node {gen.prefill_node_id} went silent"))
 
     async def on_open(
         self,
@@ -95,6 +108,7 @@ class DecodeHandler(TransferHandler):
         num_blocks: int,
         deadline: float,
     ) -> OpenReply:
+        self._silent.discard(peer)
         if transfer_id in self._ended:
             raise OpenRefused("the request already ended on the decode node")
         entry = self._entry(transfer_id)
@@ -114,7 +128,7 @@ class DecodeHandler(TransferHandler):
             await self.fail(transfer_id, "deadline passed while the decode node had no room for the KV")
         except asyncio.CancelledError:  # the transfer connection ended
             await asyncio.shield(
-                self.fail(transfer_id, "KV transfer connection ended before OPEN was answered")
+                self.kv_lost(transfer_id, "KV transfer connection ended before OPEN was answered")
             )
             raise
         if entry.ended is not None or entry.reservation is None:
@@ -178,7 +192,42 @@ class DecodeHandler(TransferHandler):
             await self.rt.aengine.abort(transfer_id)
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
-        await self.fail(transfer_id, f"KV transfer aborted: {reason}")
+        await self.kv_lost(transfer_id, f"KV transfer aborted: {reason}")
+
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        self._silent.add(peer)
+        for rid, entry in list(self.pending.items()):
+            if entry.request is not None and entry.request.prefill_node_id == peer:
+                await self.kv_lost(rid, f"prefill node {peer}: {reason}")
+
+    async def kv_lost(self, rid: RequestId, reason: str) -> None:
+        """The request's KV will not arrive whole. Under "recompute", while its deadline holds, the
+        reservation goes back and the engine prefills the prompt here, its outputs going to the stream
+        that waited for the transfer; otherwise (or before the router's request arrived) it fails."""
+        entry = self.pending.get(rid)
+        gen = entry.request if entry is not None else None
+        req = entry.engine_request if entry is not None else None
+        if not self.recompute or entry is None or entry.ended or gen is None or req is None:
+            await self.fail(rid, reason)
+            return
+        if time.time() >= gen.deadline:
+            await self.fail(rid, f"{reason}; the deadline passed")
+            return
+        del self.pending[rid]
+        self._tombstone(rid, gen.deadline)  # P's later OPEN for it is refused
+        entry.ended = f"computed on the decode node: {reason}"
+        entry.arrived.set()  # an OPEN still waiting for room gives up
+        res, engine = entry.reservation, self.rt.engine
+        if res is not None:
+            await self.rt.aengine.call(lambda: engine.release_remote(res))
+        log.warning("request %s: %s; computing its prompt on the decode node", rid, reason)
+        self.rt.metrics.transfers.labels(self.rt.connector_kind, "recomputed").inc()
+        try:
+            await self.rt.aengine.call(lambda: engine.add_request(req))
+        except Exception as exc:  # the engine died: the stream ends with the error
+            log.error("request %s could not be computed here: %r", rid, exc)
+            assert entry.queue is not None
+            entry.queue.put_nowait(RequestOutput(rid, (), "", None, "error", len(gen.prompt_token_ids), 0, 0))
 
     def _tombstone(self, rid: RequestId, until: float) -> None:
         now = time.time()

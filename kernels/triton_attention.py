@@ -36,6 +36,19 @@ def _kv_offsets(
 
 
 @triton.jit
+def _load_kv(
+    k_ptr, v_ptr, table_row_ptr, offs_n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh,
+    BLOCK_SIZE: tl.constexpr,
+):  # fmt: skip
+    # K and V tiles [N, D] of tokens offs_n of one sequence and KV head; 0 outside n_mask x d_mask
+    off = _kv_offsets(
+        table_row_ptr, offs_n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE
+    )
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    return tl.load(k_ptr + off, mask=kv_mask, other=0.0), tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+
+
+@triton.jit
 def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr):
     # q: [M, D] DOT_DTYPE; k, v: [N, D] cache dtype; valid: [M, N]; m_i, l_i: [M]; acc: [M, D] fp32
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
@@ -86,10 +99,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < end
-        off = _kv_offsets(table_row, n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
+                        stride_kh, BLOCK_SIZE)  # fmt: skip
         m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
 
     # Partial result per (seq, head, split): normalised output and log2-sum-exp; an empty split has
@@ -174,10 +185,8 @@ def _prefill_kernel(
     for n0 in range(unmasked_end, visible_end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < seq_len
-        off = _kv_offsets(table_row, n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
+                        stride_kh, BLOCK_SIZE)  # fmt: skip
         valid = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from pdserve.kvtransfer.common import (
@@ -33,11 +33,14 @@ from pdserve.kvtransfer.common import (
 )
 from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
+_O = TypeVar("_O", "UcxOptions", "CudaIpcOptions")
+
 __all__ = [
     "ChecksumError",
     "ConnectionLost",
     "Connector",
     "ConnectorConfig",
+    "CudaIpcOptions",
     "FrameBlocks",
     "HandshakeError",
     "KVLayout",
@@ -53,6 +56,7 @@ __all__ = [
     "TransferRefused",
     "TransferSession",
     "TransferStats",
+    "UcxOptions",
     "connector_kinds",
     "create_sender",
     "create_server",
@@ -89,6 +93,10 @@ class TransferHandler(Protocol):
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
         """Free the reservation. At most once per accepted transfer, never after on_complete returned."""
+
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        """The connection from `peer` went silent past the liveness window (the peer stopped or hung) and
+        was cut; its transfers were aborted first. Transfers `peer` meant to open on it will not come."""
 
 
 class TransferSession(Protocol):
@@ -143,6 +151,44 @@ UCX_PROGRESS_MODES = ("auto", "thread", "thread-polling")
 
 
 @dataclass(frozen=True)
+class UcxOptions:
+    """The ucx connector's own settings."""
+
+    # D's standing receive per connection, on `ConnectorConfig.device`: payloads up to this size land in it
+    # through a receive D posted before they were sent.
+    window_bytes: int = 512 << 20
+    # How UCX progresses its requests (one UCX context per process: the first ucx transport's setting holds).
+    # "thread-polling": a progress thread busy-polls UCX (one core per node) and sees a payload land at once;
+    # "thread": it sleeps until UCX wakes it (slower to see a payload land: docs/kv_transfer_protocol.md);
+    # "auto": thread-polling on a GPU `device`, thread on host memory.
+    progress: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.window_bytes <= 0:
+            raise ValueError(f"UcxOptions.window_bytes must be > 0, got {self.window_bytes}")
+        if self.progress not in UCX_PROGRESS_MODES:
+            raise ValueError(f"UcxOptions.progress {self.progress!r} must be one of {UCX_PROGRESS_MODES}")
+
+
+@dataclass(frozen=True)
+class CudaIpcOptions:
+    """The cuda_ipc connector's own settings."""
+
+    # D's window per connection on `ConnectorConfig.device`: it bounds one frame's payload (P splits larger
+    # buffers by layers) and, with the frames in flight, how far P may run ahead of D.
+    window_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if self.window_bytes <= 0:
+            raise ValueError(f"CudaIpcOptions.window_bytes must be > 0, got {self.window_bytes}")
+
+
+ConnectorOptions = UcxOptions | CudaIpcOptions
+_OPTIONS: dict[str, type[ConnectorOptions]] = {"ucx": UcxOptions, "cuda_ipc": CudaIpcOptions}
+"""The options type of each connector kind that has settings of its own."""
+
+
+@dataclass(frozen=True)
 class ConnectorConfig:
     """Transfer settings of one node. Both ends need the same `auth_token`; it never goes on the wire."""
 
@@ -161,18 +207,14 @@ class ConnectorConfig:
     # Where received payloads land ("cpu" or "cuda:N"; the node's KV-cache device) and, for nccl, the
     # GPU of this end's communicator. Sent payloads are read from wherever the caller's buffer lives.
     device: str = "cpu"
-    # Longest one payload send/recv on a GPU link may stay in flight before the pair is declared dead
-    # and its communicator aborted (the request's deadline bounds P's sends before this does).
-    payload_timeout_s: float = 60.0
-    # The receive window D allocates per connection on `device`. cuda_ipc: it bounds one frame's payload
-    # (P splits larger buffers by layers) and, with the frames in flight, how far P may run ahead of D.
-    # ucx: payloads up to this size land in it through a receive D posted before they were sent.
-    window_bytes: int = 512 << 20
-    # How ucx progresses its requests (one UCX context per process: the first ucx transport's setting holds).
-    # "thread-polling": a progress thread busy-polls UCX, one core per node, and sees a payload land at once;
-    # "thread": it sleeps until UCX wakes it, which added 0.1-0.3 ms to 512 MiB transfers on two H200s.
-    # "auto": thread-polling on a GPU `device`, thread on host memory.
-    ucx_progress: str = "auto"
+    # Liveness: each end sends a PING whenever it sent nothing for a quarter of this window, and a peer from
+    # which no byte arrived for this long (stopped, hung, or its link dead) is cut, as is a payload op on a
+    # GPU link still in flight after it; the transfers of the connection abort at once (D then computes
+    # their prompts itself, or fails them: the decode node's kv_load_failure_policy). It must exceed the
+    # longest one frame takes on the link (tcp: `max_payload_bytes` over its bandwidth).
+    liveness_s: float = 5.0
+    # The connector's own settings (UcxOptions, CudaIpcOptions; None: its defaults; other kinds have none).
+    options: ConnectorOptions | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _REGISTRY:
@@ -181,21 +223,30 @@ class ConnectorConfig:
             raise ValueError("ConnectorConfig.auth_token must be a non-empty shared secret")
         if not 0 <= self.listen_port < 65536:
             raise ValueError(f"listen_port {self.listen_port} must be in [0, 65536)")
-        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "payload_timeout_s"):
+        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "liveness_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
-        if self.window_bytes <= 0:
-            raise ValueError(f"window_bytes must be > 0, got {self.window_bytes}")
-        if self.ucx_progress not in UCX_PROGRESS_MODES:
-            raise ValueError(f"ucx_progress {self.ucx_progress!r} must be one of {UCX_PROGRESS_MODES}")
+        expected = _OPTIONS.get(self.kind)
+        if self.options is not None and type(self.options) is not expected:
+            wants = "none" if expected is None else expected.__name__
+            raise ValueError(
+                f"ConnectorConfig.options {type(self.options).__name__} do not fit kind {self.kind!r} "
+                f"(it takes {wants})"
+            )
         try:
             device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"ConnectorConfig.device {self.device!r} is not a torch device") from e
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"ConnectorConfig.device {self.device!r} must be 'cpu' or 'cuda:N'")
+
+    def options_of(self, kind: type[_O]) -> _O:
+        """The connector's own settings as `kind` (its defaults when `options` is None)."""
+        options = self.options if self.options is not None else kind()
+        assert type(options) is kind, f"{self.kind} options are {type(options).__name__}, not {kind.__name__}"
+        return options
 
     @property
     def frame_checksum(self) -> bool:

@@ -1,18 +1,15 @@
 """The cuda_ipc connector: frames over TCP, DATA payloads copied by P straight into a window of D's GPU
 memory through CUDA IPC (the copy engines, over NVLink between two GPUs of one host).
 
-Why a push: a copy-engine copy moves 512 MiB GPU0 -> GPU1 faster than NCCL's send/recv on two H200s (about
-360 against 325 GiB/s), and it needs nothing posted by D first: P starts the copy as soon as it has the
-payload, before it checks and encodes the frame's header (framing's payload-first DATA). Both ends must
-run on one host; CUDA opens IPC memory of a GPU the process does not otherwise see, so per-process
-CUDA_VISIBLE_DEVICES is fine.
+Why a push: a copy-engine copy moves a large payload GPU0 -> GPU1 faster than NCCL's send/recv
+(docs/kv_transfer_protocol.md, "Measurements"), and it needs nothing posted by D first: P starts the copy as
+soon as it has the payload, before it checks and encodes the frame's header (framing's payload-first DATA).
+Both ends must run on one host; CUDA opens IPC memory of a GPU the process does not otherwise see, so
+per-process CUDA_VISIBLE_DEVICES is fine.
 
-Setup (`authenticated`, after the handshake): D allocates its window (`ConnectorConfig.window_bytes` on
-its device) and exports it with torch's IPC handle, creates SLOTS interprocess "freed" events and a
-shared-memory file (doorbell.py) holding a one-word progress counter and the ACK doorbell, and writes one
-SETUP record on the TCP connection; P maps the window into its own device's address space, maps the file
-read-only, opens the events, and answers with SLOTS interprocess "copied" events of its own. Records are a
-u32 length and a msgpack map, checked field by field.
+Setup (`authenticated`, after the handshake; the record's fields are in docs/kv_transfer_protocol.md): D
+exports its window (`CudaIpcOptions.window_bytes`), SLOTS interprocess "freed" events and a shared-memory
+file (the progress counter and the ACK doorbell); P maps them and answers with SLOTS "copied" events.
 
 Frames: payload k of a connection lands at an offset both ends compute alike (`WindowRing`), so no offset
 travels. P waits on the host until D has released frame `must` (the newest earlier frame whose bytes the new
@@ -35,7 +32,6 @@ ConnectionLost.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import mmap
@@ -49,15 +45,14 @@ import msgpack
 import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
-from pdserve.kvtransfer.connector import ConnectorConfig
+from pdserve.kvtransfer.connector import ConnectorConfig, CudaIpcOptions
 from pdserve.kvtransfer.device_sync import on_device, on_stream, poll
 from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, Doorbell, SharedFile, open_shared
-from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
+from pdserve.kvtransfer.tcp import ControlChannel, ControlTransport, TcpChannel
+from pdserve.kvtransfer.window_ring import SLOTS, WindowRing
 
 log = logging.getLogger("pdserve.kvtransfer")
 
-SLOTS = 32  # frames that may be in flight per connection (one "copied" and one "freed" event each)
-ALIGN = 512  # window offsets are multiples of this
 RECORD_LEN = struct.Struct("<I")
 MAX_RECORD_BYTES = 1 << 16
 SETUP_MAGIC = "pdserve-cuda-ipc-1"
@@ -72,48 +67,6 @@ def live_windows() -> int:
     """Windows owned or mapped in this process, counting P's mappings that wait for their copies to end
     before they are dropped (an audit: 0 once every cuda_ipc connection closed)."""
     return sum(1 for channel in _LIVE if channel.has_window) + len(_DROPPING)
-
-
-class WindowRing:
-    """Where each payload of a connection lands in D's window: the next ALIGN-aligned offset, wrapping to 0
-    when the payload does not fit before the end. Both ends place the same sizes in the same order, so they
-    agree on every offset."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._next = 0
-        self._seq = 0
-        # frames placed since the last one known released on the GPU: (seq, start, end), oldest first
-        self._live: collections.deque[tuple[int, int, int]] = collections.deque()
-        self._saved: tuple[int, int, list[tuple[int, int, int]]] | None = None
-
-    def place(self, nbytes: int) -> tuple[int, int, int]:
-        """(seq, offset, must) of the next payload: `must` is the newest earlier frame that has to be
-        released before this one is written (it overwrites that frame's bytes, or reuses its event slot),
-        or -1."""
-        if not 0 < nbytes <= self.capacity:
-            raise ValueError(f"a {nbytes} B payload does not fit the cuda_ipc window of {self.capacity} B")
-        self._saved = (self._next, self._seq, list(self._live))
-        start = self._next if self._next + nbytes <= self.capacity else 0
-        end = start + nbytes
-        seq = self._seq
-        must = max(seq - SLOTS, -1)
-        for other, lo, hi in self._live:
-            if lo < end and start < hi:
-                must = max(must, other)
-        while self._live and self._live[0][0] <= must:
-            self._live.popleft()
-        self._live.append((seq, start, end))
-        self._next = -(-end // ALIGN) * ALIGN
-        self._seq = seq + 1
-        return seq, start, must
-
-    def undo(self) -> None:
-        """Forget the last `place` (its frame is not sent after all)."""
-        assert self._saved is not None, "undo without a place"
-        self._next, self._seq, live = self._saved
-        self._live = collections.deque(live)
-        self._saved = None
 
 
 def _event() -> torch.cuda.Event:
@@ -139,29 +92,25 @@ def _event_list(record: dict[str, Any], name: str) -> list[bytes]:
     return value
 
 
-class IpcChannel:
+class IpcChannel(ControlChannel):
+    name = "cuda_ipc"
+
     def __init__(self, control: TcpChannel, rank: int, config: ConnectorConfig) -> None:
-        self._control = control
+        super().__init__(control)
         self._rank = rank  # 0: D (owns the window), 1: P (copies into it)
         self._device = torch.device(config.device)
-        self._window_bytes = config.window_bytes
-        self._payload_timeout_s = config.payload_timeout_s
-        self._ring = WindowRing(config.window_bytes)
+        self._window_bytes = config.options_of(CudaIpcOptions).window_bytes
+        self._liveness_s = config.liveness_s
+        self._ring = WindowRing(self._window_bytes)
         self._window: torch.Tensor | None = None  # [window_bytes] uint8: D's own, or P's mapping of it
         self._freed: list[torch.cuda.Event] = []  # D records, P waits
         self._copied: list[torch.cuda.Event] = []  # P records, D waits
         self._counter: mmap.mmap | None = None  # frames D released so far (int64), then the doorbell
         self._shared: SharedFile | None = None  # D: the counter's file until P mapped it
-        self._doorbell: Doorbell | None = None
         self._stream: torch.cuda.Stream | None = None  # P: the copy stream
         self._held: tuple[int, torch.cuda.Stream] | None = None  # D: payload handed out, its consumer stream
         self._last: int | None = None  # D: seq of the newest payload received
-        self._dead: str | None = None
         _LIVE.add(self)
-
-    @property
-    def peer(self) -> str:
-        return self._control.peer
 
     @property
     def has_window(self) -> bool:
@@ -170,10 +119,6 @@ class IpcChannel:
     @property
     def payload_limit(self) -> int:
         return self._window_bytes
-
-    def _check(self) -> None:
-        if self._dead is not None:
-            raise ConnectionLost(f"cuda_ipc channel to {self.peer} is closed: {self._dead}")
 
     async def _send_record(self, record: dict[str, Any]) -> None:
         body = msgpack.packb(record, use_bin_type=True)
@@ -246,7 +191,7 @@ class IpcChannel:
         index = self._device.index if self._device.index is not None else torch.cuda.current_device()
         with on_device(self._device):
             # Mapped into this process's own device: copies into it run on this GPU's copy engines (mapped
-            # as the owner's device, they were measured ten times slower).
+            # as the owner's device they are far slower: docs/kv_transfer_protocol.md, "Measurements").
             storage = torch.UntypedStorage._new_shared_cuda(
                 index,
                 _field(record, "handle", bytes),
@@ -287,8 +232,8 @@ class IpcChannel:
                 return True
             if self._control.closed:
                 raise ConnectionLost(f"the control connection to {self.peer} closed while waiting for {what}")
-            if time.perf_counter() - since > self._payload_timeout_s:
-                raise ConnectionLost(f"{what} from {self.peer} not within {self._payload_timeout_s}s")
+            if time.perf_counter() - since > self._liveness_s:
+                raise ConnectionLost(f"{what} from {self.peer} not within {self._liveness_s}s")
             return False
 
         try:
@@ -344,17 +289,6 @@ class IpcChannel:
             self._freed[seq % SLOTS].record(consumer)
         assert self._counter is not None
         COUNTER.pack_into(self._counter, 0, seq + 1)
-
-    def ring_ack(self, key: bytes) -> None:
-        if self._doorbell is not None:
-            self._doorbell.ring(key)
-
-    def ack_rung(self, key: bytes) -> bool:
-        return self._doorbell is not None and self._doorbell.rung(key)
-
-    async def recv_exact(self, nbytes: int) -> bytes:
-        self._check()
-        return await self._control.recv_exact(nbytes)
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         """The next payload's view of the window; framing released the previous one before this frame."""

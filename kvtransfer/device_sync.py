@@ -54,8 +54,8 @@ def on_device(device: torch.device) -> Iterator[None]:
 def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     """Make `stream` (and its device) current for the block, then restore both. Straight through torch's C
     bindings: on a core that just woke from an idle wait (the usual state of a node's loop when a frame
-    comes), torch.cuda.current_stream plus set_stream took 36 µs against 6 µs for the calls beneath them
-    (median on the H200 host), in front of every payload op."""
+    comes), torch.cuda.current_stream plus set_stream cost several times the calls beneath them, in front
+    of every payload op (docs/kv_transfer_protocol.md, "Measurements")."""
     index = stream.device_index
     device = torch._C._cuda_getDevice()
     previous = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)

@@ -4,8 +4,7 @@ A GPU connection whose ends share a host (cuda_ipc always; nccl over NVLink usua
 /dev/shm that D creates and P maps read-only. cuda_ipc keeps its progress counter there; both keep a
 doorbell: as D acknowledges a transfer, it writes the transfer's key into the doorbell just before the ACK
 frame leaves, and P, which spins for the ACK anyway (sender.py), finds the key there without waiting for
-the frame. On the H200 host the frame took 100-180 µs from D's decision to P's `complete()` returning (D's
-write, P's wake-up, read, decode and dispatch), 6-11 % of a 512 MiB NVLink transfer; the doorbell is seen
+the frame (what the frame costs: docs/kv_transfer_protocol.md, "ACK doorbell"); the doorbell is seen
 within one turn of P's loop. The ACK frame stays the protocol's answer: across hosts it is the only one,
 and P drops it when the doorbell came first.
 

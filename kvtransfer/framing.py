@@ -20,18 +20,21 @@ previous one was released (at the next `recv`, or by the function `defer_release
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
-from pdserve.kvtransfer.common import ChecksumError, ProtocolError
+from pdserve.kvtransfer.common import ChecksumError, ConnectionLost, ProtocolError
 from pdserve.kvtransfer.messages import (
     PROTOCOL_VERSION,
     Data,
     Message,
+    Ping,
     decode_header,
     encode_header,
     transfer_id_of,
@@ -46,14 +49,28 @@ FLAG_PAYLOAD_FIRST = 0x02  # a DATA frame's payload, without its header (which f
 FLAG_HEADER_AFTER = 0x04  # the header of the preceding payload-first frame (none: that frame is dropped)
 MAX_HEADER_BYTES = 16 << 20
 MAX_HANDSHAKE_HEADER_BYTES = 4096  # HELLO, AUTH, READY, ERROR: a few hundred bytes each
+log = logging.getLogger("pdserve.kvtransfer")
 
 
 class ByteChannel(Protocol):
-    """One connection of a transport. `send` parts are read back with the same sizes, in order; an empty
-    part is not read back (framing never asks for 0 bytes)."""
+    """One connection of a transport, the whole interface of every connector: `send` parts are read back with
+    the same sizes, in order; an empty part is not read back (framing never asks for 0 bytes). A connector's
+    channel subclasses this; the bodies here are what a channel does whose payload is whole and in place when
+    `recv_payload` returns, with no frame limit and no ACK doorbell (TCP's), and a connector overrides what
+    differs, so framing, sender and receiver call every method on every channel."""
 
     @property
     def peer(self) -> str: ...
+
+    @property
+    def heard_at(self) -> float:
+        """time.monotonic() when bytes from the peer last arrived (a payload's chunks count as they come)."""
+        ...
+
+    @property
+    def payload_limit(self) -> int | None:
+        """The most payload bytes one frame may carry on this channel (None: `max_payload_bytes` alone)."""
+        return None
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         """payload: 1-D contiguous uint8 in host or device memory, or None; a transport that cannot send
@@ -64,69 +81,49 @@ class ByteChannel(Protocol):
 
     async def authenticated(self) -> None:
         """Called on both ends once the handshake succeeded (after READY), before any other frame: sets up
-        what the transport needs for payloads (nccl's communicator); a no-op for TCP and UCX."""
+        what the transport needs for payloads (a side link, its buffers)."""
 
     async def recv_exact(self, nbytes: int) -> bytes: ...
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 tensor of `nbytes` received bytes, valid until the next call (a GPU transport reuses
-        one device buffer per connection). A GPU transport may return it while the bytes are still landing
-        (such a transport is also a `DeferredPayloads`): then either work the caller queues on its current
-        stream runs after they landed (nccl), or the caller must await `LandingPayloads.landed()` first
-        (ucx)."""
+        """A 1-D uint8 tensor of `nbytes` received bytes, valid until the caller released it
+        (`release_payload`; a transport may reuse one buffer per connection). It may be returned while its
+        bytes still land: then either work the caller queues on its current stream runs after they landed,
+        or `payload_landed()` is False until `landed()` was awaited."""
+
+    def payload_landed(self) -> bool:
+        """Whether the payload `recv_payload` returned last may be read now: its bytes are in place, or work
+        queued on the caller's current stream is ordered after them. False: await `landed()` first."""
+        return True
+
+    async def landed(self) -> None:
+        """Return once the payload `recv_payload` returned last has fully arrived (raise ConnectionLost if it
+        failed)."""
+        return None
+
+    async def flush(self) -> None:
+        """Return once every payload op posted so far has finished (raise ConnectionLost if one failed);
+        D calls it before it handles COMPLETE, so an ACK always means the KV is in D's blocks."""
+        return None
+
+    def release_payload(self) -> None:
+        """Every consumer of the last payload is queued on the caller's current stream (or ran): its
+        memory may be reused after them. A no-op when no payload is held."""
+        return None
+
+    def ring_ack(self, key: bytes) -> None:
+        """D: the transfer of `key` is acknowledged, its ACK frame follows. A channel whose ends share a host
+        may ring a doorbell (doorbell.py) that P, spinning for the ACK, finds first."""
+        return None
+
+    def ack_rung(self, key: bytes) -> bool:
+        """P: whether D rang `key` (False without a doorbell)."""
+        return False
 
     def abort(self) -> None:
         """Cut the connection now; pending and later calls raise ConnectionLost."""
 
     async def close(self) -> None: ...
-
-
-@runtime_checkable
-class DeferredPayloads(Protocol):
-    """A channel whose `recv_payload` may return before the bytes landed (nccl on a GPU)."""
-
-    async def flush(self) -> None:
-        """Return once every payload op posted so far has finished (raise ConnectionLost if one failed);
-        D calls it before it handles COMPLETE, so an ACK always means the KV is in D's blocks."""
-
-
-@runtime_checkable
-class LandingPayloads(Protocol):
-    """A channel whose `recv_payload` may return before the bytes landed, and which cannot order the caller's
-    GPU work after them (ucx on a GPU): the caller awaits `landed` before anything reads the payload."""
-
-    async def landed(self) -> None:
-        """Return once the last payload returned has fully arrived (raise ConnectionLost if it failed)."""
-
-
-@runtime_checkable
-class BoundedPayloads(Protocol):
-    """A channel whose frames carry at most `payload_limit` payload bytes (cuda_ipc's window)."""
-
-    @property
-    def payload_limit(self) -> int: ...
-
-
-@runtime_checkable
-class HeldPayloads(Protocol):
-    """A channel whose received payload stays where it landed until the caller is done with it (cuda_ipc's
-    window): framing releases it as the caller comes back for the next frame."""
-
-    def release_payload(self) -> None:
-        """Every consumer of the last payload is queued on the caller's current stream (or ran): its
-        memory may be reused after them. A no-op when no payload is held."""
-
-
-@runtime_checkable
-class AckDoorbell(Protocol):
-    """A channel with an ACK doorbell (doorbell.py), when its ends share a host: D rings a transfer's key
-    just before that transfer's ACK frame, and P, spinning for the ACK, may find it there first."""
-
-    def ring_ack(self, key: bytes) -> None:
-        """D: the transfer of `key` is acknowledged (its ACK frame follows)."""
-
-    def ack_rung(self, key: bytes) -> bool:
-        """P: whether D rang `key` (always False when the peer is on another host)."""
 
 
 class VersionMismatch(ProtocolError):
@@ -180,13 +177,9 @@ class FramedConnection:
         self.authenticated = False  # set by the handshake at READY: until then frames carry no payload
         self.max_payload_bytes = max_payload_bytes
         self._send_lock = asyncio.Lock()
-        # the largest payload one frame may carry on this channel (None: max_payload_bytes)
-        self.payload_limit = channel.payload_limit if isinstance(channel, BoundedPayloads) else None
-        # the channel's capabilities, checked once (a runtime Protocol check costs microseconds per call)
-        self.landing = channel if isinstance(channel, LandingPayloads) else None
-        self.deferred = channel if isinstance(channel, DeferredPayloads) else None
-        self._held = channel if isinstance(channel, HeldPayloads) else None
-        self.doorbell = channel if isinstance(channel, AckDoorbell) else None
+        self._sent_at = time.monotonic()
+        self.silent: str | None = None  # set when keep_alive cut the channel: why
+        self.peer_liveness_s = 0.0  # the peer's liveness window, from its HELLO (0: not stated)
         self._released = asyncio.Event()  # clear while a `defer_release` caller still uses the last payload
         self._released.set()
 
@@ -194,6 +187,32 @@ class FramedConnection:
         prefix, header, body = encode_frame(msg, payload, self.checksum)
         async with self._send_lock:
             await self.channel.send(prefix, header, body)
+            self._sent_at = time.monotonic()
+
+    async def keep_alive(self, liveness_s: float) -> None:
+        """Run (as a task, cancelled when the connection ends) from READY on: sends PING whenever this end
+        sent nothing for a quarter of the shorter of `liveness_s` and the peer's window, and cuts the
+        channel once nothing arrived from the peer for `liveness_s` (`silent` says why; the reader then
+        sees ConnectionLost). A turn that comes late (this process stalled) skips the check once, so bytes
+        that arrived meanwhile are read first."""
+        interval = min(liveness_s, self.peer_liveness_s or liveness_s) / 4
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            if now - before > 2 * interval:
+                continue
+            quiet = now - self.channel.heard_at
+            if quiet > liveness_s:
+                self.silent = f"{self.channel.peer} silent for {quiet:.1f}s (liveness window {liveness_s}s)"
+                log.warning("cutting the transfer connection: %s", self.silent)
+                self.channel.abort()
+                return
+            if now - self._sent_at >= interval and not self._send_lock.locked():
+                try:
+                    await self.send(Ping())
+                except ConnectionLost:
+                    return
 
     async def send_built(self, build: Callable[[], Data], payload: torch.Tensor) -> None:
         """Send the DATA frame of `build()` carrying `payload`. Without checksums the payload goes first, so
@@ -202,6 +221,7 @@ class FramedConnection:
         async with self._send_lock:
             if self.checksum:
                 await self.channel.send(*encode_frame(build(), payload, True))
+                self._sent_at = time.monotonic()
                 return
             body = as_bytes(payload)
             first = PREFIX.pack(MAGIC, PROTOCOL_VERSION, Data.TYPE, FLAG_PAYLOAD_FIRST, 0, body.numel(), 0)
@@ -212,6 +232,7 @@ class FramedConnection:
                 await self.channel.send(_header_after(0), b"", None)
                 raise
             await self.channel.send(_header_after(len(header)), header, None)
+            self._sent_at = time.monotonic()
 
     async def _prefix(self) -> tuple[bytes, int, int, int, int, int, int]:
         raw = await self.channel.recv_exact(PREFIX_SIZE)
@@ -240,8 +261,7 @@ class FramedConnection:
         self._released.clear()
 
         def release() -> None:
-            if self._held is not None:
-                self._held.release_payload()
+            self.channel.release_payload()
             self._released.set()
 
         return release
@@ -254,8 +274,8 @@ class FramedConnection:
         """The next frame. Unless it called `defer_release`, the caller is done with the previous frame's
         payload: its consumers are queued."""
         while True:
-            if self._held is not None and self._released.is_set():
-                self._held.release_payload()
+            if self._released.is_set():
+                self.channel.release_payload()
             raw, version, msg_type, flags, header_len, payload_len, crc = await self._prefix()
             if flags & FLAG_PAYLOAD_FIRST:
                 frame = await self._payload_first(version, msg_type, flags, header_len, payload_len)
@@ -271,8 +291,7 @@ class FramedConnection:
             if flags & FLAG_CHECKSUM:
                 parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
                 if payload is not None:
-                    if self.landing is not None:
-                        await self.landing.landed()
+                    await self.channel.landed()
                     parts.append(payload.cpu())
                 actual = _crc(parts)
                 if actual != crc:

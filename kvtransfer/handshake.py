@@ -48,8 +48,9 @@ def _mismatch(mine: PeerIdentity, hello: Hello) -> tuple[str, str] | None:
 
 
 async def _refuse(conn: FramedConnection, code: str, detail: str) -> HandshakeError:
-    """Tell the peer why, then linger until it hangs up (a UCX endpoint cut right after a send can drop
-    the send), and build the local error. The peer may be gone already: the refusal stands either way."""
+    """Tell the peer why, then linger until it hangs up (a transport whose connection is cut right after a
+    send can drop the send), and build the local error. The peer may be gone already: the refusal stands
+    either way."""
     try:
         await conn.send(Error(code, detail))
         async with asyncio.timeout(_LINGER_S):
@@ -72,10 +73,13 @@ async def _expect(conn: FramedConnection, kind: type[Message]) -> Message:
     return msg
 
 
-async def client_handshake(conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool) -> Hello:
+async def client_handshake(
+    conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool, liveness_s: float
+) -> Hello:
     """P's side; returns D's HELLO once D sent READY."""
     nonce_p = os.urandom(NONCE_BYTES)
-    await conn.send(Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_p, checksum))
+    hello = Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_p, checksum, b"", liveness_s)
+    await conn.send(hello)
     peer = await _expect(conn, Hello)
     assert isinstance(peer, Hello)
     problem = _mismatch(me, peer)
@@ -90,11 +94,14 @@ async def client_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
     await _expect(conn, Ready)
     conn.authenticated = True
     conn.checksum = checksum or peer.checksum
+    conn.peer_liveness_s = peer.liveness_s
     await conn.channel.authenticated()
     return peer
 
 
-async def server_handshake(conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool) -> Hello:
+async def server_handshake(
+    conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool, liveness_s: float
+) -> Hello:
     """D's side; returns P's HELLO after sending READY."""
     peer = await _expect(conn, Hello)
     assert isinstance(peer, Hello)
@@ -103,7 +110,9 @@ async def server_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
         raise await _refuse(conn, *problem)
     nonce_d = os.urandom(NONCE_BYTES)
     proof = _proof(token, b"receiver", peer.nonce, nonce_d, peer.node_id, me.node_id)
-    await conn.send(Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_d, checksum, proof))
+    await conn.send(
+        Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_d, checksum, proof, liveness_s)
+    )
     auth = await _expect(conn, Auth)
     assert isinstance(auth, Auth)
     expected = _proof(token, b"sender", peer.nonce, nonce_d, peer.node_id, me.node_id)
@@ -114,5 +123,6 @@ async def server_handshake(conn: FramedConnection, token: str, me: PeerIdentity,
     await conn.send(Ready())
     conn.authenticated = True
     conn.checksum = checksum or peer.checksum
+    conn.peer_liveness_s = peer.liveness_s
     await conn.channel.authenticated()
     return peer

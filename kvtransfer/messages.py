@@ -1,4 +1,4 @@
-"""The messages of KV-transfer protocol v4 and their header encoding (docs/kv_transfer_protocol.md).
+"""The messages of KV-transfer protocol v5 and their header encoding (docs/kv_transfer_protocol.md).
 
 Each message is a frozen dataclass with a one-byte wire type; its header is the one codec's msgpack map of its
 fields and the version (shared/wire.py: tuples as arrays, bytes as bin, `KVLayout` and `FirstToken` as nested
@@ -16,7 +16,7 @@ from pdserve.kvtransfer.common import ProtocolError
 from pdserve.shared.types import FirstToken, KVLayout
 from pdserve.shared.wire import Codec, WireError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Hello:
     nonce: bytes
     checksum: bool
     proof: bytes = b""
+    liveness_s: float = 0.0  # this end's liveness window: the peer pings at least every quarter of it
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,18 @@ class Abort:
     reason: str
 
 
-Message = Hello | Auth | Ready | Error | Open | OpenOk | OpenRefusal | Data | Complete | Ack | Abort
+@dataclass(frozen=True)
+class Ping:
+    """Both ends, after READY, whenever they sent nothing for a quarter of the liveness window: the peer is
+    alive even while no transfer runs (framing.FramedConnection.keep_alive)."""
+
+    TYPE: ClassVar[int] = 12
+
+
+Message = Hello | Auth | Ready | Error | Open | OpenOk | OpenRefusal | Data | Complete | Ack | Abort | Ping
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Auth, Ready, Error, Open, OpenOk, OpenRefusal, Data, Complete, Ack, Abort)
+    for cls in (Hello, Auth, Ready, Error, Open, OpenOk, OpenRefusal, Data, Complete, Ack, Abort, Ping)
 }
 
 

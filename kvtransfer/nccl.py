@@ -8,7 +8,7 @@ config asks (NVLink and InfiniBand check integrity in hardware).
 Cut and hung transfers: PyTorch's NCCL watchdog ends the whole process on a timed-out op (its default
 error handling), so its timeout is set beyond the channel's own: each payload op is polled with
 `Work.is_completed()` from asyncio (spinning briefly, then sleeping up to 1 ms), and on failure,
-cancellation, `payload_timeout_s`, or the control connection closing, the channel calls
+cancellation, the liveness window (`liveness_s`), or the control connection closing, the channel calls
 `ProcessGroupNCCL.abort()` (ncclCommAbort on the pair's communicators), which ends the op's kernels and
 returns without killing the process.
 """

@@ -14,14 +14,14 @@ payload P -> D makes the communicator exist before the first OPEN, and once it a
 Teardown (`abort`/`close`, run when the connection ends, the peer dies, or a payload op fails or times
 out) aborts the group and drops the store, the buffer and the doorbell.
 
-Teardown runs the group's abort in a thread of its own: ncclCommAbort takes about 0.5 s (measured on two
-H200s), and on the event loop it would stall every request the node serves meanwhile. `live_groups` counts
-a group until its abort has returned, and `close` returns only then.
+Teardown runs the group's abort in a thread of its own: ncclCommAbort takes a good part of a second
+(docs/kv_transfer_protocol.md, "Measurements"), and on the event loop it would stall every request the node
+serves meanwhile. `live_groups` counts a group until its abort has returned, and `close` returns only then.
 
 Pipelining: P's sends (and D's recvs on a GPU, ordered before D's consumers on the GPU itself) are posted
 without waiting, at most MAX_IN_FLIGHT sends per connection; one reaper task polls them in order.
 Invariants: a payload op is never left in flight on a live group: a wait that fails, times out
-(`payload_timeout_s`), is cancelled, or sees the control connection close aborts the whole channel, so a
+(`liveness_s`), is cancelled, or sees the control connection close aborts the whole channel, so a
 cut send/recv raises `ConnectionLost` instead of hanging; a posted op's tensor stays referenced until the
 op is seen done or the group is aborted; after `abort()` every call raises `ConnectionLost`.
 """
@@ -48,7 +48,7 @@ from pdserve.kvtransfer.common import ConnectionLost
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import MAX_SLEEP_S, SPIN_S, on_device, on_stream
 from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, NAME_BYTES, Doorbell, SharedFile, open_shared
-from pdserve.kvtransfer.tcp import ControlTransport, TcpChannel
+from pdserve.kvtransfer.tcp import ControlChannel, ControlTransport, TcpChannel
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -104,25 +104,24 @@ def wait_aborted(timeout_s: float) -> None:
         thread.join(max(0.0, deadline - time.monotonic()))
 
 
-class PairGroupChannel:
+class PairGroupChannel(ControlChannel):
     def __init__(
         self, control: TcpChannel, backend: GroupBackend, rank: int, host: str, config: ConnectorConfig
     ) -> None:
-        self._control = control
+        super().__init__(control)
+        self.name = backend.name
         self._backend = backend
         self._rank = rank
         self._host = host  # where P reaches D's store: the host it dialed
         self._device = torch.device(config.device)
         self._setup_timeout_s = config.handshake_timeout_s
-        self._payload_timeout_s = config.payload_timeout_s
+        self._liveness_s = config.liveness_s
         self._store: dist.Store | None = None
         self._shared: SharedFile | None = None  # D: the doorbell's file, until P mapped it
         self._bell_mapping: mmap.mmap | None = None  # D's own mapping, or P's read-only one
-        self._doorbell: Doorbell | None = None
         self._group: PairGroup | None = None
         self._buffer: torch.Tensor | None = None  # D: [capacity] uint8 on the device, reused per frame
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-        self._dead: str | None = None
         # Payload ops posted and not yet seen done, oldest first: (work, its tensor, posted at)
         self._in_flight: collections.deque[tuple[dist.Work, torch.Tensor, float]] = collections.deque()
         self._reaper: asyncio.Future[None] | None = None
@@ -133,16 +132,8 @@ class PairGroupChannel:
         _LIVE.add(self)
 
     @property
-    def peer(self) -> str:
-        return self._control.peer
-
-    @property
     def has_group(self) -> bool:
         return self._group is not None
-
-    def _check(self) -> None:
-        if self._dead is not None:
-            raise ConnectionLost(f"{self._backend.name} channel to {self.peer} is closed: {self._dead}")
 
     async def authenticated(self) -> None:
         self._check()
@@ -173,7 +164,7 @@ class PairGroupChannel:
         if self._bell_mapping is not None:
             self._doorbell = Doorbell(self._bell_mapping, 0)
         self._store = store
-        group_timeout = self._payload_timeout_s + self._setup_timeout_s + 60.0
+        group_timeout = self._liveness_s + self._setup_timeout_s + 60.0
         self._group = await asyncio.to_thread(
             self._backend.connect, dist.PrefixStore(key.hex(), store), self._rank, self._device, group_timeout
         )
@@ -203,8 +194,8 @@ class PairGroupChannel:
         """Queue one op. A send goes behind the private stream: its payload is complete already (the
         caller's contract), so it waits for nothing the engine queued. A recv is posted with the caller's
         stream current, so it starts after the work queued there so far, which may still read the buffer's
-        previous frame. No stream switch and wait of our own: on the H200 host's just-woken cores they took D
-        about 80 µs per frame, between reading the frame and posting its recv."""
+        previous frame. No stream switch and wait of our own: on just-woken cores they cost D tens of µs per
+        frame between reading the frame and posting its recv (docs/kv_transfer_protocol.md)."""
         if not send:
             return group.recv(tensor)
         with self._on_stream():
@@ -231,8 +222,8 @@ class PairGroupChannel:
                     problem = self._dead
                 elif self._control.closed:
                     problem = "the control connection closed during a payload"
-                elif waited > self._payload_timeout_s:
-                    problem = f"payload not done within {self._payload_timeout_s}s"
+                elif waited > self._liveness_s:
+                    problem = f"payload not done within {self._liveness_s}s"
                 elif hurried and (spin_start is None or now - spin_start <= SPIN_S):
                     spin_start = now if spin_start is None else spin_start
                     delay = 0.0
@@ -308,17 +299,6 @@ class PairGroupChannel:
         # never idles between frames. The tensor stays referenced until the op is seen done.
         self._track(self._post(self._group, payload, send=True), payload)
         await self._until_in_flight(MAX_IN_FLIGHT)
-
-    def ring_ack(self, key: bytes) -> None:
-        if self._doorbell is not None:
-            self._doorbell.ring(key)
-
-    def ack_rung(self, key: bytes) -> bool:
-        return self._doorbell is not None and self._doorbell.rung(key)
-
-    async def recv_exact(self, nbytes: int) -> bytes:
-        self._check()
-        return await self._control.recv_exact(nbytes)
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         self._check()

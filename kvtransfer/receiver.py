@@ -2,10 +2,10 @@
 
 State of an accepted transfer: OPEN -> (DATA)* -> COMPLETED | ABORTED. Invariants: the terminal decision is
 taken under the transfer's lock, so exactly one of `on_complete` (then ACK, rung on the channel's doorbell
-first when it has one) or `on_abort` runs per accepted transfer and no handler call for it overlaps another; a
-transfer is in `_transfers` exactly while it is OPEN; DATA may only name reserved destination blocks, and
-COMPLETE is accepted only once every (layer, reserved block) pair has arrived. On a channel whose payloads
-land after `recv` returned them (ucx), a DATA frame is checked at once and delivered (`on_data`) by a task
+first) or `on_abort` runs per accepted transfer and no handler call for it overlaps another; a transfer is in
+`_transfers` exactly while it is OPEN; DATA may only name reserved destination blocks, and COMPLETE is
+accepted only once every (layer, reserved block) pair has arrived. A DATA frame whose payload has not landed
+when `recv` returned it (`ByteChannel.payload_landed`) is checked at once and delivered (`on_data`) by a task
 once its bytes landed, while the next frames are read; a COMPLETE read meanwhile is finished by the last such
 task of its transfer (its ACK then leaves before the channel may post its next receive), and the next payload
 waits for that frame's release. Paths to ABORTED: P's ABORT, the deadline, a bad or corrupted frame, a handler
@@ -22,9 +22,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-import numpy as np
 import torch
 from pdserve.kvtransfer.common import (
     DTYPES,
@@ -38,39 +37,14 @@ from pdserve.kvtransfer.common import (
 )
 from pdserve.kvtransfer.connector import ConnectorConfig, TransferHandler
 from pdserve.kvtransfer.doorbell import ack_key
-from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection, LandingPayloads
+from pdserve.kvtransfer.framing import ByteChannel, Frame, FramedConnection
 from pdserve.kvtransfer.handshake import server_handshake
-from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal, Ping
+from pdserve.kvtransfer.open_transfer import Cols, OpenTransfer
 from pdserve.kvtransfer.transport import Listener, Transport
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
-Cols = slice | list[int]  # a DATA frame's columns among the reserved blocks
-
-
-class _Transfer:
-    def __init__(
-        self, tid: RequestId, conn: FramedConnection, reply: OpenReply, deadline: float, layers: int
-    ):
-        self.tid = tid
-        self.conn = conn
-        self.reply = reply
-        self.deadline = deadline
-        self.lock = asyncio.Lock()
-        self.done = False
-        self.received = np.zeros((layers, len(reply.dst_block_ids)), dtype=np.bool_)  # [L, reserved]
-        self.expiry: asyncio.Task[None] | None = None
-        self.landing = 0  # DATA frames whose bytes are still landing (delivered by a task)
-        self.complete: Complete | None = None  # COMPLETE, read while some DATA was still landing
-        self._dst_ids: torch.Tensor | None = None  # [reserved] int64: dst_block_ids where payloads land
-
-    def dst_ids(self, device: torch.device) -> torch.Tensor:
-        """The reserved destination ids as one tensor on `device`, built at the first DATA (a frame's ids are
-        then a slice of it: no tensor built from a list, no synchronous host-to-device copy per frame)."""
-        if self._dst_ids is None or self._dst_ids.device != device:
-            ids = torch.tensor(self.reply.dst_block_ids, dtype=torch.int64, pin_memory=device.type == "cuda")
-            self._dst_ids = ids.to(device, non_blocking=True)
-        return self._dst_ids
 
 
 class ChannelServer:
@@ -82,7 +56,7 @@ class ChannelServer:
         self.identity = identity
         self.handler = handler
         self._listener: Listener | None = None
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, OpenTransfer] = {}
         self._opening: dict[str, tuple[FramedConnection, asyncio.Task[None]]] = {}
         self._connections: dict[ByteChannel, asyncio.Future[None]] = {}
         # the tasks answering OPENs and delivering payloads that are still landing
@@ -105,7 +79,7 @@ class ChannelServer:
         log.info("KV receiver %s listening on %s", self.identity.node_id, self.address)
 
     async def stop(self) -> None:
-        """Connections first (their handlers must end before a UCX listener goes), then the listener."""
+        """Connections first (their handlers end before a transport's listener goes), then the listener."""
         self._stopping = True
         for _, task in list(self._opening.values()):
             task.cancel()
@@ -127,11 +101,13 @@ class ChannelServer:
         self._connections[channel] = done
         conn = FramedConnection(channel, self.config.max_payload_bytes)
         reason, peer_id = "connection closed", channel.peer
+        alive: asyncio.Task[None] | None = None
         try:
             hello_id = await self._handshake(conn)
             if hello_id is None:
                 return
             peer_id = hello_id
+            alive = asyncio.create_task(conn.keep_alive(self.config.liveness_s))
             while True:
                 try:
                     frame = await conn.recv()
@@ -149,15 +125,19 @@ class ChannelServer:
             with contextlib.suppress(ConnectionLost):
                 await conn.send(Error("protocol", str(e)))
         except ConnectionLost as e:
-            reason = f"connection lost: {e}"
+            reason = conn.silent or f"connection lost: {e}"
         finally:
             channel.abort()
+            if alive is not None:
+                alive.cancel()
             opening = [task for c, task in self._opening.values() if c is conn]
             for task in opening:
                 task.cancel()
             await asyncio.gather(*opening, return_exceptions=True)
             for t in [t for t in self._transfers.values() if t.conn is conn]:
                 await self._abort(t, f"connection from {peer_id} ended ({reason})", notify=False)
+            if conn.silent is not None:
+                await self._call_quietly(self.handler.on_peer_silent(NodeId(peer_id), conn.silent))
             del self._connections[channel]
             done.set_result(None)
 
@@ -166,7 +146,11 @@ class ChannelServer:
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 hello = await server_handshake(
-                    conn, self.config.auth_token, self.identity, self.config.frame_checksum
+                    conn,
+                    self.config.auth_token,
+                    self.identity,
+                    self.config.frame_checksum,
+                    self.config.liveness_s,
                 )
         except TimeoutError:
             log.warning(
@@ -187,6 +171,8 @@ class ChannelServer:
         msg = frame.msg
         if frame.payload is not None and not isinstance(msg, Data):
             raise ProtocolError(f"{type(msg).__name__} must not carry a payload")
+        if isinstance(msg, Ping):  # heard: the channel noted when
+            return
         if isinstance(msg, Open):
             self._start_open(conn, peer_id, msg)
             return
@@ -255,45 +241,14 @@ class ChannelServer:
         if conn.channel not in self._connections:  # the connection ended while the handler reserved
             await self._call_on_abort(tid, "connection ended before OPEN was answered")
             return
-        t = _Transfer(tid, conn, reply, msg.deadline, self.identity.layout.num_layers)
+        t = OpenTransfer(tid, conn, reply, msg.deadline, self.identity.layout.num_layers)
         self._transfers[tid] = t
         t.expiry = asyncio.create_task(self._expire(t))
         with contextlib.suppress(ConnectionLost):
             await conn.send(OpenOk(tid, reply.num_held_blocks, tuple(reply.dst_block_ids)))
 
-    def _blocks(
-        self, t: _Transfer, msg: Data, payload: torch.Tensor | None
-    ) -> tuple[torch.Tensor, Cols] | str:
-        """(dst ids on the payload's device, reserved columns) of a valid DATA, or what is wrong with it."""
-        layout, reply, n = self.identity.layout, t.reply, len(msg.block_indices)
-        if payload is None:
-            return "DATA without payload"
-        if n == 0 or not n == len(msg.src_blocks) == len(msg.dst_blocks):
-            return f"DATA descriptor lists differ in length or are empty ({n}, {len(msg.dst_blocks)})"
-        if not 0 <= msg.layer_start < msg.layer_start + msg.num_layers <= layout.num_layers:
-            return f"DATA layers {msg.layer_start}+{msg.num_layers} outside [0, {layout.num_layers})"
-        if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
-            return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
-        reserved = reply.dst_block_ids
-        first = msg.block_indices[0]
-        j0 = first - reply.num_held_blocks
-        # The usual frame names a run of consecutive blocks: one slice comparison checks it (reserved ids are
-        # distinct, so equal destinations pin every index), and its ids and columns are slices.
-        if (
-            j0 >= 0
-            and msg.dst_blocks == reserved[j0 : j0 + n]
-            and msg.block_indices == tuple(range(first, first + n))
-        ):
-            return t.dst_ids(payload.device)[j0 : j0 + n], slice(j0, j0 + n)
-        for index, dst in zip(msg.block_indices, msg.dst_blocks, strict=True):
-            j = index - reply.num_held_blocks
-            if not 0 <= j < len(reserved) or reserved[j] != dst:
-                return f"DATA block {index} -> {dst} is not in the reservation"
-        cols = [i - reply.num_held_blocks for i in msg.block_indices]
-        return t.dst_ids(payload.device)[cols], cols
-
-    async def _data(self, t: _Transfer, msg: Data, payload: torch.Tensor | None) -> None:
-        blocks = self._blocks(t, msg, payload)
+    async def _data(self, t: OpenTransfer, msg: Data, payload: torch.Tensor | None) -> None:
+        blocks = t.blocks_of(msg, payload, self.identity.layout)
         if isinstance(blocks, str):
             await self._abort(t, blocks, notify=True)
             return
@@ -303,15 +258,14 @@ class ChannelServer:
         buffer = payload.view(DTYPES[lay.dtype]).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
-        landing = t.conn.landing
-        if landing is None:
+        if t.conn.channel.payload_landed():
             await self._deliver(t, msg, buffer, blocks)
             return
         # The bytes are still landing (the checks above ran meanwhile): deliver them from a task, so the next
         # frames, COMPLETE typically, are read and checked before they land, not after.
         release = t.conn.defer_release()
         t.landing += 1
-        task = asyncio.ensure_future(self._land(t, msg, buffer, blocks, landing, release))
+        task = asyncio.ensure_future(self._land(t, msg, buffer, blocks, release))
         self._landings.add(task)
         task.add_done_callback(self._landed)
 
@@ -323,17 +277,16 @@ class ChannelServer:
 
     async def _land(
         self,
-        t: _Transfer,
+        t: OpenTransfer,
         msg: Data,
         buffer: torch.Tensor,
         blocks: tuple[torch.Tensor, Cols],
-        landing: LandingPayloads,
         release: Callable[[], None],
     ) -> None:
         try:
             # A failed landing kills the connection: its reader then aborts the connection's transfers.
             with contextlib.suppress(ConnectionLost):
-                await landing.landed()
+                await t.conn.channel.landed()
                 await self._deliver(t, msg, buffer, blocks)
                 t.landing -= 1
                 if not t.landing and t.complete is not None:
@@ -342,7 +295,7 @@ class ChannelServer:
             release()
 
     async def _deliver(
-        self, t: _Transfer, msg: Data, buffer: torch.Tensor, blocks: tuple[torch.Tensor, Cols]
+        self, t: OpenTransfer, msg: Data, buffer: torch.Tensor, blocks: tuple[torch.Tensor, Cols]
     ) -> None:
         """Hand a landed payload (as [num_layers, 2, n, block_size, Hkv, D]) to `on_data` and mark its
         layer-blocks received."""
@@ -360,20 +313,19 @@ class ChannelServer:
                 return
         await self._abort(t, failure, notify=True)
 
-    async def _complete(self, t: _Transfer, msg: Complete) -> None:
+    async def _complete(self, t: OpenTransfer, msg: Complete) -> None:
         if t.landing:  # the last DATA still landing finishes the transfer once it was delivered
             t.complete = msg
             return
         await self._finish(t, msg)
 
-    async def _finish(self, t: _Transfer, msg: Complete) -> None:
+    async def _finish(self, t: OpenTransfer, msg: Complete) -> None:
         """COMPLETE once every DATA before it was delivered: nothing missing, then on_complete and ACK."""
         missing = int((~t.received).sum())
         if missing:
             await self._abort(t, f"COMPLETE with {missing} of {t.received.size} layer-blocks missing", True)
             return
-        if t.conn.deferred is not None:  # every payload landed; ConnectionLost if not
-            await t.conn.deferred.flush()
+        await t.conn.channel.flush()  # every payload landed; ConnectionLost if not
         async with t.lock:
             if t.done:
                 return
@@ -384,20 +336,19 @@ class ChannelServer:
                 failure = f"receiver error in on_complete: {e!r}"
             else:
                 self._end(t)
-                if t.conn.doorbell is not None:  # a peer on this host may take the ACK from there
-                    t.conn.doorbell.ring_ack(ack_key(t.tid, t.deadline))
+                t.conn.channel.ring_ack(ack_key(t.tid, t.deadline))  # a peer on this host may take it there
                 with contextlib.suppress(ConnectionLost):
                     await t.conn.send(Ack(t.tid))
                 return
         await self._abort(t, failure, notify=True)
 
-    def _end(self, t: _Transfer) -> None:
+    def _end(self, t: OpenTransfer) -> None:
         t.done = True
         del self._transfers[t.tid]
         if t.expiry is not None and t.expiry is not asyncio.current_task():
             t.expiry.cancel()
 
-    async def _abort(self, t: _Transfer, reason: str, notify: bool) -> None:
+    async def _abort(self, t: OpenTransfer, reason: str, notify: bool) -> None:
         async with t.lock:
             if t.done:
                 return
@@ -414,6 +365,12 @@ class ChannelServer:
         except Exception:
             log.exception("on_abort(%r) failed; its reservation may leak", tid)
 
-    async def _expire(self, t: _Transfer) -> None:
+    async def _call_quietly(self, call: Awaitable[None]) -> None:
+        try:
+            await call
+        except Exception:
+            log.exception("the transfer handler failed")
+
+    async def _expire(self, t: OpenTransfer) -> None:
         await asyncio.sleep(max(t.deadline - time.time(), 0.0))
         await self._abort(t, f"deadline {t.deadline:.3f} passed", notify=True)

@@ -36,7 +36,18 @@ from pdserve.kvtransfer.device_sync import SPIN_S, stream_idle
 from pdserve.kvtransfer.doorbell import ack_key as doorbell_key
 from pdserve.kvtransfer.framing import FramedConnection
 from pdserve.kvtransfer.handshake import client_handshake
-from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Message, Open, OpenOk, OpenRefusal
+from pdserve.kvtransfer.messages import (
+    Abort,
+    Ack,
+    Complete,
+    Data,
+    Error,
+    Message,
+    Open,
+    OpenOk,
+    OpenRefusal,
+    Ping,
+)
 from pdserve.kvtransfer.transport import Transport, parse_address
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 
@@ -55,6 +66,7 @@ class _PeerConnection:
         self.sessions: dict[str, ChannelSession] = {}
         self.lost: str | None = None
         self.reader = asyncio.create_task(self._read_loop())
+        self.alive = asyncio.create_task(conn.keep_alive(config.liveness_s))
 
     async def _read_loop(self) -> None:
         reason = "connection closed"
@@ -65,15 +77,18 @@ class _PeerConnection:
                     raise ProtocolError(f"receiver sent a payload on {type(frame.msg).__name__}")
                 self._dispatch(frame.msg)
         except (ConnectionLost, ProtocolError) as e:
-            reason = f"connection to {self.peer_id} lost: {e}"
+            reason = f"connection to {self.peer_id} lost: {self.conn.silent or e}"
             log.warning("%s", reason)
         finally:
             self.lost = reason
             self.conn.channel.abort()
+            self.alive.cancel()
             for session in list(self.sessions.values()):
                 session._fail(reason)
 
     def _dispatch(self, msg: Message) -> None:
+        if isinstance(msg, Ping):  # heard: the channel noted when
+            return
         if isinstance(msg, Error):
             raise ProtocolError(f"receiver sent ERROR {msg.code}: {msg.detail}")
         if not isinstance(msg, OpenOk | OpenRefusal | Ack | Abort):
@@ -97,6 +112,7 @@ class _PeerConnection:
         for session in list(self.sessions.values()):
             await session.abort("sender closing")
         self.reader.cancel()
+        self.alive.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.reader
         await self.conn.channel.close()
@@ -161,17 +177,17 @@ class ChannelSession:
     ) -> Message:
         """Send `msg` and wait for the reply to it until unix time `until`. With `spin`, the loop keeps
         turning for up to SPIN_S before it blocks: a reply expected within a millisecond or two is then
-        seen at once, not after the wake-up of an idle core (0.1-0.2 ms measured on the GPU machines).
-        With `ack_key`, on a connection with an ACK doorbell, a ring of that key seen while spinning is the
-        ACK: it is returned as one, and the ACK frame that follows finds the session ended."""
+        seen at once, not after the wake-up of an idle core (docs/kv_transfer_protocol.md, "Measurements").
+        With `ack_key`, a ring of that key on the channel's ACK doorbell (same-host peers) seen while spinning
+        is the ACK: it is returned as one, and the ACK frame that follows finds the session ended."""
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._send(msg)
             if spin:
-                bell = self._connection.conn.doorbell
+                channel = self._connection.conn.channel
                 spin_until = time.perf_counter() + SPIN_S
                 while not waiter.done() and time.perf_counter() < spin_until:
-                    if ack_key is not None and bell is not None and bell.ack_rung(ack_key):
+                    if ack_key is not None and channel.ack_rung(ack_key):
                         return Ack(self._transfer_id)
                     await asyncio.sleep(0)
             if waiter.done():  # seen while spinning: no timeout scope to set up
@@ -242,10 +258,10 @@ class ChannelSession:
         self._check_usable()
         if buffer.dim() == 5:
             buffer = buffer.unsqueeze(0)
-        limit = self._connection.conn.payload_limit
+        limit = self._connection.conn.channel.payload_limit
         nbytes = buffer.numel() * buffer.element_size()
         if limit is not None and nbytes > limit and buffer.shape[0] > 1:
-            # the channel's frames are bounded (cuda_ipc's window): send the layers in groups that fit
+            # the channel's frames are bounded (ByteChannel.payload_limit): send the layers in groups that fit
             per_group = max(1, limit // (nbytes // buffer.shape[0]))
             for first in range(0, buffer.shape[0], per_group):
                 await self.send_layers(layer_start + first, blocks, buffer[first : first + per_group])
@@ -322,7 +338,11 @@ class ChannelSender:
         try:
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 peer = await client_handshake(
-                    conn, self.config.auth_token, self.identity, self.config.frame_checksum
+                    conn,
+                    self.config.auth_token,
+                    self.identity,
+                    self.config.frame_checksum,
+                    self.config.liveness_s,
                 )
         except TimeoutError:
             channel.abort()

@@ -9,22 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.doorbell import Doorbell
 from pdserve.kvtransfer.framing import ByteChannel
 
 _READ_CHUNK = 4 << 20
 
 
-class TcpChannel:
+class TcpChannel(ByteChannel):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
         host, port = writer.get_extra_info("peername")[:2]
         self._peer = f"{host}:{port}"
+        self._heard_at = time.monotonic()
+
+    @property
+    def heard_at(self) -> float:
+        return self._heard_at
 
     @property
     def peer(self) -> str:
@@ -43,9 +50,11 @@ class TcpChannel:
 
     async def recv_exact(self, nbytes: int) -> bytes:
         try:
-            return await self._reader.readexactly(nbytes)
+            data = await self._reader.readexactly(nbytes)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             raise ConnectionLost(f"connection from {self._peer} closed: {e!r}") from e
+        self._heard_at = time.monotonic()
+        return data
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)
@@ -60,6 +69,7 @@ class TcpChannel:
                 raise ConnectionLost(f"connection from {self._peer} closed after {filled} of {nbytes} B")
             view[filled : filled + len(chunk)] = chunk
             filled += len(chunk)
+            self._heard_at = time.monotonic()  # a long payload still shows the peer alive as it arrives
         return out
 
     async def authenticated(self) -> None:
@@ -110,6 +120,43 @@ class TcpTransport:
             await on_channel(TcpChannel(reader, writer))
 
         return TcpListener(await asyncio.start_server(accept, host, port))
+
+
+class ControlChannel(ByteChannel):
+    """The base of the channels that carry frames on a TCP control connection and payloads another way
+    (nccl's pair group, cuda_ipc's window, ucx's endpoint): the control connection gives the peer, liveness
+    and the frames' prefix and header; `_dead` (why the channel is closed) fails every later call; a channel
+    whose ends share a host sets `_doorbell` to take ACKs from it."""
+
+    name = "control"  # the connector, in errors
+
+    def __init__(self, control: TcpChannel) -> None:
+        self._control = control
+        self._dead: str | None = None
+        self._doorbell: Doorbell | None = None
+
+    @property
+    def peer(self) -> str:
+        return self._control.peer
+
+    @property
+    def heard_at(self) -> float:
+        return self._control.heard_at
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise ConnectionLost(f"{self.name} channel to {self.peer} is closed: {self._dead}")
+
+    async def recv_exact(self, nbytes: int) -> bytes:
+        self._check()
+        return await self._control.recv_exact(nbytes)
+
+    def ring_ack(self, key: bytes) -> None:
+        if self._doorbell is not None:
+            self._doorbell.ring(key)
+
+    def ack_rung(self, key: bytes) -> bool:
+        return self._doorbell is not None and self._doorbell.rung(key)
 
 
 class ControlTransport:

@@ -1,4 +1,4 @@
-"""What a byte transport (TCP, UCX) provides to the protocol code: dialing and listening.
+"""What a byte transport provides to the protocol code: dialing and listening.
 
 A `Transport` hands out `ByteChannel`s (framing.py); the protocol itself is written once (sender.py,
 receiver.py) and `ChannelConnector` (channel_connector.py) binds the two. Addresses are

@@ -207,7 +207,9 @@ class PrefillService:
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()
             await self._abort(rid, job, session, str(exc) or type(exc).__name__)
-            return PrefillResult(rid, None, 0, 0, 0, error=f"prefill failed: {exc}")
+            # once D took the transfer, its failure is D's to handle (it computes the prompt itself)
+            computes = job is not None
+            return PrefillResult(rid, None, 0, 0, 0, f"prefill failed: {exc}", decode_computes=computes)
         except BaseException:
             await self._abort(rid, job, session, "prefill cancelled")
             raise

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pdserve.router.errors import NoRoom, QueueFull
 from pdserve.router.policy import NodeView
@@ -49,17 +49,16 @@ class _Count:
     prefill_tokens: int = 0
 
 
+@dataclass(eq=False)
 class Lease:
-    """What one choice holds on its nodes until it ends."""
+    """What one choice holds on its nodes until it ends: one request on each of `nodes`, and one request and
+    `tokens` prompt tokens on `prefill` until its part ends."""
 
-    def __init__(
-        self, ledger: Ledger, nodes: tuple[NodeId, ...], prefill: NodeId | None, tokens: int
-    ) -> None:
-        self._ledger = ledger
-        self._nodes = nodes
-        self._prefill = prefill
-        self._tokens = tokens
-        self._live = True
+    _ledger: Ledger
+    _nodes: tuple[NodeId, ...]
+    _prefill: NodeId | None
+    _tokens: int
+    _live: bool = field(default=True, init=False)
 
     def prefill_done(self) -> None:
         """The prefilling node's part is over: neither its request nor its tokens are this choice's."""

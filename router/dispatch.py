@@ -299,26 +299,13 @@ class RequestRun:
 
     async def _run_nodes(self, job: ChoiceJob, decode: NodeClient, prefill: NodeClient | None) -> None:
         route = job.route
-        gen = NodeGenerateRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling=job.sampling,
-            cache_salt=self._salt,
-            deadline=self.deadline,
-            prefill_node_id=None if route.prefill is None else route.prefill.node_id,
-        )
+        # what to run, the same in both node requests: id, prompt, sampling, salt, deadline
+        what = (job.request_id, job.prompt_token_ids, job.sampling, self._salt, self.deadline)
+        gen = NodeGenerateRequest(*what, None if route.prefill is None else route.prefill.node_id)
         if prefill is None or route.prefill is None:
             await self._pump(job, decode, route.decode, gen)
             return
-        pre = PrefillRequest(
-            request_id=job.request_id,
-            prompt_token_ids=job.prompt_token_ids,
-            sampling=job.sampling,
-            cache_salt=self._salt,
-            deadline=self.deadline,
-            decode_node_id=route.decode.node_id,
-            decode_transfer_addr=route.decode.transfer_addr,
-        )
+        pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr)
         pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
         pre_task = asyncio.create_task(prefill.prefill(pre))
         try:
@@ -332,11 +319,12 @@ class RequestRun:
                     self._check_hits(job, prefill.node_id, result.cached_tokens)
                 # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
                 # have died after its transfer completed). Before that, P's failure ends this attempt (the
-                # decode side is aborted in finally).
+                # decode side is aborted in finally), unless D took the transfer: D then computes the prompt
+                # itself (kv_load_failure_policy) and its stream tells how the request ends.
                 if job.index not in self._started:
                     if failure is not None:
                         raise failure
-                    if result is not None and result.error is not None:
+                    if result is not None and result.error is not None and not result.decode_computes:
                         failed = NodeError(prefill.node_id, f"prefill failed: {result.error}", retryable=True)
                         raise await _blame(failed, pump)
                 await pump

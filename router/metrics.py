@@ -11,17 +11,7 @@ tokens the prefilling node computes are histograms labelled by decision kind and
 
 from __future__ import annotations
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
-    generate_latest,
-)
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pdserve.shared.metrics import MetricsRegistry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -32,141 +22,104 @@ DECISION_KINDS = ("pd", "local", "single")
 HIT_KINDS = ("local", "remote", "miss")
 
 
-class RouterMetrics:
-    """The router's series; `render()` is the /metrics body."""
-
-    content_type = CONTENT_TYPE_LATEST
+class RouterMetrics(MetricsRegistry):
+    """The router's series."""
 
     def __init__(self) -> None:
-        disable_created_metrics()  # no `_created` series beside each counter and histogram
-        self.registry = CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        self.ttft = Histogram(
+        super().__init__()
+        hist, counter, gauge = self.histogram, self.counter, self.gauge
+        self.ttft = hist(
             "pdserve_router_time_to_first_token_seconds",
             "Request arrival to its first generated token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = hist(
             "pdserve_router_inter_token_latency_seconds",
             "Gap between generated tokens of one choice.",
-            buckets=_ITL_BUCKETS,
-            registry=r,
+            _ITL_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = hist(
             "pdserve_router_e2e_request_latency_seconds",
             "Request arrival to its last token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.tokenize = Histogram(
-            "pdserve_router_tokenize_seconds",
-            "Time to tokenize one prompt.",
-            buckets=_ROUTING_BUCKETS,
-            registry=r,
+        self.tokenize = hist(
+            "pdserve_router_tokenize_seconds", "Time to tokenize one prompt.", _ROUTING_BUCKETS
         )
-        self.routing = Histogram(
+        self.routing = hist(
             "pdserve_router_routing_seconds",
             "Block hashing + index lookup + policy choice for one prompt.",
-            buckets=_ROUTING_BUCKETS,
-            registry=r,
+            _ROUTING_BUCKETS,
         )
-        self.prompt_tokens = Counter(
-            "pdserve_router_prompt_tokens", "Prompt tokens of served requests.", registry=r
+        self.prompt_tokens = counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests.")
+        self.generation_tokens = counter(
+            "pdserve_router_generation_tokens", "Generated tokens streamed back."
         )
-        self.generation_tokens = Counter(
-            "pdserve_router_generation_tokens", "Generated tokens streamed back.", registry=r
-        )
-        self.decisions = Counter(
-            "pdserve_router_decisions", "Routing decisions by kind.", ["kind"], registry=r
-        )
-        self.prefix_hit_tokens = Counter(
+        self.decisions = counter("pdserve_router_decisions", "Routing decisions by kind.", ["kind"])
+        self.prefix_hit_tokens = counter(
             "pdserve_router_prefix_hit_tokens",
             "Prompt tokens by where their KV was expected at routing time.",
             ["kind"],
-            registry=r,
         )
-        self.decision_score = Histogram(
+        self.decision_score = hist(
             "pdserve_router_decision_score",
             "Score of each routing decision, in token equivalents (lower was better).",
+            _TOKEN_BUCKETS,
             ["kind", "node_id"],
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
         )
-        self.decision_prefill_tokens = Histogram(
+        self.decision_prefill_tokens = hist(
             "pdserve_router_decision_prefill_tokens",
             "Prompt tokens each decision expects its prefilling node to compute (an estimate).",
+            _TOKEN_BUCKETS,
             ["kind", "node_id"],
-            buckets=_TOKEN_BUCKETS,
-            registry=r,
         )
-        self.requests = Counter(
+        self.requests = counter(
             "pdserve_router_requests",
             "Finished HTTP requests by endpoint and status.",
             ["endpoint", "status"],
-            registry=r,
         )
-        self.in_flight = Gauge(
-            "pdserve_router_requests_in_flight", "Client requests being served.", registry=r
-        )
-        self.node_in_flight = Gauge(
+        self.in_flight = gauge("pdserve_router_requests_in_flight", "Client requests being served.")
+        self.node_in_flight = gauge(
             "pdserve_router_node_requests_in_flight",
             "Node requests (generate or prefill) open per node.",
             ["node_id"],
-            registry=r,
         )
-        self.admission_waits = Counter(
+        self.admission_waits = counter(
             "pdserve_router_admission_waits",
             "Placements that waited because every node of a role was at its in-flight limit.",
-            registry=r,
         )
-        self.index_unavailable = Counter(
+        self.index_unavailable = counter(
             "pdserve_router_index_unavailable",
             "Routing decisions made load-only because the Redis index was unreachable.",
-            registry=r,
         )
-        self.aborts = Counter(
-            "pdserve_router_aborts", "Node requests aborted by the router, by reason.", ["reason"], registry=r
+        self.aborts = counter(
+            "pdserve_router_aborts", "Node requests aborted by the router, by reason.", ["reason"]
         )
-        self.node_requests = Counter(
-            "pdserve_router_node_requests",
-            "Node requests (generate or prefill) sent, per node.",
-            ["node_id"],
-            registry=r,
+        self.node_requests = counter(
+            "pdserve_router_node_requests", "Node requests (generate or prefill) sent, per node.", ["node_id"]
         )
-        self.circuit_open = Gauge(
+        self.circuit_open = gauge(
             "pdserve_router_node_circuit_open",
             "1 while the node's circuit breaker is open (a refused or reset connection; no request goes "
             "there until its health probe answers), else 0.",
             ["node_id"],
-            registry=r,
         )
-        self.circuit_trips = Counter(
-            "pdserve_router_node_circuit_trips",
-            "Times the node's circuit breaker opened.",
-            ["node_id"],
-            registry=r,
+        self.circuit_trips = counter(
+            "pdserve_router_node_circuit_trips", "Times the node's circuit breaker opened.", ["node_id"]
         )
-        self.index_stale_blocks = Gauge(
+        self.index_stale_blocks = gauge(
             "pdserve_router_index_stale_blocks",
             "Block records the index holds for a node minus the blocks the node reported holding at its last "
             "heartbeat (positive: records of evicted blocks; negative: blocks the index does not know).",
             ["node_id"],
-            registry=r,
         )
-        self.stale_decisions = Counter(
+        self.stale_decisions = counter(
             "pdserve_router_stale_decisions",
             "Routing decisions that counted on prefix blocks the node turned out not to hold (the index "
             "records they were made on were stale).",
             ["node_id"],
-            registry=r,
-        )
+        )  # fmt: skip
         for kind in DECISION_KINDS:
             self.decisions.labels(kind=kind)
         for kind in HIT_KINDS:
             self.prefix_hit_tokens.labels(kind=kind)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

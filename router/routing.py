@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.router.admission import Lease, Ledger
 from pdserve.router.background import Background
@@ -64,31 +64,21 @@ class Placement:
             lease.release()
 
 
+@dataclass(eq=False)
 class Router:
     """The router's view of the cluster, shared by all requests of one process."""
 
-    def __init__(
-        self,
-        index: BlockIndex,
-        policy: PolicyConfig,
-        membership: Membership,
-        metrics: RouterMetrics,
-        background: Background,
-        breakers: Breakers,
-        ledger: Ledger,
-        model_check: ModelCheck,
-    ) -> None:
-        self._index = index
-        self._model_check = model_check
-        self._ledger = ledger
-        self._breakers = breakers
-        self._policy = policy
-        self._membership = membership
-        self._metrics = metrics
-        self._background = background
-        self._rotation = 0
-        self._refused: dict[NodeId, float] = {}
-        """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
+    _index: BlockIndex
+    _policy: PolicyConfig
+    _membership: Membership
+    _metrics: RouterMetrics
+    _background: Background
+    _breakers: Breakers
+    _ledger: Ledger
+    _model_check: ModelCheck
+    _rotation: int = field(default=0, init=False)
+    _refused: dict[NodeId, float] = field(default_factory=dict, init=False)
+    """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
 
     @property
     def index_ok(self) -> bool:

@@ -42,7 +42,7 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
     """The settings model whose fields a command's options are (read back from its click callback)."""
     from pdserve.kvctl import cli as kvctl_cli
     from pdserve.router.__main__ import RouterOptions
-    from pdserve.shared.node.node_cli import NodeOptions, PrefillOptions
+    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
     from pdserve.up_options import UpOptions
 
     if group is pdserve:
@@ -51,7 +51,7 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
 
         commands: dict[str, type[Settings]] = {"generate": GenerateOptions, "up": UpOptions,
             "router": RouterOptions, "prefill": PrefillOptions, "bench": BenchOptions}  # fmt: skip
-        return commands.get(name, NodeOptions)
+        return commands.get(name, DecodeOptions)
     classes: dict[str, type[Settings]] = {"blocks": kvctl_cli.Blocks, "where": kvctl_cli.PromptOptions,
         "evict": kvctl_cli.Evict, "drain": kvctl_cli.NodeAction, "undrain": kvctl_cli.NodeAction}  # fmt: skip
     return classes.get(name, kvctl_cli.Common)

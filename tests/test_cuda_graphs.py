@@ -204,3 +204,26 @@ def test_captured_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(dev) - start < 1 << 20
+
+
+def test_rows_fed_from_the_previous_steps_tokens_match_host_tokens(cpu_runner: ModelRunner) -> None:
+    """Async scheduling: an item with `prev_row` takes its input id from the previous step's token tensor
+    (on the device) and gives the logits of the same item fed from the host, through the graphs (the
+    static buffers' device-side fill) and eagerly (beside a prefill chunk)."""
+    rng = random.Random(11)
+    items = decode_batch(rng, 4, cpu_runner.config.vocab_size)
+    want = cpu_runner.execute(items, layer_hook=lambda layer: None)
+    prev = torch.tensor([7, items[1].token_ids[-1], 5, items[3].token_ids[-1]], dtype=torch.int64)
+    fed = list(items)
+    for i, row in ((1, 1), (3, 3)):
+        it = items[i]
+        fed[i] = dataclasses.replace(it, token_ids=it.token_ids[:-1], prev_row=row)
+    cpu_runner.graphs = graphs = eager_graphs(cpu_runner)
+    try:
+        got = cpu_runner.execute(fed, prev_tokens=prev)
+    finally:
+        cpu_runner.graphs = None
+        graphs.close()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    eager = cpu_runner.execute(fed, layer_hook=lambda layer: None, prev_tokens=prev)
+    torch.testing.assert_close(eager, want, rtol=1e-5, atol=1e-5)

@@ -329,6 +329,34 @@ def test_no_chat_body_gets_a_5xx(live: tuple[LiveCluster, str], body: dict[str, 
     check_no_5xx(live[0].base, "/v1/chat/completions", body, "CreateChatCompletionResponse")
 
 
+@settings(PROPERTY, max_examples=40)
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    data=st.data(),
+    include_usage=st.booleans(),
+)
+def test_no_streamed_body_gets_a_server_error(
+    live: tuple[LiveCluster, str], path: str, data: st.DataObject, include_usage: bool
+) -> None:
+    """Streamed: refused with a 4xx before the stream starts, or a 200 stream of chunks ending in [DONE];
+    never a 5xx, nor a server error sent as an event once the 200 is out."""
+    request = "CreateCompletionRequest" if path == "/v1/completions" else "CreateChatCompletionRequest"
+    body = data.draw(bodies(request)) | {"stream": True, "stream_options": {"include_usage": include_usage}}
+    raw = json.dumps(body).replace(json.dumps(_DEEP), nested(5000).decode()).encode()
+    headers = {"content-type": "application/json", "authorization": f"Bearer {KEYS[2]}"}
+    with httpx.stream("POST", live[0].base + path, content=raw, headers=headers, timeout=120) as r:
+        event(f"HTTP {r.status_code}")
+        assert r.status_code < 500, (body, r.read()[:500])
+        if r.status_code != 200:
+            schema.validate(json.loads(r.read()), "ErrorResponse")
+            return
+        lines = [line for line in r.iter_lines() if line]
+    assert lines and lines[-1] == "data: [DONE]", (body, lines[-3:])
+    for line in lines[:-1]:
+        chunk = json.loads(line.removeprefix("data: "))
+        assert chunk.get("error", {}).get("type") != "server_error", (body, chunk)
+
+
 def test_the_cluster_is_clean_after_the_property_run(live: tuple[LiveCluster, str]) -> None:
     live[0].wait_clean(timeout_s=30)
 

@@ -145,9 +145,11 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     )
     rest = [i for i in range(len(PROMPTS)) if i not in SOLO]
     path = _prompts_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rest)
+    # the concurrent run overlaps steps (async scheduling, off by default on the CPU): same tokens
     batched = _cli(
-        "--prompts-file", path, "--max-tokens", str(MAX_NEW), "--max-num-batched-tokens", str(CHUNK_BUDGET)
-    )
+        "--prompts-file", path, "--max-tokens", str(MAX_NEW), "--max-num-batched-tokens", str(CHUNK_BUDGET),
+        "--async-scheduling", "on",
+    )  # fmt: skip
     assert len(solo) == 2 and len(batched) == len(rest)
     by_index = dict(zip([*SOLO, *rest], solo + batched, strict=True))
     return [by_index[i] for i in range(len(PROMPTS))]

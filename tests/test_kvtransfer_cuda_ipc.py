@@ -18,8 +18,15 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, TransferSession, create_sender
-from pdserve.kvtransfer.cuda_ipc import ALIGN, SLOTS, WindowRing, live_windows
+from pdserve.kvtransfer.connector import (
+    CudaIpcOptions,
+    FrameBlocks,
+    KVReceiverServer,
+    TransferSession,
+    create_sender,
+)
+from pdserve.kvtransfer.cuda_ipc import live_windows
+from pdserve.kvtransfer.window_ring import ALIGN, SLOTS, WindowRing
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_protocol import (
     LAYOUT,
@@ -81,7 +88,9 @@ def _devices() -> tuple[str, str]:
 async def _sender_process(address: str, mode: str, device: str) -> None:
     """P, as a script. full: TRANSFERS transfers; abort: one frame, then abort; hang: one frame, then wait
     to be killed. Prints its own audit once closed."""
-    sender = create_sender(config("cuda_ipc", device=device, window_bytes=WINDOW), identity("prefill-0"))
+    sender = create_sender(
+        config("cuda_ipc", device=device, options=CudaIpcOptions(window_bytes=WINDOW)), identity("prefill-0")
+    )
     src = random_cache(LAYOUT, 12, seed=5).to(device)
     try:
         for t in range(TRANSFERS if mode == "full" else 1):
@@ -160,7 +169,7 @@ async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]
     """D's server on the first GPU; yields (receiver, server, P's device); D holds no window afterwards."""
     d_device, p_device = _devices()
     receiver = GpuReceiver(d_device)
-    server = await started("cuda_ipc", receiver, device=d_device, window_bytes=WINDOW)
+    server = await started("cuda_ipc", receiver, device=d_device, options=CudaIpcOptions(window_bytes=WINDOW))
     try:
         yield receiver, server, p_device
     finally:

@@ -16,6 +16,7 @@ from pdserve.kvtransfer.framing import (
     FLAG_PAYLOAD_FIRST,
     PREFIX,
     PREFIX_SIZE,
+    ByteChannel,
     FramedConnection,
     VersionMismatch,
     encode_frame,
@@ -34,6 +35,7 @@ from pdserve.kvtransfer.messages import (
     Open,
     OpenOk,
     OpenRefusal,
+    Ping,
     Ready,
     decode_header,
     encode_header,
@@ -44,7 +46,7 @@ LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start
 ids = st.text(min_size=1, max_size=40)
 ints = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(tuple)
 EXAMPLES: list[Message] = [
-    Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32),
+    Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32, 5.0),
     Hello(1, "prefill-0", b"fp", KVLayout(2, 1, 8, 4, "float32"), b"\x04" * 32, False),
     Auth(b"\x05" * 32),
     Ready(),
@@ -56,6 +58,7 @@ EXAMPLES: list[Message] = [
     Complete("req-1", FirstToken(42, -0.5, ((1, -1.0),))),
     Ack("req-1"),
     Abort("req-1", "deadline passed"),
+    Ping(),
 ]
 
 
@@ -109,7 +112,7 @@ def test_layout_names_the_first_difference() -> None:
         KVLayout(1, 1, 1, 1, "int8")
 
 
-class MemoryChannel:
+class MemoryChannel(ByteChannel):
     """Frame parts in a queue: enough of a ByteChannel to test the framing codec without a transport."""
 
     def __init__(self) -> None:
@@ -118,6 +121,10 @@ class MemoryChannel:
     @property
     def peer(self) -> str:
         return "memory"
+
+    @property
+    def heard_at(self) -> float:
+        return 0.0
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         # an empty header is no part: framing never reads 0 bytes

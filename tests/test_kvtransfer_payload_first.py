@@ -1,4 +1,4 @@
-"""Payload-first DATA frames and bounded payloads (`framing.BoundedPayloads`, what cuda_ipc is), on the CPU.
+"""Payload-first DATA frames and bounded payloads (`ByteChannel.payload_limit`: cuda_ipc), on the CPU.
 
 Without checksums a DATA frame's payload leaves before its header (framing.py). A TCP channel that also
 declares a frame limit and records what it sends stands in for cuda_ipc's window: the session must split

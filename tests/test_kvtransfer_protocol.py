@@ -38,6 +38,7 @@ from pdserve.kvtransfer.connector import (
     TransferRefused,
     TransferSession,
     TransferStats,
+    UcxOptions,
     create_sender,
     create_server,
 )
@@ -114,6 +115,7 @@ class PagedReceiver:
         self.reserved: dict[str, list[int]] = {}
         self.completed: dict[str, FirstToken] = {}
         self.aborts: list[tuple[str, str]] = []
+        self.silent: list[tuple[str, str]] = []
         self.data_calls = 0
         self.ops = ReferenceOps()
 
@@ -153,6 +155,9 @@ class PagedReceiver:
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
         self.aborts.append((transfer_id, reason))
         self.free.extend(self.reserved.pop(transfer_id))
+
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        self.silent.append((peer, reason))
 
 
 async def push(
@@ -206,7 +211,7 @@ async def raw_sender(kind: str, server: KVReceiverServer) -> FramedConnection:
     host, port = parse_address(server.address, kind)
     channel: ByteChannel = await TRANSPORTS[kind]().dial(host, port, 5.0)
     conn = FramedConnection(channel, 1 << 30)
-    await client_handshake(conn, TOKEN, identity("raw-prefill"), checksum=True)
+    await client_handshake(conn, TOKEN, identity("raw-prefill"), checksum=True, liveness_s=60.0)
     return conn
 
 
@@ -653,6 +658,58 @@ def test_killed_sender_process_aborts_exactly_once(kind: str, caplog: pytest.Log
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stopped_sender_is_cut_by_liveness_not_by_the_deadline(kind: str) -> None:
+    """SIGSTOP of the sender mid-transfer (its deadline is a minute away): D hears no PING for its liveness
+    window, cuts the connection, aborts the transfer once and says which peer went silent."""
+
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=16)
+        server = await started(kind, receiver, liveness_s=1.0)
+        proc = await spawn_sender(kind, server.address, "hang")
+        try:
+            assert proc.stdout is not None
+            assert await proc.stdout.readline() == b"sent\n"
+            await until(lambda: receiver.data_calls == 1)
+            proc.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            await until(lambda: receiver.silent)
+            assert time.monotonic() - stopped < 1.0 + 1.0  # the window, plus a ping interval's slack
+            assert [t for t, _ in receiver.aborts] == ["xproc"]
+            assert "silent" in receiver.aborts[0][1]
+            assert [p for p, _ in receiver.silent] == ["prefill-proc"]
+            audit(receiver, server, 16)
+        finally:
+            proc.kill()
+            await proc.wait()
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_idle_connection_stays_up_on_pings(kind: str) -> None:
+    """Both ends ping at a quarter of the stricter window: a connection idle for several windows is not cut
+    (neither end's window is the other's): D never hears silence and aborts nothing."""
+
+    async def scenario() -> None:
+        receiver = PagedReceiver(LAYOUT, num_blocks=8)
+        server = await started(kind, receiver, liveness_s=0.4)
+        sender = create_sender(config(kind, liveness_s=30.0), identity("prefill-0"))
+        try:
+            src = random_cache(LAYOUT, 4, seed=1)
+            await push(await sender.session(server.address, RequestId("a")), src, [0, 1], [])
+            await asyncio.sleep(2.0)
+            await push(await sender.session(server.address, RequestId("b")), src, [2, 3], [])
+            assert receiver.silent == [] and receiver.aborts == []
+        finally:
+            await sender.close()
+            await server.stop()
+
+    run(scenario())
+
+
 if __name__ == "__main__":
     asyncio.run(sender_process(*sys.argv[1:4]))
 
@@ -743,7 +800,7 @@ def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
 
     async def scenario() -> None:
         receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started("ucx", receiver, window_bytes=2048)
+        server = await started("ucx", receiver, options=UcxOptions(window_bytes=2048))
         sender = create_sender(config("ucx"), identity("prefill-0"))
         src = random_cache(LAYOUT, 12, seed=5)
         assert 4 * LAYOUT.layer_block_bytes <= 2048 < 3 * 4 * LAYOUT.layer_block_bytes
@@ -783,7 +840,7 @@ def test_an_idle_ucx_connection_leaves_the_event_loop_idle() -> None:
             await channel.authenticated()
             accepted.set_result(channel)
 
-        d_transport = UcxTransport(config("ucx", window_bytes=1 << 20))
+        d_transport = UcxTransport(config("ucx", options=UcxOptions(window_bytes=1 << 20)))
         listener = await d_transport.listen("127.0.0.1", 0, on_channel)
         p_channel = await UcxTransport(config("ucx")).dial("127.0.0.1", listener.port, 5.0)
         await asyncio.wait_for(p_channel.authenticated(), 10.0)
@@ -804,9 +861,11 @@ def test_ucx_progress_mode_follows_the_config() -> None:
     """The "auto" mode polls on a GPU and sleeps on host memory; an unknown mode is refused at config time."""
     assert progress_mode(config("ucx")) == "thread"
     assert progress_mode(config("ucx", device="cuda:0")) == "thread-polling"
-    assert progress_mode(config("ucx", ucx_progress="thread-polling")) == "thread-polling"
-    with pytest.raises(ValueError, match="ucx_progress"):
-        config("ucx", ucx_progress="busy")
+    assert progress_mode(config("ucx", options=UcxOptions(progress="thread-polling"))) == "thread-polling"
+    with pytest.raises(ValueError, match="progress"):
+        UcxOptions(progress="busy")
+    with pytest.raises(ValueError, match="do not fit kind 'tcp'"):
+        config("tcp", options=UcxOptions())
 
 
 @needs_ucx
@@ -827,7 +886,7 @@ def test_a_closed_ucx_connection_leaves_no_window_behind() -> None:
 
     async def scenario() -> None:
         handler = PagedReceiver(LAYOUT, 32)
-        server = await started("ucx", handler, window_bytes=window)
+        server = await started("ucx", handler, options=UcxOptions(window_bytes=window))
         sender = create_sender(config("ucx"), identity("prefill-0"))
         src = random_cache(LAYOUT, 16, seed=5)
         for i in range(3):

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, UcxOptions, create_sender
 from pdserve.shared.types import BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_cuda_ipc import (
     BLOCKS,
@@ -84,7 +84,7 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
 async def _serving(window_bytes: int = 512 << 20) -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
     d_device, p_device = _devices()
     receiver = GpuReceiver(d_device)
-    server = await started("ucx", receiver, device=d_device, window_bytes=window_bytes)
+    server = await started("ucx", receiver, device=d_device, options=UcxOptions(window_bytes=window_bytes))
     try:
         yield receiver, server, p_device
     finally:

@@ -33,6 +33,10 @@ class EngineOptions(Settings):
         0.90, ge=0.05, le=0.98, description="share of GPU memory for weights, activations and the KV pool"
     )
     cuda_graphs: bool = Field(True, description="decode under CUDA graphs on a GPU")
+    async_scheduling: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="launch each step before the previous one's tokens reach the host; auto: on a GPU",
+    )
     max_num_seqs: int = Field(64, ge=1, description="requests in one batch at most")
     max_num_batched_tokens: int = Field(2048, ge=1, description="chunked-prefill token budget per step")
     max_model_len: int | None = Field(None, ge=1, description="context length cap (default: the model's own)")
@@ -91,4 +95,5 @@ def engine_config(opts: EngineOptions) -> EngineConfig:
         max_model_len=opts.max_model_len,
         seed=opts.seed,
         cuda_graphs=opts.cuda_graphs,
+        async_scheduling={"auto": None, "on": True, "off": False}[opts.async_scheduling],
     )

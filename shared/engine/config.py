@@ -33,6 +33,10 @@ class EngineConfig:
     seed: int = 0
     """Seed of dummy weights."""
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None
+    """Launch step n+1 before step n's tokens reach the host (vLLM's async scheduling): the host schedules,
+    prepares and launches the next step, then reads, detokenizes and emits this one while the device
+    computes. None: on for a GPU, off on the CPU (whose steps are synchronous: nothing to overlap)."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -62,6 +66,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return "float32" if self.device == "cpu" else "bfloat16"
         return self.dtype
+
+    @property
+    def overlap(self) -> bool:
+        """async_scheduling, resolved."""
+        if self.async_scheduling is None:
+            return self.device != "cpu"
+        return self.async_scheduling
 
     @property
     def torch_dtype(self) -> torch.dtype:

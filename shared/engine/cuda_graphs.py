@@ -109,8 +109,9 @@ class DecodeGraphs:
         max_bs = self.buckets[-1]
         self.width = -(-max_model_len // block_size)  # block-table columns
         pin = dev.type == "cuda"
-        # host staging -> device copies; rows of _i64: input ids, positions, slots
-        self._h_i64 = torch.zeros((3, max_bs), dtype=torch.int64, pin_memory=pin)
+        # host staging -> device copies; rows of _i64: input ids, positions, slots, and the row of the
+        # previous step's sampled tokens a row takes its input id from on the device (-1: none)
+        self._h_i64 = torch.zeros((4, max_bs), dtype=torch.int64, pin_memory=pin)
         self._h_seq = torch.ones(max_bs, dtype=torch.int32, pin_memory=pin)
         self._h_tab = torch.zeros((max_bs, self.width), dtype=torch.int32, pin_memory=pin)
         self._h_i64[2].fill_(-1)
@@ -164,10 +165,16 @@ class DecodeGraphs:
         return 0 < len(seq_lens) <= self.buckets[-1] and max(seq_lens) <= self.max_model_len
 
     def run(
-        self, input_ids: Sequence[int], block_ids: Sequence[Sequence[int]], seq_lens: Sequence[int]
+        self,
+        input_ids: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        from_device: tuple[Sequence[tuple[int, int]], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One decode step: row i feeds token input_ids[i] at position seq_lens[i] - 1 of a sequence whose
-        blocks are block_ids[i]. Returns fp32 logits [n, V] (a copy, so the next replay cannot change it)."""
+        blocks are block_ids[i]; `from_device` = (pairs (row, j), tokens) replaces row's input with
+        tokens[j] on the device (the previous step's sample, never read back). Returns fp32 logits [n, V]
+        (a copy, so the next replay cannot change it)."""
         if self._graphs is None:
             raise RuntimeError("DecodeGraphs.run after close()")
         n = len(input_ids)
@@ -177,9 +184,19 @@ class DecodeGraphs:
         if self._fence is not None:
             self._fence.synchronize()  # the previous step's copies have left the staging buffers
         self._stage(input_ids, block_ids, seq_lens, b)
+        if from_device is not None:
+            src = self._h_i64.numpy()[3]
+            src[:n] = -1
+            for row, j in from_device[0]:
+                src[row] = j
         self._i64.copy_(self._h_i64, non_blocking=True)
         self._seq[:b].copy_(self._h_seq[:b], non_blocking=True)
         self._tab[:b].copy_(self._h_tab[:b], non_blocking=True)
+        if from_device is not None:
+            tokens = from_device[1]
+            src = self._i64[3, :n]
+            ids = self._i64[0, :n]
+            ids.copy_(torch.where(src >= 0, tokens[src.clamp(min=0)], ids))
         if self._fence is not None:
             self._fence.record()
         bucket = self._graphs[b]

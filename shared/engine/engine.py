@@ -9,6 +9,13 @@ pool, scheduler, runner or a `Request`'s fields): the prefill role watches layer
 role uses the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`);
 the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`.
 
+Overlap (`EngineConfig.async_scheduling`): at most one step is in flight across `step()` calls. A call
+schedules and launches the next step (its placeholder tokens read from the in-flight step's sampled tokens
+on the device), then waits for the in-flight step, applies its tokens to the scheduler and emits its outputs
+(detokenization and stop strings run while the device computes the step just launched). Outputs therefore
+come one call late; `has_unfinished()` stays true while a step is in flight. A block handed to another
+writer (`reserve_remote`) is never one an in-flight step still writes: the reservation waits for it.
+
 Remote-KV port invariants: a `RemoteReservation` holds one reference on each of its blocks until exactly
 one of `admit_remote` (the scheduler takes them over) or `release_remote` (idempotent) ends it; its
 `held` blocks are committed blocks of this pool matching the prompt's leading hashes (never the last
@@ -31,10 +38,10 @@ from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.cuda_graphs import plan_gpu_memory
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
-from pdserve.shared.engine.request import Request
-from pdserve.shared.engine.sampler import Sampler, SamplingState
+from pdserve.shared.engine.request import Request, RequestStatus
+from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model.loader import LoadedModel, load_model
 from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
@@ -117,6 +124,17 @@ class _Live:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose tokens the scheduler has not applied yet."""
+
+    out: SchedulerOutput
+    sampling: tuple[ScheduledRequest, ...]
+    sample: PendingSample
+    rows: dict[RequestId, int]
+    """Row of each sampling request's token in sample.tokens."""
+
+
 @dataclass
 class RemoteReservation:
     """Blocks for a prompt whose KV another node computes: `held` prefix blocks this pool already has,
@@ -149,7 +167,7 @@ class LLMEngine:
         self.pool = BlockPool(self.num_blocks, cfg.block_size)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size),
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size, cfg.overlap),
             self.pool,
             self.eos_token_ids,
         )
@@ -161,6 +179,7 @@ class LLMEngine:
         self.observer: StepObserver | None = None
         self._live: dict[RequestId, _Live] = {}
         self._seeds: dict[str | None, BlockHash] = {}
+        self._inflight: _InFlight | None = None
 
     def bind_thread(self) -> None:
         """Makes this engine's GPU the calling thread's current device (torch's current device is per thread,
@@ -256,6 +275,8 @@ class LLMEngine:
         blocks for the rest; None when the pool cannot take it now. With `headroom`, also None while a
         local request waits for blocks or unless one free block per live request remains afterwards, so
         admitting remote work never starves the decodes already running here."""
+        if self._inflight is not None:
+            self._inflight.sample.wait()  # a block freed meanwhile may still be written by that step
         pool, sched = self.pool, self.scheduler
         held = pool.match_prefix(block_hashes[: max(0, num_blocks - 1)])
         pool.acquire(held)
@@ -343,38 +364,30 @@ class LLMEngine:
         return self._output(live, (), "", "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
+        """Runs one step. Without overlap: schedule, compute, sample, and return its outputs. With overlap:
+        launch the next step, then return the outputs of the one launched by the previous call."""
+        prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        logits = self._forward(out)
-        sampling = [s for s in out.scheduled if s.samples]
-        states = [
-            SamplingState(
-                params=s.request.params,
-                prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=s.request.output_token_ids,
-                position=s.request.num_tokens,
-            )
-            for s in sampling
-        ]
-        result = self.sampler.sample(logits, states)
-        tokens = dict(zip((s.request.request_id for s in sampling), result.token_ids, strict=True))
-        for s, tok, lp, top in zip(
-            sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True
-        ):
-            if lp is not None:
-                self._live[s.request.request_id].logprobs.append(TokenLogprob(tok, lp, top or ()))
-        self.scheduler.update(out, tokens)
-        return [self._emit(self._live[s.request.request_id]) for s in sampling]
+        launched = self._launch(out, prev) if out.scheduled else None
+        if not self.cfg.overlap:
+            prev, launched = launched, None
+        self._inflight = launched
+        return [] if prev is None else self._apply(prev)
 
-    def _forward(self, out: SchedulerOutput) -> torch.Tensor:
-        items = [
-            BatchItem(s.request.all_token_ids, s.start, s.num_new_tokens, s.request.block_ids, s.samples)
-            for s in out.scheduled
-        ]
+    def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
+        items = []
+        for s in out.scheduled:
+            row = -1
+            if prev is not None and s.placeholder:
+                row = prev.rows[s.request.request_id]
+            items.append(
+                BatchItem(
+                    s.request.all_token_ids, s.start, s.num_new_tokens, s.request.block_ids, s.samples, row
+                )
+            )
         observer, hook = self.observer, None
         if observer is not None:
             slices = tuple(
@@ -391,7 +404,42 @@ class LLMEngine:
             def hook(layer: int) -> None:
                 observer.on_layer(layer, slices)
 
-        return self.runner.execute(items, hook)
+        logits = self.runner.execute(
+            items,
+            hook,
+            prev_tokens=None if prev is None else prev.sample.tokens,
+            wait=not self.cfg.overlap,
+        )
+        sampling = tuple(s for s in out.scheduled if s.samples)
+        states = [
+            SamplingState(
+                params=s.request.params,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+                position=s.start + s.num_new_tokens,
+            )
+            for s in sampling
+        ]
+        rows = {s.request.request_id: i for i, s in enumerate(sampling)}
+        return _InFlight(out, sampling, self.sampler.launch(logits, states), rows)
+
+    def _apply(self, step: _InFlight) -> list[RequestOutput]:
+        """Waits for a launched step's tokens, applies them, and emits the outputs of its live requests."""
+        result = step.sample.result()
+        tokens: dict[RequestId, int] = {}
+        emit: list[_Live] = []
+        for s, tok, lp, top in zip(
+            step.sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True
+        ):
+            live = self._live.get(s.request.request_id)
+            if live is None or live.request is not s.request or s.request.status is not RequestStatus.RUNNING:
+                continue  # ended or preempted since: its token is dropped
+            tokens[s.request.request_id] = tok
+            emit.append(live)
+            if lp is not None:
+                live.logprobs.append(TokenLogprob(tok, lp, top or ()))
+        self.scheduler.update(step.out, tokens)
+        return [self._emit(live) for live in emit]
 
     def _emit(self, live: _Live) -> RequestOutput:
         request = live.request
@@ -439,7 +487,9 @@ class LLMEngine:
             waiting=len(s.waiting),
             kv_used_blocks=audit.in_use + audit.reserved,
             kv_total_blocks=audit.num_blocks,
-            queued_prefill_tokens=sum(r.num_tokens - r.num_computed_tokens for r in [*s.waiting, *s.running]),
+            queued_prefill_tokens=sum(
+                r.num_tokens + r.num_pending - r.num_computed_tokens for r in [*s.waiting, *s.running]
+            ),
             preemptions=s.stats.preemptions,
             computed_prompt_tokens=s.stats.computed_prompt_tokens,
             computed_tokens=s.stats.computed_tokens,

@@ -3,7 +3,8 @@
 Invariants: the KV tensor is allocated once, `[num_layers, 2, num_blocks, block_size, Hkv, D]`, and never
 moves (transfer connectors and CUDA graphs hold its address); a token's KV goes to slot
 `block_ids[pos // block_size] * block_size + pos % block_size` of its request; the runner reads the
-scheduler's decisions and never changes request state.
+scheduler's decisions and never changes request state. An item whose input is the previous step's sampled
+token (`prev_row`, overlap) reads it from that step's token tensor on the device, never from the host.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class BatchItem:
     num_tokens: int
     block_ids: Sequence[int]
     sample: bool
+    prev_row: int = -1
+    """>= 0: the item's one token is row `prev_row` of the previous step's sampled tokens (still on the
+    device; `token_ids` ends before it)."""
 
 
 def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
@@ -90,22 +94,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, items: Sequence[BatchItem], layer_hook: Callable[[int], None] | None = None
+        self,
+        items: Sequence[BatchItem],
+        layer_hook: Callable[[int], None] | None = None,
+        *,
+        prev_tokens: torch.Tensor | None = None,
+        wait: bool = True,
     ) -> torch.Tensor:
-        """Runs one step; returns fp32 logits [num sampled items, V] in item order."""
+        """Runs one step; returns fp32 logits [num sampled items, V] in item order. `prev_tokens` [S] int64
+        (on the device) feeds the items with a `prev_row`. With `wait=False` the logits may still be in
+        the making on the device (the caller queues more work behind them)."""
+        fill = [(i, it.prev_row) for i, it in enumerate(items) if it.prev_row >= 0]
+        from_device = None
+        if fill:
+            assert prev_tokens is not None, "items read the previous step's tokens: pass them"
+            from_device = (fill, prev_tokens)
         if layer_hook is None and self.graphs is not None and all(it.num_tokens == 1 for it in items):
             seq_lens = [it.start + 1 for it in items]
             if self.graphs.fits(seq_lens):
-                logits = self.graphs.run(
-                    [it.token_ids[it.start] for it in items], [it.block_ids for it in items], seq_lens
-                )
+                ids = [0 if it.prev_row >= 0 else it.token_ids[it.start] for it in items]
+                logits = self.graphs.run(ids, [it.block_ids for it in items], seq_lens, from_device)
                 keep = [i for i, it in enumerate(items) if it.sample]
-                return self._wait(logits if len(keep) == len(items) else logits[keep])
+                logits = logits if len(keep) == len(items) else logits[keep]
+                return self._wait(logits) if wait else logits
         input_ids, positions, slots = self._token_lists(items)
         meta = self._metadata(items, slots)
         dev = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        if from_device is not None:
+            starts = [0]
+            for it in items:
+                starts.append(starts[-1] + it.num_tokens)
+            dst = torch.tensor([starts[i] for i, _ in fill], dtype=torch.int64, device=dev)
+            src = torch.tensor([row for _, row in fill], dtype=torch.int64, device=dev)
+            ids_t[dst] = from_device[1][src]
         hidden = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            ids_t,
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.kv_cache,
             meta,
@@ -119,7 +143,8 @@ class ModelRunner:
             if it.sample:
                 rows.append(end - 1)
         picked = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
-        return self._wait(self.model.compute_logits(picked, self.ops))
+        logits = self.model.compute_logits(picked, self.ops)
+        return self._wait(logits) if wait else logits
 
     def _wait(self, logits: torch.Tensor) -> torch.Tensor:
         """Waits for the step's GPU work with the GIL released (Stream.synchronize drops it; reading a
@@ -136,7 +161,11 @@ class ModelRunner:
         for it in items:
             end = it.start + it.num_tokens
             assert len(it.block_ids) * b >= end, f"blocks cover {len(it.block_ids) * b} tokens, need {end}"
-            input_ids.extend(it.token_ids[it.start : end])
+            if it.prev_row >= 0:
+                assert it.num_tokens == 1, "a token still on the device is a step's only token"
+                input_ids.append(0)  # replaced on the device
+            else:
+                input_ids.extend(it.token_ids[it.start : end])
             positions.extend(range(it.start, end))
             slots.extend(it.block_ids[p // b] * b + p % b for p in range(it.start, end))
         return input_ids, positions, slots

@@ -4,7 +4,7 @@ Invariants (kept by the scheduler; `Scheduler.check_invariants` asserts them):
 - all_token_ids == prompt_token_ids + output_token_ids; the prompt never changes, output only grows.
 - block_hashes[i] is the chained hash of full block i of all_token_ids, for every full block, and only
   those (extended incrementally with `extend_block_hashes`, never recomputed).
-- num_cached_tokens <= num_computed_tokens <= num_tokens; a running request holds exactly
+- num_cached_tokens <= num_computed_tokens <= num_tokens + num_pending; a running request holds exactly
   ceil(num_computed_tokens / block_size) blocks after a step's schedule, one reference each; its first
   num_committed_blocks blocks are committed to the pool under block_hashes[:num_committed_blocks] (or
   are private duplicates of blocks the pool already holds under those hashes).
@@ -65,6 +65,8 @@ class Request:
     num_cached_tokens: int = 0
     """Tokens of the last admission served from the prefix cache."""
     num_committed_blocks: int = 0
+    num_pending: int = 0
+    """Tokens launched steps sampled whose values the scheduler has not applied yet (overlap: 0 to 2)."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request; None for EOS, length or abort."""

@@ -68,17 +68,23 @@ class Sampler:
         """seed: of the RNG that gives unseeded requests their keys (None: from the OS)."""
         self._rng = random.Random(seed)
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
         """logits: [S, V] float32, one row per state, in the order of states."""
+        return self.launch(logits, states).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> PendingSample:
+        """Queues the sampling of `logits` [S, V] float32 on their device and returns at once (unless a
+        top-p row needs a wider candidate list); the tokens stay on the device for the next step's input
+        and reach the host through `PendingSample.result()`."""
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must be float32 [{len(states)}, V]; got {logits.dtype} {list(logits.shape)}"
             )
         num = logits.shape[0]
-        if num == 0:
-            return SampleOutput((), (), ())
         dev = logits.device
+        if num == 0:
+            return PendingSample(torch.zeros(0, dtype=torch.int64, device=dev), [], [], None)
         logits = self._apply_penalties(logits, states)  # [S, V]
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_EPS]
         rand = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_EPS]
@@ -92,30 +98,21 @@ class Sampler:
             tokens[idx] = logits[idx].argmax(dim=-1)
             idx = torch.tensor(rand, device=dev)
             tokens[idx] = self._draw(logits[idx], [states[i] for i in rand])
-        token_list: list[int] = tokens.tolist()
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-        logprobs: list[float | None] = [None] * num
-        tops: list[tuple[tuple[int, float], ...] | None] = [None] * num
+        counts = [states[i].params.logprobs or 0 for i in want]
+        lps = None
         if want:
             idx = torch.tensor(want, device=dev)
             lp = torch.log_softmax(logits[idx], dim=-1)  # [W, V]
-            chosen = lp.gather(1, tokens[idx, None])[:, 0].tolist()
-            n_max = max(states[i].params.logprobs or 0 for i in want)
+            chosen = lp.gather(1, tokens[idx, None])[:, 0]
+            n_max = max(counts)
             top_v, top_i = lp.topk(n_max, dim=-1) if n_max else (lp[:, :0], lp[:, :0].long())
-            top_vs, top_is = top_v.tolist(), top_i.tolist()
-            for j, i in enumerate(want):
-                n = states[i].params.logprobs or 0
-                logprobs[i] = chosen[j]
-                tops[i] = tuple(zip(top_is[j][:n], top_vs[j][:n], strict=True))
-        return SampleOutput(tuple(token_list), tuple(logprobs), tuple(tops))
+            lps = (chosen, top_v, top_i)
+        return PendingSample(tokens, want, counts, lps)
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        rows = [
-            i
-            for i, s in enumerate(states)
-            if s.params.repetition_penalty != 1.0 or s.params.frequency_penalty or s.params.presence_penalty
-        ]
+        rows = [i for i, s in enumerate(states) if s.params.penalized]
         if not rows:
             return logits
         dev, vocab = logits.device, logits.shape[1]
@@ -157,6 +154,49 @@ class Sampler:
         u = torch.tensor([row_uniform(k) for k in keys], dtype=torch.float64, device=dev)
         target = (u * cdf[:, -1].double()).float()[:, None]  # [R, 1]
         return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+
+
+class PendingSample:
+    """One step's sampled tokens (and logprobs), queued on the logits' device. `tokens` stays there (the
+    next step may read it as input); `result()` waits for the copies to the host with the GIL released."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        want: list[int],
+        counts: list[int],
+        lps: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        self.tokens = tokens  # [S] int64
+        self._want, self._counts = want, counts
+        parts = [tokens, *(lps or ())]
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in parts]
+            for h, t in zip(host, parts, strict=True):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(tokens.device))
+            parts = host
+        self._host = parts
+
+    def wait(self) -> None:
+        """Returns once the step that produced these tokens has finished on its device."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def result(self) -> SampleOutput:
+        self.wait()
+        token_list: list[int] = self._host[0].tolist()
+        num = len(token_list)
+        logprobs: list[float | None] = [None] * num
+        tops: list[tuple[tuple[int, float], ...] | None] = [None] * num
+        if self._want:
+            chosen, top_vs, top_is = (t.tolist() for t in self._host[1:])
+            for j, (i, n) in enumerate(zip(self._want, self._counts, strict=True)):
+                logprobs[i] = chosen[j]
+                tops[i] = tuple(zip(top_is[j][:n], top_vs[j][:n], strict=True))
+        return SampleOutput(tuple(token_list), tuple(logprobs), tuple(tops))
 
 
 def _truncate(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

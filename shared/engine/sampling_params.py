@@ -97,6 +97,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the tokens generated so far (repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (tuples become lists)."""
         out = asdict(self)

@@ -10,6 +10,13 @@ Invariants (check_invariants() verifies them after any call):
 - Blocks [0, num_committed_blocks) of a request are committed (or duplicate a block the pool already
   holds under the same hash); commit happens in update(), once the step has written their KV.
 - Blocks are released last-first (so the pool evicts chain tails first) on finish, abort and preemption.
+- With `overlap`, a step's sampled tokens may reach update() after the next step was scheduled: a request
+  that samples holds a placeholder (`num_pending`) from schedule() to update() (two while the next step is
+  launched and this one not yet applied: at most one at each schedule()), the next step computes
+  the placeholder's position (its input comes from the device), and num_computed_tokens may exceed
+  num_tokens by the placeholder. A request whose placeholder would reach max_tokens, or whose sampling reads
+  its history (penalties), is not scheduled again until update() has applied the token. A token sampled
+  for a request that ended or was preempted meanwhile is dropped.
 Threading: one caller (the engine loop) calls every method; aborts from other threads go through it.
 """
 
@@ -31,6 +38,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step (prefill chunks + decode tokens)."""
     block_size: int = 16
+    overlap: bool = False
+    """Schedule the next step before this one's sampled tokens are applied (placeholders)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -48,6 +57,12 @@ class ScheduledRequest:
     num_new_tokens: int
     samples: bool
     """The chunk reaches the end of the known tokens, so its last position yields the next token."""
+
+    @property
+    def placeholder(self) -> bool:
+        """The step's only token is the previous step's sampled token, not yet applied (overlap). Read
+        it before the previous step's update()."""
+        return self.start == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -145,14 +160,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         planned: dict[RequestId, int] = {}  # request id -> tokens this step, in batch order
         preempted: list[RequestId] = []
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        chunks = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        ready = [r for r in self.running if not self._awaits_update(r)]
+        decodes = [r for r in ready if self._todo(r) == 1]
+        chunks = [r for r in ready if self._todo(r) > 1]
         for request in decodes + chunks:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._todo(request), budget)
             assert num_new > 0, f"running request {request.request_id!r} has no token to compute"
             while True:
                 try:
@@ -188,12 +204,14 @@ class Scheduler:
             request = entry.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            self._commit_full_blocks(request)
+            self._commit_full_blocks(request, entry.start + entry.num_new_tokens)
             if not entry.samples:
                 continue
             token = sampled_token_ids.get(request.request_id)
             if token is None:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, which sampled")
+            if self.config.overlap:
+                request.num_pending -= 1
             request.append_output([token], self.config.block_size)
             if self._check_stop(request, token):
                 finished.append(request)
@@ -227,6 +245,19 @@ class Scheduler:
 
     def _key(self, request: Request) -> tuple[int, float, int]:
         return self._order[request.request_id]
+
+    @staticmethod
+    def _todo(request: Request) -> int:
+        """Tokens to compute before the request samples again (its placeholder included)."""
+        return request.num_tokens + request.num_pending - request.num_computed_tokens
+
+    @staticmethod
+    def _awaits_update(request: Request) -> bool:
+        """A placeholder the next step must not build on: it may be the last token, or sampling reads it."""
+        if not request.num_pending:
+            return False
+        params = request.params
+        return len(request.output_token_ids) + request.num_pending >= params.max_tokens or params.penalized
 
     def _blocks_short(self, request: Request, num_new: int) -> int:
         """Blocks to add so that tokens up to num_computed_tokens + num_new have slots."""
@@ -269,14 +300,19 @@ class Scheduler:
             request = self.requests[rid]
             start = request.num_computed_tokens
             end = start + num_new
-            out.append(ScheduledRequest(request, start, num_new, end == request.num_tokens))
+            samples = end == request.num_tokens + request.num_pending
+            out.append(ScheduledRequest(request, start, num_new, samples))
             request.num_computed_tokens = end
+            if samples and self.config.overlap:
+                request.num_pending += 1
             self.stats.computed_tokens += num_new
             self.stats.computed_prompt_tokens += max(0, min(end, request.num_prompt_tokens) - start)
         return out
 
-    def _commit_full_blocks(self, request: Request) -> None:
-        full = request.num_computed_tokens // self.config.block_size
+    def _commit_full_blocks(self, request: Request, written: int | None = None) -> None:
+        """Commits the blocks full within the first `written` tokens (default: every computed token)."""
+        upto = request.num_computed_tokens if written is None else written
+        full = upto // self.config.block_size
         for i in range(request.num_committed_blocks, full):
             parent = request.block_hashes[i - 1] if i else None
             # A hash the pool already holds elsewhere returns that block; ours stays a private duplicate.
@@ -296,6 +332,7 @@ class Scheduler:
     def _release_blocks(self, request: Request) -> None:
         blocks, request.block_ids = request.block_ids, []
         self.pool.release(blocks[::-1])
+        request.num_pending = 0
         request.num_computed_tokens = 0
         request.num_committed_blocks = 0
 
@@ -340,7 +377,8 @@ class Scheduler:
             assert self.requests[r.request_id] is r
             assert r.all_token_ids == [*r.prompt_token_ids, *r.output_token_ids]
             assert len(r.block_hashes) == r.num_tokens // bs, f"{r.request_id}: block hashes not extended"
-            assert r.num_computed_tokens <= r.num_tokens
+            assert r.num_computed_tokens <= r.num_tokens + r.num_pending
+            assert r.num_pending in (0, 1, 2) and (r.num_pending == 0 or self.config.overlap)
             assert len(r.block_ids) == -(-r.num_computed_tokens // bs), f"{r.request_id}: block table size"
             assert r.num_committed_blocks <= r.num_computed_tokens // bs or not r.block_ids
             running = r.status is RequestStatus.RUNNING

@@ -33,11 +33,22 @@ class NodeOptions(EngineOptions, SecretFiles):
     )
     cluster: str = Field("default", description="the cluster name of the index's keys")
     transfer_port: int = Field(0, ge=0, le=65535, description="KV-transfer listener port (0: a free one)")
+    transfer_advertise: str | None = Field(
+        None,
+        description="the KV-transfer address announced to the cluster, <connector>://<host>:<port>, when "
+        "prefill nodes reach this one through another address (a NAT, a proxy; default: the listener's)",
+    )
     connector: Connector = Field("tcp", description="KV connector")
     auth_token_file: str | None = Field(
         None, description="file holding the KV-transfer token (else PDSERVE_AUTH_TOKEN is read; required)"
     )
     no_checksum: bool = Field(False, description="skip frame checksums (NVLink/RDMA links check integrity)")
+    transfer_liveness_s: float = Field(
+        5.0,
+        gt=0,
+        description="seconds without a byte from a KV-transfer peer (they ping each other) before its "
+        "connection is cut and its transfers fail over",
+    )
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats to the index")
     log_level: LogLevel = Field("INFO", description="log level")
     served_model_name: str | None = Field(
@@ -59,6 +70,14 @@ class PrefillOptions(NodeOptions):
     )
 
 
+class DecodeOptions(NodeOptions):
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="when a request's KV transfer fails: compute its prompt on this node within the "
+        "request's deadline (recompute), or end the request with an error (fail)",
+    )
+
+
 @dataclass(frozen=True)
 class NodeConfigs:
     """Everything one node process runs with, validated: the engine's, the node's and the connector's."""
@@ -69,6 +88,9 @@ class NodeConfigs:
     model_name: str
     """The `model_name` label of the node's vllm:* metrics."""
     layers_per_frame: int = 4
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    transfer_advertise: str | None = None
+    """The transfer address announced in the index (None: the listener's own)."""
 
 
 def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
@@ -97,11 +119,17 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
         device=opts.device,
         listen_host=opts.host,
         listen_port=opts.transfer_port,
+        liveness_s=opts.transfer_liveness_s,
     )
+    if opts.transfer_advertise is not None:
+        from pdserve.kvtransfer.transport import parse_address
+
+        parse_address(opts.transfer_advertise, opts.connector)  # ValueError naming the expected form
     frames = opts.layers_per_frame if isinstance(opts, PrefillOptions) else 4
+    policy = opts.kv_load_failure_policy if isinstance(opts, DecodeOptions) else "recompute"
     engine = engine_config(opts)
     name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
-    return NodeConfigs(engine, node, connector, name, frames)
+    return NodeConfigs(engine, node, connector, name, frames, policy, opts.transfer_advertise)
 
 
 def setup_process(opts: NodeOptions) -> None:

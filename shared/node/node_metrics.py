@@ -13,15 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.shared.engine.engine import EngineSnapshot
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    PlatformCollector,
-    ProcessCollector,
-    disable_created_metrics,
-)
+from pdserve.shared.metrics import MetricsRegistry
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -46,66 +39,43 @@ class RequestTiming:
     finish_reason: str
 
 
-class NodeMetrics:
+class NodeMetrics(MetricsRegistry):
     def __init__(self, role: str, model_name: str = "") -> None:
-        disable_created_metrics()
-        self.registry = CollectorRegistry()
+        super().__init__()
         r = self.registry
+        hist, counter, gauge = self.histogram, self.counter, self.gauge
         self.model_name = model_name
         self.engine = EngineSnapshot()
         """The latest engine snapshot (replaced whole by node_stats.py)."""
-        self.prompt_tokens = Counter("pdserve_node_prompt_tokens", "Prompt tokens received", registry=r)
-        self.generation_tokens = Counter("pdserve_node_generation_tokens", "Tokens generated", registry=r)
-        self.prefix_hit_tokens = Counter(
+        self.prompt_tokens = counter("pdserve_node_prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = counter("pdserve_node_generation_tokens", "Tokens generated")
+        self.prefix_hit_tokens = counter(
             "pdserve_node_prefix_hit_tokens",
             "Prompt tokens by KV source: local (own cache), transferred (sent by P), miss (computed)",
             ["kind"],
-            registry=r,
         )
-        self.kv_used_blocks = Gauge("pdserve_node_kv_used_blocks", "KV blocks in use", registry=r)
-        self.kv_total_blocks = Gauge("pdserve_node_kv_total_blocks", "KV blocks in the pool", registry=r)
-        self.running = Gauge("pdserve_node_running_requests", "Requests running in the engine", registry=r)
-        self.waiting = Gauge("pdserve_node_waiting_requests", "Requests queued in the engine", registry=r)
-        self.queued_prefill_tokens = Gauge(
+        self.kv_used_blocks = gauge("pdserve_node_kv_used_blocks", "KV blocks in use")
+        self.kv_total_blocks = gauge("pdserve_node_kv_total_blocks", "KV blocks in the pool")
+        self.running = gauge("pdserve_node_running_requests", "Requests running in the engine")
+        self.waiting = gauge("pdserve_node_waiting_requests", "Requests queued in the engine")
+        self.queued_prefill_tokens = gauge(
             "pdserve_node_queued_prefill_tokens",
             "Tokens of the engine's requests not computed yet (prompts left to prefill)",
-            registry=r,
         )
-        self.ttft = Histogram(
-            "pdserve_node_time_to_first_token_seconds",
-            "Arrival to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = hist(
+            "pdserve_node_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
         )
-        self.itl = Histogram(
-            "pdserve_node_inter_token_latency_seconds",
-            "Between output steps",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.itl = hist("pdserve_node_inter_token_latency_seconds", "Between output steps", LATENCY_BUCKETS)
+        self.e2e = hist("pdserve_node_e2e_request_latency_seconds", "Arrival to finish", LATENCY_BUCKETS)
+        self.transfer_bytes = counter(
+            "pdserve_kv_transfer_bytes", "KV payload bytes moved", ["connector", "direction"]
         )
-        self.e2e = Histogram(
-            "pdserve_node_e2e_request_latency_seconds",
-            "Arrival to finish",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.transfer_seconds = hist(
+            "pdserve_kv_transfer_seconds", "First send to acknowledgement", LATENCY_BUCKETS, ["connector"]
         )
-        self.transfer_bytes = Counter(
-            "pdserve_kv_transfer_bytes", "KV payload bytes moved", ["connector", "direction"], registry=r
-        )
-        self.transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "First send to acknowledgement",
-            ["connector"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.transfers = Counter(
-            "pdserve_kv_transfers", "Transfers by outcome", ["connector", "outcome"], registry=r
-        )
-        self.role = Gauge("pdserve_node_info", "Node role", ["role"], registry=r)
+        self.transfers = counter("pdserve_kv_transfers", "Transfers by outcome", ["connector", "outcome"])
+        self.role = gauge("pdserve_node_info", "Node role", ["role"])
         self.role.labels(role).set(1)
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
         self._vllm = _VllmRequestSeries(r)
         r.register(_VllmEngineView(self))
 

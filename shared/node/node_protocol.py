@@ -96,7 +96,9 @@ class PrefillRequest(_Message):
 
 @dataclass(frozen=True)
 class PrefillResult(_Message):
-    """Prefill node -> router. error None: the KV reached the decode node. Counts: tokens, blocks."""
+    """Prefill node -> router. error None: the KV reached the decode node. Counts: tokens, blocks.
+    decode_computes: the transfer failed after the decode node took it, so that node computes the prompt
+    itself (or fails the request, by its kv_load_failure_policy): its stream says how the request ends."""
 
     request_id: RequestId
     first_token: int | None
@@ -104,6 +106,7 @@ class PrefillResult(_Message):
     cached_tokens: int
     transferred_blocks: int
     error: str | None = None
+    decode_computes: bool = False
 
     def __post_init__(self) -> None:
         if self.error is None and self.first_token is None:
