@@ -22,13 +22,13 @@ from collections.abc import AsyncIterator
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pdserve.cli import default_model_path
 from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.node.node_protocol import NodeGenerateRequest, NodeInfoReply, StepOutput
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
 from pdserve.shared.types import KVLayout, NodeId
 
 CRED = credential_digest("bench")
@@ -37,7 +37,7 @@ LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dty
 
 
 def echo_node(port: int, redis_url: str) -> None:
-    from fastapi.responses import Response, StreamingResponse
+    from fastapi.responses import StreamingResponse
 
     app = FastAPI()
     node = NodeId("echo-0")
@@ -49,11 +49,6 @@ def echo_node(port: int, redis_url: str) -> None:
         )
         await index.register(info)
         await index.heartbeat(node, NodeLoad(0, 0, 0, 100_000, 0))
-
-    @app.get("/internal/info")
-    async def info() -> Response:
-        reply = NodeInfoReply(node, "single", "echo", 8192, 16)
-        return Response(reply.to_json(), media_type="application/json")
 
     @app.post("/internal/generate")
     async def generate(request: Request) -> StreamingResponse:

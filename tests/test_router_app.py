@@ -38,7 +38,6 @@ from pdserve.shared.node.node_auth import credential_digest
 from pdserve.shared.node.node_protocol import (
     AbortRequest,
     NodeGenerateRequest,
-    NodeInfoReply,
     PrefillRequest,
     PrefillResult,
     StepOutput,
@@ -89,7 +88,6 @@ class FakeNodes:
         """Nodes that answer their health (the router keeps them while Redis is away)."""
         self.app = FastAPI()
         self.app.add_api_route("/{node}/internal/health", self.health, methods=["GET"])
-        self.app.add_api_route("/{node}/internal/info", self.info, methods=["GET"])
         self.app.add_api_route("/{node}/internal/generate", self.gen, methods=["POST"])
         self.app.add_api_route("/{node}/internal/prefill", self.pre, methods=["POST"])
         self.app.add_api_route("/{node}/internal/abort", self.abort, methods=["POST"])
@@ -101,11 +99,6 @@ class FakeNodes:
         if node not in self.live:
             return Response(b"{}", status_code=404, media_type="application/json")
         return Response(json.dumps({"ok": True, "node_id": node, "draining": False}).encode())
-
-    async def info(self, node: str) -> Response:
-        role = "prefill" if node.startswith("p") else "decode" if node.startswith("d") else "single"
-        reply = NodeInfoReply(NodeId(node), role, "smol", MAX_MODEL_LEN, 16)  # type: ignore[arg-type]
-        return Response(reply.to_json(), media_type="application/json")
 
     async def pre(self, node: str, body: dict[str, Any]) -> Response:
         req = PrefillRequest.from_json(json.dumps(body))
