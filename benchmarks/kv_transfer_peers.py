@@ -104,7 +104,7 @@ class BenchHandler:
         for i in range(buffer.shape[0]):  # a tcp buffer arrives in host memory
             self.ops.scatter_blocks(buffer[i].to(self.kv.device), self.kv[layer_start + i], ids)
 
-    async def on_complete(self, tid: RequestId, first_token: FirstToken) -> None:
+    async def on_complete(self, tid: RequestId, first_token: FirstToken | None) -> None:
         ids = self.reserved.pop(tid)
         if tid.startswith("paged-"):  # checked after the ACK went out, outside the timed window
             asyncio.get_running_loop().call_soon(self.verify, tid, ids)

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from pdserve.decode_node.server import DecodeHandler, add_decode_routes
 from pdserve.kvtransfer.common import PeerIdentity
-from pdserve.kvtransfer.connector import create_server
+from pdserve.kvtransfer.connector import KVSender, create_sender, create_server
+from pdserve.shared.node.kv_fetch import PrefixExporter, add_export_route
 from pdserve.shared.node.node_cli import NodeConfigs
 from pdserve.shared.node.node_runtime import NodeRuntime
 
@@ -21,7 +22,21 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
     server = create_server(cfg.connector, identity, handler)
     await server.start()
     rt.connector_kind = cfg.connector.kind
-    return cfg.transfer_advertise or server.address, server.stop
+    senders: list[KVSender] = []  # the sender of prefix exports, made when a prefill node first fetches
+
+    def sender() -> KVSender:
+        if not senders:
+            senders.append(create_sender(cfg.connector, identity))
+        return senders[0]
+
+    add_export_route(app, PrefixExporter(rt, sender, cfg.layers_per_frame))
+
+    async def teardown() -> None:
+        await server.stop()
+        for s in senders:
+            await s.close()
+
+    return cfg.transfer_advertise or server.address, teardown
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -174,10 +174,12 @@ class DecodeHandler(TransferHandler):
         self.rt.engine.import_layers(layer_start, dst_block_ids, buffer)
         self.rt.metrics.transfer_bytes.labels(self.rt.connector_kind, "in").inc(buffer.nbytes)
 
-    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken) -> None:
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
         entry = self.pending.get(transfer_id)
         if entry is None or entry.ended or entry.reservation is None:
             raise RuntimeError(f"transfer {transfer_id} completed after it was aborted")
+        if first_token is None:
+            raise RuntimeError(f"transfer {transfer_id} completed without the first token")
         req, q, res = entry.engine_request, entry.queue, entry.reservation
         assert req is not None and q is not None, "OPEN is answered only once the request arrived"
         engine = self.rt.engine

@@ -79,21 +79,31 @@ async def blocks(index: BlockIndex, node_id: str | None, limit: int) -> dict[str
     if node_id is not None:
         await live_node(index, node_id)
     found = await index.blocks(NodeId(node_id) if node_id else None, limit)
-    return {"nodes": {n: {"count": b.count, "hashes": [h.hex() for h in b.hashes]} for n, b in found.items()}}
+    return {
+        "nodes": {
+            n: {"count": b.count, "host": b.host, "hashes": [h.hex() for h in b.hashes]}
+            for n, b in found.items()
+        }
+    }
 
 
 async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None) -> dict[str, Any]:
     block_size, hashes = await prompt_hashes(index, tokens, cache_salt)
     hits = await index.lookup(hashes)
-    rows: list[dict[str, Any]] = [
-        {
-            "node_id": s.info.node_id,
-            "role": s.info.role,
-            "prefix_blocks": hits.get(s.info.node_id, 0),
-            "prefix_tokens": hits.get(s.info.node_id, 0) * block_size,
-        }
-        for s in await index.nodes()
-    ]
+    rows: list[dict[str, Any]] = []
+    for s in await index.nodes():
+        n = hits.get(s.info.node_id, 0)
+        host = sum(await index.host_tier(s.info.node_id, s.info.epoch, hashes[:n]))
+        rows.append(
+            {
+                "node_id": s.info.node_id,
+                "role": s.info.role,
+                "prefix_blocks": n,
+                "prefix_tokens": n * block_size,
+                "device_blocks": n - host,
+                "host_blocks": host,
+            }
+        )
     rows.sort(key=lambda r: (-r["prefix_blocks"], r["node_id"]))
     return {"prompt_tokens": len(tokens), "block_size": block_size, "blocks": len(hashes), "nodes": rows}
 

@@ -51,16 +51,18 @@ def _nodes(result: dict[str, Any]) -> str:
 def _blocks(result: dict[str, Any]) -> str:
     if not result["nodes"]:
         return "no live nodes"
-    lines = [table(["NODE", "RECORDS"], [[n, b["count"]] for n, b in result["nodes"].items()])]
+    rows = [[n, b["count"], b["count"] - b["host"], b["host"]] for n, b in result["nodes"].items()]
+    lines = [table(["NODE", "RECORDS", "DEVICE", "HOST"], rows)]
     lines += [f"{n} {h}" for n, b in result["nodes"].items() for h in b["hashes"]]
     return "\n".join(lines)
 
 
 def _where(result: dict[str, Any]) -> str:
     head = f"{result['prompt_tokens']} tokens, {result['blocks']} full blocks of {result['block_size']}"
-    rows = [[r["node_id"], r["role"], f"{r['prefix_blocks']}/{result['blocks']}", r["prefix_tokens"]]
-            for r in result["nodes"]]  # fmt: skip
-    return head + "\n" + table(["NODE", "ROLE", "PREFIX BLOCKS", "PREFIX TOKENS"], rows)
+    rows = [[r["node_id"], r["role"], f"{r['prefix_blocks']}/{result['blocks']}", r["prefix_tokens"],
+             r["device_blocks"], r["host_blocks"]] for r in result["nodes"]]  # fmt: skip
+    headers = ["NODE", "ROLE", "PREFIX BLOCKS", "PREFIX TOKENS", "ON DEVICE", "ON HOST"]
+    return head + "\n" + table(headers, rows)
 
 
 def _stats(result: dict[str, Any]) -> str:

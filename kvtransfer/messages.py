@@ -101,7 +101,7 @@ class Data:
 class Complete:
     TYPE: ClassVar[int] = 9
     transfer_id: str
-    first_token: FirstToken
+    first_token: FirstToken | None  # None: the transfer carried only KV (a prefix fetch)
 
 
 @dataclass(frozen=True)

@@ -288,7 +288,7 @@ class ChannelSession:
             self._first_send = start
         self._payload_bytes += nbytes
 
-    async def complete(self, first_token: FirstToken) -> TransferStats:
+    async def complete(self, first_token: FirstToken | None) -> TransferStats:
         self._check_usable()
         if self._reply is None:
             raise ValueError(f"complete before open on transfer {self._transfer_id!r}")

@@ -7,8 +7,9 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from pdserve.kvtransfer.common import PeerIdentity
-from pdserve.kvtransfer.connector import create_sender
+from pdserve.kvtransfer.connector import create_sender, create_server
 from pdserve.prefill_node.server import PrefillService, add_prefill_routes
+from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
 from pdserve.shared.node.node_cli import NodeConfigs
 from pdserve.shared.node.node_runtime import NodeRuntime
 
@@ -16,11 +17,23 @@ from pdserve.shared.node.node_runtime import NodeRuntime
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
     identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
     sender = create_sender(cfg.connector, identity)
-    service = PrefillService(rt, sender, cfg.layers_per_frame)
+    # the receiving end of prefix fetches: holders push the blocks this node lacks into it
+    receiver = FetchReceiver(rt)
+    server = create_server(cfg.connector, identity, receiver)
+    await server.start()
+    fetcher = PrefixFetcher(rt, receiver, server.address, cfg.connector.auth_token)
+    service = PrefillService(rt, sender, cfg.layers_per_frame, fetcher)
     service.attach()
     add_prefill_routes(app, service)
+    add_export_route(app, PrefixExporter(rt, lambda: sender, cfg.layers_per_frame))
     rt.connector_kind = cfg.connector.kind
-    return "", sender.close
+
+    async def teardown() -> None:
+        await sender.close()
+        await server.stop()
+        await fetcher.close()
+
+    return "", teardown
 
 
 def main(argv: list[str] | None = None) -> int:

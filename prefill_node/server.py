@@ -9,7 +9,9 @@ cache (`_Job.next_block`: each step exports from the first block not yet sent); 
 copied out of the paged cache on the engine thread right after the layer writes them, into a private
 buffer on the cache's device (so later steps may reuse or evict P's blocks freely, and the connector decides
 whether to stage it through host memory); a transfer ends exactly once (COMPLETE+ACK or ABORT), on every
-path.
+path. When the router names a holder of prefix blocks P lacks (`fetch_from_url`), P fetches them after D's
+OPEN reply and before its engine sees the request (shared/node/kv_fetch.py), so the request's admission
+matches them like its own cache; the fetch's blocks stay referenced until the prefill ends.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.shared.engine.engine import RequestOutput, StepObserver, StepSlice
+from pdserve.shared.node.kv_fetch import FetchedPrefix, PrefixFetcher
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockId, FirstToken, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +112,18 @@ class PrefillObserver(StepObserver):
 
 
 class PrefillService:
-    def __init__(self, rt: NodeRuntime, sender: KVSender, layers_per_frame: int = 4) -> None:
+    def __init__(
+        self,
+        rt: NodeRuntime,
+        sender: KVSender,
+        layers_per_frame: int = 4,
+        fetcher: PrefixFetcher | None = None,
+    ) -> None:
         if layers_per_frame < 1:
             raise ValueError(f"layers_per_frame must be >= 1, got {layers_per_frame}")
         self.rt = rt
         self.sender = sender
+        self.fetcher = fetcher
         self.layers_per_frame = layers_per_frame
         self.observer: PrefillObserver | None = None
         self._opening = 0  # requests waiting for D's OPEN reply, not yet in the engine
@@ -138,6 +148,19 @@ class PrefillService:
             await job.session.send_layers(layer, blocks, buf)
             sent.update(blocks.indices)
 
+    async def _fetch(self, req: PrefillRequest, hashes: Sequence[BlockHash]) -> FetchedPrefix | None:
+        """Fetches the prefix blocks the router said another node holds and this one lacks (never the block
+        holding the prompt's last token: the engine computes at least that token)."""
+        engine = self.rt.engine
+        want = min(req.fetch_blocks, (len(req.prompt_token_ids) - 1) // engine.cfg.block_size)
+        if self.fetcher is None or req.fetch_from_url is None or want <= 0:
+            return None
+        wanted = hashes[:want]
+        local = await self.rt.aengine.call(lambda: engine.cached_prefix_blocks(wanted))
+        if local >= want:
+            return None
+        return await self.fetcher.fetch(req.request_id, req.fetch_from_url, wanted, local, req.deadline)
+
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         engine = self.rt.engine
         assert self.observer is not None
@@ -153,6 +176,7 @@ class PrefillService:
         last: RequestOutput | None = None
         job: _Job | None = None
         session: TransferSession | None = None
+        fetched: FetchedPrefix | None = None
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 session = await self.sender.session(req.decode_transfer_addr, rid)
@@ -162,6 +186,7 @@ class PrefillService:
                     reply: OpenReply = await session.open(hashes, num_blocks, req.deadline)
                 finally:
                     self._opening -= 1
+                fetched = await self._fetch(req, hashes)
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
                 self.observer.jobs[rid] = job
@@ -186,13 +211,17 @@ class PrefillService:
             m.prompt_tokens.inc(len(req.prompt_token_ids))
             scheduled = last.scheduled_time or last.arrival_time
             m.prefill_done(last.arrival_time, scheduled, prefilled_at, len(req.prompt_token_ids))
-            m.prefix_hit_tokens.labels("local").inc(last.cached_tokens)
+            bs = engine.cfg.block_size
+            remote = 0 if fetched is None else min(fetched.landed * bs, last.cached_tokens)
+            m.prefix_hit_tokens.labels("local").inc(last.cached_tokens - remote)
+            m.prefix_hit_tokens.labels("remote").inc(remote)
             m.prefix_hit_tokens.labels("miss").inc(len(req.prompt_token_ids) - last.cached_tokens)
             log.info(
-                "prefill %s: %d tokens, %d cached here, %d held on D, %d blocks sent in %.3fs",
+                "prefill %s: %d tokens, %d cached here (%d fetched), %d held on D, %d blocks sent in %.3fs",
                 rid,
                 len(req.prompt_token_ids),
                 last.cached_tokens,
+                remote,
                 reply.num_held_blocks,
                 sent,
                 time.perf_counter() - t0,
@@ -203,6 +232,7 @@ class PrefillService:
                 len(req.prompt_token_ids) - last.cached_tokens,
                 last.cached_tokens,
                 sent,
+                fetched_tokens=remote,
             )
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()
@@ -215,6 +245,8 @@ class PrefillService:
             raise
         finally:
             self.observer.jobs.pop(rid, None)
+            if fetched is not None and self.fetcher is not None:
+                await self.fetcher.release(fetched)
 
     async def _abort(
         self, rid: RequestId, job: _Job | None, session: TransferSession | None, reason: str

@@ -305,7 +305,9 @@ class RequestRun:
         if prefill is None or route.prefill is None:
             await self._pump(job, decode, route.decode, gen)
             return
-        pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr)
+        fetch_url = None if route.fetch_from is None else route.fetch_from.http_url
+        fetch_blocks = route.fetch_blocks if route.fetch_from is not None else 0
+        pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr, fetch_url, fetch_blocks)
         pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
         pre_task = asyncio.create_task(prefill.prefill(pre))
         try:
@@ -317,6 +319,7 @@ class RequestRun:
                 result = None if failure is not None else pre_task.result()
                 if result is not None and result.error is None:
                     self._check_hits(job, prefill.node_id, result.cached_tokens)
+                    self._count_fetch(job, result.fetched_tokens)
                 # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
                 # have died after its transfer completed). Before that, P's failure ends this attempt (the
                 # decode side is aborted in finally), unless D took the transfer: D then computes the prompt
@@ -341,6 +344,17 @@ class RequestRun:
         finally:
             for task in (pump, pre_task):
                 task.cancel()
+
+    def _count_fetch(self, job: ChoiceJob, fetched_tokens: int) -> None:
+        """The "remote" prefix hits are what the prefill node really fetched; what the route planned to fetch
+        and did not come (a stale holder) was computed: a miss (routing counted neither)."""
+        route = job.route
+        if route.fetch_from is None:
+            return
+        planned = route.planned_fetch_tokens(len(job.prompt_token_ids))
+        hits = self._metrics.prefix_hit_tokens
+        hits.labels(kind="remote").inc(fetched_tokens)
+        hits.labels(kind="miss").inc(max(0, planned - fetched_tokens))
 
     def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
         """Counts a decision made on index records the prefilling node turned out not to hold."""

@@ -3,10 +3,11 @@
 Each RouterMetrics owns its own CollectorRegistry, so several routers (or tests) in one process never
 collide. Latencies are seconds as measured by the router (TTFT from the request's arrival to its first
 token leaving a node; inter-token latency per token, a step's gap divided by the tokens it carried).
-Prefix hits are in tokens and are the router's estimate from the index at routing time: local (the
-prefilling node holds them), remote (fetched from another node: no fetch path exists, so it stays 0), miss
-(computed). Each decision's score (token equivalents, see router/policy.py) and its estimate of the prompt
-tokens the prefilling node computes are histograms labelled by decision kind and prefilling node.
+Prefix hits are in tokens: local (the prefilling node holds them; the index's word at routing time),
+remote (fetched from another node: what the prefill node reported as really fetched), miss (computed,
+including blocks a fetch was planned for that did not come). Each decision's score (token equivalents,
+see router/policy.py) and its estimate of the prompt tokens the prefilling node computes are histograms
+labelled by decision kind and prefilling node.
 """
 
 from __future__ import annotations

@@ -41,12 +41,23 @@ class Route:
     prefill: NodeInfo | None
     indexed_blocks: int = 0
     """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
+    fetch_from: NodeInfo | None = None
+    """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
+    the prefill node fetches them from it (shared/node/kv_fetch.py) instead of computing them."""
+    fetch_blocks: int = 0
 
     def expected_cached_tokens(self, prompt_len: int) -> int:
         """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
         least the prompt's last token, so a block holding it is never a hit)."""
         size = self.decode.block_size
         return min(self.indexed_blocks, (prompt_len - 1) // size) * size
+
+    def planned_fetch_tokens(self, prompt_len: int) -> int:
+        """Prompt tokens the prefilling node should fetch if the index was right (beyond its own hits)."""
+        if self.fetch_from is None:
+            return 0
+        usable = min(self.fetch_blocks, (prompt_len - 1) // self.decode.block_size) * self.decode.block_size
+        return max(0, usable - self.expected_cached_tokens(prompt_len))
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,10 @@ class Router:
             decision.tokens_to_compute
         )
         local = decision.cached_blocks_prefill * block_size
-        miss = len(prompt) - local
+        holder, fetch_blocks = _holder(hits, known, prefill, decision.cached_blocks_prefill)
+        route = Route(kind, decode, prefill, decision.cached_blocks_prefill, holder, fetch_blocks)
+        # what a fetch brings is counted when the prefill node says what came (dispatch: remote, or miss)
+        miss = len(prompt) - local - route.planned_fetch_tokens(len(prompt))
         m.prefix_hit_tokens.labels(kind="local").inc(local)
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self.index_ok:
@@ -159,7 +173,7 @@ class Router:
         owner = None if prefill is None else prefill.node_id
         leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
         return Placement(
-            Route(kind, decode, prefill, decision.cached_blocks_prefill),
+            route,
             min(node.max_model_len for node in nodes),
             first.model_fingerprint,
             leases,
@@ -186,3 +200,20 @@ class Router:
             await self._index.record_hits(node_id, local, remote, miss)
         except IndexUnavailable:
             self._membership.index_failed()
+
+
+def _holder(
+    hits: dict[NodeId, int], known: Sequence[NodeStatus], prefill: NodeInfo | None, own_blocks: int
+) -> tuple[NodeInfo | None, int]:
+    """The live node (any role) holding the longest prefix of the prompt, when a prefill node will compute
+    it and that node holds more than the prefill node itself: (holder, its blocks); else (None, 0)."""
+    if prefill is None:
+        return None, 0
+    live = {s.info.node_id: s.info for s in known}
+    best = max(
+        ((n, node_id) for node_id, n in hits.items() if node_id != prefill.node_id and node_id in live),
+        default=None,
+    )
+    if best is None or best[0] <= own_blocks:
+        return None, 0
+    return live[best[1]], best[0]

@@ -275,6 +275,43 @@ def test_block_pool_events_feed_the_index(redis_server: LocalRedis) -> None:
     run(body())
 
 
+def test_a_pool_with_a_host_tier_feeds_the_index_its_tiers(redis_server: LocalRedis) -> None:
+    """Evicted blocks that move to the host tier stay the node's records and join its host list; restored
+    ones leave the list; blocks the tier drops leave both; a resync lists both tiers."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            epoch = await index.register(node("p9"))
+            pool = BlockPool(num_blocks=4, block_size=4, host_blocks=3)
+            seed = hash_seed(bytes.fromhex(FP), None)
+            chains = [hash_blocks(list(range(k, k + 16)), 4, seed) for k in (0, 100, 200)]
+            for chain in chains:  # each prompt pushes the previous one to the host tier
+                ids = pool.allocate(4)
+                for i, (block_id, h) in enumerate(zip(ids, chain, strict=True)):
+                    pool.commit(BlockId(block_id), h, chain[i - 1] if i else None)
+                pool.release(ids[::-1])
+                pool.take_copies()
+                await index.publish(NodeId("p9"), epoch, pool.drain_events())
+            host = set(pool.host_hashes())
+            assert len(host) == 3 and await index.lookup(chains[2]) == {"p9": 4}
+            recorded = (await index.blocks(NodeId("p9"), limit=100))[NodeId("p9")]
+            assert set(recorded.hashes) == set(pool.held_hashes()) and recorded.host == 3
+            flags = await index.host_tier(NodeId("p9"), epoch, chains[1])
+            assert flags == [h in host for h in chains[1]]
+            restored = pool.restore(chains[1])
+            pool.take_copies()
+            await index.publish(NodeId("p9"), epoch, pool.drain_events())
+            assert restored > 0 and (await index.blocks(NodeId("p9")))[NodeId("p9")].host == len(
+                pool.host_hashes()
+            )
+            await index.resync(NodeId("p9"), epoch, pool.held_hashes(), pool.host_hashes())
+            assert sum(await index.host_tier(NodeId("p9"), epoch, pool.held_hashes())) == len(
+                pool.host_hashes()
+            )
+
+    run(body())
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(held=st.lists(st.sets(st.integers(0, 39), max_size=40), min_size=1, max_size=4))
 def test_lookup_matches_a_reference_walk(redis_server: LocalRedis, held: list[set[int]]) -> None:

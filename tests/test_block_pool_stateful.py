@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
-from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored, NoFreeBlocks
+from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored, BlockTiered, NoFreeBlocks
 from pdserve.shared.types import BlockHash, BlockId
 
 BLOCK_SIZE = 2
@@ -249,3 +249,105 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockPoolStateful = PoolMachine.TestCase
+
+
+HOST_BLOCKS = 3
+
+
+class TieredPoolMachine(PoolMachine):
+    """The same lifecycles over a pool with a host tier, plus restores; besides the pool's invariants, the
+    tier's copies are run in queue order over a model of the bytes (each block's and slot's content is the
+    hash it was computed for), and every held device block and host slot must then hold its own hash's
+    bytes; the Stored/Removed/Tiered events replay into the node's holdings and its host list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS)
+        self.dev_data: dict[BlockId, BlockHash | None] = {}
+        self.host_data: dict[int, BlockHash | None] = {}
+        self.host_indexed: set[BlockHash] = set()
+
+    @precondition(lambda self: any(s.committed < len(s.hashes()) for s in self.seqs.values()))
+    @rule(data=st.data())
+    def commit_full_blocks(self, data: st.DataObject) -> None:
+        before = {k: s.committed for k, s in self.seqs.items()}
+        super().commit_full_blocks(data)
+        for key, seq in self.seqs.items():  # the forward wrote these blocks' bytes before the commit
+            for i in range(before[key], seq.committed):
+                if i not in seq.dups:
+                    self.dev_data[seq.blocks[i]] = seq.hashes()[i]
+
+    @rule(tokens=TOKENS)
+    def restore(self, tokens: list[int]) -> None:
+        assert self.pool.host is not None
+        hashes = hash_blocks(tokens, BLOCK_SIZE, SEED)
+        dev = self.pool.match_prefix(hashes)
+        run = self.pool.host.leading(hashes[len(dev) :])
+        free_before = self.pool.audit().free
+        n = self.pool.restore(hashes)
+        if not run:
+            assert n == 0
+            return
+        self._take_refs(dev)
+        got = self.pool.match_prefix(hashes)
+        assert got[: len(dev)] == dev and len(got) >= len(dev) + n
+        new = got[len(dev) : len(dev) + n]
+        evicted = max(0, n - free_before)
+        assert new[n - evicted :] == self.lru[:evicted]
+        del self.lru[:evicted]
+        self._dropped_refs([*dev, *new][::-1])
+
+    @rule(data=st.data(), everything=st.booleans())
+    def evict(self, data: st.DataObject, everything: bool) -> None:
+        on_host = set(self.pool.host_hashes())
+        if everything:
+            assert self.pool.evict() == len(self.lru) + len(on_host)
+            self.lru = []
+        else:
+            held = self.pool.held_hashes()
+            chosen = data.draw(st.lists(st.sampled_from(held), max_size=3)) if held else []
+            targets = {b for h in chosen for b in self.pool.match_prefix([h])}
+            assert self.pool.evict(chosen) == len(targets & set(self.lru)) + len(set(chosen) & on_host)
+            self._take_refs(list(targets))
+        assert self.pool.audit().cached == len(self.lru)
+
+    @rule()
+    def drain(self) -> None:
+        for event in self.pool.drain_events():
+            if isinstance(event, BlockStored):
+                for child in event.block_hashes:
+                    assert child not in self.indexed
+                    self.indexed.add(child)
+            elif isinstance(event, BlockRemoved):
+                for gone in event.block_hashes:
+                    self.indexed.remove(gone)
+                    self.host_indexed.discard(gone)
+            else:
+                assert isinstance(event, BlockTiered)
+                assert set(event.block_hashes) <= self.indexed
+                if event.tier == "host":
+                    self.host_indexed |= set(event.block_hashes)
+                else:
+                    self.host_indexed -= set(event.block_hashes)
+        assert self.indexed == set(self.pool.held_hashes())
+        assert self.host_indexed == set(self.pool.host_hashes())
+
+    @invariant()
+    def tier_copies_keep_the_bytes(self) -> None:
+        for op in self.pool.take_copies():
+            if op.to_host:
+                self.host_data[op.slot] = self.dev_data.get(op.block_id)
+            else:
+                self.dev_data[op.block_id] = self.host_data.get(op.slot)
+        host = self.pool.host
+        assert host is not None
+        for h in self.pool.held_hashes():
+            if h in host:
+                assert self.host_data.get(host._lru[h]) == h, "a host slot lost its block's bytes"
+            else:
+                (block,) = self.pool.match_prefix([h])
+                assert self.dev_data.get(block) == h, "a device block lost its bytes"
+
+
+TieredPoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestTieredBlockPoolStateful = TieredPoolMachine.TestCase

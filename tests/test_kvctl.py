@@ -17,7 +17,7 @@ from pdserve.kvctl.cli import main
 from pdserve.kvctl.commands import default_model_path
 from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
-from pdserve.shared.engine.block_pool import BlockStored
+from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
@@ -89,6 +89,8 @@ def cluster() -> Iterator[Cluster]:
                 if name == "p0":
                     stored = (*chain[:3], *(BlockHash(os.urandom(32)) for _ in range(5)))
                     await index.publish(NodeId(name), epoch, [BlockStored(stored, None)])
+                    # its third prefix block was evicted to its host-memory tier
+                    await index.publish(NodeId(name), epoch, [BlockTiered((chain[2],), "host")])
             await index.record_hits(NodeId("p0"), 48, 16, 36)
 
     with LocalRedis() as server:
@@ -115,7 +117,7 @@ def test_nodes_blocks_stats(cluster: Cluster, capsys: Any) -> None:
     ]
     assert nodes["nodes"][1]["load"]["kv_used_blocks"] == 30 and nodes["nodes"][1]["blocks_indexed"] == 8
     rc, blocks, _ = kvctl(capsys, server, "blocks", "--node", "p0", "--limit", "100")
-    assert rc == 0 and blocks["nodes"]["p0"]["count"] == 8
+    assert rc == 0 and blocks["nodes"]["p0"]["count"] == 8 and blocks["nodes"]["p0"]["host"] == 1
     assert {h.hex() for h in chain[:3]} <= set(blocks["nodes"]["p0"]["hashes"])
     rc, stats, _ = kvctl(capsys, server, "stats")
     assert stats["nodes"]["p0"] == {"local_tokens": 48, "remote_tokens": 16, "miss_tokens": 36,
@@ -130,7 +132,8 @@ def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> N
     server, _, chain = cluster
     rc, where, _ = kvctl(capsys, server, "where", "--prompt", PROMPT)
     assert rc == 0 and where["blocks"] == len(chain) and where["block_size"] == 16
-    assert where["nodes"][0] == {"node_id": "p0", "role": "prefill", "prefix_blocks": 3, "prefix_tokens": 48}
+    assert where["nodes"][0] == {"node_id": "p0", "role": "prefill", "prefix_blocks": 3, "prefix_tokens": 48,
+                                 "device_blocks": 2, "host_blocks": 1}  # fmt: skip
     assert where["nodes"][1]["prefix_blocks"] == 0
     _, salted, _ = kvctl(capsys, server, "where", "--prompt", PROMPT, "--cache-salt", "tenant-b")
     assert all(n["prefix_blocks"] == 0 for n in salted["nodes"])

@@ -113,7 +113,7 @@ class PagedReceiver:
         self.free: list[int] = list(range(num_blocks))
         self.held: dict[bytes, int] = {}  # block hash -> block D already has
         self.reserved: dict[str, list[int]] = {}
-        self.completed: dict[str, FirstToken] = {}
+        self.completed: dict[str, FirstToken | None] = {}
         self.aborts: list[tuple[str, str]] = []
         self.silent: list[tuple[str, str]] = []
         self.data_calls = 0
@@ -149,7 +149,7 @@ class PagedReceiver:
         for i in range(buffer.shape[0]):
             self.ops.scatter_blocks(buffer[i], self.kv[layer_start + i], dst_block_ids)
 
-    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken) -> None:
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
         self.completed[transfer_id] = first_token
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:

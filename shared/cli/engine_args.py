@@ -29,6 +29,12 @@ class EngineOptions(Settings):
         None, ge=2, description="fixed KV pool size in blocks (default: sized from memory)"
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="KV pool size on the CPU, GiB")
+    host_kv_cache_gib: float = Field(
+        0.0,
+        ge=0,
+        description="host-memory KV tier under the device pool (pinned on a GPU), GiB: evicted prefix "
+        "blocks come back from it instead of being recomputed; 0: off",
+    )
     gpu_memory_utilization: float = Field(
         0.90, ge=0.05, le=0.98, description="share of GPU memory for weights, activations and the KV pool"
     )
@@ -89,6 +95,7 @@ def engine_config(opts: EngineOptions) -> EngineConfig:
         block_size=opts.block_size,
         num_kv_blocks=opts.num_kv_blocks,
         kv_cache_bytes=int(opts.kv_cache_gib * (1 << 30)),
+        host_kv_cache_bytes=int(opts.host_kv_cache_gib * (1 << 30)),
         gpu_memory_utilization=opts.gpu_memory_utilization,
         max_num_seqs=opts.max_num_seqs,
         max_num_batched_tokens=opts.max_num_batched_tokens,

@@ -17,6 +17,14 @@ Invariants (check_invariants() verifies every one):
   evicted before the prefixes other requests can still match.
 - Every hash entering or leaving the map is reported once, in order, by drain_events() (drain it every
   step: events accumulate until drained).
+With a host tier (`host_blocks` > 0, shared/engine/host_tier.py):
+- A hash is in at most one tier: the device map or the host tier. A CACHED block the pool evicts moves its
+  hash to the host tier (the tier's LRU entry is dropped when it is full) and queues a copy out; `restore`
+  moves hashes back into fresh device blocks and queues copies in; committing a hash the host tier holds
+  takes it out of the tier. The queued CopyOps must run, in order, before anything writes the device blocks
+  they read (take_copies() after every call that allocates or restores).
+- The events describe the node's holdings over both tiers: Stored/Removed when a hash enters/leaves the
+  node, BlockTiered when it moves between tiers; `held_hashes()` lists both tiers.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
+from pdserve.shared.engine.host_tier import HostTier
 from pdserve.shared.types import BlockHash, BlockId
 
 
@@ -41,7 +51,25 @@ class BlockRemoved:
     block_hashes: tuple[BlockHash, ...]
 
 
-BlockEvent = BlockStored | BlockRemoved
+@dataclass(frozen=True)
+class BlockTiered:
+    """Hashes the node still holds that moved to `tier` ("host": evicted from the device pool into the host
+    tier; "device": brought back or recomputed)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    tier: Literal["device", "host"]
+
+
+BlockEvent = BlockStored | BlockRemoved | BlockTiered
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    """One block's KV to move: device block `block_id` -> host slot `slot` (to_host), or back."""
+
+    to_host: bool
+    block_id: BlockId
+    slot: int
 
 
 class NoFreeBlocks(Exception):
@@ -57,6 +85,8 @@ class PoolAudit:
     cached: int
     in_use: int
     reserved: int
+    host: int = 0
+    """Hashes held in the host tier (not counted in num_blocks)."""
 
 
 class _Block:
@@ -107,9 +137,12 @@ class _List:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    def __init__(self, num_blocks: int, block_size: int = 16, host_blocks: int = 0) -> None:
+        if num_blocks <= 0 or block_size <= 0 or host_blocks < 0:
+            raise ValueError(
+                f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive, "
+                f"host_blocks ({host_blocks}) >= 0"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._blocks = [_Block(i) for i in range(num_blocks)]
@@ -118,9 +151,12 @@ class BlockPool:
         for block in self._blocks:
             self._free.append(block)
         self._by_hash: dict[BlockHash, _Block] = {}
-        # Pending events as (stored?, hashes, parent); batches grow in place and are frozen by drain_events.
-        self._events: list[tuple[bool, list[BlockHash], BlockHash | None]] = []
+        # Pending events as (kind, hashes, parent), kind S(tored) R(emoved) H(ost) D(evice); batches grow in
+        # place and are frozen by drain_events.
+        self._events: list[tuple[str, list[BlockHash], BlockHash | None]] = []
         self._num_reserved = 0
+        self.host = HostTier(host_blocks) if host_blocks else None
+        self._copies: list[CopyOp] = []
 
     def num_free(self) -> int:
         """Blocks allocatable now: FREE plus evictable CACHED."""
@@ -180,11 +216,15 @@ class BlockPool:
             return existing.block_id
         block.block_hash = block_hash
         self._by_hash[block_hash] = block
+        if self.host is not None and block_hash in self.host:  # recomputed: the host copy is stale weight
+            self.host.free(self.host.take(block_hash))
+            self._event("D", block_hash)
+            return block_id
         last = self._events[-1] if self._events else None
-        if last is not None and last[0] and parent_hash is not None and last[1][-1] == parent_hash:
+        if last is not None and last[0] == "S" and parent_hash is not None and last[1][-1] == parent_hash:
             last[1].append(block_hash)
         else:
-            self._events.append((True, [block_hash], parent_hash))
+            self._events.append(("S", [block_hash], parent_hash))
         return block_id
 
     def release(self, block_ids: Sequence[BlockId]) -> None:
@@ -198,33 +238,81 @@ class BlockPool:
             self._unref(block)
 
     def evict(self, hashes: Sequence[BlockHash] | None = None) -> int:
-        """Drop cached-free blocks (all of them when hashes is None); returns how many were dropped."""
+        """Drop cached-free blocks and host-tier entries from this node (all of them when hashes is None);
+        returns how many were dropped. Nothing moves to the host tier: the operator asked them gone."""
+        host = self.host
         if hashes is None:
             victims = list(self._lru)
+            gone = [] if host is None else host.hashes()
         else:
             found = (self._by_hash.get(h) for h in dict.fromkeys(hashes))
             victims = [b for b in found if b is not None and b.ref == 0]
+            gone = [] if host is None else [h for h in dict.fromkeys(hashes) if h in host]
         for block in victims:
             self._lru.remove(block)
-            self._drop_hash(block)
+            self._drop_hash(block, offload=False)
             self._free.append(block)
-        return len(victims)
+        for h in gone:
+            assert host is not None
+            host.free(host.take(h))
+            self._event("R", h)
+        return len(victims) + len(gone)
+
+    def restore(self, hashes: Sequence[BlockHash]) -> int:
+        """Brings the run of `hashes` that follows the device-held prefix back from the host tier into fresh
+        device blocks (copies in queued; blocks committed and CACHED, most recently used), as many as the
+        pool can take; returns how many came back."""
+        host = self.host
+        if host is None:
+            return 0
+        dev = self.match_prefix(hashes)
+        run = host.leading(hashes[len(dev) :])
+        if not run:
+            return 0
+        self.acquire(dev)  # the allocation below must not evict the prefix it continues
+        slots = [host.take(h) for h in run]
+        n = min(len(run), self.num_free())
+        blocks = self._take(n)  # may move other blocks to the host tier: their copies queue first
+        for h, slot in zip(run[n:], slots[n:], strict=True):
+            host.give_back(h, slot)
+        for h, slot, block in zip(run, slots, blocks, strict=False):
+            self._copies.append(CopyOp(False, block.block_id, slot))
+            host.free(slot)  # a later copy out into it is queued after this copy in
+            block.block_hash = h
+            self._by_hash[h] = block
+            self._event("D", h)
+        self.release([*dev, *(b.block_id for b in blocks)][::-1])
+        return n
+
+    def take_copies(self) -> list[CopyOp]:
+        """The queued tier copies, in the order they must run; run them before the next forward or fill."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def held_hashes(self) -> list[BlockHash]:
-        """Every hash held here (IN_USE or CACHED), for the index digest."""
-        return list(self._by_hash)
+        """Every hash held here (IN_USE, CACHED, or in the host tier), for the index digest."""
+        return list(self._by_hash) + ([] if self.host is None else self.host.hashes())
+
+    def host_hashes(self) -> list[BlockHash]:
+        return [] if self.host is None else self.host.hashes()
 
     def drain_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
-        return [
-            BlockStored(tuple(hashes), parent) if stored else BlockRemoved(tuple(hashes))
-            for stored, hashes, parent in events
-        ]
+        out: list[BlockEvent] = []
+        for kind, hashes, parent in events:
+            if kind == "S":
+                out.append(BlockStored(tuple(hashes), parent))
+            elif kind == "R":
+                out.append(BlockRemoved(tuple(hashes)))
+            else:
+                out.append(BlockTiered(tuple(hashes), "host" if kind == "H" else "device"))
+        return out
 
     def audit(self) -> PoolAudit:
         free, cached = self._free.size, self._lru.size
         in_use = self.num_blocks - free - cached - self._num_reserved
-        return PoolAudit(self.num_blocks, free, cached, in_use, self._num_reserved)
+        host = 0 if self.host is None else len(self.host)
+        return PoolAudit(self.num_blocks, free, cached, in_use, self._num_reserved, host)
 
     def check_invariants(self) -> None:
         """Verify every invariant of the module docstring; AssertionError names the first broken one."""
@@ -247,6 +335,10 @@ class BlockPool:
         num_hashed = sum(b.block_hash is not None for b in self._blocks)
         _require(num_hashed == len(self._by_hash), f"map has {len(self._by_hash)}, blocks {num_hashed}")
         _require(self._num_reserved == sum(b.reserved for b in self._blocks), "reserved counter drifted")
+        if self.host is not None:
+            self.host.check_invariants()
+            both = [h for h in self.host.hashes() if h in self._by_hash]
+            _require(not both, f"{len(both)} hashes in both tiers")
 
     def _shareable(self, block_ids: Sequence[BlockId]) -> list[_Block]:
         blocks = [self._get(i) for i in block_ids]
@@ -284,14 +376,31 @@ class BlockPool:
             out.append(block)
         return out
 
-    def _drop_hash(self, block: _Block) -> None:
-        assert block.block_hash is not None
-        del self._by_hash[block.block_hash]
-        if self._events and not self._events[-1][0]:
-            self._events[-1][1].append(block.block_hash)
-        else:
-            self._events.append((False, [block.block_hash], None))
+    def _drop_hash(self, block: _Block, offload: bool = True) -> None:
+        """The block's hash leaves the device map: into the host tier (a copy out queued) when there is one
+        and `offload`, else off this node."""
+        h = block.block_hash
+        assert h is not None
+        del self._by_hash[h]
         block.block_hash = None
+        if self.host is None or not offload:
+            self._event("R", h)
+            return
+        slot, dropped = self.host.put(h)
+        if dropped is not None:
+            self._event("R", dropped)
+        if slot is None:  # every slot is being restored from: this one leaves the node
+            self._event("R", h)
+            return
+        self._copies.append(CopyOp(True, block.block_id, slot))
+        self._event("H", h)
+
+    def _event(self, kind: str, block_hash: BlockHash) -> None:
+        """Appends to the last batch when it is of the same kind (Stored batches go through commit)."""
+        if self._events and self._events[-1][0] == kind and kind != "S":
+            self._events[-1][1].append(block_hash)
+        else:
+            self._events.append((kind, [block_hash], None))
 
     def _ref(self, block: _Block) -> None:
         if block.ref == 0:

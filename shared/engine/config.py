@@ -25,6 +25,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """Fixed pool size; None sizes it from `kv_cache_bytes` (CPU) or free GPU memory."""
     kv_cache_bytes: int = 1 << 30
+    host_kv_cache_bytes: int = 0
+    """The host-memory tier under the device pool (evicted blocks wait there for a hit); 0: off."""
     gpu_memory_utilization: float = 0.90
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={self.num_kv_blocks}: need at least 2")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes}: must be positive")
+        if self.host_kv_cache_bytes < 0:
+            raise ValueError(f"host_kv_cache_bytes={self.host_kv_cache_bytes}: must be >= 0 (0: no tier)")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: accepted 0.05..0.98")
         if self.max_num_seqs < 1:

@@ -7,7 +7,11 @@ policy around this class, never a fork of it, and reaches it only through its pu
 pool, scheduler, runner or a `Request`'s fields): the prefill role watches layers through `StepObserver`
 (which sees each scheduled request as a `StepSlice`) and copies them out with `export_layer`; the decode
 role uses the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`);
-the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`.
+the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`. A prefix
+fetch uses the same port on both ends: the holder pins its blocks (`hold_prefix` ... `release_held`) while
+it exports them, and the fetcher checks `cached_prefix_blocks`, reserves, imports, then `commit_fetched`
+makes the landed blocks matchable under their hashes while the reservation still holds them, until
+`release_remote` leaves them CACHED.
 
 Overlap (`EngineConfig.async_scheduling`): at most one step is in flight across `step()` calls. A call
 schedules and launches the next step (its placeholder tokens read from the in-flight step's sampled tokens
@@ -37,6 +41,7 @@ from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.cuda_graphs import plan_gpu_memory
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
+from pdserve.shared.engine.host_copy import HostTierCopier
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
@@ -46,6 +51,9 @@ from pdserve.shared.model.loader import LoadedModel, load_model
 from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
 log = logging.getLogger(__name__)
+
+_RESTORE_AHEAD = 8
+"""Waiting requests whose prefixes each step brings back from the host tier before scheduling."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,10 @@ class EngineSnapshot:
     computed_prompt_tokens: int = 0
     computed_tokens: int = 0
     cached_prompt_tokens: int = 0
+    host_blocks: int = 0
+    """Blocks held in the host-memory tier (shared/engine/host_tier.py)."""
+    host_offloaded_blocks: int = 0
+    host_restored_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -164,7 +176,9 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.num_blocks = cfg.num_kv_blocks or self._size_pool()
-        self.pool = BlockPool(self.num_blocks, cfg.block_size)
+        per_block = kv_bytes_per_block(self.loaded, cfg)
+        self.host_blocks = cfg.host_kv_cache_bytes // per_block
+        self.pool = BlockPool(self.num_blocks, cfg.block_size, self.host_blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size, cfg.overlap),
@@ -172,6 +186,7 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.runner = ModelRunner(self.loaded, cfg, self.num_blocks, max_model_len=self.max_model_len)
+        self.tier = HostTierCopier(self.runner.kv_cache, self.host_blocks) if self.host_blocks else None
         self.sampler = Sampler()
         self.fingerprint = model_fingerprint(
             mc.to_dict(), self.loaded.weights_identity, cfg.dtype_name, cfg.block_size
@@ -278,6 +293,7 @@ class LLMEngine:
         if self._inflight is not None:
             self._inflight.sample.wait()  # a block freed meanwhile may still be written by that step
         pool, sched = self.pool, self.scheduler
+        self._restore(block_hashes[: max(0, num_blocks - 1)])
         held = pool.match_prefix(block_hashes[: max(0, num_blocks - 1)])
         pool.acquire(held)
         spare = pool.num_free() - (num_blocks - len(held))
@@ -288,7 +304,39 @@ class LLMEngine:
         if spare < 0:
             pool.release(held[::-1])
             return None
-        return RemoteReservation(tuple(held), tuple(pool.reserve(num_blocks - len(held))))
+        reservation = RemoteReservation(tuple(held), tuple(pool.reserve(num_blocks - len(held))))
+        self._run_copies()  # blocks the reservation evicted go to the host tier before the fill lands
+        return reservation
+
+    def hold_prefix(self, block_hashes: Sequence[BlockHash]) -> tuple[BlockId, ...]:
+        """Pins the longest prefix of `block_hashes` this pool holds (one reference each) so that an export
+        can read it while steps run; end with `release_held`. Fewer than asked when the index was stale."""
+        self._restore(block_hashes)
+        held = self.pool.match_prefix(block_hashes)
+        self.pool.acquire(held)
+        return tuple(held)
+
+    def cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading `block_hashes` the device pool holds now (no reference taken)."""
+        return len(self.pool.match_prefix(block_hashes))
+
+    def release_held(self, block_ids: Sequence[BlockId]) -> None:
+        """Drops the references `hold_prefix` took (last-first, as every sequence is released)."""
+        self.pool.release(list(block_ids)[::-1])
+
+    def commit_fetched(self, reservation: RemoteReservation, block_hashes: Sequence[BlockHash]) -> None:
+        """Every `dst` block of a live reservation has its KV (a fetched prefix whose leading hashes are
+        `block_hashes`): they leave RESERVED and are committed under their hashes, so a request admitted
+        next matches them. The reservation keeps its references until `release_remote`; a hash the pool
+        got meanwhile from elsewhere leaves our copy an unhashed duplicate that goes back to the free list."""
+        if not reservation.live:
+            raise ValueError("the fetch's reservation was already ended")
+        first = len(reservation.held)
+        if len(block_hashes) < first + len(reservation.dst):
+            raise ValueError(f"{len(block_hashes)} hashes for {first + len(reservation.dst)} fetched blocks")
+        self.pool.fill_done(reservation.dst)
+        for i, block in enumerate(reservation.dst, start=first):
+            self.pool.commit(block, block_hashes[i], block_hashes[i - 1] if i else None)
 
     def import_layers(self, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
         """Scatters a frame into reserved blocks. buffer: [n_layers, 2, n, B, Hkv, D] (or one layer without
@@ -366,11 +414,35 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    def _restore(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Brings a prefix's blocks back from the host tier (after the part the device holds) and runs the
+        copies; a no-op without a tier."""
+        if self.tier is not None and self.pool.restore(block_hashes):
+            self._run_copies()
+
+    def _run_copies(self) -> None:
+        if self.tier is not None:
+            self.tier.run(self.pool.take_copies())
+
+    def _restore_waiting(self) -> None:
+        """The prefixes of the requests about to be admitted come back from the host tier, so admission
+        matches them as cached (blocks restored and evicted again before then are computed: never wrong)."""
+        sched, bs = self.scheduler, self.cfg.block_size
+        room = self.cfg.max_num_seqs - len(sched.running)
+        for request in sched.waiting[: max(0, min(room, _RESTORE_AHEAD))]:
+            if not request.block_ids:
+                self.pool.restore(request.block_hashes[: (request.num_tokens - 1) // bs])
+
     def step(self) -> list[RequestOutput]:
         """Runs one step. Without overlap: schedule, compute, sample, and return its outputs. With overlap:
         launch the next step, then return the outputs of the one launched by the previous call."""
         prev, self._inflight = self._inflight, None
+        if self.tier is not None:
+            self._restore_waiting()
         out = self.scheduler.schedule()
+        # before the launch writes blocks the schedule evicted or restored (an in-flight step's writes are
+        # ordered before the copies on the device's stream)
+        self._run_copies()
         launched = self._launch(out, prev) if out.scheduled else None
         if not self.cfg.overlap:
             prev, launched = launched, None
@@ -494,14 +566,23 @@ class LLMEngine:
             computed_prompt_tokens=s.stats.computed_prompt_tokens,
             computed_tokens=s.stats.computed_tokens,
             cached_prompt_tokens=s.stats.cached_prompt_tokens,
+            host_blocks=audit.host,
+            host_offloaded_blocks=0 if self.tier is None else self.tier.offloaded,
+            host_restored_blocks=0 if self.tier is None else self.tier.restored,
         )
 
     def held_hashes(self) -> list[BlockHash]:
-        """The hashes of every full block the pool holds (in use or cached-free): what the index lists."""
+        """The hashes of every full block the node holds (in use, cached-free, or in the host tier): what
+        the index lists."""
         return self.pool.held_hashes()
 
+    def host_hashes(self) -> list[BlockHash]:
+        """The held hashes that sit in the host tier (the index's host list)."""
+        return self.pool.host_hashes()
+
     def evict(self, hashes: Sequence[BlockHash] | None) -> int:
-        """Drops these cached-free blocks (None: all of them) from the prefix cache; returns how many."""
+        """Drops these cached-free blocks and host-tier entries (None: all of them) from this node; returns
+        how many."""
         return self.pool.evict(hashes)
 
     def num_requests(self) -> int:

@@ -8,6 +8,8 @@ Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts kee
   the field and both values (for the credential, a prefix of each digest).
 - `lookup` is one EVALSHA whatever the prompt length, and reads only.
 - The index is an estimate for routing: a block it lists may have been evicted; the transfer verifies.
+- A node's records list the blocks it holds in any tier; `blkhost:<id>:<epoch>` lists those of them that
+  sit in its host-memory tier (BlockTiered events), kept beside the records with the same TTL.
 Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
 credentials raise its subclass `IndexAuthError`.
 """
@@ -21,7 +23,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 import redis.exceptions as rexc
-from pdserve.shared.engine.block_pool import BlockRemoved, BlockStored
+from pdserve.shared.engine.block_pool import BlockEvent, BlockRemoved, BlockStored, BlockTiered
 from pdserve.shared.index import block_index_scripts as lua
 from pdserve.shared.index.block_index_types import (
     BlocksDigest,
@@ -80,15 +82,15 @@ def _layout_pairs(info: NodeInfo) -> list[str]:
     return [*pairs, "model_fingerprint", info.model_fingerprint]
 
 
-def _event_args(events: Sequence[BlockStored | BlockRemoved]) -> list[bytes | str | int]:
+def _event_args(events: Sequence[BlockEvent]) -> list[bytes | str | int]:
     args: list[bytes | str | int] = []
     for event in events:
         if isinstance(event, BlockStored):
             args += ["S", len(event.block_hashes), *event.block_hashes]
         elif isinstance(event, BlockRemoved):
             args += ["R", len(event.block_hashes), *event.block_hashes]
-        else:
-            raise TypeError(f"publish takes BlockStored/BlockRemoved events, got {type(event).__name__}")
+        elif not isinstance(event, BlockTiered):
+            raise TypeError(f"publish takes block events, got {type(event).__name__}")
     return args
 
 
@@ -224,19 +226,59 @@ class BlockIndex:
 
     # --- blocks ---------------------------------------------------------------------------------------------
 
-    async def publish(self, node_id: NodeId, epoch: int, events: Sequence[BlockStored | BlockRemoved]) -> int:
-        """Apply a batch of Stored/Removed events in order, atomically; returns the node's record count."""
+    async def publish(self, node_id: NodeId, epoch: int, events: Sequence[BlockEvent]) -> int:
+        """Apply a batch of Stored/Removed events in order, atomically, then the tier moves (BlockTiered;
+        Removed hashes leave the host list too); returns the node's record count."""
         reply = await self._call(
             self._publish, "publish", node_id, epoch, self._records_ms, *_event_args(events)
         )
-        return self._check(reply, node_id, epoch)
+        count = self._check(reply, node_id, epoch)
+        if any(isinstance(e, BlockTiered) for e in events):
+            await self._tiers(node_id, epoch, events)
+        return count
 
-    async def resync(self, node_id: NodeId, epoch: int, held: Sequence[BlockHash]) -> int:
-        """Replace all of a node's records with `held` (its digest, or a rebuild after Redis lost data)."""
+    async def _tiers(self, node_id: NodeId, epoch: int, events: Sequence[BlockEvent]) -> None:
+        key = self._host_key(node_id, epoch)
+        async with self._guard("publish tiers"):
+            pipe = self._redis.pipeline(transaction=True)
+            for event in events:
+                hashes = list(event.block_hashes)
+                if isinstance(event, BlockTiered) and event.tier == "host":
+                    pipe.sadd(key, *hashes)
+                elif not isinstance(event, BlockStored):
+                    pipe.srem(key, *hashes)
+            pipe.pexpire(key, self._records_ms)
+            await pipe.execute()
+
+    def _host_key(self, node_id: NodeId, epoch: int) -> str:
+        return f"{self._p}blkhost:{node_id}:{epoch}"
+
+    async def resync(
+        self, node_id: NodeId, epoch: int, held: Sequence[BlockHash], host: Sequence[BlockHash] = ()
+    ) -> int:
+        """Replace all of a node's records with `held` (its digest, or a rebuild after Redis lost data), and
+        its host-tier list with `host` (a subset of `held`)."""
         reply = await self._call(
             self._publish, "resync", node_id, epoch, self._records_ms, "C", 0, "S", len(held), *held
         )
-        return self._check(reply, node_id, epoch)
+        count = self._check(reply, node_id, epoch)
+        key = self._host_key(node_id, epoch)
+        async with self._guard("resync tiers"):
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.delete(key)
+            if host:
+                pipe.sadd(key, *host)
+                pipe.pexpire(key, self._records_ms)
+            await pipe.execute()
+        return count
+
+    async def host_tier(self, node_id: NodeId, epoch: int, hashes: Sequence[BlockHash]) -> list[bool]:
+        """For each hash, whether the node lists it in its host-memory tier."""
+        if not hashes:
+            return []
+        async with self._guard("host tier"):
+            found = await self._redis.smismember(self._host_key(node_id, epoch), list(hashes))
+        return [bool(f) for f in found]
 
     async def lookup(self, hashes: Sequence[BlockHash]) -> dict[NodeId, int]:
         """Per live node holding block 0: the length of the longest run of `hashes` it holds from block 0.
@@ -266,7 +308,8 @@ class BlockIndex:
                         hashes.append(BlockHash(member))
                         if len(hashes) >= limit:
                             break
-                out[status.info.node_id] = NodeBlocks(await self._redis.scard(key), tuple(hashes))
+                host = await self._redis.scard(self._host_key(status.info.node_id, status.info.epoch))
+                out[status.info.node_id] = NodeBlocks(await self._redis.scard(key), tuple(hashes), host)
         return out
 
     async def evict_records(self, node_id: NodeId, hashes: Sequence[BlockHash] | None = None) -> int:

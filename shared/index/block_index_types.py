@@ -214,6 +214,8 @@ class NodeBlocks:
 
     count: int
     hashes: tuple[BlockHash, ...] = field(default=())
+    host: int = 0
+    """Of `count`, the blocks in the node's host-memory tier."""
 
 
 @dataclass(frozen=True)

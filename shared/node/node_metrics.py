@@ -51,8 +51,21 @@ class NodeMetrics(MetricsRegistry):
         self.generation_tokens = counter("pdserve_node_generation_tokens", "Tokens generated")
         self.prefix_hit_tokens = counter(
             "pdserve_node_prefix_hit_tokens",
-            "Prompt tokens by KV source: local (own cache), transferred (sent by P), miss (computed)",
+            "Prompt tokens by KV source: local (own cache), remote (fetched from another node for this "
+            "request), transferred (sent by P), miss (computed)",
             ["kind"],
+        )
+        self.fetched_blocks = counter(
+            "pdserve_node_fetched_blocks",
+            "Prefix KV blocks fetched from another node instead of computed (shared/node/kv_fetch.py)",
+        )
+        self.fetch_miss_blocks = counter(
+            "pdserve_node_fetch_miss_blocks",
+            "Prefix KV blocks a fetch asked for that did not come (the holder had evicted them, or the fetch "
+            "failed); they were computed",
+        )
+        self.exported_blocks = counter(
+            "pdserve_node_exported_blocks", "Prefix KV blocks this node sent to a fetching node"
         )
         self.kv_used_blocks = gauge("pdserve_node_kv_used_blocks", "KV blocks in use")
         self.kv_total_blocks = gauge("pdserve_node_kv_total_blocks", "KV blocks in the pool")
@@ -178,6 +191,19 @@ class _VllmEngineView(Collector):
             metric = family(f"vllm:{name}", doc, labels=["model_name"])
             metric.add_metric(labels, value)
             yield metric
+        yield GaugeMetricFamily(
+            "pdserve_node_host_tier_blocks", "KV blocks held in the host-memory tier", value=snap.host_blocks
+        )
+        yield CounterMetricFamily(
+            "pdserve_node_host_tier_offloaded_blocks",
+            "KV blocks copied from the device pool into the host tier on eviction",
+            value=snap.host_offloaded_blocks,
+        )
+        yield CounterMetricFamily(
+            "pdserve_node_host_tier_restored_blocks",
+            "KV blocks copied back from the host tier on a prefix hit instead of being recomputed",
+            value=snap.host_restored_blocks,
+        )
 
 
 def _value(counter: Counter) -> float:

@@ -2,8 +2,10 @@
 
 Endpoints on every node: `POST /internal/generate` (body NodeGenerateRequest; reply an NDJSON stream, one
 StepOutput line per engine step, the last one carrying finish_reason), `POST /internal/prefill` (body
-PrefillRequest; reply PrefillResult), `POST /internal/abort` (body AbortRequest), `GET /internal/info`
-(reply NodeInfoReply). Encoding: one JSON object per message with `"v": PROTOCOL_VERSION`, through the one
+PrefillRequest; reply PrefillResult), `POST /internal/export` (body ExportRequest from a fetching node;
+reply ExportResult: the holder pushed the prefix blocks it still has over the KV-transfer protocol),
+`POST /internal/abort` (body AbortRequest), `GET /internal/info` (reply NodeInfoReply). Encoding: one JSON
+object per message with `"v": PROTOCOL_VERSION`, through the one
 codec (shared/wire.py), which refuses any other version, any unknown field and any field of the wrong type,
 naming it, with a `WireError` (a ValueError). Invariants: messages are frozen and valid
 once built; `deadline` is absolute unix seconds (the ONE deadline of the request, shared by every node);
@@ -84,6 +86,10 @@ class PrefillRequest(_Message):
     deadline: float
     decode_node_id: NodeId
     decode_transfer_addr: str
+    fetch_from_url: str | None = None
+    """The internal URL of a node the index says holds `fetch_blocks` leading prompt blocks this prefill node
+    lacks: fetch them from it (ExportRequest) before computing; None: compute what is not cached here."""
+    fetch_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_request(self.request_id, self.prompt_token_ids, self.deadline)
@@ -92,6 +98,42 @@ class PrefillRequest(_Message):
                 f"decode_node_id {self.decode_node_id!r} and decode_transfer_addr "
                 f"{self.decode_transfer_addr!r} must both be set"
             )
+        if self.fetch_blocks < 0 or (self.fetch_blocks > 0) != bool(self.fetch_from_url):
+            raise ValueError(
+                f"fetch_blocks {self.fetch_blocks} must be > 0 exactly when fetch_from_url is set "
+                f"({self.fetch_from_url!r})"
+            )
+
+
+@dataclass(frozen=True)
+class ExportRequest(_Message):
+    """Fetching node -> holder: push the longest prefix of `block_hashes` you hold to `fetcher_transfer_addr`
+    as KV transfer `transfer_id` (the fetcher's receiver answers its OPEN with the blocks it already has)."""
+
+    transfer_id: RequestId
+    block_hashes: tuple[bytes, ...]
+    fetcher_transfer_addr: str
+    deadline: float
+
+    def __post_init__(self) -> None:
+        if not self.transfer_id:
+            raise ValueError("transfer_id is empty")
+        if not math.isfinite(self.deadline) or self.deadline <= 0:
+            raise ValueError(f"deadline must be positive unix seconds, got {self.deadline!r}")
+        if not self.block_hashes or any(len(h) != 32 for h in self.block_hashes):
+            raise ValueError("block_hashes must be a non-empty list of 32-byte hashes")
+        if not self.fetcher_transfer_addr:
+            raise ValueError("fetcher_transfer_addr is empty")
+
+
+@dataclass(frozen=True)
+class ExportResult(_Message):
+    """Holder -> fetching node: `held_blocks` leading blocks were still here (fewer than asked: the index
+    was stale), `sent_blocks` of them went out (the fetcher had the others). error None: it completed."""
+
+    held_blocks: int
+    sent_blocks: int
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -107,11 +149,13 @@ class PrefillResult(_Message):
     transferred_blocks: int
     error: str | None = None
     decode_computes: bool = False
+    fetched_tokens: int = 0
+    """Of cached_tokens, those fetched from another node for this request (the router's "remote" hits)."""
 
     def __post_init__(self) -> None:
         if self.error is None and self.first_token is None:
             raise ValueError("a successful PrefillResult needs first_token")
-        for name in ("computed_tokens", "cached_tokens", "transferred_blocks"):
+        for name in ("computed_tokens", "cached_tokens", "transferred_blocks", "fetched_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} is negative: {getattr(self, name)}")
 

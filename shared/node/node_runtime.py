@@ -254,8 +254,9 @@ class NodeRuntime:
             try:
                 if self._need_resync:
                     what = "resync"
-                    held = await self.aengine.call(self.engine.held_hashes)
-                    await self.index.resync(self.node_id, epoch, held)
+                    engine = self.engine
+                    held, host = await self.aengine.call(lambda: (engine.held_hashes(), engine.host_hashes()))
+                    await self.index.resync(self.node_id, epoch, held, host)
                     self._need_resync = False
                     log.info("node %s: index resynced, %d blocks at epoch %d", self.node_id, len(held), epoch)
                 else:

@@ -1,0 +1,175 @@
+"""The one placement cost model: for one prompt and the nodes the policy picked, the estimated time to first
+token of each way to prefill it, and the cheapest. Pure Python over plain data; no I/O.
+
+Options (DESIGN.md, "Where a prefill happens"):
+- `local`: the decode node prefills the tokens it does not hold itself (no transfer);
+- `pd`: the prefill node computes what it does not hold and streams the KV to D;
+- `pd_fetch`: the prefill node first fetches the prefix blocks a holder has beyond its own, then computes
+  the rest and streams to D.
+(A prefix in a node's host tier counts as that node's own: the engine restores it before scheduling.)
+
+Estimate = learned overhead of the option + queue + compute + moved blocks, where every rate is learned
+online from what the router observes (EWMA, weight `alpha`), and only until a first observation the prior
+of `Rates` stands in:
+- prefill seconds per computed token, per prompt-length bucket (powers of two), from each prefill node's
+  reported compute time and from local prefills' time to first token; an unseen bucket takes the nearest
+  seen one;
+- fetch seconds per block and transfer seconds per block (P -> D), from the prefill node's report;
+- per option, the residual between the measured time to first token and the estimate's other terms
+  (routing, HTTP, OPEN round trip, the transfer's unoverlapped tail).
+Queue depths come from the nodes' heartbeats (tokens not computed yet). Units: seconds, tokens, blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Option = Literal["local", "pd", "pd_fetch"]
+OPTIONS: tuple[Option, ...] = ("local", "pd", "pd_fetch")
+
+
+@dataclass
+class Rates:
+    """What the model has learned (or, before any observation, its priors)."""
+
+    prefill_s_per_token: dict[int, float] = field(default_factory=dict)
+    """By prompt-length bucket (the bucket's upper bound, a power of two)."""
+    prior_s_per_token: float = 1e-3
+    fetch_s_per_block: float = 1e-4
+    transfer_s_per_block: float = 1e-4
+    overhead_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPTIONS, 0.005))
+    observations: int = 0
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["prefill_s_per_token"] = {str(k): v for k, v in self.prefill_s_per_token.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> Rates:
+        per = d.get("prefill_s_per_token", {})
+        overhead = d.get("overhead_s", {})
+        assert isinstance(per, dict) and isinstance(overhead, dict)
+        return cls(
+            {int(k): float(v) for k, v in per.items()},
+            float(d.get("prior_s_per_token", 1e-3)),  # type: ignore[arg-type]
+            float(d.get("fetch_s_per_block", 1e-4)),  # type: ignore[arg-type]
+            float(d.get("transfer_s_per_block", 1e-4)),  # type: ignore[arg-type]
+            {str(k): float(v) for k, v in overhead.items()},
+            int(d.get("observations", 0)),  # type: ignore[call-overload]
+        )
+
+
+def bucket(tokens: int) -> int:
+    """The power-of-two bucket (upper bound, at least 16) a prompt of `tokens` tokens falls in."""
+    return max(16, 1 << max(0, math.ceil(math.log2(max(1, tokens)))))
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One prompt against the chosen pair: token counts and blocks in the units the estimate uses."""
+
+    prompt_tokens: int
+    block_size: int
+    hits_prefill: int
+    """Leading prompt blocks the prefill node holds (any tier)."""
+    hits_decode: int
+    hits_holder: int
+    """Leading prompt blocks the best other holder has (0: none)."""
+    queued_prefill: int
+    """Tokens queued on the prefill node (heartbeat)."""
+    queued_decode: int
+    has_prefill_node: bool = True
+
+
+@dataclass(frozen=True)
+class Estimate:
+    option: Option
+    ttft_s: float
+    compute_tokens: int
+    fetch_blocks: int = 0
+
+
+class CostModel:
+    def __init__(self, rates: Rates | None = None, alpha: float = 0.2) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha={alpha} must be in (0, 1]")
+        self.rates = rates or Rates()
+        self.alpha = alpha
+
+    # ---- estimates --------------------------------------------------------------------------------------
+    def s_per_token(self, tokens: int) -> float:
+        per = self.rates.prefill_s_per_token
+        if not per:
+            return self.rates.prior_s_per_token
+        b = bucket(tokens)
+        if b in per:
+            return per[b]
+        nearest = min(per, key=lambda k: abs(math.log2(k) - math.log2(b)))
+        return per[nearest]
+
+    def _compute_s(self, queued: int, tokens: int, prompt_tokens: int) -> float:
+        return (queued + tokens) * self.s_per_token(prompt_tokens)
+
+    def estimates(self, x: Inputs) -> list[Estimate]:
+        """Every option open for the prompt, cheapest first."""
+        r, bs, n = self.rates, x.block_size, x.prompt_tokens
+        blocks = -(-n // bs)
+        usable = (n - 1) // bs  # the block holding the last token is always computed
+        out = []
+        c_local = n - min(x.hits_decode, usable) * bs
+        out.append(
+            Estimate("local", r.overhead_s["local"] + self._compute_s(x.queued_decode, c_local, n), c_local)
+        )
+        if x.has_prefill_node:
+            send = (blocks - x.hits_decode) * r.transfer_s_per_block
+            c_pd = n - min(x.hits_prefill, usable) * bs
+            pd = r.overhead_s["pd"] + self._compute_s(x.queued_prefill, c_pd, n) + send
+            out.append(Estimate("pd", pd, c_pd))
+            fetch = min(x.hits_holder, usable) - min(x.hits_prefill, usable)
+            if fetch > 0:
+                c_f = n - min(x.hits_holder, usable) * bs
+                t = r.overhead_s["pd_fetch"] + fetch * r.fetch_s_per_block
+                t += self._compute_s(x.queued_prefill, c_f, n) + send
+                out.append(Estimate("pd_fetch", t, c_f, fetch))
+        return sorted(out, key=lambda e: e.ttft_s)
+
+    def choose(self, x: Inputs) -> Estimate:
+        return self.estimates(x)[0]
+
+    # ---- learning -----------------------------------------------------------------------------------------
+    def _ewma(self, old: float, new: float) -> float:
+        return old + self.alpha * (new - old)
+
+    def observe_prefill(self, prompt_tokens: int, computed_tokens: int, seconds: float) -> None:
+        """A prefill node computed `computed_tokens` of a `prompt_tokens` prompt in `seconds`."""
+        if computed_tokens <= 0 or seconds <= 0:
+            return
+        per, b = self.rates.prefill_s_per_token, bucket(prompt_tokens)
+        value = seconds / computed_tokens
+        per[b] = value if b not in per else self._ewma(per[b], value)
+        self.rates.observations += 1
+
+    def observe_moves(self, fetched_blocks: int, fetch_s: float, sent_blocks: int, send_s: float) -> None:
+        r = self.rates
+        if fetched_blocks > 0 and fetch_s > 0:
+            r.fetch_s_per_block = self._ewma(r.fetch_s_per_block, fetch_s / fetched_blocks)
+        if sent_blocks > 0 and send_s > 0:
+            r.transfer_s_per_block = self._ewma(r.transfer_s_per_block, send_s / sent_blocks)
+
+    def observe_ttft(self, estimate: Estimate, x: Inputs, actual_s: float) -> None:
+        """The measured time to first token of a request placed on `estimate`: the part the other terms do
+        not explain becomes the option's overhead."""
+        r = self.rates
+        explained = estimate.ttft_s - r.overhead_s[estimate.option]
+        r.overhead_s[estimate.option] = max(
+            0.0, self._ewma(r.overhead_s[estimate.option], actual_s - explained)
+        )
+        if estimate.option == "local":  # D's compute is seen only through its time to first token
+            queued = x.queued_decode
+            own = actual_s - r.overhead_s["local"]
+            if own > 0 and estimate.compute_tokens > 0:
+                self.observe_prefill(x.prompt_tokens, estimate.compute_tokens + queued, own)

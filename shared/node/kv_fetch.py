@@ -1,0 +1,289 @@
+"""Cross-node prefix reuse: a node holding prefix blocks exports them to a prefill node that lacks them,
+which imports them into reserved blocks and then computes only the rest of the prompt.
+
+The holder is the transfer's sender and the fetcher its receiver, so a fetch has the handshake, auth, layout
+check, deadline and abort of every KV transfer, over whichever connector the cluster runs (kvtransfer's
+public API only). The fetcher asks with `POST /internal/export` (ExportRequest); the holder pins the prefix
+it still has (`hold_prefix`: fewer blocks than asked when the index was stale, never other ones), opens a
+transfer carrying exactly those hashes, sends the blocks the fetcher's OPEN reply lacks, a frame per
+`layers_per_frame` layers gathered on its engine thread (`export_layer`), completes, and unpins.
+
+Invariants: the holder's pins are released on every path; a fetch reservation on the fetcher ends exactly
+once: released at once on abort, failure or cancellation, or committed on COMPLETE (`commit_fetched`) and
+released by the fetching request once its prefill has matched it (`PrefixFetcher.release`), its blocks then
+CACHED; an OPEN for a fetch nobody waits for is refused, and one reserved while the fetcher stopped waiting
+is given back. A short or failed fetch is never an error: the prefill computes what did not arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pdserve.kvtransfer.connector import (
+    FrameBlocks,
+    KVSender,
+    KVTransferError,
+    OpenRefused,
+    OpenReply,
+    TransferHandler,
+    TransferSession,
+)
+from pdserve.kvtransfer.device_sync import event_done
+from pdserve.shared.engine.engine import RemoteReservation
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import ExportRequest, ExportResult
+from pdserve.shared.node.node_runtime import NodeRuntime
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
+
+log = logging.getLogger(__name__)
+
+
+class PrefixExporter:
+    """The holder's side: serves ExportRequests with the node's KV sender (created on first use)."""
+
+    def __init__(self, rt: NodeRuntime, sender: Callable[[], KVSender], layers_per_frame: int = 4) -> None:
+        self.rt = rt
+        self._sender = sender
+        self.layers_per_frame = layers_per_frame
+
+    def _gather(self, src: list[BlockId], first: int, n_layers: int) -> tuple[torch.Tensor, Any]:
+        """Engine thread: layers [first, first + n_layers) of blocks `src` into a private buffer."""
+        engine = self.rt.engine
+        buf = engine.export_buffer(n_layers, len(src))  # [n_layers, 2, n, B, Hkv, D]
+        ids = torch.tensor(src, dtype=torch.int64, device=buf.device)
+        for i in range(n_layers):
+            engine.export_layer(first + i, ids, buf[i])
+        event = None
+        if buf.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(buf.device))
+        return buf, event
+
+    async def export(self, req: ExportRequest) -> ExportResult:
+        engine, aengine = self.rt.engine, self.rt.aengine
+        hashes = [BlockHash(h) for h in req.block_hashes]
+        held = await aengine.call(lambda: engine.hold_prefix(hashes))
+        session: TransferSession | None = None
+        sent = 0
+        try:
+            if not held:
+                return ExportResult(0, 0)
+            async with asyncio.timeout(max(0.0, req.deadline - time.time())):
+                session = await self._sender().session(req.fetcher_transfer_addr, req.transfer_id)
+                reply: OpenReply = await session.open(hashes[: len(held)], len(held), req.deadline)
+                b0 = reply.num_held_blocks
+                src = list(held[b0:])
+                if src:
+                    blocks = FrameBlocks.run(reply, b0, src)
+                    num_layers = engine.num_layers
+                    for first in range(0, num_layers, self.layers_per_frame):
+                        n = min(self.layers_per_frame, num_layers - first)
+                        buf, event = await aengine.call(functools.partial(self._gather, src, first, n))
+                        if event is not None:
+                            await event_done(event)
+                        await session.send_layers(first, blocks, buf)
+                stats = await session.complete(None)
+                sent = len(src)
+            m = self.rt.metrics
+            m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
+            m.exported_blocks.inc(sent)
+            return ExportResult(len(held), sent)
+        except (KVTransferError, TimeoutError, ValueError) as exc:
+            reason = str(exc) or type(exc).__name__
+            if session is not None:
+                with contextlib.suppress(KVTransferError):
+                    await session.abort(reason)
+            return ExportResult(len(held), 0, error=f"export failed: {reason}")
+        except BaseException:
+            if session is not None:
+                with contextlib.suppress(KVTransferError):
+                    await asyncio.shield(session.abort("export cancelled"))
+            raise
+        finally:
+            if held:
+                await asyncio.shield(aengine.call(lambda: engine.release_held(held)))
+
+
+@dataclass
+class _Fetch:
+    hashes: tuple[BlockHash, ...]
+    reservation: RemoteReservation | None = None
+    committed: bool = False
+    ended: bool = False
+
+
+class FetchReceiver(TransferHandler):
+    """The fetcher's receiving end: reserves for an OPEN only when a fetch of that transfer id is waiting."""
+
+    def __init__(self, rt: NodeRuntime) -> None:
+        self.rt = rt
+        self.pending: dict[RequestId, _Fetch] = {}
+        self._background: set[asyncio.Future[Any]] = set()
+
+    async def on_open(
+        self,
+        peer: NodeId,
+        transfer_id: RequestId,
+        block_hashes: tuple[BlockHash, ...],
+        num_blocks: int,
+        deadline: float,
+    ) -> OpenReply:
+        f = self.pending.get(transfer_id)
+        if f is None or f.ended or f.reservation is not None:
+            raise OpenRefused("no prefix fetch is waiting for this transfer")
+        if num_blocks != len(block_hashes) or tuple(block_hashes) != f.hashes[:num_blocks]:
+            raise OpenRefused("the holder offered blocks that were not asked for")
+        engine = self.rt.engine
+        fut = asyncio.ensure_future(
+            self.rt.aengine.call(lambda: engine.reserve_remote(block_hashes, num_blocks))
+        )
+        try:
+            res = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(self._release_orphan)
+            raise
+        if res is None:
+            raise OpenRefused("no free KV blocks for the fetched prefix")
+        if f.ended:  # the fetcher stopped waiting while the engine reserved
+            await self.rt.aengine.call(lambda: engine.release_remote(res))
+            raise OpenRefused("the fetch ended on the fetching node")
+        f.reservation = res
+        return OpenReply(len(res.held), tuple(res.dst))
+
+    def _release_orphan(self, fut: asyncio.Future[RemoteReservation | None]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        res = fut.result()
+        if res is not None:
+            task = asyncio.ensure_future(self.rt.aengine.call(lambda: self.rt.engine.release_remote(res)))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _live(self, transfer_id: RequestId) -> tuple[_Fetch, RemoteReservation]:
+        f = self.pending.get(transfer_id)
+        if f is None or f.ended or f.reservation is None:
+            raise RuntimeError(f"fetch {transfer_id} was aborted on the fetching node")
+        return f, f.reservation
+
+    async def on_data(
+        self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
+        self._live(transfer_id)
+        # queued on the current stream (the connector waits for it); nobody else reads reserved blocks
+        self.rt.engine.import_layers(layer_start, dst_block_ids, buffer)
+        self.rt.metrics.transfer_bytes.labels(self.rt.connector_kind, "in").inc(buffer.nbytes)
+
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
+        f, res = self._live(transfer_id)
+        engine = self.rt.engine
+        await self.rt.aengine.call(lambda: engine.commit_fetched(res, f.hashes))
+        f.committed = True
+
+    async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
+        f = self.pending.get(transfer_id)
+        if f is None or f.reservation is None or f.committed:
+            return
+        res, f.reservation = f.reservation, None
+        engine = self.rt.engine
+        await self.rt.aengine.call(lambda: engine.release_remote(res))
+        log.info("prefix fetch %s aborted: %s", transfer_id, reason)
+
+    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
+        """A holder went silent: its fetches were aborted first (on_abort gave their blocks back) and the
+        fetching requests compute what did not come."""
+        log.warning("prefix holder %s went silent: %s", peer, reason)
+
+
+@dataclass(frozen=True)
+class FetchedPrefix:
+    """What one fetch brought: `landed` blocks came over the link into `reservation` (released by
+    PrefixFetcher.release), `holder_blocks` of the asked ones were still on the holder."""
+
+    asked_blocks: int
+    holder_blocks: int
+    landed: int
+    reservation: RemoteReservation | None
+
+
+class PrefixFetcher:
+    """The fetcher's side: asks a holder to export and waits for the transfer into `receiver` to land."""
+
+    def __init__(self, rt: NodeRuntime, receiver: FetchReceiver, transfer_addr: str, auth_token: str) -> None:
+        self.rt = rt
+        self.receiver = receiver
+        self.transfer_addr = transfer_addr
+        self._client = httpx.AsyncClient(headers=bearer(auth_token), timeout=None)
+
+    async def fetch(
+        self,
+        request_id: RequestId,
+        holder_url: str,
+        hashes: Sequence[BlockHash],
+        local_blocks: int,
+        deadline: float,
+    ) -> FetchedPrefix:
+        """Fetches the leading `hashes` (this node holds the first `local_blocks`) from the holder at
+        `holder_url` (its internal URL); never raises for a short or failed fetch: the blocks that did not
+        come are counted as misses. Call `release` with the result once the prefill that uses it ended."""
+        tid = RequestId(f"{request_id}/fetch")
+        f = _Fetch(tuple(hashes))
+        self.receiver.pending[tid] = f
+        done = False
+        result: ExportResult | None = None
+        try:
+            body = ExportRequest(tid, tuple(hashes), self.transfer_addr, deadline).to_json()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.time())):
+                    reply = await self._client.post(f"{holder_url}/internal/export", content=body)
+                result = ExportResult.from_json(reply.content)
+                if result.error is not None:
+                    log.warning("prefix fetch %s from %s: %s", tid, holder_url, result.error)
+            except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+                log.warning("prefix fetch %s from %s failed: %s", tid, holder_url, exc or type(exc).__name__)
+            res = f.reservation if f.committed else None
+            landed = 0 if res is None else len(res.dst)
+            have = local_blocks if res is None else max(local_blocks, len(res.held) + landed)
+            m = self.rt.metrics
+            m.fetched_blocks.inc(landed)
+            m.fetch_miss_blocks.inc(len(hashes) - have)
+            done = True
+            return FetchedPrefix(len(hashes), 0 if result is None else result.held_blocks, landed, res)
+        finally:
+            self.receiver.pending.pop(tid, None)
+            f.ended = True
+            res = f.reservation
+            if res is not None and not (done and f.committed):
+                engine = self.rt.engine
+                await asyncio.shield(self.rt.aengine.call(lambda: engine.release_remote(res)))
+
+    async def release(self, fetched: FetchedPrefix) -> None:
+        res = fetched.reservation
+        if res is not None:
+            engine = self.rt.engine
+            await asyncio.shield(self.rt.aengine.call(lambda: engine.release_remote(res)))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def add_export_route(app: FastAPI, exporter: PrefixExporter) -> None:
+    @app.post("/internal/export")
+    async def export(request: Request) -> Response:
+        try:
+            req = ExportRequest.from_json(await request.body())
+        except ValueError as exc:
+            return Response(ExportResult(0, 0, error=str(exc)).to_json(), 400, media_type="application/json")
+        result = await exporter.export(req)
+        status = 200 if result.error is None else 502
+        return Response(result.to_json(), status, media_type="application/json")
