@@ -209,11 +209,11 @@ class ConnectorConfig:
     # Where received payloads land ("cpu" or "cuda:N"; the node's KV-cache device) and, for nccl, the
     # GPU of this end's communicator. Sent payloads are read from wherever the caller's buffer lives.
     device: str = "cpu"
-    # Liveness: each end sends a PING whenever it sent nothing for a quarter of this window, and a peer from
-    # which no byte arrived for this long (stopped, hung, or its link dead) is cut, as is a payload op on a
-    # GPU link still in flight after it; the transfers of the connection abort at once (D then computes
-    # their prompts itself, or fails them: the decode node's kv_load_failure_policy). It must exceed the
-    # longest one frame takes on the link (tcp: `max_payload_bytes` over its bandwidth).
+    # Liveness: each end sends a PING whenever it sent nothing for a quarter of the stricter end's window;
+    # D cuts a sender from which no byte arrived for this long (stopped, hung, or its link dead), as either
+    # end does a payload op on a GPU link still in flight after it; the connection's transfers abort at once
+    # (D then computes their prompts itself, or fails them: the decode node's kv_load_failure_policy). It
+    # must exceed the longest one frame takes on the link (tcp: `max_payload_bytes` over its bandwidth).
     liveness_s: float = 5.0
     # The connector's own settings (UcxOptions, CudaIpcOptions; None: its defaults; other kinds have none).
     options: ConnectorOptions | None = None

@@ -191,11 +191,22 @@ class FramedConnection:
 
     async def keep_alive(self, liveness_s: float) -> None:
         """Run (as a task, cancelled when the connection ends) from READY on: sends PING whenever this end
-        sent nothing for a quarter of the shorter of `liveness_s` and the peer's window, and cuts the
-        channel once nothing arrived from the peer for `liveness_s` (`silent` says why; the reader then
-        sees ConnectionLost). A turn that comes late (this process stalled) skips the check once, so bytes
-        that arrived meanwhile are read first."""
+        sent nothing for a quarter of the shorter of `liveness_s` and the peer's window."""
         interval = min(liveness_s, self.peer_liveness_s or liveness_s) / 4
+        while True:
+            await asyncio.sleep(interval)
+            if time.monotonic() - self._sent_at >= interval and not self._send_lock.locked():
+                try:
+                    await self.send(Ping())
+                except ConnectionLost:
+                    return
+
+    async def watch(self, liveness_s: float) -> None:
+        """Run (as a task, cancelled when the connection ends) from READY on: cuts the channel once nothing
+        arrived from the peer for `liveness_s` (`silent` says why; the reader then sees ConnectionLost). A
+        turn that comes late (this process stalled) skips the check once, so bytes that arrived meanwhile
+        count first."""
+        interval = liveness_s / 4
         while True:
             before = time.monotonic()
             await asyncio.sleep(interval)
@@ -208,11 +219,6 @@ class FramedConnection:
                 log.warning("cutting the transfer connection: %s", self.silent)
                 self.channel.abort()
                 return
-            if now - self._sent_at >= interval and not self._send_lock.locked():
-                try:
-                    await self.send(Ping())
-                except ConnectionLost:
-                    return
 
     async def send_built(self, build: Callable[[], Data], payload: torch.Tensor) -> None:
         """Send the DATA frame of `build()` carrying `payload`. Without checksums the payload goes first, so

@@ -101,13 +101,14 @@ class ChannelServer:
         self._connections[channel] = done
         conn = FramedConnection(channel, self.config.max_payload_bytes)
         reason, peer_id = "connection closed", channel.peer
-        alive: asyncio.Task[None] | None = None
+        alive: list[asyncio.Task[None]] = []
         try:
             hello_id = await self._handshake(conn)
             if hello_id is None:
                 return
             peer_id = hello_id
-            alive = asyncio.create_task(conn.keep_alive(self.config.liveness_s))
+            window = self.config.liveness_s  # D cuts a silent sender: its transfers then fail over
+            alive = [asyncio.create_task(conn.keep_alive(window)), asyncio.create_task(conn.watch(window))]
             while True:
                 try:
                     frame = await conn.recv()
@@ -128,8 +129,8 @@ class ChannelServer:
             reason = conn.silent or f"connection lost: {e}"
         finally:
             channel.abort()
-            if alive is not None:
-                alive.cancel()
+            for task in alive:
+                task.cancel()
             opening = [task for c, task in self._opening.values() if c is conn]
             for task in opening:
                 task.cancel()

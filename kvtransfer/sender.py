@@ -66,6 +66,8 @@ class _PeerConnection:
         self.sessions: dict[str, ChannelSession] = {}
         self.lost: str | None = None
         self.reader = asyncio.create_task(self._read_loop())
+        # P only pings: D cuts a silent connection (and fails its transfers over); a silent D holds P's
+        # sessions until the request's deadline, as P's requests cannot finish without it anyway.
         self.alive = asyncio.create_task(conn.keep_alive(config.liveness_s))
 
     async def _read_loop(self) -> None:
@@ -77,7 +79,7 @@ class _PeerConnection:
                     raise ProtocolError(f"receiver sent a payload on {type(frame.msg).__name__}")
                 self._dispatch(frame.msg)
         except (ConnectionLost, ProtocolError) as e:
-            reason = f"connection to {self.peer_id} lost: {self.conn.silent or e}"
+            reason = f"connection to {self.peer_id} lost: {e}"
             log.warning("%s", reason)
         finally:
             self.lost = reason

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import SupportsIndex
 
 import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
@@ -21,17 +22,29 @@ from pdserve.kvtransfer.framing import ByteChannel
 _READ_CHUNK = 4 << 20
 
 
+class HeardReader(asyncio.StreamReader):
+    """A StreamReader that notes when bytes arrive from the socket, before anyone reads them: a peer is heard
+    even while this end's reader is busy elsewhere (a payload still landing, a frame being handled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heard_at = time.monotonic()
+
+    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
+        self.heard_at = time.monotonic()
+        super().feed_data(data)
+
+
 class TcpChannel(ByteChannel):
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: HeardReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
         host, port = writer.get_extra_info("peername")[:2]
         self._peer = f"{host}:{port}"
-        self._heard_at = time.monotonic()
 
     @property
     def heard_at(self) -> float:
-        return self._heard_at
+        return self._reader.heard_at
 
     @property
     def peer(self) -> str:
@@ -50,11 +63,9 @@ class TcpChannel(ByteChannel):
 
     async def recv_exact(self, nbytes: int) -> bytes:
         try:
-            data = await self._reader.readexactly(nbytes)
+            return await self._reader.readexactly(nbytes)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
             raise ConnectionLost(f"connection from {self._peer} closed: {e!r}") from e
-        self._heard_at = time.monotonic()
-        return data
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         out = torch.empty(nbytes, dtype=torch.uint8)
@@ -69,7 +80,6 @@ class TcpChannel(ByteChannel):
                 raise ConnectionLost(f"connection from {self._peer} closed after {filled} of {nbytes} B")
             view[filled : filled + len(chunk)] = chunk
             filled += len(chunk)
-            self._heard_at = time.monotonic()  # a long payload still shows the peer alive as it arrives
         return out
 
     async def authenticated(self) -> None:
@@ -106,20 +116,27 @@ class TcpTransport:
     scheme = "tcp"
 
     async def dial(self, host: str, port: int, timeout_s: float) -> ByteChannel:
+        loop = asyncio.get_running_loop()
+        reader = HeardReader()
+        protocol = asyncio.StreamReaderProtocol(reader)
         try:
             async with asyncio.timeout(timeout_s):
-                reader, writer = await asyncio.open_connection(host, port)
+                transport, _ = await loop.create_connection(lambda: protocol, host, port)
         except (TimeoutError, OSError) as e:
             raise ConnectionLost(f"cannot connect to tcp://{host}:{port}: {e!r}") from e
-        return TcpChannel(reader, writer)
+        return TcpChannel(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
     async def listen(
         self, host: str, port: int, on_channel: Callable[[ByteChannel], Awaitable[None]]
     ) -> TcpListener:
         async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            assert isinstance(reader, HeardReader)
             await on_channel(TcpChannel(reader, writer))
 
-        return TcpListener(await asyncio.start_server(accept, host, port))
+        def protocol() -> asyncio.StreamReaderProtocol:
+            return asyncio.StreamReaderProtocol(HeardReader(), accept)
+
+        return TcpListener(await asyncio.get_running_loop().create_server(protocol, host, port))
 
 
 class ControlChannel(ByteChannel):

@@ -177,6 +177,7 @@ class PrefillService:
         job: _Job | None = None
         session: TransferSession | None = None
         fetched: FetchedPrefix | None = None
+        fetch_s = 0.0
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 session = await self.sender.session(req.decode_transfer_addr, rid)
@@ -186,7 +187,9 @@ class PrefillService:
                     reply: OpenReply = await session.open(hashes, num_blocks, req.deadline)
                 finally:
                     self._opening -= 1
+                fetch_t0 = time.perf_counter()
                 fetched = await self._fetch(req, hashes)
+                fetch_s = time.perf_counter() - fetch_t0 if fetched is not None else 0.0
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
                 self.observer.jobs[rid] = job
@@ -233,6 +236,9 @@ class PrefillService:
                 last.cached_tokens,
                 sent,
                 fetched_tokens=remote,
+                fetch_seconds=fetch_s,
+                compute_seconds=max(0.0, prefilled_at - scheduled),
+                transfer_seconds=stats.seconds,
             )
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()

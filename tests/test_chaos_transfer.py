@@ -6,12 +6,14 @@ window.
 
 Each scenario asserts: every request ends within its deadline with the undisturbed greedy text (D computes
 the prompt whose KV did not arrive: kv_load_failure_policy=recompute) or a clean OpenAI-style error; none
-hangs; D did compute at least one prompt itself; no block is held on either node once the load stops. Each
+hangs; D did compute at least one prompt itself; no block is held on either node once the load stops. A last
+scenario, on a cluster of its own, checks that D under kv_load_failure_policy=fail computes nothing. Each
 prints its row of the chaos table in docs/benchmarks.md (`pytest -s`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -40,14 +42,14 @@ PROMPTS = [
 RECOMPUTED = ("pdserve_kv_transfers_total", {"outcome": "recomputed"})
 
 
-@pytest.fixture(scope="module")
-def proxied() -> Iterator[tuple[LiveCluster, FrameProxy]]:
+@contextlib.contextmanager
+def proxied_cluster(*decode_args: str) -> Iterator[tuple[LiveCluster, FrameProxy]]:
     d_transfer = free_port()
     proxy = FrameProxy(d_transfer).start()
     d_args = ("--transfer-port", str(d_transfer), "--transfer-advertise", f"tcp://127.0.0.1:{proxy.port}")
     cfg = up_config(
         prefill=1, decode=1, extra_node_args=(*SMALL_KV, "--transfer-liveness-s", str(LIVENESS_S)),
-        role_node_args=(("decode", d_args),),
+        role_node_args=(("decode", (*d_args, *decode_args)),),
     )  # fmt: skip
     try:
         live = LiveCluster.start(cfg)
@@ -60,6 +62,12 @@ def proxied() -> Iterator[tuple[LiveCluster, FrameProxy]]:
 
 
 @pytest.fixture(scope="module")
+def proxied() -> Iterator[tuple[LiveCluster, FrameProxy]]:
+    with proxied_cluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
 def expected(proxied: tuple[LiveCluster, FrameProxy]) -> dict[str, str]:
     return reference(proxied[0], MODEL, PROMPTS, MAX_TOKENS)
 
@@ -69,7 +77,10 @@ def run(
     expected: dict[str, str],
     scenario: str,
     fault: Callable[[LiveCluster, FrameProxy], None],
+    computes: bool = True,
 ) -> None:
+    """The load, the fault, 3 s more load, then every check; `computes`: whether D must have computed at
+    least one prompt itself (kv_load_failure_policy recompute) or none (fail)."""
     live, proxy = proxied
     recomputed_before = live.metric("decode-0", *RECOMPUTED)
     load = Load(live.base, MODEL, PROMPTS, WORKERS, MAX_TOKENS, TIMEOUT_S)
@@ -90,7 +101,7 @@ def run(
     wrong = [(o.prompt[-14:], o.text) for o in outcomes if o.kind == "ok" and o.text != expected[o.prompt]]
     assert not wrong, f"completed with another text than the undisturbed run: {wrong[:3]}"
     recomputed = live.metric("decode-0", *RECOMPUTED) - recomputed_before
-    assert recomputed >= 1, "the decode node computed no prompt itself"
+    assert (recomputed >= 1) == computes, f"the decode node computed {recomputed} prompts itself"
     audits = live.wait_clean(timeout_s=60)
     leaked = sum(a["in_use"] + a["reserved"] for a in audits.values())
     failed_until = max(((o.ended or fault_at) - fault_at for o in errors), default=0.0)
@@ -132,3 +143,12 @@ def test_a_silent_prefill_node(proxied: tuple[LiveCluster, FrameProxy], expected
             os.killpg(pid, signal.SIGCONT)
 
     run(proxied, expected, "prefill node SIGSTOP mid-transfer (liveness 1.5 s)", fault)
+
+
+def test_under_the_fail_policy_d_computes_nothing() -> None:
+    """`--kv-load-failure-policy fail`: a corrupted frame's request ends on D with an error (which the router,
+    nothing having streamed, places again: every request still ends with its text or a clean error), and D
+    computes no prompt itself."""
+    with proxied_cluster("--kv-load-failure-policy", "fail") as cluster:
+        texts = reference(cluster[0], MODEL, PROMPTS, MAX_TOKENS)
+        run(cluster, texts, "corrupted DATA frame, kv_load_failure_policy=fail", strike("corrupt"), False)

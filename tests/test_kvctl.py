@@ -135,6 +135,9 @@ def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> N
     assert where["nodes"][0] == {"node_id": "p0", "role": "prefill", "prefix_blocks": 3, "prefix_tokens": 48,
                                  "device_blocks": 2, "host_blocks": 1}  # fmt: skip
     assert where["nodes"][1]["prefix_blocks"] == 0
+    cost = where["cost_model"]  # priors: no router published its rates here
+    assert not cost["learned"] and (cost["prefill_node"], cost["decode_node"]) == ("p0", "d0")
+    assert {e["option"] for e in cost["estimates"]} == {"local", "pd"} and cost["choice"] in ("local", "pd")
     _, salted, _ = kvctl(capsys, server, "where", "--prompt", PROMPT, "--cache-salt", "tenant-b")
     assert all(n["prefix_blocks"] == 0 for n in salted["nodes"])
     messages = json.dumps([{"role": "user", "content": PROMPT}])

@@ -374,6 +374,16 @@ class BlockIndex:
             for node, r in zip(ids, rows, strict=True)
         }
 
+    async def set_cost_rates(self, rates: str) -> None:
+        """The router's learned placement rates (router/cost_model.py, JSON), for `kvctl where`."""
+        async with self._guard("set_cost_rates"):
+            await self._redis.set(self._p + "costmodel", rates)
+
+    async def cost_rates(self) -> str | None:
+        async with self._guard("cost_rates"):
+            raw = cast(bytes | None, await self._redis.get(self._p + "costmodel"))
+        return None if raw is None else raw.decode()
+
     async def cluster_record(self) -> dict[str, str]:
         """The fingerprint, protocol version and KV layout the cluster's live nodes agree on ({} if none)."""
         async with self._guard("cluster_record"):
