@@ -25,6 +25,11 @@ one of `admit_remote` (the scheduler takes them over) or `release_remote` (idemp
 `held` blocks are committed blocks of this pool matching the prompt's leading hashes (never the last
 prompt block, so the sender always sends at least the final token's KV) and are never written; its
 `dst` blocks are RESERVED (not matchable) until admission.
+
+Why one module of about 600 lines: the step loop and the ports (remote KV, prefix fetch, what the node
+runtime reads) keep the same invariants over the same pool and in-flight step (a reserved or held block is
+never one an in-flight step writes), so they are read and changed together; the pool, scheduler, runner and
+sampler they glue are their own modules.
 """
 
 from __future__ import annotations
