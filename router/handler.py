@@ -26,6 +26,7 @@ from pdserve.router.admission import Ledger
 from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
 from pdserve.router.config import RouterConfig
+from pdserve.router.cost_model import CostModel
 from pdserve.router.dispatch import ChoiceEvent, ChoiceJob, RequestRun
 from pdserve.router.errors import ClientGone, DeadlineExceeded, RouterError, to_openai
 from pdserve.router.membership import Membership
@@ -114,7 +115,7 @@ class RequestHandler:
         self.model_check = ModelCheck(config.model_path, tokenizer)
         self.router = Router(
             index, config.policy, self.membership, self.metrics, self.background, self.breakers,
-            Ledger(config.admission), self.model_check,
+            Ledger(config.admission), self.model_check, CostModel(), config.cost_model,
         )  # fmt: skip
         self.tenants = Tenants(config.api_keys, config.rate_limit)
         self._served = set(config.served_model_names)

@@ -218,6 +218,10 @@ def test_a_prefix_only_d_holds_is_fetched_from_d_and_not_sent_back(
     name = "pdserve_router_prefix_hit_tokens_total"
     remote = sample(router, name, {"kind": "remote"}) - sample(router_before, name, {"kind": "remote"})
     assert remote == fetched, f"router counted {remote} remote tokens, the node fetched {fetched}"
+    for kind in ("decisions_total", "actual_ttft_seconds_count", "estimated_ttft_seconds_count"):
+        series = f"pdserve_router_cost_model_{kind}"
+        fetch = {"option": "pd_fetch"}
+        assert sample(router, series, fetch) - sample(router_before, series, fetch) == 1, series
     live.wait_clean()
 
 

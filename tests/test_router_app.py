@@ -44,7 +44,7 @@ from pdserve.shared.node.node_protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from pdserve.shared.types import NodeId
+from pdserve.shared.types import KVLayout, NodeId
 
 pytestmark = pytest.mark.slow
 _spec = importlib.util.spec_from_file_location(
@@ -64,22 +64,13 @@ def _model_path() -> str:
 
 MODEL = _model_path()
 MAX_MODEL_LEN = 256
-LAYOUT: dict[str, int | str] = {
-    "num_layers": 30,
-    "num_kv_heads": 3,
-    "head_dim": 64,
-    "block_size": 16,
-    "dtype": "float32",
-    "tp_size": 1,
-}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
 
 def _fingerprint() -> str:
     """The model fingerprint a real node of MODEL registers with LAYOUT (the router checks it)."""
     config, _, identity = read_gguf(MODEL)
-    return model_fingerprint(
-        config.to_dict(), identity, str(LAYOUT["dtype"]), int(LAYOUT["block_size"])
-    ).hex()
+    return model_fingerprint(config.to_dict(), identity, LAYOUT.dtype, LAYOUT.block_size).hex()
 
 
 FINGERPRINT = _fingerprint()
