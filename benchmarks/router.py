@@ -25,9 +25,9 @@ from pdserve.router.policy import NodeView, PolicyConfig, choose
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.block_pool import BlockStored
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.types import BlockHash, KVLayout, NodeId
+from pdserve.shared.types import BlockHash, KVLayout, NodeId, Role
 
 BLOCK = 16
 VOCAB = 49152

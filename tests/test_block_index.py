@@ -29,11 +29,10 @@ from pdserve.shared.index.block_index_types import (
     NodeLoad,
     NodeNotRegistered,
     RedisConfig,
-    Role,
     StaleEpoch,
 )
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.types import BlockHash, BlockId, KVLayout, NodeId
+from pdserve.shared.types import BlockHash, BlockId, KVLayout, NodeId, Role
 
 T = TypeVar("T")
 FP = "ab" * 32

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
-from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, NodeStatus, Role
-from pdserve.shared.types import KVLayout, NodeId
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, NodeStatus
+from pdserve.shared.types import KVLayout, NodeId, Role
 
 
 def view(name: str, role: Role, **kw: int | bool) -> NodeView:

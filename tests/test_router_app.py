@@ -30,7 +30,7 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.shared.engine.block_hash import model_fingerprint
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.model.loader import load_tokenizer
 from pdserve.shared.model.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ from pdserve.shared.node.node_protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from pdserve.shared.types import KVLayout, NodeId
+from pdserve.shared.types import KVLayout, NodeId, Role
 
 pytestmark = pytest.mark.slow
 _spec = importlib.util.spec_from_file_location(
