@@ -10,8 +10,8 @@ for a float. What the decoder refuses, and anything the message's own `__post_in
 
 Field types: int, float, bool, str, bytes (msgpack bin; lowercase hex in JSON), a NewType of one of them,
 Literal[...], X | None, tuple[X, ...], tuple[A, B] (an array of exactly those), a NamedTuple (an array of
-its fields), a dataclass (a nested map, without "v"), dict[str, X]. A float is finite on the wire: JSON's
-NaN and Infinity are refused both ways.
+its fields), a dataclass (a nested map, without "v"), dict[str, X], dict[int, X] (decimal keys in JSON).
+A float is finite on the wire: JSON's NaN and Infinity are refused both ways.
 
 Why not a library: msgspec would fit but is installed neither here nor in the GPU image; pydantic, which is,
 decodes JSON strictly, but in strict mode it takes a dataclass only as an instance from Python objects, so a
@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import operator
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -35,6 +36,7 @@ _T = TypeVar("_T")
 _Check = Callable[[str, object], object]  # (where, wire value) -> the field's value, or WireError
 _Encode = Callable[[Any], object]  # the field's value -> its wire value
 _ABSENT = object()
+_DECIMAL = re.compile(r"-?[0-9]+")
 
 
 class WireError(ValueError):
@@ -90,7 +92,7 @@ class Codec:
 
     def from_msgpack(self, cls: type[_T], data: bytes) -> _T:
         try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=False)  # int keys too; checked by type
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as e:
             raise WireError(f"{cls.__name__}: not msgpack ({type(e).__name__}: {str(e)[:80]})") from None
         return self._top(cls, obj, False)
@@ -251,12 +253,22 @@ def _check(annotation: Any, as_json: bool) -> _Check:
             return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
 
         return array
+    if origin is dict and args[0] is int and as_json:  # JSON keys are strings: decimal ones here
+
+        def int_keys(where: str, value: object) -> object:
+            if type(value) is not dict or not all(type(k) is str and _DECIMAL.fullmatch(k) for k in value):
+                raise _bad(where, annotation, value)
+            return {int(k): values(f"{where}.{k}", v) for k, v in value.items()}
+
+        values = _check(args[1], as_json)
+        return int_keys
     if origin is dict:
-        assert args[0] is str, f"only dict[str, X] is supported, not {annotation}"
+        assert args[0] in (str, int), f"only dict[str, X] and dict[int, X] are supported, not {annotation}"
+        key_type = args[0]
         values = _check(args[1], as_json)
 
         def mapping(where: str, value: object) -> object:
-            if type(value) is not dict or not all(type(k) is str for k in value):
+            if type(value) is not dict or not all(type(k) is key_type for k in value):
                 raise _bad(where, annotation, value)
             return {k: values(f"{where}.{k}", v) for k, v in value.items()}
 
@@ -305,8 +317,10 @@ def _encode(annotation: Any, as_json: bool) -> _Encode | None:
         item = _encode(args[0], as_json)
         return None if item is None else (lambda value: [item(v) for v in value])
     if origin is dict:
-        entry = _encode(args[1], as_json)
-        return None if entry is None else (lambda value: {k: entry(v) for k, v in value.items()})
+        entry = _encode(args[1], as_json) or _identity
+        if args[0] is int and as_json:
+            return lambda value: {str(k): entry(v) for k, v in value.items()}
+        return None if entry is _identity else (lambda value: {k: entry(v) for k, v in value.items()})
     if isinstance(annotation, type) and issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
         hints = typing.get_type_hints(annotation)
         items = [_encode(hints[n], as_json) or _identity for n in annotation._fields]

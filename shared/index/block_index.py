@@ -374,8 +374,8 @@ class BlockIndex:
             for node, r in zip(ids, rows, strict=True)
         }
 
-    async def set_cost_rates(self, rates: str) -> None:
-        """The router's learned placement rates (router/cost_model.py, JSON), for `kvctl where`."""
+    async def set_cost_rates(self, rates: bytes) -> None:
+        """The router's learned placement rates (router/cost_model.py `Rates.to_json`), for `kvctl where`."""
         async with self._guard("set_cost_rates"):
             await self._redis.set(self._p + "costmodel", rates)
 
