@@ -10,7 +10,6 @@ so they are the hashes the router computes for the same tokens and salt. Failure
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -108,7 +107,7 @@ async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
         )
     rows.sort(key=lambda r: (-r["prefix_blocks"], r["node_id"]))
     raw = await index.cost_rates()
-    rates = Rates() if raw is None else Rates.from_dict(json.loads(raw))
+    rates = Rates() if raw is None else Rates.from_json(raw)
     loads = {s.info.node_id: s.load for s in await index.nodes()}
 
     def best(role: str) -> dict[str, Any] | None:

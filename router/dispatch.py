@@ -336,7 +336,9 @@ class RequestRun:
                         raise failure
                     if result is not None and result.error is not None and not result.decode_computes:
                         failed = NodeError(prefill.node_id, f"prefill failed: {result.error}", retryable=True)
-                        raise await _blame(failed, pump)
+                        blamed = await _blame(failed, pump)
+                        if job.index not in self._started:  # else D computed the prompt and streams it
+                            raise blamed
                 await pump
                 return
             try:

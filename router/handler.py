@@ -48,10 +48,9 @@ from pdserve.router.request_state import ChoiceState, ServedRequest, check_lengt
 from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.index.block_index_types import ROLES
 from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.types import RequestId
+from pdserve.shared.types import ROLES, RequestId
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ Refusals are domain errors (router/errors.py); the request handler maps them to 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -234,7 +233,7 @@ class Router:
 
     async def _publish_rates(self) -> None:
         try:
-            await self._index.set_cost_rates(json.dumps(self.cost.rates.to_dict()))
+            await self._index.set_cost_rates(self.cost.rates.to_json())
         except IndexUnavailable:
             self._membership.index_failed()
 

@@ -59,7 +59,7 @@ def test_a_slow_link_makes_computing_cheaper_than_fetching() -> None:
 
 def test_rates_round_trip_and_estimates_track_observations() -> None:
     model = trained(s_per_token=2e-4)
-    again = CostModel(Rates.from_dict(model.rates.to_dict()))
+    again = CostModel(Rates.from_json(model.rates.to_json()))
     x = inputs(3000, hits_holder=50, queued_prefill=100)
     assert [e.ttft_s for e in again.estimates(x)] == [e.ttft_s for e in model.estimates(x)]
     pd = next(e for e in model.estimates(inputs(3000)) if e.option == "pd")

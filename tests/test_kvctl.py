@@ -21,11 +21,10 @@ from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import BlockHash, KVLayout, NodeId
 
 FP = "cd" * 32
-LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
-LAYOUT |= {"dtype": "float32", "tp_size": 1}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
 TOKEN = "cluster-credential"
 

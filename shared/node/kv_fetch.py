@@ -43,7 +43,7 @@ from pdserve.shared.engine.engine import RemoteReservation
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import ExportRequest, ExportResult
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class PrefixExporter:
                         if event is not None:
                             await event_done(event)
                         await session.send_layers(first, blocks, buf)
-                stats = await session.complete({})
+                stats = await session.complete(None)
                 sent = len(src)
             m = self.rt.metrics
             m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
@@ -187,7 +187,7 @@ class FetchReceiver(TransferHandler):
         self.rt.engine.import_layers(layer_start, dst_block_ids, buffer)
         self.rt.metrics.transfer_bytes.labels(self.rt.connector_kind, "in").inc(buffer.nbytes)
 
-    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
         f, res = self._live(transfer_id)
         engine = self.rt.engine
         await self.rt.aengine.call(lambda: engine.commit_fetched(res, f.hashes))
