@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -86,13 +87,11 @@ class PrefixExporter:
                 if src:
                     blocks = FrameBlocks.run(reply, b0, src)
                     num_layers, per = engine.num_layers, self.layers_per_frame
-                    firsts = range(0, num_layers, per)
-                    # every frame gathered in one engine call (one wait for a step boundary, not one per
-                    # frame): a private copy of the exported prefix exists until its frames are sent
-                    frames = await aengine.call(
-                        lambda: [self._gather(src, f, min(per, num_layers - f)) for f in firsts]
-                    )
-                    for first, (buf, event) in zip(firsts, frames, strict=True):
+                    # one engine call per frame: a frame is sent while the next one is gathered (gathering
+                    # every frame first measured 10 ms slower for a 16k-token prefix on an H100)
+                    for first in range(0, num_layers, per):
+                        gather = functools.partial(self._gather, src, first, min(per, num_layers - first))
+                        buf, event = await aengine.call(gather)
                         if event is not None:
                             await event_done(event)
                         await session.send_layers(first, blocks, buf)
