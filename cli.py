@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pdserve.shared.cli.engine_args import GenerateOptions
     from pdserve.shared.cli.settings import Settings
     from pdserve.shared.node.node_cli import NodeOptions
+    from pdserve.shared.types import Role
     from pdserve.up_options import UpOptions
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,7 +128,7 @@ def _generate(opts: GenerateOptions) -> int:
         raise ValueError(str(exc)) from exc
 
 
-def _node(role: str) -> Callable[[NodeOptions], int]:
+def _node(role: Role) -> Callable[[NodeOptions], int]:
     def run(opts: NodeOptions) -> int:
         from pdserve.shared.node.node_cli import node_configs, setup_process
 
@@ -190,7 +191,8 @@ def _build(name: str) -> click.Command:
         return _command(name, RouterOptions, _router)
     from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
 
-    return _command(name, PrefillOptions if name == "prefill" else DecodeOptions, _node(name))
+    role = cast("Role", name)  # one of the node commands; NodeSettings checks it
+    return _command(name, PrefillOptions if name == "prefill" else DecodeOptions, _node(role))
 
 
 def _bench(opts: BenchOptions) -> int:

@@ -10,6 +10,8 @@
 #       KIT/root, exports PYTHONPATH and PATH, links KIT/src/.build/pdserve, starts one redis-server on
 #       KIT_REDIS_PORT (default 6399, for scripts that want a standing one; pdserve's launcher starts its
 #       own per cluster) and prints what it found. Idempotent within one machine.
+#   benchmarks/device_kit.sh ucx UCXKIT   (here) fills a second ignored folder with the UCX stack (ucxx and its
+#       libraries, 51 MiB: carried beside KIT, the two fill most of a call); `boot KIT UCXKIT` installs it too.
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then set -euo pipefail; fi  # not when sourced (boot)
 
 KIT_LIMIT_MIB=${KIT_LIMIT_MIB:-56}   # leaves room for the device's copy of the checkout itself
@@ -20,6 +22,19 @@ KIT_WHEELS=(
   opentelemetry-api==1.45.2 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 gguf==0.19.0 py-spy==0.4.3
 )
 KIT_DEBS=(redis-server redis-tools libjemalloc2 liblzf1 libatomic1)
+# The image has cuda-core, cuda-bindings, cuda-pathfinder and nvidia-ml-py; the rest of ucxx's stack:
+KIT_UCX_WHEELS=(
+  ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 rmm-cu13==26.10.0 librmm-cu13==26.10.0
+  rapids-logger==0.3.0
+)
+
+kit_ucx() {
+  mkdir -p "$1"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    -d "$1" "${KIT_UCX_WHEELS[@]}"
+  echo "ucx kit $1: $(du -sm "$1" | cut -f1) MiB"
+}
 
 kit_build() {
   local kit=$1 tree=${2:-}
@@ -45,6 +60,13 @@ kit_build() {
 kit_boot() {
   local kit
   kit=$(cd "$1" && pwd)
+  if [ -n "${2:-}" ]; then
+    local ucx
+    ucx=$(cd "$2" && pwd)
+    [ -d "$ucx/site" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target "$ucx/site" "$ucx"/*.whl
+    export PYTHONPATH="$ucx/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
   if [ ! -d "$kit/site" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$kit/site" \
       "$kit"/whl/*.whl
@@ -77,6 +99,7 @@ kit_stop_redis() {
 case "${1:-}" in
   build) shift; kit_build "$@" ;;
   boot) shift; kit_boot "$@" ;;
+  ucx) shift; kit_ucx "$@" ;;
   stop) kit_stop_redis ;;
-  *) echo "usage: device_kit.sh build KIT [TREE] | boot KIT | stop" >&2; return 2 2>/dev/null || exit 2 ;;
+  *) echo "usage: device_kit.sh build KIT [TREE] | ucx UCXKIT | boot KIT [UCXKIT] | stop" >&2; return 2 2>/dev/null || exit 2 ;;
 esac

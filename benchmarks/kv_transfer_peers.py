@@ -38,7 +38,7 @@ from pdserve.kvtransfer.cuda_ipc import live_windows
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.kvtransfer.nccl import NcclBackend
 from pdserve.kvtransfer.pair_group import live_groups, wait_aborted
-from pdserve.shared.types import BlockId, NodeId, RequestId
+from pdserve.shared.types import BlockId, FirstToken, NodeId, RequestId
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 CACHE_BLOCKS = 512  # per node: 1 GiB
@@ -104,7 +104,7 @@ class BenchHandler:
         for i in range(buffer.shape[0]):  # a tcp buffer arrives in host memory
             self.ops.scatter_blocks(buffer[i].to(self.kv.device), self.kv[layer_start + i], ids)
 
-    async def on_complete(self, tid: RequestId, first_token: dict[str, Any]) -> None:
+    async def on_complete(self, tid: RequestId, first_token: FirstToken | None) -> None:
         ids = self.reserved.pop(tid)
         if tid.startswith("paged-"):  # checked after the ACK went out, outside the timed window
             asyncio.get_running_loop().call_soon(self.verify, tid, ids)
@@ -268,7 +268,7 @@ async def push(
         src_ids = tuple(BlockId(src[i]) for i in indices)
         blocks = FrameBlocks(tuple(indices), src_ids, tuple(reply.dst_block_ids[i] for i in indices))
         await session.send_layers(layer, blocks, buf)
-    stats = await session.complete({"token_id": 1})
+    stats = await session.complete(FirstToken(1))
     return stats.seconds, time.perf_counter() - t0
 
 
@@ -351,7 +351,7 @@ async def prefill_like(session: Any, kv: torch.Tensor, mode: str, weights: tuple
     if reply is None:
         sync(device)
     else:
-        await session.complete({"token_id": 1})
+        await session.complete(FirstToken(1))
     return time.perf_counter() - t0
 
 

@@ -25,16 +25,15 @@ from pdserve.router.policy import NodeView, PolicyConfig, choose
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.block_pool import BlockStored
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import BlockHash, KVLayout, NodeId, Role
 
 BLOCK = 16
 VOCAB = 49152
 FINGERPRINT = bytes(range(32))
 CRED = credential_digest("bench")  # the digest of a token every node of the run holds
-LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": BLOCK}
-LAYOUT |= {"dtype": "bfloat16", "tp_size": 1}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=BLOCK, dtype="bfloat16")
 TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 
 

@@ -29,18 +29,11 @@ from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.node.node_auth import credential_digest
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
-from pdserve.shared.types import NodeId
+from pdserve.shared.types import KVLayout, NodeId
 
 CRED = credential_digest("bench")
 FINGERPRINT_HEX = "ab" * 32
-LAYOUT: dict[str, int | str] = {
-    "num_layers": 30,
-    "num_kv_heads": 3,
-    "head_dim": 64,
-    "block_size": 16,
-    "dtype": "float32",
-    "tp_size": 1,
-}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
 
 def echo_node(port: int, redis_url: str) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 from pdserve.decode_node.server import DecodeHandler, add_decode_routes
-from pdserve.kvtransfer.common import KVLayout, PeerIdentity
+from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import KVSender, create_sender, create_server
 from pdserve.shared.node.kv_fetch import PrefixExporter, add_export_route
 from pdserve.shared.node.node_cli import NodeConfigs
@@ -18,7 +18,7 @@ from pdserve.shared.node.node_runtime import NodeRuntime
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
     handler = DecodeHandler(rt, cfg.kv_load_failure_policy)
     add_decode_routes(app, rt, handler)
-    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
+    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
     server = create_server(cfg.connector, identity, handler)
     await server.start()
     rt.connector_kind = cfg.connector.kind

@@ -35,14 +35,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import OpenRefused, OpenReply, TransferHandler
-from pdserve.shared.engine.engine import RemoteReservation, RequestOutput, TokenLogprob
+from pdserve.shared.engine.engine import RemoteReservation, RequestOutput
 from pdserve.shared.engine.request import Request as EngineRequest
 from pdserve.shared.node.node_metrics import RequestTiming
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
 from pdserve.shared.node.node_protocol import TokenLogprob as WireLogprob
 from pdserve.shared.node.node_protocol import TopLogprob as WireTop
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockHash, NodeId, RequestId
+from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -174,20 +174,16 @@ class DecodeHandler(TransferHandler):
         self.rt.engine.import_layers(layer_start, dst_block_ids, buffer)
         self.rt.metrics.transfer_bytes.labels(self.rt.connector_kind, "in").inc(buffer.nbytes)
 
-    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
         entry = self.pending.get(transfer_id)
         if entry is None or entry.ended or entry.reservation is None:
             raise RuntimeError(f"transfer {transfer_id} completed after it was aborted")
+        if first_token is None:
+            raise RuntimeError(f"transfer {transfer_id} completed without the first token")
         req, q, res = entry.engine_request, entry.queue, entry.reservation
         assert req is not None and q is not None, "OPEN is answered only once the request arrived"
         engine = self.rt.engine
-        token = int(first_token["token_id"])
-        lp = first_token.get("logprob")
-        first_lp = None
-        if lp is not None:
-            top = tuple((int(t), float(v)) for t, v in first_token.get("top", []))
-            first_lp = TokenLogprob(token, float(lp), top)
-        out = await self.rt.aengine.call(lambda: engine.admit_remote(req, res, token, first_lp))
+        out = await self.rt.aengine.call(lambda: engine.admit_remote(req, res, first_token))
         self.pending.pop(transfer_id, None)
         m = self.rt.metrics
         held_tokens = min(len(res.held) * engine.cfg.block_size, out.prompt_tokens)
@@ -286,7 +282,7 @@ def to_step_output(rt: NodeRuntime, out: RequestOutput, error: str | None = None
         token_ids=out.token_ids,
         text=out.text,
         logprobs=_wire_logprobs(rt, out),
-        finish_reason=reason,  # type: ignore[arg-type]
+        finish_reason=reason,
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
         cached_tokens=out.cached_tokens,

@@ -16,6 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 import httpx
+from pdserve.router.cost_model import CostModel, Inputs, Rates
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import HitStats, NodeStatus
@@ -105,7 +106,36 @@ async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
             }
         )
     rows.sort(key=lambda r: (-r["prefix_blocks"], r["node_id"]))
-    return {"prompt_tokens": len(tokens), "block_size": block_size, "blocks": len(hashes), "nodes": rows}
+    raw = await index.cost_rates()
+    rates = Rates() if raw is None else Rates.from_json(raw)
+    loads = {s.info.node_id: s.load for s in await index.nodes()}
+
+    def best(role: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["role"] == role), None)
+
+    p, d = best("prefill"), best("decode") or best("single")
+    cost: dict[str, Any] = {"learned": raw is not None, "estimates": []}
+    if d is not None:
+        queued = {n: (load.queued_prefill_tokens if load else 0) for n, load in loads.items()}
+        holder = max(
+            (r["prefix_blocks"] for r in rows if p is None or r["node_id"] != p["node_id"]), default=0
+        )
+        p_blocks, p_queue = (p["prefix_blocks"], queued.get(p["node_id"], 0)) if p else (0, 0)
+        x = Inputs(len(tokens), block_size, p_blocks, d["prefix_blocks"], holder, p_queue,
+                   queued.get(d["node_id"], 0), p is not None)  # fmt: skip
+        est = CostModel(rates).estimates(x)
+        cost["estimates"] = [{"option": e.option, "ttft_s": e.ttft_s, "compute_tokens": e.compute_tokens,
+                              "fetch_blocks": e.fetch_blocks} for e in est]  # fmt: skip
+        cost["choice"] = est[0].option
+        cost["prefill_node"] = p["node_id"] if p else None
+        cost["decode_node"] = d["node_id"]
+    return {
+        "prompt_tokens": len(tokens),
+        "block_size": block_size,
+        "blocks": len(hashes),
+        "nodes": rows,
+        "cost_model": cost,
+    }
 
 
 async def stats(index: BlockIndex) -> dict[str, Any]:

@@ -62,7 +62,16 @@ def _where(result: dict[str, Any]) -> str:
     rows = [[r["node_id"], r["role"], f"{r['prefix_blocks']}/{result['blocks']}", r["prefix_tokens"],
              r["device_blocks"], r["host_blocks"]] for r in result["nodes"]]  # fmt: skip
     headers = ["NODE", "ROLE", "PREFIX BLOCKS", "PREFIX TOKENS", "ON DEVICE", "ON HOST"]
-    return head + "\n" + table(headers, rows)
+    out = head + "\n" + table(headers, rows)
+    cost = result.get("cost_model", {})
+    if cost.get("estimates"):
+        learned = "learned rates" if cost["learned"] else "priors: the router has published no rates yet"
+        pair = f"P {cost['prefill_node']}, D {cost['decode_node']}"
+        out += f"\ncost model ({learned}): {cost['choice']} ({pair})\n"
+        out += table(["OPTION", "EST TTFT", "COMPUTE TOKENS", "FETCH BLOCKS"],
+                     [[e["option"], f"{1000 * e['ttft_s']:.1f} ms", e["compute_tokens"], e["fetch_blocks"]]
+                      for e in cost["estimates"]])  # fmt: skip
+    return out
 
 
 def _stats(result: dict[str, Any]) -> str:

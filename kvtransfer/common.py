@@ -9,66 +9,18 @@ dst_block_ids[i - num_held_blocks].
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
-from pdserve.shared.types import BlockId, NodeId, RequestId
+from pdserve.shared.types import BlockId, KVLayout, NodeId, RequestId
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {  # the torch dtype of each of KV_DTYPE_BYTES's names
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """One rank's paged KV cache: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
-
-    `num_kv_heads` counts the heads this rank holds: heads [kv_head_start, kv_head_start + num_kv_heads)
-    of the model, rank `tp_rank` of `tp_size`. Two ends exchange KV only if every field is equal.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-    tp_size: int = 1
-    tp_rank: int = 0
-    kv_head_start: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
-            value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"KVLayout.tp_rank {self.tp_rank!r} must be in [0, {self.tp_size})")
-        if type(self.kv_head_start) is not int or self.kv_head_start < 0:
-            raise ValueError(f"KVLayout.kv_head_start must be a non-negative int, got {self.kv_head_start!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def layer_block_bytes(self) -> int:
-        """Bytes of K and V of one block in one layer."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize
-
-    def first_difference(self, other: KVLayout) -> str | None:
-        """`"field: local X, peer Y"` for the first differing field, or None when the layouts match."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine != theirs:
-                return f"{f.name}: local {mine!r}, peer {theirs!r}"
-        return None
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,9 @@ on_abort is called, on every path (P abort, deadline, connection cut, bad frame,
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from pdserve.kvtransfer.common import (
@@ -31,7 +31,7 @@ from pdserve.kvtransfer.common import (
     TransferRefused,
     TransferStats,
 )
-from pdserve.shared.types import BlockHash, NodeId, RequestId
+from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
 _O = TypeVar("_O", "UcxOptions", "CudaIpcOptions")
 
@@ -88,8 +88,9 @@ class TransferHandler(Protocol):
         kv_cache[layer_start + i], dst_block_ids)`); GPU kernels reading it must be queued on the current
         stream by the time the call returns (the connector waits for that stream before reusing it)."""
 
-    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
-        """Every reserved block has every layer; the request may start decoding. Raising aborts it."""
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
+        """Every reserved block has every layer; the request may start decoding (first_token: the token P
+        sampled; None for a transfer that carries only KV, a prefix fetch). Raising aborts it."""
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
         """Free the reservation. At most once per accepted transfer, never after on_complete returned."""
@@ -117,8 +118,9 @@ class TransferSession(Protocol):
         to the transport; a GPU connector may still be sending the buffer then (it keeps it alive), so do
         not write into it again. Raises TransferAborted when D aborted."""
 
-    async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
-        """Send COMPLETE (first token, JSON-able) and return when D acknowledged it."""
+    async def complete(self, first_token: FirstToken | None) -> TransferStats:
+        """Send COMPLETE (with the first token P sampled, or None when the transfer carries only KV) and
+        return when D acknowledged it."""
 
     async def abort(self, reason: str) -> None:
         """Tell D to free the reservation; idempotent, a no-op after complete()."""

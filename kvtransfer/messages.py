@@ -1,21 +1,20 @@
 """The messages of KV-transfer protocol v5 and their header encoding (docs/kv_transfer_protocol.md).
 
-Each message is a frozen dataclass with a one-byte wire type; its header is a msgpack map of its fields
-(tuples as arrays, bytes as bin, `KVLayout` as a nested map). Decoding checks every field's wire type against
-the dataclass annotation, so a malformed peer header becomes a `ProtocolError` naming the field, never a
-half-built message. Only DATA carries a payload, and the payload is not part of the header.
+Each message is a frozen dataclass with a one-byte wire type; its header is the one codec's msgpack map of its
+fields and the version (shared/wire.py: tuples as arrays, bytes as bin, `KVLayout` and `FirstToken` as nested
+maps). Decoding checks every field's wire type against the dataclass annotation, so a malformed peer header
+becomes a `ProtocolError` naming the field, never a half-built message. Only DATA carries a payload, and the
+payload is not part of the header.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import msgpack
-from pdserve.kvtransfer.common import KVLayout, ProtocolError
+from pdserve.kvtransfer.common import ProtocolError
+from pdserve.shared.types import FirstToken, KVLayout
+from pdserve.shared.wire import Codec, WireError
 
 PROTOCOL_VERSION = 5
 
@@ -102,7 +101,7 @@ class Data:
 class Complete:
     TYPE: ClassVar[int] = 9
     transfer_id: str
-    first_token: dict[str, Any]
+    first_token: FirstToken | None  # None: the transfer carried only KV (a prefix fetch)
 
 
 @dataclass(frozen=True)
@@ -133,86 +132,12 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
 }
 
 
-# Per message class, its fields resolved once into (name, checker, required): decoding runs on every frame,
-# and get_type_hints / dataclasses.fields per call cost more than the checks themselves.
-_Checker = Callable[[str, object], object]
-
-
-def _bad(where: str, annotation: object, value: object) -> ProtocolError:
-    return ProtocolError(f"bad {where}: expected {annotation}, got {type(value).__name__} {value!r:.80}")
-
-
-def _checker(annotation: object) -> _Checker:
-    """A function (where, value) -> value converted to `annotation`, raising ProtocolError naming `where`."""
-    if annotation in (int, bool, str, bytes):
-
-        def exact(where: str, value: object) -> object:
-            if type(value) is annotation:  # `is`: a bool is not an int on the wire, nor an int a bool
-                return value
-            raise _bad(where, annotation, value)
-
-        return exact
-    if annotation is float:
-
-        def number(where: str, value: object) -> object:
-            if type(value) in (int, float):
-                return float(typing.cast(float, value))
-            raise _bad(where, annotation, value)
-
-        return number
-    if typing.get_origin(annotation) is tuple:
-        item_type = typing.get_args(annotation)[0]
-        item = _checker(item_type)
-
-        def array(where: str, value: object) -> object:
-            if type(value) is not list:
-                raise _bad(where, annotation, value)
-            if not value or set(map(type, value)) == {item_type}:  # block lists: one C-level pass
-                return tuple(value)
-            return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
-
-        return array
-    if typing.get_origin(annotation) is dict:
-
-        def mapping(where: str, value: object) -> object:
-            if isinstance(value, dict) and all(type(k) is str for k in value):
-                return value
-            raise _bad(where, annotation, value)
-
-        return mapping
-    assert annotation is KVLayout, f"no wire encoding for {annotation}"
-
-    def layout(where: str, value: object) -> object:
-        if not isinstance(value, dict):
-            raise _bad(where, annotation, value)
-        try:
-            return KVLayout(**value)
-        except (TypeError, ValueError) as e:
-            raise ProtocolError(f"bad {where}: {e}") from e
-
-    return layout
-
-
-_CODECS: dict[type[Message], tuple[tuple[str, str, _Checker, bool], ...]] = {
-    cls: tuple(
-        (f.name, f"{cls.__name__}.{f.name}", _checker(hint), f.default is dataclasses.MISSING)
-        for f in dataclasses.fields(cls)
-        for hint in (typing.get_type_hints(cls)[f.name],)
-    )
-    for cls in MESSAGE_TYPES.values()
-}
+CODEC = Codec("KV-transfer protocol", PROTOCOL_VERSION)
 
 
 def encode_header(msg: Message) -> bytes:
-    """The fields as a msgpack map, in declaration order (a frozen dataclass's `__dict__` holds exactly its
-    fields, in that order; msgpack packs tuples as arrays itself; only HELLO's layout needs a nested map)."""
-    body: dict[str, object] = msg.__dict__
-    if isinstance(msg, Hello):
-        body = body | {"layout": dataclasses.asdict(msg.layout)}
-    return typing.cast(bytes, msgpack.packb(body, use_bin_type=True))
-
-
-_ABSENT = object()
+    """The message's fields as a msgpack map (with the version), through the one codec."""
+    return CODEC.to_msgpack(msg)
 
 
 def decode_header(msg_type: int, header: bytes) -> Message:
@@ -222,19 +147,9 @@ def decode_header(msg_type: int, header: bytes) -> Message:
             f"unknown message type {msg_type}; v{PROTOCOL_VERSION} knows {sorted(MESSAGE_TYPES)}"
         )
     try:
-        body = msgpack.unpackb(header, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"{cls.__name__} header is not msgpack: {e}") from e
-    if type(body) is not dict:
-        raise ProtocolError(f"{cls.__name__} header must be a map, got {type(body).__name__}")
-    kwargs: dict[str, object] = {}
-    for name, where, check, required in _CODECS[cls]:
-        value = body.get(name, _ABSENT)
-        if value is not _ABSENT:
-            kwargs[name] = check(where, value)
-        elif required:
-            raise ProtocolError(f"{cls.__name__} header lacks field {name!r}")
-    return cls(**kwargs)  # type: ignore[arg-type]
+        return CODEC.from_msgpack(cls, header)
+    except WireError as e:
+        raise ProtocolError(f"bad {e}") from None
 
 
 def transfer_id_of(msg_type: int, header: bytes) -> str | None:

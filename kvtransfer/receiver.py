@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 from pdserve.kvtransfer.common import (
+    DTYPES,
     ChecksumError,
     ConnectionLost,
     HandshakeError,
@@ -255,7 +256,7 @@ class ChannelServer:
         assert payload is not None
         lay, n = self.identity.layout, len(msg.block_indices)
         # buffer: [num_layers, 2, n, block_size, Hkv, D]
-        buffer = payload.view(lay.torch_dtype).view(
+        buffer = payload.view(DTYPES[lay.dtype]).view(
             msg.num_layers, 2, n, lay.block_size, lay.num_kv_heads, lay.head_dim
         )
         if t.conn.channel.payload_landed():

@@ -14,11 +14,11 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from pdserve.kvtransfer.common import (
+    DTYPES,
     ConnectionLost,
     FrameBlocks,
     HandshakeError,
@@ -49,7 +49,7 @@ from pdserve.kvtransfer.messages import (
     Ping,
 )
 from pdserve.kvtransfer.transport import Transport, parse_address
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
 _LATE = "DATA not delivered by the deadline"
@@ -232,7 +232,7 @@ class ChannelSession:
         reply, layout = self._reply, self._connection.layout
         assert reply is not None, "send_layers before open"
         expected = (2, len(blocks), layout.block_size, layout.num_kv_heads, layout.head_dim)
-        if tuple(buffer.shape[1:]) != expected or buffer.dtype != layout.torch_dtype:
+        if tuple(buffer.shape[1:]) != expected or buffer.dtype != DTYPES[layout.dtype]:
             raise ValueError(
                 f"buffer {tuple(buffer.shape)} {buffer.dtype} != [nl, *{expected}] {layout.dtype}"
             )
@@ -290,13 +290,13 @@ class ChannelSession:
             self._first_send = start
         self._payload_bytes += nbytes
 
-    async def complete(self, first_token: Mapping[str, Any]) -> TransferStats:
+    async def complete(self, first_token: FirstToken | None) -> TransferStats:
         self._check_usable()
         if self._reply is None:
             raise ValueError(f"complete before open on transfer {self._transfer_id!r}")
         start = self._first_send if self._first_send is not None else time.perf_counter()
         until = self._deadline + self._connection.config.ack_grace_s
-        msg = Complete(self._transfer_id, dict(first_token))
+        msg = Complete(self._transfer_id, first_token)
         key = doorbell_key(self._transfer_id, self._deadline)
         reply = await self._request(msg, until, "ACK", spin=True, ack_key=key)
         assert isinstance(reply, Ack), reply

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
-from pdserve.kvtransfer.common import KVLayout, PeerIdentity
+from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import create_sender, create_server
 from pdserve.prefill_node.server import PrefillService, add_prefill_routes
 from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
@@ -15,7 +15,7 @@ from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
-    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, KVLayout(**rt.kv_layout))  # type: ignore[arg-type]
+    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
     sender = create_sender(cfg.connector, identity)
     # the receiving end of prefix fetches: holders push the blocks this node lacks into it
     receiver = FetchReceiver(rt)

@@ -22,7 +22,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
@@ -39,7 +38,7 @@ from pdserve.shared.engine.engine import RequestOutput, StepObserver, StepSlice
 from pdserve.shared.node.kv_fetch import FetchedPrefix, PrefixFetcher
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -178,6 +177,8 @@ class PrefillService:
         job: _Job | None = None
         session: TransferSession | None = None
         fetched: FetchedPrefix | None = None
+        opened = False  # D took the transfer: from then on its failure is D's to handle
+        fetch_s = 0.0
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 session = await self.sender.session(req.decode_transfer_addr, rid)
@@ -187,7 +188,10 @@ class PrefillService:
                     reply: OpenReply = await session.open(hashes, num_blocks, req.deadline)
                 finally:
                     self._opening -= 1
+                opened = True
+                fetch_t0 = time.perf_counter()
                 fetched = await self._fetch(req, hashes)
+                fetch_s = time.perf_counter() - fetch_t0 if fetched is not None else 0.0
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
                 self.observer.jobs[rid] = job
@@ -201,10 +205,10 @@ class PrefillService:
             job.chunks.put_nowait(None)
             sent = await job.sender_task
             lp = last.logprobs[0] if last.logprobs else None
-            first: dict[str, Any] = {"token_id": last.token_ids[0]}
-            if lp is not None:
-                first |= {"logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-            stats = await session.complete(first)
+            token = last.token_ids[0]
+            stats = await session.complete(
+                FirstToken(token) if lp is None else FirstToken(token, lp.logprob, lp.top)
+            )
             m = self.rt.metrics
             m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
             m.transfer_seconds.labels(self.rt.connector_kind).observe(stats.seconds)
@@ -234,13 +238,15 @@ class PrefillService:
                 last.cached_tokens,
                 sent,
                 fetched_tokens=remote,
+                fetch_seconds=fetch_s,
+                compute_seconds=max(0.0, prefilled_at - scheduled),
+                transfer_seconds=stats.seconds,
             )
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()
             await self._abort(rid, job, session, str(exc) or type(exc).__name__)
-            # once D took the transfer, its failure is D's to handle (it computes the prompt itself)
-            computes = job is not None
-            return PrefillResult(rid, None, 0, 0, 0, f"prefill failed: {exc}", decode_computes=computes)
+            # D took the transfer: it computes the prompt itself (or fails it, by its policy)
+            return PrefillResult(rid, None, 0, 0, 0, f"prefill failed: {exc}", decode_computes=opened)
         except BaseException:
             await self._abort(rid, job, session, "prefill cancelled")
             raise

@@ -61,6 +61,11 @@ class RouterOptions(SecretFiles):
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="prefill on the decode node when it would compute at most this many tokens"
     )
+    cost_model: bool = Field(
+        False,
+        description="choose per request between prefill on D, on P, and on P after fetching a holder's "
+        "prefix by the learned cost model (estimates are exported either way)",
+    )
     api_keys_file: str | None = Field(
         None,
         description="file of accepted API keys, one per line or comma-separated (else PDSERVE_API_KEYS is "
@@ -130,6 +135,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
         migration_limit=opts.migration_limit,
+        cost_model=opts.cost_model,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),

@@ -49,6 +49,11 @@ class RouterConfig:
     migration_limit: int = 0
     """Times a choice whose node fails after its first token may be re-prefilled on other nodes from its
     prompt and the tokens already streamed (router/migration.py); 0: it ends with the error."""
+    cost_model: bool = False
+    """Let the cost model (router/cost_model.py) choose, per request, between prefilling on D, on P, and on P
+    after fetching a holder's prefix; off: P/D whenever a prefill node exists (local only below
+    `policy.local_prefill_max_tokens`) and a fetch whenever another node holds more of the prefix. Its
+    estimates are exported either way."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """Routing weights (the block size is the nodes' own, from their registrations)."""
     api_keys: tuple[str, ...] = ()

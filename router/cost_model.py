@@ -23,10 +23,12 @@ Queue depths come from the nodes' heartbeats (tokens not computed yet). Units: s
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
+from pdserve.shared.wire import Codec
+
+CODEC = Codec("placement rates", 1)
 Option = Literal["local", "pd", "pd_fetch"]
 OPTIONS: tuple[Option, ...] = ("local", "pd", "pd_fetch")
 
@@ -43,24 +45,13 @@ class Rates:
     overhead_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPTIONS, 0.005))
     observations: int = 0
 
-    def to_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["prefill_s_per_token"] = {str(k): v for k, v in self.prefill_s_per_token.items()}
-        return d
+    def to_json(self) -> bytes:
+        """The record the router keeps in the index for `kvctl where` (the one codec's versioned JSON)."""
+        return CODEC.to_json(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, object]) -> Rates:
-        per = d.get("prefill_s_per_token", {})
-        overhead = d.get("overhead_s", {})
-        assert isinstance(per, dict) and isinstance(overhead, dict)
-        return cls(
-            {int(k): float(v) for k, v in per.items()},
-            float(d.get("prior_s_per_token", 1e-3)),  # type: ignore[arg-type]
-            float(d.get("fetch_s_per_block", 1e-4)),  # type: ignore[arg-type]
-            float(d.get("transfer_s_per_block", 1e-4)),  # type: ignore[arg-type]
-            {str(k): float(v) for k, v in overhead.items()},
-            int(d.get("observations", 0)),  # type: ignore[call-overload]
-        )
+    def from_json(cls, data: bytes | str) -> Rates:
+        return CODEC.from_json(cls, data)
 
 
 def bucket(tokens: int) -> int:

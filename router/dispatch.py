@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from pdserve.router.admission import Lease
 from pdserve.router.background import Background
+from pdserve.router.cost_model import CostModel
 from pdserve.router.errors import (
     DeadlineExceeded,
     Internal,
@@ -38,7 +39,7 @@ from pdserve.router.node_client import NodeClient, NodeClients, NodeError
 from pdserve.router.routing import Placement, Route
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index_types import NodeInfo
-from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, PrefillResult, StepOutput
 from pdserve.shared.types import NodeId, RequestId
 
 _PREFILL_GRACE_S = 1.0
@@ -46,7 +47,10 @@ _MAX_REROUTES = 2
 
 
 class Rerouter(Protocol):
-    """What RequestRun needs of the router to place a choice again when a node turns it away."""
+    """What RequestRun needs of the router to place a choice again when a node turns it away, and the
+    cost model that learns from each choice's measured times."""
+
+    cost: CostModel
 
     def refused(self, node_id: NodeId) -> None: ...
 
@@ -134,6 +138,7 @@ class RequestRun:
         self._migration_limit = migration_limit
         self._streamed = {job.index: Continuation(job.prompt_token_ids, job.sampling) for job in jobs}
         self._started: set[int] = set()
+        self._choice_start: dict[int, float] = {}  # choice index -> perf_counter at its (latest) route start
         """Choices that have delivered a step to the client (they can no longer be placed again)."""
         self._salt = cache_salt
         self.deadline = deadline
@@ -263,6 +268,7 @@ class RequestRun:
 
     async def _run_route(self, job: ChoiceJob) -> None:
         route = job.route
+        self._choice_start[job.index] = time.perf_counter()
         decode = self._clients.get(route.decode.node_id, route.decode.http_url)
         opened = {decode.node_id: decode}
         prefill = None
@@ -320,6 +326,7 @@ class RequestRun:
                 if result is not None and result.error is None:
                     self._check_hits(job, prefill.node_id, result.cached_tokens)
                     self._count_fetch(job, result.fetched_tokens)
+                    self._learn_prefill(job, result)
                 # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
                 # have died after its transfer completed). Before that, P's failure ends this attempt (the
                 # decode side is aborted in finally), unless D took the transfer: D then computes the prompt
@@ -329,7 +336,9 @@ class RequestRun:
                         raise failure
                     if result is not None and result.error is not None and not result.decode_computes:
                         failed = NodeError(prefill.node_id, f"prefill failed: {result.error}", retryable=True)
-                        raise await _blame(failed, pump)
+                        blamed = await _blame(failed, pump)
+                        if job.index not in self._started:  # else D computed the prompt and streams it
+                            raise blamed
                 await pump
                 return
             try:
@@ -344,6 +353,23 @@ class RequestRun:
         finally:
             for task in (pump, pre_task):
                 task.cancel()
+
+    def _learn_ttft(self, job: ChoiceJob) -> None:
+        """The choice's first token: its time from the choice's start beside the cost model's estimate."""
+        route, start = job.route, self._choice_start.get(job.index)
+        if route.estimate is None or route.inputs is None or start is None:
+            return
+        actual = time.perf_counter() - start
+        self._metrics.cost_actual_ttft.labels(option=route.estimate.option).observe(actual)
+        if self._rerouter is not None:
+            self._rerouter.cost.observe_ttft(route.estimate, route.inputs, actual)
+
+    def _learn_prefill(self, job: ChoiceJob, result: PrefillResult) -> None:
+        if self._rerouter is None:
+            return
+        cost, blocks = self._rerouter.cost, result.fetched_tokens // job.route.decode.block_size
+        cost.observe_prefill(len(job.prompt_token_ids), result.computed_tokens, result.compute_seconds)
+        cost.observe_moves(blocks, result.fetch_seconds, result.transferred_blocks, result.transfer_seconds)
 
     def _count_fetch(self, job: ChoiceJob, fetched_tokens: int) -> None:
         """The "remote" prefix hits are what the prefill node really fetched; what the route planned to fetch
@@ -364,11 +390,14 @@ class RequestRun:
     async def _pump(
         self, job: ChoiceJob, client: NodeClient, node: NodeInfo, req: NodeGenerateRequest
     ) -> None:
-        first = True
+        first, timed = True, False
         async for step in client.generate(req):
             if first and req.prefill_node_id is None:
                 self._check_hits(job, client.node_id, step.cached_tokens)
             first = False
+            if step.token_ids and not timed:
+                timed = True
+                self._learn_ttft(job)
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
             if step.finish_reason in ("abort", "error"):  # the choice may go on elsewhere (_run_choice)

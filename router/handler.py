@@ -26,6 +26,7 @@ from pdserve.router.admission import Ledger
 from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
 from pdserve.router.config import RouterConfig
+from pdserve.router.cost_model import CostModel
 from pdserve.router.dispatch import ChoiceEvent, ChoiceJob, RequestRun
 from pdserve.router.errors import ClientGone, DeadlineExceeded, RouterError, to_openai
 from pdserve.router.membership import Membership
@@ -47,10 +48,9 @@ from pdserve.router.request_state import ChoiceState, ServedRequest, check_lengt
 from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.index.block_index_types import ROLES
 from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.types import RequestId
+from pdserve.shared.types import ROLES, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class RequestHandler:
         self.model_check = ModelCheck(config.model_path, tokenizer)
         self.router = Router(
             index, config.policy, self.membership, self.metrics, self.background, self.breakers,
-            Ledger(config.admission), self.model_check,
+            Ledger(config.admission), self.model_check, CostModel(), config.cost_model,
         )  # fmt: skip
         self.tenants = Tenants(config.api_keys, config.rate_limit)
         self._served = set(config.served_model_names)

@@ -57,6 +57,24 @@ class RouterMetrics(MetricsRegistry):
             "pdserve_router_generation_tokens", "Generated tokens streamed back."
         )
         self.decisions = counter("pdserve_router_decisions", "Routing decisions by kind.", ["kind"])
+        self.cost_decisions = counter(
+            "pdserve_router_cost_model_decisions",
+            "Where each prompt was prefilled, as the cost model's option (router/cost_model.py): local "
+            "(on D), pd (P computes), pd_fetch (P fetches a holder's prefix first)",
+            ["option"],
+        )
+        self.cost_estimated_ttft = hist(
+            "pdserve_router_cost_model_estimated_ttft_seconds",
+            "The cost model's estimate of a choice's time to first token (from its start), by option.",
+            _LATENCY_BUCKETS,
+            ["option"],
+        )
+        self.cost_actual_ttft = hist(
+            "pdserve_router_cost_model_actual_ttft_seconds",
+            "The measured time to first token of the same choices (from the choice's start), by option.",
+            _LATENCY_BUCKETS,
+            ["option"],
+        )
         self.prefix_hit_tokens = counter(
             "pdserve_router_prefix_hit_tokens",
             "Prompt tokens by where their KV was expected at routing time.",

@@ -77,7 +77,7 @@ class ModelCheck:
                 f"the router's tokenizer ({name}, fingerprint {mine[:16]}) is not node {node.node_id}'s "
                 f"(fingerprint {theirs[:16]}): start the router with the nodes' model"
             )
-        expected = self._model_fingerprint(str(node.kv_layout["dtype"]), node.block_size)
+        expected = self._model_fingerprint(node.kv_layout.dtype, node.block_size)
         if expected is not None and expected != node.model_fingerprint:
             return (
                 f"the router's model ({name}, fingerprint {expected[:16]}) is not node {node.node_id}'s "

@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.router.openai_protocol import Kind
 from pdserve.shared.node.node_protocol import TokenLogprob
+from pdserve.shared.types import FinishReason
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -93,7 +94,7 @@ class ResponseHead:
         self,
         index: int,
         text: str,
-        finish_reason: str,
+        finish_reason: FinishReason,
         logprobs: Sequence[TokenLogprob] | None,
         offset: int = 0,
     ) -> dict[str, Any]:
@@ -116,7 +117,7 @@ class ResponseHead:
         self,
         index: int,
         text: str,
-        finish_reason: str | None,
+        finish_reason: FinishReason | None,
         logprobs: Sequence[TokenLogprob] | None,
         include_usage: bool,
         offset: int = 0,

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pdserve.shared.index.block_index_types import NodeStatus, Role
-from pdserve.shared.types import NodeId
+from pdserve.shared.index.block_index_types import NodeStatus
+from pdserve.shared.types import ROLES, NodeId, Role
 
 Mode = Literal["disaggregated", "local_prefill", "single"]
 
@@ -159,7 +159,7 @@ def choose(
     ids = {n.node_id for n in usable}
     hits = {k: min(v, prompt_blocks) for k, v in prefix_hits.items() if k in ids and v > 0}
     p = _Prompt(prompt_tokens, hits, block_size)
-    pool = {r: [n for n in usable if n.role == r] for r in ("prefill", "decode", "single")}
+    pool = {r: [n for n in usable if n.role == r] for r in ROLES}
     needed = -(-prompt_tokens // block_size)
 
     def new_blocks(n: NodeView) -> int:

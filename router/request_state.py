@@ -16,6 +16,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_builders import ResponseHead, usage
 from pdserve.router.openai_protocol import GenerationSpec, OpenAIError
 from pdserve.shared.node.node_protocol import TokenLogprob
+from pdserve.shared.types import FinishReason
 
 
 @dataclass
@@ -24,7 +25,7 @@ class ChoiceState:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
     offset: int = 0

@@ -12,6 +12,7 @@ Refusals are domain errors (router/errors.py); the request handler maps them to 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pdserve.router.admission import Lease, Ledger
 from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
+from pdserve.router.cost_model import CostModel, Estimate, Inputs, Option
 from pdserve.router.errors import NoNodes
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
@@ -30,6 +32,8 @@ from pdserve.shared.index.block_index_types import IndexUnavailable, NodeInfo, N
 from pdserve.shared.types import NodeId
 
 _KIND = {"disaggregated": "pd", "local_prefill": "local", "single": "single"}
+_RATES_EVERY_S = 5.0
+"""How often the router publishes its cost model's learned rates to the index (for kvctl where)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class Route:
     """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
     the prefill node fetches them from it (shared/node/kv_fetch.py) instead of computing them."""
     fetch_blocks: int = 0
+    estimate: Estimate | None = None
+    """The cost model's estimate for the option this route takes, and its inputs (for what it learns)."""
+    inputs: Inputs | None = None
 
     def expected_cached_tokens(self, prompt_len: int) -> int:
         """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
@@ -87,6 +94,10 @@ class Router:
     _breakers: Breakers
     _ledger: Ledger
     _model_check: ModelCheck
+    cost: CostModel = field(default_factory=CostModel)
+    """Learns from every placed request; picks the prefill option only when `cost_decides`."""
+    cost_decides: bool = False
+    _rates_due: float = field(default=0.0, init=False)
     _rotation: int = field(default=0, init=False)
     _refused: dict[NodeId, float] = field(default_factory=dict, init=False)
     """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
@@ -135,21 +146,40 @@ class Router:
         if not statuses:
             raise NoNodes("no serving node is available")
         self._rotation += 1
+        views = {s.info.node_id: self._ledger.view(NodeView.from_status(s)) for s in statuses}
+        policy = self._policy
+        if self.cost_decides:  # the policy picks the pair; the cost model picks local or P/D below
+            policy = dataclasses.replace(policy, local_prefill_max_tokens=0)
         try:
             decision = choose(
-                len(hashes),
-                len(prompt),
-                hits,
-                [self._ledger.view(NodeView.from_status(s)) for s in statuses],
-                self._policy,
-                self._rotation,
+                len(hashes), len(prompt), hits, list(views.values()), policy, self._rotation,
                 block_size=block_size,
-            )
+            )  # fmt: skip
         except NoNodeAvailable as exc:
             raise NoNodes(str(exc)) from exc
         by_id = {s.info.node_id: s.info for s in statuses}
         decode = by_id[decision.decode]
         prefill = by_id[decision.prefill] if decision.mode == "disaggregated" else None
+        holder, fetch_blocks = _holder(hits, known, prefill, decision.cached_blocks_prefill)
+        inputs = Inputs(
+            len(prompt), block_size, decision.cached_blocks_prefill, decision.cached_blocks_decode,
+            fetch_blocks, views[decision.prefill].queued_prefill_tokens,
+            views[decision.decode].queued_prefill_tokens, prefill is not None,
+        )  # fmt: skip
+        options = {e.option: e for e in self.cost.estimates(inputs)}
+        if self.cost_decides and prefill is not None:
+            best = min(options.values(), key=lambda e: e.ttft_s)
+            if best.option == "local":
+                decision = dataclasses.replace(
+                    decision, mode="local_prefill", prefill=decision.decode, blocks_to_transfer=0,
+                    cached_blocks_prefill=decision.cached_blocks_decode,
+                    tokens_to_compute=best.compute_tokens,
+                )  # fmt: skip
+                prefill = None
+            if best.option != "pd_fetch":
+                holder, fetch_blocks = None, 0
+        option: Option = "local" if prefill is None else ("pd_fetch" if holder is not None else "pd")
+        estimate = options[option]
         nodes = [node for node in (decode, prefill) if node is not None]
         for node in nodes:
             self._model_check.check(node)  # ModelMismatch: the router's model is not theirs
@@ -162,14 +192,20 @@ class Router:
             decision.tokens_to_compute
         )
         local = decision.cached_blocks_prefill * block_size
-        holder, fetch_blocks = _holder(hits, known, prefill, decision.cached_blocks_prefill)
-        route = Route(kind, decode, prefill, decision.cached_blocks_prefill, holder, fetch_blocks)
+        m.cost_decisions.labels(option=option).inc()
+        m.cost_estimated_ttft.labels(option=option).observe(estimate.ttft_s)
+        route = Route(
+            kind, decode, prefill, decision.cached_blocks_prefill, holder, fetch_blocks, estimate, inputs
+        )
         # what a fetch brings is counted when the prefill node says what came (dispatch: remote, or miss)
         miss = len(prompt) - local - route.planned_fetch_tokens(len(prompt))
         m.prefix_hit_tokens.labels(kind="local").inc(local)
         m.prefix_hit_tokens.labels(kind="miss").inc(miss)
         if self.index_ok:
             self._background.spawn(self._record_hits(decision.prefill, local, 0, miss))
+            if time.monotonic() >= self._rates_due:  # what kvctl where estimates with
+                self._rates_due = time.monotonic() + _RATES_EVERY_S
+                self._background.spawn(self._publish_rates())
         owner = None if prefill is None else prefill.node_id
         leases = tuple(self._ledger.take((decode.node_id,), owner, len(prompt)) for _ in range(n))
         return Placement(
@@ -194,6 +230,12 @@ class Router:
         node_id = status.info.node_id
         refused = self._refused.get(node_id, 0.0) >= now
         return not (status.draining or refused or self._breakers.is_open(node_id))
+
+    async def _publish_rates(self) -> None:
+        try:
+            await self._index.set_cost_rates(self.cost.rates.to_json())
+        except IndexUnavailable:
+            self._membership.index_failed()
 
     async def _record_hits(self, node_id: NodeId, local: int, remote: int, miss: int) -> None:
         try:

@@ -4,6 +4,9 @@ Distinct types for distinct identifiers (STYLE.md habit 4): a block's chained ha
 and a request id is not a node id. All are plain values at run time.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
 from typing import Literal, NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -24,3 +27,79 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 """Why a request ended: a stop condition, max_tokens or the context, an abort (client gone, cancelled), or a
 failure (engine, transfer, deadline)."""
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+"""The KV cache dtypes (torch's names) and their element sizes in bytes."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's paged KV cache: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    `num_kv_heads` counts the heads this rank holds: heads [kv_head_start, kv_head_start + num_kv_heads)
+    of the model, rank `tp_rank` of `tp_size`. The engine states it, a node registers it in the index (whose
+    cluster record compares the fields of `KV_LAYOUT_FIELDS`) and the KV-transfer handshake compares it:
+    two ends exchange KV only if every field is equal.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
+        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVLayout.tp_rank {self.tp_rank!r} must be in [0, {self.tp_size})")
+        if type(self.kv_head_start) is not int or self.kv_head_start < 0:
+            raise ValueError(f"KVLayout.kv_head_start must be a non-negative int, got {self.kv_head_start!r}")
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of K and V of one block in one layer."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[self.dtype]
+
+    def first_difference(self, other: KVLayout) -> str | None:
+        """`"field: local X, peer Y"` for the first differing field, or None when the layouts match."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                return f"{f.name}: local {mine!r}, peer {theirs!r}"
+        return None
+
+
+KV_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
+"""The fields of a KVLayout every node of a cluster shares (the rank's own, tp_rank and kv_head_start, may
+differ): the index's cluster record holds these."""
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The token a prefill node sampled for a prompt, handed to the decode node with the prompt's KV (the
+    transfer's COMPLETE): its id and, when the request asked for logprobs, its logprob and the top
+    alternatives as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.token_id < 0:
+            raise ValueError(f"FirstToken.token_id must be >= 0, got {self.token_id}")
+        if self.logprob is None and self.top:
+            raise ValueError("FirstToken.top given without its logprob")

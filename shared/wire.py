@@ -9,8 +9,9 @@ for a float. What the decoder refuses, and anything the message's own `__post_in
 'x'`); malformed input never raises anything else.
 
 Field types: int, float, bool, str, bytes (msgpack bin; lowercase hex in JSON), a NewType of one of them,
-Literal[...], X | None, tuple[X, ...], a NamedTuple (an array of its fields), a dataclass (a nested map,
-without "v"), dict[str, X]. A float is finite on the wire: JSON's NaN and Infinity are refused both ways.
+Literal[...], X | None, tuple[X, ...], tuple[A, B] (an array of exactly those), a NamedTuple (an array of
+its fields), a dataclass (a nested map, without "v"), dict[str, X], dict[int, X] (decimal keys in JSON).
+A float is finite on the wire: JSON's NaN and Infinity are refused both ways.
 
 Why not a library: msgspec would fit but is installed neither here nor in the GPU image; pydantic, which is,
 decodes JSON strictly, but in strict mode it takes a dataclass only as an instance from Python objects, so a
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import math
 import operator
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -34,6 +36,7 @@ _T = TypeVar("_T")
 _Check = Callable[[str, object], object]  # (where, wire value) -> the field's value, or WireError
 _Encode = Callable[[Any], object]  # the field's value -> its wire value
 _ABSENT = object()
+_DECIMAL = re.compile(r"-?[0-9]+")
 
 
 class WireError(ValueError):
@@ -89,10 +92,16 @@ class Codec:
 
     def from_msgpack(self, cls: type[_T], data: bytes) -> _T:
         try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=False)  # int keys too; checked by type
         except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as e:
             raise WireError(f"{cls.__name__}: not msgpack ({type(e).__name__}: {str(e)[:80]})") from None
         return self._top(cls, obj, False)
+
+    def fields(self, msg: object) -> dict[str, object]:
+        """The message's JSON-ready map without the version: for a CLI's --json output, not the wire."""
+        body = cast(dict[str, object], self._encoder(type(msg), True)(msg))
+        del body["v"]
+        return body
 
     # ---- shared -----------------------------------------------------------------------------------
     def _top(self, cls: type[_T], obj: object, as_json: bool) -> _T:
@@ -133,20 +142,25 @@ def _hints(cls: type) -> list[tuple[str, object, bool]]:
 
 def _dataclass_check(cls: type, as_json: bool) -> _Check:
     assert dataclasses.is_dataclass(cls), f"{cls} is not a dataclass"
-    fields = [(name, _check(hint, as_json), required) for name, hint, required in _hints(cls)]
-    known = {name for name, _, _ in fields}
+    # the field paths of a top-level message, built once (decoding runs per frame); nested ones on demand
+    fields = [
+        (name, f"{cls.__name__}.{name}", _check(hint, as_json), required)
+        for name, hint, required in _hints(cls)
+    ]
+    known = {name for name, _, _, _ in fields}
 
     def check(where: str, value: object) -> object:
         if type(value) is not dict:
             raise _bad(where, cls, value)
-        unknown = [k for k in value if k not in known]
-        if unknown:
-            raise WireError(f"{where}: unknown field(s) {sorted(map(str, unknown))[:5]}")
+        if not known.issuperset(value):
+            unknown = sorted(str(k) for k in value if k not in known)
+            raise WireError(f"{where}: unknown field(s) {unknown[:5]}")
         kwargs: dict[str, object] = {}
-        for name, field_check, required in fields:
+        top = where == cls.__name__
+        for name, path, field_check, required in fields:
             item = value.get(name, _ABSENT)
             if item is not _ABSENT:
-                kwargs[name] = field_check(f"{where}.{name}", item)
+                kwargs[name] = field_check(path if top else f"{where}.{name}", item)
             elif required:
                 raise WireError(f"{where}: lacks field {name!r}")
         try:
@@ -214,25 +228,47 @@ def _check(annotation: Any, as_json: bool) -> _Check:
             return None if value is None else inner(where, value)
 
         return optional
+    if origin is tuple and Ellipsis not in args:  # tuple[A, B]: an array of exactly those
+        parts = [_check(a, as_json) for a in args]
+
+        def fixed(where: str, value: object) -> object:
+            if type(value) is not list or len(value) != len(parts):
+                raise _bad(where, annotation, value)
+            return tuple(c(f"{where}[{i}]", v) for i, (c, v) in enumerate(zip(parts, value, strict=True)))
+
+        return fixed
     if origin is tuple:
-        assert len(args) == 2 and args[1] is Ellipsis, f"only tuple[X, ...] is supported, not {annotation}"
+        assert len(args) == 2, f"only tuple[X, ...] or tuple[A, B, ...] is supported, not {annotation}"
         item_type = args[0]
         item = _check(item_type, as_json)
+
+        plain = getattr(item_type, "__supertype__", item_type)
+        one_pass = plain in (int, str, bool) or (plain is bytes and not as_json)
 
         def array(where: str, value: object) -> object:
             if type(value) is not list:
                 raise _bad(where, annotation, value)
-            if item_type in (int, str) and set(map(type, value)) <= {item_type}:  # one C-level pass
+            if one_pass and set(map(type, value)) <= {plain}:  # block lists: one C-level pass
                 return tuple(value)
             return tuple(item(f"{where}[{i}]", v) for i, v in enumerate(value))
 
         return array
+    if origin is dict and args[0] is int and as_json:  # JSON keys are strings: decimal ones here
+
+        def int_keys(where: str, value: object) -> object:
+            if type(value) is not dict or not all(type(k) is str and _DECIMAL.fullmatch(k) for k in value):
+                raise _bad(where, annotation, value)
+            return {int(k): values(f"{where}.{k}", v) for k, v in value.items()}
+
+        values = _check(args[1], as_json)
+        return int_keys
     if origin is dict:
-        assert args[0] is str, f"only dict[str, X] is supported, not {annotation}"
+        assert args[0] in (str, int), f"only dict[str, X] and dict[int, X] are supported, not {annotation}"
+        key_type = args[0]
         values = _check(args[1], as_json)
 
         def mapping(where: str, value: object) -> object:
-            if type(value) is not dict or not all(type(k) is str for k in value):
+            if type(value) is not dict or not all(type(k) is key_type for k in value):
                 raise _bad(where, annotation, value)
             return {k: values(f"{where}.{k}", v) for k, v in value.items()}
 
@@ -272,12 +308,19 @@ def _encode(annotation: Any, as_json: bool) -> _Encode | None:
         if inner is None:
             return None
         return lambda value: None if value is None else inner(value)
+    if origin is tuple and Ellipsis not in args:
+        parts = [_encode(a, as_json) or _identity for a in args]
+        if all(p is _identity for p in parts):
+            return None
+        return lambda value: [enc(v) for enc, v in zip(parts, value, strict=True)]
     if origin is tuple:
         item = _encode(args[0], as_json)
         return None if item is None else (lambda value: [item(v) for v in value])
     if origin is dict:
-        entry = _encode(args[1], as_json)
-        return None if entry is None else (lambda value: {k: entry(v) for k, v in value.items()})
+        entry = _encode(args[1], as_json) or _identity
+        if args[0] is int and as_json:
+            return lambda value: {str(k): entry(v) for k, v in value.items()}
+        return None if entry is _identity else (lambda value: {k: entry(v) for k, v in value.items()})
     if isinstance(annotation, type) and issubclass(annotation, tuple) and hasattr(annotation, "_fields"):
         hints = typing.get_type_hints(annotation)
         items = [_encode(hints[n], as_json) or _identity for n in annotation._fields]
@@ -294,9 +337,25 @@ def _dataclass_encoder(cls: type, as_json: bool, head: dict[str, object] | None 
     assert dataclasses.is_dataclass(cls), f"{cls} is not a dataclass"
     plan = [(name, _encode(hint, as_json)) for name, hint, _ in _hints(cls)]
     names = [name for name, _ in plan]
-    values = operator.attrgetter(*names) if len(names) > 1 else (lambda msg: (getattr(msg, names[0]),))
+    values: Callable[[object], tuple[object, ...]] = (
+        operator.attrgetter(*names)
+        if len(names) > 1
+        else (
+            lambda msg: tuple(
+                getattr(msg, n) for n in names
+            )  # attrgetter of one name is not a tuple, of none fails
+        )
+    )
     converted = [(name, enc) for name, enc in plan if enc is not None]
     first = dict(head or {})
+    if not converted:  # every field is its own wire form: a frozen dataclass's __dict__ is its fields
+
+        def plain(msg: object) -> dict[str, object]:
+            out = first.copy()
+            out.update(msg.__dict__)
+            return out
+
+        return plain
 
     def encode(msg: object) -> dict[str, object]:
         out = first.copy()

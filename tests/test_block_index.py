@@ -29,17 +29,15 @@ from pdserve.shared.index.block_index_types import (
     NodeLoad,
     NodeNotRegistered,
     RedisConfig,
-    Role,
     StaleEpoch,
 )
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.types import BlockHash, BlockId, NodeId
+from pdserve.shared.types import BlockHash, BlockId, KVLayout, NodeId, Role
 
 T = TypeVar("T")
 FP = "ab" * 32
 CRED = credential_digest("test-cluster-token")
-LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
-LAYOUT |= {"dtype": "float32", "tp_size": 1}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 _clusters = itertools.count()
 
 
@@ -70,7 +68,7 @@ def node(
     **layout: Any,
 ) -> NodeInfo:
     return NodeInfo(NodeId(name), role, f"http://127.0.0.1:1/{name}", "127.0.0.1:2", fingerprint,
-                    {**LAYOUT, **layout}, protocol, 1000, credential, 8192)  # fmt: skip
+                    dataclasses.replace(LAYOUT, **layout), protocol, 1000, credential, 8192)  # fmt: skip
 
 
 def hashes(n: int) -> list[BlockHash]:

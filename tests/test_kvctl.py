@@ -21,11 +21,10 @@ from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import BlockHash, KVLayout, NodeId
 
 FP = "cd" * 32
-LAYOUT: dict[str, int | str] = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16}
-LAYOUT |= {"dtype": "float32", "tp_size": 1}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 12
 TOKEN = "cluster-credential"
 
@@ -136,6 +135,9 @@ def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> N
     assert where["nodes"][0] == {"node_id": "p0", "role": "prefill", "prefix_blocks": 3, "prefix_tokens": 48,
                                  "device_blocks": 2, "host_blocks": 1}  # fmt: skip
     assert where["nodes"][1]["prefix_blocks"] == 0
+    cost = where["cost_model"]  # priors: no router published its rates here
+    assert not cost["learned"] and (cost["prefill_node"], cost["decode_node"]) == ("p0", "d0")
+    assert {e["option"] for e in cost["estimates"]} == {"local", "pd"} and cost["choice"] in ("local", "pd")
     _, salted, _ = kvctl(capsys, server, "where", "--prompt", PROMPT, "--cache-salt", "tenant-b")
     assert all(n["prefix_blocks"] == 0 for n in salted["nodes"])
     messages = json.dumps([{"role": "user", "content": PROMPT}])

@@ -27,7 +27,7 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.cuda_ipc import live_windows
 from pdserve.kvtransfer.window_ring import ALIGN, SLOTS, WindowRing
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_protocol import (
     LAYOUT,
     PagedReceiver,
@@ -132,7 +132,7 @@ async def _push_on_gpu(
         torch.cuda.synchronize(src.device)
         await session.send_layers(start, frame_blocks, buffer)
     if layers is None:
-        await session.complete({"token_id": 7, "logprob": -0.25})
+        await session.complete(FirstToken(7, -0.25))
 
 
 class GpuReceiver(PagedReceiver):

@@ -18,7 +18,7 @@ import torch
 from pdserve.kvtransfer.connector import FrameBlocks, OpenReply, TransferAborted, create_sender
 from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups, wait_aborted
 from pdserve.kvtransfer.sender import ChannelSession
-from pdserve.shared.types import BlockId, RequestId
+from pdserve.shared.types import BlockId, FirstToken, RequestId
 
 
 def _load(name: str) -> ModuleType:
@@ -100,7 +100,7 @@ def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
                     await session.send_layers(layer, blocks, src[layer][:, order].contiguous())
             with pytest.raises(ValueError, match="does not match the reservation"):  # P checks first
                 await session.send_layers(0, FrameBlocks((0,), (BlockId(0),), (dst[1],)), src[0][:, :1])
-            await session.complete({"token_id": 1})
+            await session.complete(FirstToken(1))
             for i, b in enumerate(dst):
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
             SUITE.audit(receiver, server, 8)

@@ -43,7 +43,7 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.receiver import ChannelServer
 from pdserve.kvtransfer.tcp import TcpTransport
-from pdserve.shared.types import NodeId
+from pdserve.shared.types import FirstToken, NodeId
 from pdserve.tests.test_kvtransfer_messages import EXAMPLES
 from pdserve.tests.test_kvtransfer_protocol import LAYOUT, PagedReceiver, config, identity
 
@@ -221,7 +221,7 @@ tids = st.sampled_from(["t0", "t1", "zz"])
 small = st.lists(st.integers(-2, 12), max_size=6).map(tuple)
 decoded = st.one_of(
     st.builds(Data, tids, st.integers(-1, 5), st.integers(0, 5), small, small, small),
-    st.builds(Complete, tids, st.just({"token_id": 1})),
+    st.builds(Complete, tids, st.just(FirstToken(1))),
     st.builds(Abort, tids, st.text(max_size=8)),
     st.just(Ping()),
     st.sampled_from([m for m in EXAMPLES if not isinstance(m, Data | Complete | Abort | Ping | Open)]),

@@ -40,6 +40,7 @@ from pdserve.kvtransfer.messages import (
     decode_header,
     encode_header,
 )
+from pdserve.shared.types import FirstToken
 
 LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start=3)
 ids = st.text(min_size=1, max_size=40)
@@ -54,7 +55,7 @@ EXAMPLES: list[Message] = [
     OpenOk("req-1", 2, (5, 9)),
     OpenRefusal("req-1", "need 3 blocks, 2 free"),
     Data("req-1", 4, 2, (2, 3), (11, 12), (5, 9)),
-    Complete("req-1", {"token_id": 42, "logprob": -0.5, "top": [[1, -1.0]]}),
+    Complete("req-1", FirstToken(42, -0.5, ((1, -1.0),))),
     Ack("req-1"),
     Abort("req-1", "deadline passed"),
     Ping(),
@@ -100,7 +101,7 @@ def test_open_round_trip(tid: str, hashes: list[bytes], deadline: float) -> None
 )
 def test_malformed_headers_are_refused_by_name(msg_type: int, body: dict[str, object], named: str) -> None:
     with pytest.raises(ProtocolError, match=named.replace("[", r"\[").replace("]", r"\]")):
-        decode_header(msg_type, msgpack.packb(body))
+        decode_header(msg_type, msgpack.packb({"v": PROTOCOL_VERSION, **body}))
 
 
 def test_layout_names_the_first_difference() -> None:

@@ -24,7 +24,7 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.framing import FLAG_HEADER_AFTER, FLAG_PAYLOAD_FIRST, PREFIX, ByteChannel
 from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
-from pdserve.shared.types import BlockId, RequestId
+from pdserve.shared.types import BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_protocol import (
     LAYOUT,
     PagedReceiver,
@@ -137,7 +137,7 @@ def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None
             for layer in range(1, LAYOUT.num_layers):
                 ops.gather_blocks(src[layer], torch.tensor([4, 6]), buffer[0])
                 await session.send_layers(layer, right, buffer.clone())
-            await session.complete({"token_id": 1})
+            await session.complete(FirstToken(1))
             for j, b in enumerate([4, 6]):
                 assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
             assert receiver.data_calls == LAYOUT.num_layers and channel.dropped() == 1

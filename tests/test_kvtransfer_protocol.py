@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from pdserve.kernels.reference import ReferenceOps
+from pdserve.kvtransfer.common import DTYPES
 from pdserve.kvtransfer.connector import (
     ConnectionLost,
     ConnectorConfig,
@@ -56,7 +57,7 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
-from pdserve.shared.types import BlockHash, BlockId, NodeId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 UCX = importlib.util.find_spec("ucxx") is not None
 """The ucx connector runs over host memory too, but needs the [ucx] extra (`make test WITH_UCX=1`, CI)."""
@@ -93,7 +94,7 @@ def random_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     """kv: [L, 2, N, B, Hkv, D]"""
     g = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return torch.randn(shape, generator=g).to(layout.torch_dtype)
+    return torch.randn(shape, generator=g).to(DTYPES[layout.dtype])
 
 
 def block_hashes(n: int, salt: int = 0) -> list[BlockHash]:
@@ -108,11 +109,11 @@ class PagedReceiver:
         self.kv = torch.zeros(
             layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
         )
-        self.kv = self.kv.to(layout.torch_dtype)
+        self.kv = self.kv.to(DTYPES[layout.dtype])
         self.free: list[int] = list(range(num_blocks))
         self.held: dict[bytes, int] = {}  # block hash -> block D already has
         self.reserved: dict[str, list[int]] = {}
-        self.completed: dict[str, dict[str, Any]] = {}
+        self.completed: dict[str, FirstToken | None] = {}
         self.aborts: list[tuple[str, str]] = []
         self.silent: list[tuple[str, str]] = []
         self.data_calls = 0
@@ -148,7 +149,7 @@ class PagedReceiver:
         for i in range(buffer.shape[0]):
             self.ops.scatter_blocks(buffer[i], self.kv[layer_start + i], dst_block_ids)
 
-    async def on_complete(self, transfer_id: RequestId, first_token: dict[str, Any]) -> None:
+    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
         self.completed[transfer_id] = first_token
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
@@ -165,7 +166,7 @@ async def push(
     src_blocks: list[int],
     hashes: list[BlockHash],
     layers_per_frame: int = 1,
-    first_token: dict[str, Any] | None = None,
+    first_token: FirstToken | None = None,
 ) -> tuple[OpenReply, TransferStats]:
     """What the prefill node does: open, gather each layer chunk with the reference op, send, complete."""
     layout_layers = src_kv.shape[0]
@@ -181,7 +182,7 @@ async def push(
         for layer in range(start, stop):
             ops.gather_blocks(src_kv[layer], src_ids, buffer[layer - start])
         await session.send_layers(start, blocks, buffer)
-    stats = await session.complete(first_token or {"token_id": 7, "logprob": -0.25})
+    stats = await session.complete(first_token or FirstToken(7, -0.25))
     return reply, stats
 
 
@@ -246,7 +247,7 @@ def test_full_transfer_is_bit_identical(kind: str, checksum: bool) -> None:
             reply, stats = await push(session, src, [*src_blocks, 5], hashes, layers_per_frame=3)
             assert reply.num_held_blocks == 2 and len(reply.dst_block_ids) == 4
             assert stats.payload_bytes == LAYOUT.num_layers * 4 * LAYOUT.layer_block_bytes
-            assert receiver.completed == {"req-1": {"token_id": 7, "logprob": -0.25}}
+            assert receiver.completed == {"req-1": FirstToken(7, -0.25)}
             for j, i in enumerate(range(2, 6)):
                 assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, [*src_blocks, 5][i]])
             untouched = set(receiver.free)
@@ -423,7 +424,7 @@ def test_receiver_aborts_at_the_deadline(kind: str) -> None:
             assert receiver.aborts[0][0] == "slow" and "deadline" in receiver.aborts[0][1]
             await asyncio.sleep(0.1)  # P learns of it from D's ABORT frame
             with pytest.raises(TransferAborted, match="deadline"):
-                await session.complete({"token_id": 1})
+                await session.complete(FirstToken(1))
             assert len(receiver.aborts) == 1
             audit(receiver, server, 8)
         finally:
@@ -561,7 +562,7 @@ def test_server_stop_aborts_open_transfers_and_sender_reconnects(kind: str) -> N
             assert [t for t, _ in receiver.aborts] == ["r"]
             await asyncio.sleep(0.2)
             with pytest.raises(TransferAborted, match="lost"):
-                await session.complete({})
+                await session.complete(FirstToken(0))
             with pytest.raises(ConnectionLost):  # the dead connection is not reused: the sender dials again
                 await sender.session(address, RequestId("r2"))
             server = await started(kind, receiver)
@@ -618,7 +619,7 @@ def test_transfer_across_processes_is_bit_identical(kind: str) -> None:
             dst = receiver.reserved["xproc"]
             for s, d in zip(XPROC_BLOCKS, dst, strict=True):
                 assert torch.equal(receiver.kv[:, :, d], src[:, :, s])
-            assert receiver.completed["xproc"] == {"token_id": 7, "logprob": -0.25}
+            assert receiver.completed["xproc"] == FirstToken(7, -0.25)
             await until(lambda: not server.open_transfer_ids())
             audit(receiver, server, 16)
         finally:

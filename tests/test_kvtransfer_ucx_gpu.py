@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, UcxOptions, create_sender
-from pdserve.shared.types import BlockId, RequestId
+from pdserve.shared.types import BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_cuda_ipc import (
     BLOCKS,
     GpuReceiver,
@@ -67,7 +67,7 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
             for layer in range(LAYOUT.num_layers):
                 ids = torch.tensor(_src_blocks(0), device=device)
                 await session.send_layers(layer, right, src[layer][:, ids].unsqueeze(0).contiguous())
-            await session.complete({"token_id": 7})
+            await session.complete(FirstToken(7))
         for t in range(TRANSFERS if mode == "full" else 1 if mode == "hang" else 0):
             session = await sender.session(address, RequestId(f"ucx-{t}"))
             layers = None if mode == "full" else 1

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig, choose
-from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, NodeStatus, Role
-from pdserve.shared.types import NodeId
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, NodeStatus
+from pdserve.shared.types import KVLayout, NodeId, Role
 
 
 def view(name: str, role: Role, **kw: int | bool) -> NodeView:
@@ -113,8 +113,7 @@ def test_bad_inputs_name_the_values() -> None:
 
 
 def test_node_view_from_status() -> None:
-    layout: dict[str, int | str] = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 16}
-    layout |= {"dtype": "float32", "tp_size": 1}
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")
     info = NodeInfo(
         NodeId("d0"), "decode", "http://x", "x:1", "ab" * 32, layout, 1, 100, "cd" * 32, 8192, epoch=3
     )

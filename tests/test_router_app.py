@@ -30,7 +30,7 @@ from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.shared.engine.block_hash import model_fingerprint
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig, Role
+from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.model.loader import load_tokenizer
 from pdserve.shared.model.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ from pdserve.shared.node.node_protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from pdserve.shared.types import NodeId
+from pdserve.shared.types import KVLayout, NodeId, Role
 
 pytestmark = pytest.mark.slow
 _spec = importlib.util.spec_from_file_location(
@@ -64,22 +64,13 @@ def _model_path() -> str:
 
 MODEL = _model_path()
 MAX_MODEL_LEN = 256
-LAYOUT: dict[str, int | str] = {
-    "num_layers": 30,
-    "num_kv_heads": 3,
-    "head_dim": 64,
-    "block_size": 16,
-    "dtype": "float32",
-    "tp_size": 1,
-}
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
 
 def _fingerprint() -> str:
     """The model fingerprint a real node of MODEL registers with LAYOUT (the router checks it)."""
     config, _, identity = read_gguf(MODEL)
-    return model_fingerprint(
-        config.to_dict(), identity, str(LAYOUT["dtype"]), int(LAYOUT["block_size"])
-    ).hex()
+    return model_fingerprint(config.to_dict(), identity, LAYOUT.dtype, LAYOUT.block_size).hex()
 
 
 FINGERPRINT = _fingerprint()

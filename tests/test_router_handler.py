@@ -21,12 +21,10 @@ from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConf
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.model.loader import load_tokenizer
 from pdserve.shared.model.tokenizer import Tokenizer
-from pdserve.shared.types import NodeId
+from pdserve.shared.types import KVLayout, NodeId
 from pdserve.tests.cluster_fixture import model_path
 
-LAYOUT: dict[str, int | str] = {
-    "num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32", "tp_size": 1
-}  # fmt: skip
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ replaced by random JSON (wrong types, missing and unknown fields, deep nesting, 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ from pdserve.shared.node.node_protocol import (
     TopLogprob,
 )
 from pdserve.shared.types import NodeId, RequestId
-from pdserve.shared.wire import WireError
+from pdserve.shared.wire import Codec, WireError
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, stop=("x",), logprobs=2, seed=3)
 SAMPLES: list[Any] = [
@@ -106,3 +107,25 @@ def test_deep_nesting_and_non_finite_numbers_are_wire_errors() -> None:
         except WireError:
             continue
         raise AssertionError(f"{data[:20]!r} was accepted")
+
+
+@dataclass(frozen=True)
+class _Keyed:
+    per_bucket: dict[int, float]
+    names: dict[str, int]
+
+
+def test_int_keyed_maps_round_trip_and_bad_keys_are_wire_errors() -> None:
+    codec = Codec("test", 3)
+    msg = _Keyed({16: 0.5, 2048: 1e-4}, {"a": 1})
+    assert codec.from_json(_Keyed, codec.to_json(msg)) == msg
+    assert codec.from_msgpack(_Keyed, codec.to_msgpack(msg)) == msg
+    for bad in (
+        '{"v": 3, "per_bucket": {"x": 1.0}, "names": {}}',
+        '{"v": 3, "per_bucket": {}, "names": {"a": 1.5}}',
+    ):
+        try:
+            codec.from_json(_Keyed, bad)
+        except WireError:
+            continue
+        raise AssertionError(f"{bad} was accepted")

@@ -16,7 +16,7 @@ from typing import Any
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine, RequestOutput
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.types import RequestId
+from pdserve.shared.types import FinishReason, RequestId
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Completion:
     prompt_token_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: tuple[Any, ...] | None
 
 

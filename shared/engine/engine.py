@@ -25,6 +25,11 @@ one of `admit_remote` (the scheduler takes them over) or `release_remote` (idemp
 `held` blocks are committed blocks of this pool matching the prompt's leading hashes (never the last
 prompt block, so the sender always sends at least the final token's KV) and are never written; its
 `dst` blocks are RESERVED (not matchable) until admission.
+
+Why one module of about 600 lines: the step loop and the ports (remote KV, prefix fetch, what the node
+runtime reads) keep the same invariants over the same pool and in-flight step (a reserved or held block is
+never one an in-flight step writes), so they are read and changed together; the pool, scheduler, runner and
+sampler they glue are their own modules.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model.loader import LoadedModel, load_model
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +119,7 @@ class RequestOutput:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -360,28 +365,35 @@ class LLMEngine:
     def num_layers(self) -> int:
         return int(self.runner.kv_cache.shape[0])
 
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's layout, which a node registers and the transfer handshake compares (tensor
+        parallelism: one rank)."""
+        c = self.loaded.config
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.dtype_name)
+
     def admit_remote(
         self,
         request: Request,
         reservation: RemoteReservation,
-        first_token: int,
-        first_logprob: TokenLogprob | None,
+        first: FirstToken,
     ) -> RequestOutput:
         """Enters a request whose prompt KV has landed in `reservation` with the first token sampled where it
-        was computed; returns that token's output (finished at once when it ends the request)."""
+        was computed (its logprob is kept when the request asked for logprobs); returns that token's output
+        (finished at once when it ends the request)."""
         if not reservation.live:
             raise ValueError(f"request {request.request_id!r}: its reservation was already ended")
         reservation.live = False
         blocks = reservation.block_ids
         self.pool.fill_done(reservation.dst)
         try:
-            self.scheduler.add_prefilled(request, blocks, len(reservation.held), first_token)
+            self.scheduler.add_prefilled(request, blocks, len(reservation.held), first.token_id)
         except BaseException:
             self.pool.release(blocks[::-1])
             raise
         live = self._track(request)
-        if first_logprob is not None:
-            live.logprobs.append(first_logprob)
+        if first.logprob is not None:
+            live.logprobs.append(TokenLogprob(first.token_id, first.logprob, first.top))
         return self._emit(live)
 
     def release_remote(self, reservation: RemoteReservation) -> None:
@@ -520,7 +532,9 @@ class LLMEngine:
             del self._live[request.request_id]
         return self._output(live, new, text, reason)
 
-    def _output(self, live: _Live, new: tuple[int, ...], text: str, reason: str | None) -> RequestOutput:
+    def _output(
+        self, live: _Live, new: tuple[int, ...], text: str, reason: FinishReason | None
+    ) -> RequestOutput:
         r = live.request
         lps = None
         if r.params.logprobs is not None:

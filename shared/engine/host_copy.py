@@ -1,9 +1,13 @@
-"""The bytes of the host-memory KV tier: one host tensor shaped like the device cache (pinned memory when the
-cache is on a GPU, so copies run at the link's speed; plain memory on the CPU build, a second, slower pool)
-and the copies the block pool queues (block_pool.CopyOp), run in queue order.
+"""The bytes of the host-memory KV tier: one host tensor of slots (pinned memory when the cache is on a GPU,
+so copies are DMA at the link's speed; plain memory on the CPU build, a second, slower pool) and the copies
+the block pool queues (block_pool.CopyOp), run in queue order.
 
-Invariant: `run` finishes every copy before it returns (device reads are complete when the next forward or
-transfer writes those blocks, and a host slot is written only by copies queued after its last read).
+Layout: slot-major, `[num_slots, L, 2, B, Hkv, D]`, so a run of consecutive slots is one contiguous host
+range: a batch gathers its device blocks into one contiguous device buffer and moves it with one copy.
+Invariant: copies are queued in order on the cache device's current stream, the stream every later forward
+and fill of those blocks runs on (so a device block is read before it is overwritten, and a host slot is
+written by a copy out only after the copies in queued before it have read it); the host bytes are read by
+nothing but these copies.
 """
 
 from __future__ import annotations
@@ -16,40 +20,46 @@ from pdserve.shared.engine.block_pool import CopyOp
 
 class HostTierCopier:
     def __init__(self, kv_cache: torch.Tensor, num_slots: int) -> None:
-        # kv_cache: [L, 2, N, B, Hkv, D]; host: [L, 2, num_slots, B, Hkv, D]
+        # kv_cache: [L, 2, N, B, Hkv, D]; host: [num_slots, L, 2, B, Hkv, D]
         self.kv = kv_cache
-        shape = (*kv_cache.shape[:2], num_slots, *kv_cache.shape[3:])
+        shape = (num_slots, *kv_cache.shape[:2], *kv_cache.shape[3:])
         self.host = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
         self.offloaded = 0
         self.restored = 0
 
     def run(self, ops: Sequence[CopyOp]) -> None:
-        """Runs `ops` in order, batching consecutive copies of one direction that touch distinct blocks
-        and slots (a slot or block seen twice starts a new batch, so the later copy wins)."""
+        """Runs `ops` in order, batching consecutive copies of one direction (a block or slot seen twice
+        starts a new batch, so the later copy wins); a batch moves each run of consecutive slots at once."""
         batch: list[CopyOp] = []
+        blocks: set[int] = set()
+        slots: set[int] = set()
         for op in ops:
-            if batch and (
-                op.to_host != batch[0].to_host
-                or any(op.slot == b.slot or op.block_id == b.block_id for b in batch)
-            ):
+            if batch and (op.to_host != batch[0].to_host or op.block_id in blocks or op.slot in slots):
                 self._copy(batch)
-                batch = []
+                batch, blocks, slots = [], set(), set()
             batch.append(op)
+            blocks.add(op.block_id)
+            slots.add(op.slot)
         if batch:
             self._copy(batch)
 
     def _copy(self, batch: list[CopyOp]) -> None:
-        slots = torch.tensor([op.slot for op in batch], dtype=torch.int64)
-        ids = torch.tensor([op.block_id for op in batch], dtype=torch.int64, device=self.kv.device)
-        if batch[0].to_host:
-            # [L, 2, n, B, Hkv, D] gathered on the device, then one copy to the host
-            self.host.index_copy_(2, slots, self.kv.index_select(2, ids).to("cpu"))
-            self.offloaded += len(batch)
+        ordered = sorted(batch, key=lambda op: op.slot)  # distinct blocks and slots: order is free
+        start = 0
+        for i in range(1, len(ordered) + 1):
+            if i == len(ordered) or ordered[i].slot != ordered[i - 1].slot + 1:
+                self._copy_run(ordered[start:i])
+                start = i
+
+    def _copy_run(self, run: list[CopyOp]) -> None:
+        s0, n = run[0].slot, len(run)
+        ids = torch.tensor([op.block_id for op in run], dtype=torch.int64, device=self.kv.device)
+        host = self.host[s0 : s0 + n]  # [n, L, 2, B, Hkv, D], contiguous
+        if run[0].to_host:
+            # gathered on the device into the host's layout, then one copy (DMA from pinned memory)
+            host.copy_(self.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5), non_blocking=self.kv.is_cuda)
+            self.offloaded += n
         else:
-            src = self.host.index_select(2, slots)
-            if self.kv.is_cuda:
-                src = src.pin_memory()
-            self.kv.index_copy_(2, ids, src.to(self.kv.device, non_blocking=True))
-            if self.kv.is_cuda:
-                torch.cuda.current_stream(self.kv.device).synchronize()
-            self.restored += len(batch)
+            dev = host.to(self.kv.device, non_blocking=self.kv.is_cuda)
+            self.kv.index_copy_(2, ids, dev.permute(1, 2, 0, 3, 4, 5))
+            self.restored += n

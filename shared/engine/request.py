@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pdserve.shared.engine.block_hash import hash_blocks
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.types import BlockHash, BlockId, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FinishReason, RequestId
 
 
 class RequestStatus(enum.Enum):
@@ -36,7 +36,7 @@ class RequestStatus(enum.Enum):
         return self in _FINISH_REASONS
 
 
-_FINISH_REASONS = {
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -95,7 +95,7 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         """OpenAI-style: "stop", "length", "abort", or None while the request is live."""
         return _FINISH_REASONS.get(self.status)
 

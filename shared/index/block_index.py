@@ -26,7 +26,6 @@ import redis.exceptions as rexc
 from pdserve.shared.engine.block_pool import BlockEvent, BlockRemoved, BlockStored, BlockTiered
 from pdserve.shared.index import block_index_scripts as lua
 from pdserve.shared.index.block_index_types import (
-    KV_LAYOUT_FIELDS,
     BlocksDigest,
     HitStats,
     IncompatibleNode,
@@ -40,7 +39,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, NodeId
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -77,7 +76,7 @@ def _layout_pairs(info: NodeInfo) -> list[str]:
     size and KV dtype too, so checking the layout before it names the field that actually differs."""
     pairs = ["credential_digest", info.credential_digest, "protocol_version", str(info.protocol_version)]
     for name in KV_LAYOUT_FIELDS:
-        pairs += [f"kv_layout.{name}", str(info.kv_layout[name])]
+        pairs += [f"kv_layout.{name}", str(getattr(info.kv_layout, name))]
     if info.tokenizer_fingerprint:  # a node that predates it is not compared on it
         pairs += ["tokenizer_fingerprint", info.tokenizer_fingerprint]
     return [*pairs, "model_fingerprint", info.model_fingerprint]
@@ -374,6 +373,16 @@ class BlockIndex:
             NodeId(node): HitStats(int(r.get(b"local", 0)), int(r.get(b"remote", 0)), int(r.get(b"miss", 0)))
             for node, r in zip(ids, rows, strict=True)
         }
+
+    async def set_cost_rates(self, rates: bytes) -> None:
+        """The router's learned placement rates (router/cost_model.py `Rates.to_json`), for `kvctl where`."""
+        async with self._guard("set_cost_rates"):
+            await self._redis.set(self._p + "costmodel", rates)
+
+    async def cost_rates(self) -> str | None:
+        async with self._guard("cost_rates"):
+            raw = cast(bytes | None, await self._redis.get(self._p + "costmodel"))
+        return None if raw is None else raw.decode()
 
     async def cluster_record(self) -> dict[str, str]:
         """The fingerprint, protocol version and KV layout the cluster's live nodes agree on ({} if none)."""

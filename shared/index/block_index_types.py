@@ -1,28 +1,25 @@
 """Plain data of the block index (docs/redis_index.md): connection settings, node registration, load, errors.
 
 Invariants:
-- Every message here is a frozen dataclass with an explicit JSON encoding (no pickle); `from_json(to_json(x))
-  == x` for each of them.
-- A `NodeInfo`'s kv_layout has exactly the fields of `KV_LAYOUT_FIELDS`; its fingerprint and its credential
-  digest are 64 hex digits each.
+- The records Redis stores (NodeInfo, NodeLoad) are frozen dataclasses in the one codec's versioned JSON
+  (shared/wire.py, no pickle); `from_json(to_json(x)) == x` for each of them.
+- A `NodeInfo`'s fingerprint and its credential digest are 64 hex digits each; its kv_layout is the engine's
+  `KVLayout`, of which the cluster record compares the fields of `KV_LAYOUT_FIELDS`.
 - Nothing here does I/O; `block_index.py` owns the Redis side.
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal, cast
 from urllib.parse import urlsplit
 
 import numpy as np
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import ROLES, BlockHash, KVLayout, NodeId, Role
+from pdserve.shared.wire import Codec
 
-Role = Literal["prefill", "decode", "single"]
-ROLES: tuple[Role, ...] = ("prefill", "decode", "single")
-KV_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
+CODEC = Codec("index record", 1)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -122,8 +119,7 @@ class NodeInfo:
     transfer_addr: str
     model_fingerprint: str
     """64 lowercase hex digits: shared.engine.block_hash.model_fingerprint(...).hex()."""
-    kv_layout: Mapping[str, int | str]
-    """num_layers, num_kv_heads, head_dim, block_size, tp_size (ints) and dtype (a torch dtype name)."""
+    kv_layout: KVLayout
     protocol_version: int
     capacity_blocks: int
     credential_digest: str
@@ -147,16 +143,6 @@ class NodeInfo:
             raise ValueError(
                 f"tokenizer_fingerprint={self.tokenizer_fingerprint!r}: need 64 lowercase hex digits or ''"
             )
-        if sorted(self.kv_layout) != sorted(KV_LAYOUT_FIELDS):
-            raise ValueError(
-                f"kv_layout has fields {sorted(self.kv_layout)}; need {sorted(KV_LAYOUT_FIELDS)}"
-            )
-        for name in KV_LAYOUT_FIELDS:
-            value = self.kv_layout[name]
-            if name != "dtype" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"kv_layout.{name}={value!r}: must be a positive int")
-        if not isinstance(self.kv_layout["dtype"], str):
-            raise ValueError(f"kv_layout.dtype={self.kv_layout['dtype']!r}: must be a dtype name")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
         if self.capacity_blocks < 0 or self.protocol_version < 0 or self.epoch < 0:
@@ -167,15 +153,14 @@ class NodeInfo:
 
     @property
     def block_size(self) -> int:
-        return int(self.kv_layout["block_size"])
+        return self.kv_layout.block_size
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self) | {"kv_layout": dict(self.kv_layout)}, sort_keys=True)
+    def to_json(self) -> bytes:
+        return CODEC.to_json(self)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> NodeInfo:
-        data = json.loads(text)
-        return cls(**{**data, "node_id": NodeId(data["node_id"]), "role": cast(Role, data["role"])})
+        return CODEC.from_json(cls, text)
 
 
 @dataclass(frozen=True)
@@ -199,12 +184,12 @@ class NodeLoad:
         if bad:
             raise ValueError(f"NodeLoad counts must be >= 0, got {bad}")
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+    def to_json(self) -> bytes:
+        return CODEC.to_json(self)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> NodeLoad:
-        return cls(**json.loads(text))
+        return CODEC.from_json(cls, text)
 
 
 @dataclass(frozen=True)
@@ -219,13 +204,8 @@ class NodeStatus:
     """Block records of the current epoch in the index (compare with load.blocks_held for staleness)."""
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "info": json.loads(self.info.to_json()),
-            "load": None if self.load is None else asdict(self.load),
-            "heartbeat_age_s": self.heartbeat_age_s,
-            "draining": self.draining,
-            "blocks_indexed": self.blocks_indexed,
-        }
+        """Its JSON form, as `kvctl nodes --json` prints it."""
+        return CODEC.fields(self)
 
 
 @dataclass(frozen=True)

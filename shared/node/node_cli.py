@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.engine_args import EngineOptions, engine_config
 from pdserve.shared.cli.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
+from pdserve.shared.types import Role
 from pydantic import Field
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class NodeConfigs:
     """The transfer address announced in the index (None: the listener's own)."""
 
 
-def node_configs(opts: NodeOptions, role: str) -> NodeConfigs:
+def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     """The node's frozen configs; raises SettingsError (missing secret, model not on disk, connector not
     installed) or ValueError.
     The cheap checks come first, so a bad start fails before torch loads."""

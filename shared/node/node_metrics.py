@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.shared.engine.engine import EngineSnapshot
 from pdserve.shared.metrics import MetricsRegistry
+from pdserve.shared.types import FinishReason, Role
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -36,11 +37,11 @@ class RequestTiming:
     finished: float
     prompt_tokens: int
     generation_tokens: int
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 class NodeMetrics(MetricsRegistry):
-    def __init__(self, role: str, model_name: str = "") -> None:
+    def __init__(self, role: Role, model_name: str = "") -> None:
         super().__init__()
         r = self.registry
         hist, counter, gauge = self.histogram, self.counter, self.gauge

@@ -151,6 +151,11 @@ class PrefillResult(_Message):
     decode_computes: bool = False
     fetched_tokens: int = 0
     """Of cached_tokens, those fetched from another node for this request (the router's "remote" hits)."""
+    fetch_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    """The engine's prefill, from its first step for the request to the first token."""
+    transfer_seconds: float = 0.0
+    """The transfer to D, from its first DATA frame to D's acknowledgement (overlapping the compute)."""
 
     def __post_init__(self) -> None:
         if self.error is None and self.first_token is None:

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -37,7 +37,7 @@ from pdserve.shared.index.block_index_types import (
 )
 from pdserve.shared.node.node_metrics import NodeMetrics
 from pdserve.shared.node.node_protocol import AbortRequest, NodeInfoReply
-from pdserve.shared.types import BlockHash, NodeId, RequestId
+from pdserve.shared.types import ROLES, BlockHash, NodeId, RequestId, Role
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class IndexLink:
 @dataclass(frozen=True)
 class NodeSettings:
     node_id: str
-    role: str
+    role: Role
     host: str = "127.0.0.1"
     port: int = 0
     redis: RedisConfig | None = None
@@ -86,8 +86,8 @@ class NodeSettings:
     publish_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "single"):
-            raise ValueError(f"role={self.role!r}: accepted prefill, decode, single")
+        if self.role not in ROLES:
+            raise ValueError(f"role={self.role!r}: accepted {', '.join(ROLES)}")
         if self.heartbeat_s <= 0 or self.publish_s <= 0:
             raise ValueError("heartbeat_s and publish_s must be > 0")
 
@@ -97,11 +97,10 @@ class NodeSettings:
 
 
 class NodeRuntime:
-    def __init__(self, settings: NodeSettings, engine: LLMEngine, kv_layout: Mapping[str, int | str]) -> None:
+    def __init__(self, settings: NodeSettings, engine: LLMEngine) -> None:
         self.settings = settings
         self.engine = engine
         self.aengine = AsyncEngine(engine)
-        self.kv_layout = dict(kv_layout)
         self.metrics = NodeMetrics(settings.role)
         self.index = BlockIndex(settings.redis) if settings.redis is not None else None
         held = functools.partial(self.aengine.call, engine.held_hashes)
@@ -139,11 +138,11 @@ class NodeRuntime:
         if self.index is not None:
             info = NodeInfo(
                 node_id=self.node_id,
-                role=self.settings.role,  # type: ignore[arg-type]
+                role=self.settings.role,
                 http_url=self.settings.http_url,
                 transfer_addr=transfer_addr,
                 model_fingerprint=self.engine.fingerprint.hex(),
-                kv_layout=self.kv_layout,
+                kv_layout=self.engine.kv_layout,
                 protocol_version=protocol_version,
                 capacity_blocks=self.engine.num_blocks,
                 credential_digest=credential_digest,
@@ -306,7 +305,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         e = rt.engine
         reply = NodeInfoReply(
             node_id=rt.node_id,
-            role=rt.settings.role,  # type: ignore[arg-type]
+            role=rt.settings.role,
             model=e.cfg.model,
             max_model_len=e.max_model_len,
             block_size=e.cfg.block_size,
@@ -360,16 +359,3 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-
-def engine_kv_layout(engine: LLMEngine) -> dict[str, int | str]:
-    """The KV layout a node registers and the transfer handshake compares (tensor parallelism: size 1)."""
-    c = engine.loaded.config
-    return {
-        "num_layers": c.num_layers,
-        "num_kv_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "block_size": engine.cfg.block_size,
-        "dtype": engine.cfg.dtype_name,
-        "tp_size": 1,
-    }

@@ -19,7 +19,7 @@ from pdserve.shared.node.node_announce import add_announce_routes
 from pdserve.shared.node.node_auth import NodeAuth, credential_digest
 from pdserve.shared.node.node_cli import NodeConfigs
 from pdserve.shared.node.node_protocol import NODE_KEEPALIVE_S
-from pdserve.shared.node.node_runtime import NodeRuntime, add_common_routes, engine_kv_layout
+from pdserve.shared.node.node_runtime import NodeRuntime, add_common_routes
 from pdserve.shared.node.node_stats import stats_loop
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
         engine = LLMEngine(cfg.engine)
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from exc
-    rt = NodeRuntime(cfg.node, engine, engine_kv_layout(engine))
+    rt = NodeRuntime(cfg.node, engine)
     rt.metrics.model_name = cfg.model_name
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens)",

@@ -1,0 +1,233 @@
+"""Cross-node prefix reuse and the host-memory tier (issue 21), measured against recomputing, in one run.
+
+A program, not a test: `python benchmarks/prefix_reuse.py --device cuda:0 --connector cuda_ipc` on one GPU
+(two prefill nodes and a decode node share it; `--device cpu --connector tcp --model dummy:smollm2-135m
+--prefix-tokens 512` to check it here). Straight to the node processes, as the router sends them (no
+router, no Redis). Phases, each a median over `--runs`:
+1. cold: the prompt (prefix + suffix) prefilled on P1 with every node's cache emptied first;
+2. fetched: the same prompt placed on P2 while only P1 holds the prefix: P2 fetches it from P1 over the
+   connector and computes the suffix (D and P2 emptied first); greedy tokens must equal the cold run's;
+3. short prompts: P/D against prefill on D itself, by prompt length (the crossover);
+4. host tier (one engine in this process, nodes stopped): a prefix evicted from the device pool into the
+   host tier by a second prompt comes back from it, against the same prompts computed cold.
+Prints one table; with --json-out, writes the figures there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+import torch
+from pdserve.benchmarks.pd_ttft import start_node, stop, wait_ready
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.model_runner import kv_bytes_per_block
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
+from pdserve.shared.types import NodeId, RequestId
+
+BS = 16
+
+
+async def request(
+    client: httpx.AsyncClient,
+    d_url: str,
+    prefill: tuple[str, str, str] | None,
+    prompt: list[int],
+    fetch: tuple[str, int] | None = None,
+) -> tuple[float, list[int], dict[str, Any]]:
+    """(time to first token, greedy tokens, P's result) of one request; prefill = (P id, P url, D addr)."""
+    rid = RequestId(f"r{secrets.token_hex(6)}")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    deadline = time.time() + 300
+    gen = NodeGenerateRequest(
+        rid, tuple(prompt), params, None, deadline, None if prefill is None else NodeId(prefill[0])
+    )
+    t0 = time.perf_counter()
+    first, pre_task = 0.0, None
+    tokens: list[int] = []
+    if prefill is not None:
+        url, blocks = fetch if fetch is not None else (None, 0)
+        pre = PrefillRequest(
+            rid, tuple(prompt), params, None, deadline, NodeId("decode-0"), prefill[2], url, blocks
+        )
+        pre_task = asyncio.create_task(client.post(f"{prefill[1]}/internal/prefill", content=pre.to_json()))
+    async with client.stream("POST", f"{d_url}/internal/generate", content=gen.to_json()) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line:
+                continue
+            step = StepOutput.from_line(line)
+            assert step.error is None, step.error
+            if step.token_ids and not tokens:
+                first = time.perf_counter() - t0
+            tokens += step.token_ids
+            if step.finish_reason is not None:
+                break
+    result: dict[str, Any] = {}
+    if pre_task is not None:
+        result = json.loads((await pre_task).content)
+        assert result.get("error") is None, result
+    return first, tokens, result
+
+
+async def evict(client: httpx.AsyncClient, *urls: str) -> None:
+    for url in urls:
+        (await client.post(f"{url}/internal/evict", json={"all": True})).raise_for_status()
+
+
+async def nodes_phase(
+    args: argparse.Namespace, urls: dict[str, str], d_addr: str, token: str
+) -> dict[str, Any]:
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 30000) for _ in range(args.prefix_tokens)]
+    prompt = prefix + [rng.randrange(1, 30000) for _ in range(16)]
+    p1 = ("prefill-0", urls["prefill-0"], d_addr)
+    p2 = ("prefill-1", urls["prefill-1"], d_addr)
+    d = urls["decode-0"]
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=600, headers=bearer(token)) as client:
+        await request(client, d, p1, [t + 1 for t in prompt[:512]])  # warm-up (kernels, connections)
+        await request(client, d, p2, [t + 2 for t in prompt[:512]], (urls["prefill-0"], 512 // BS))
+        cold, fetched, fetched_blocks = [], [], []
+        want: list[int] = []
+        for _ in range(args.runs):
+            await evict(client, *urls.values())
+            t, toks, _ = await request(client, d, p1, prompt)
+            cold.append(t)
+            want = want or toks
+            assert toks == want, "cold runs disagree"
+        for _ in range(args.runs):  # P1 holds the prefix from the cold runs
+            await evict(client, urls["prefill-1"], d)
+            t, toks, res = await request(client, d, p2, prompt, (urls["prefill-0"], len(prefix) // BS))
+            assert toks == want, "a fetched prefix gave other tokens than the cold run"
+            fetched.append(t)
+            fetched_blocks.append(res["fetched_tokens"] // BS)
+        out["cold_ttft_s"], out["fetched_ttft_s"] = cold, fetched
+        out["fetched_blocks"] = fetched_blocks
+        short: dict[int, dict[str, float]] = {}
+        for n in args.short_lengths:
+            pd, local = [], []
+            for _ in range(args.runs):
+                p = [rng.randrange(1, 30000) for _ in range(n)]
+                pd.append((await request(client, d, p1, p))[0])
+                local.append((await request(client, d, None, [t + 3 for t in p]))[0])
+            short[n] = {"pd_s": statistics.median(pd), "local_s": statistics.median(local)}
+        out["short"] = short
+    return out
+
+
+def host_tier_phase(args: argparse.Namespace) -> dict[str, Any]:
+    """Two engines on one set of weights, each with a pool that holds one prefix: without a tier a prefix is
+    recomputed (the baseline); with one, alternating two prefixes evicts each into the host tier and brings
+    it back (its time includes copying out the prefix it evicts)."""
+    blocks = args.prefix_tokens // BS + 64
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, num_kv_blocks=blocks,
+                       max_model_len=args.prefix_tokens + 64, cuda_graphs=False)  # fmt: skip
+    plain = LLMEngine(cfg)
+    per_block = kv_bytes_per_block(plain.loaded, cfg)
+    tiered = LLMEngine(
+        EngineConfig(**{**cfg.__dict__, "host_kv_cache_bytes": 3 * blocks * per_block}), plain.loaded
+    )
+    rng = random.Random(1)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def ttft(engine: LLMEngine, prompt: list[int]) -> float:
+        req = engine.new_request(RequestId(f"h{secrets.token_hex(4)}"), prompt, params)
+        t0 = time.perf_counter()
+        engine.add_request(req)
+        while engine.has_unfinished():
+            if any(o.token_ids for o in engine.step()):
+                break
+        if engine.cfg.torch_device.type == "cuda":
+            torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        while engine.has_unfinished():
+            engine.step()
+        return first
+
+    def fresh() -> list[int]:
+        return [rng.randrange(1, 30000) for _ in range(args.prefix_tokens)]
+
+    a, b = fresh(), fresh()
+    for engine in (plain, tiered):
+        ttft(engine, fresh()[:512])  # warm-up
+    recomputed = [ttft(plain, a if i % 2 == 0 else b) for i in range(args.runs)]  # each evicts the other
+    ttft(tiered, a)
+    ttft(tiered, b)  # a is in the host tier now
+    assert tiered.tier is not None
+    before = tiered.tier.restored
+    restored = [ttft(tiered, a if i % 2 == 0 else b) for i in range(args.runs)]
+    return {"cold_s": recomputed, "restored_s": restored, "restored_blocks": tiered.tier.restored - before}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--connector", default="cuda_ipc")
+    ap.add_argument("--prefix-tokens", type=int, default=16384)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--short-lengths", type=int, nargs="*", default=[16, 64, 256, 1024, 4096])
+    ap.add_argument("--json-out", default="")
+    ap.add_argument("--skip-host-tier", action="store_true")
+    args = ap.parse_args()
+    args.kv_blocks = args.prefix_tokens // BS + 256
+    args.prompt_tokens = args.prefix_tokens + 64
+    args.layers_per_frame = 4
+    token = secrets.token_hex(16)
+    procs, urls, tports = [], {}, {}
+    try:
+        for role, name in (("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0")):
+            proc, url, tport = start_node(role, name, args.device, args, token)
+            procs.append(proc)
+            urls[name], tports[name] = url, tport
+        for proc, url in zip(procs, urls.values(), strict=True):
+            wait_ready(url, proc, timeout_s=400)
+        nodes = asyncio.run(
+            nodes_phase(args, urls, f"{args.connector}://127.0.0.1:{tports['decode-0']}", token)
+        )
+    finally:
+        stop(procs)
+    med = statistics.median
+    print(f"\n{args.model} {args.dtype} on {args.device}, {args.connector}, prefix {args.prefix_tokens} "
+          f"tokens + 16, median of {args.runs}\n")  # fmt: skip
+    print("| measure | value | against | ratio |\n|---|---:|---:|---:|")
+    c, f = med(nodes["cold_ttft_s"]), med(nodes["fetched_ttft_s"])
+    print(f"| TTFT, prefix fetched from another node (ms) | {f * 1e3:.1f} | cold {c * 1e3:.1f} | "
+          f"{c / f:.1f}x |")  # fmt: skip
+    fetched = med(nodes["fetched_blocks"])
+    print(f"| blocks fetched per request | {fetched:.0f} | {args.prefix_tokens // BS} | |")
+    for n, row in nodes["short"].items():
+        print(f"| TTFT {n} tokens: on D / P/D (ms) | {row['local_s'] * 1e3:.1f} | {row['pd_s'] * 1e3:.1f} | "
+              f"{row['local_s'] / row['pd_s']:.2f} |")  # fmt: skip
+    crossover = max((n for n, r in nodes["short"].items() if r["local_s"] <= r["pd_s"]), default=0)
+    print(f"\nshort-prompt crossover: prefill on D is no slower up to {crossover} tokens", flush=True)
+    result: dict[str, Any] = {"nodes": nodes, "crossover": crossover, "args": vars(args)}
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            json.dump(result, fh)
+    if not args.skip_host_tier:
+        host = host_tier_phase(args)
+        hc, hr = med(host["cold_s"]), med(host["restored_s"])
+        print(f"| TTFT, prefix back from the host tier (ms) | {hr * 1e3:.1f} | recomputed {hc * 1e3:.1f} | "
+              f"{hc / hr:.1f}x | ({host['restored_blocks']} blocks restored)")  # fmt: skip
+        if args.json_out:
+            with open(args.json_out, "w") as fh:
+                json.dump(result | {"host": host}, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The placement cost model (router/cost_model.py), pure: options and their order, what it learns from
+observations, and that once it has learned the rates its choice follows them (short prompts on D, a held
+prefix fetched, a slow link making P compute)."""
+
+from __future__ import annotations
+
+import pytest
+from pdserve.router.cost_model import CostModel, Inputs, Rates, bucket
+
+BS = 16
+
+
+def inputs(tokens: int, **kw: int) -> Inputs:
+    base = {"hits_prefill": 0, "hits_decode": 0, "hits_holder": 0, "queued_prefill": 0, "queued_decode": 0}
+    return Inputs(tokens, BS, **{**base, **kw})  # type: ignore[arg-type]
+
+
+def trained(s_per_token: float = 1e-4, fetch: float = 1e-5, send: float = 1e-5) -> CostModel:
+    model = CostModel(Rates(), alpha=1.0)
+    for n in (64, 512, 4096, 16384):
+        model.observe_prefill(n, n, n * s_per_token)
+    model.observe_moves(100, 100 * fetch, 100, 100 * send)
+    return model
+
+
+def test_buckets_are_powers_of_two_from_16() -> None:
+    assert [bucket(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
+
+
+def test_every_open_option_is_estimated_cheapest_first() -> None:
+    model = trained()
+    est = model.estimates(inputs(4096, hits_holder=200))
+    assert est[0].option == "pd_fetch" and {e.option for e in est} == {"local", "pd", "pd_fetch"}
+    assert est == sorted(est, key=lambda e: e.ttft_s)
+    fetch = next(e for e in est if e.option == "pd_fetch")
+    assert fetch.fetch_blocks == 200 and fetch.compute_tokens == 4096 - 200 * BS
+    assert {e.option for e in model.estimates(inputs(4096))} == {"local", "pd"}  # no holder: no fetch
+    assert [e.option for e in model.estimates(inputs(4096, has_prefill_node=False))] == ["local"]
+
+
+def test_learned_overheads_put_short_prompts_on_d_and_long_ones_on_p() -> None:
+    model = trained()
+    short, long = inputs(32), inputs(8192, queued_decode=4000)
+    for _ in range(5):  # a P/D round trip measured 20 ms above its compute; a local prefill 2 ms
+        for x, option, extra in ((short, "pd", 0.020), (short, "local", 0.002)):
+            e = next(e for e in model.estimates(x) if e.option == option)
+            model.observe_ttft(e, x, e.ttft_s - model.rates.overhead_s[option] + extra)
+    assert model.rates.overhead_s["pd"] == pytest.approx(0.020, rel=1e-6)
+    assert model.choose(short).option == "local"
+    assert model.choose(long).option == "pd"  # D's queue outweighs the round trip
+
+
+def test_a_slow_link_makes_computing_cheaper_than_fetching() -> None:
+    fast, slow = trained(fetch=1e-5), trained(fetch=1.0)
+    x = inputs(2048, hits_holder=120)
+    assert fast.choose(x).option == "pd_fetch"
+    assert slow.choose(x).option != "pd_fetch"
+
+
+def test_rates_round_trip_and_estimates_track_observations() -> None:
+    model = trained(s_per_token=2e-4)
+    again = CostModel(Rates.from_json(model.rates.to_json()))
+    x = inputs(3000, hits_holder=50, queued_prefill=100)
+    assert [e.ttft_s for e in again.estimates(x)] == [e.ttft_s for e in model.estimates(x)]
+    pd = next(e for e in model.estimates(inputs(3000)) if e.option == "pd")
+    assert pd.ttft_s == pytest.approx(model.rates.overhead_s["pd"] + 3000 * 2e-4 + 188 * 1e-5)
