@@ -18,13 +18,24 @@ EOS = 2
 
 
 class Harness:
-    """Scheduler + pool + a KV store of (block, offset) -> token id written by each step."""
+    """Scheduler + pool + a KV store of (block, offset) -> token id written by each step. With `overlap`, a
+    step is scheduled (and writes its KV) before the previous step's tokens are applied, as the engine's
+    async scheduling does; a placeholder position gets the token the previous step sampled."""
 
-    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 8, budget: int = 64):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        budget: int = 64,
+        overlap: bool = False,
+    ):
         self.pool = BlockPool(num_blocks, block_size)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, block_size), self.pool, frozenset({EOS}))
+        config = SchedulerConfig(max_num_seqs, budget, block_size, overlap)
+        self.sched = Scheduler(config, self.pool, frozenset({EOS}))
         self.kv: dict[tuple[int, int], int] = {}
         self.clock = itertools.count()
+        self.inflight: tuple[SchedulerOutput, dict[RequestId, int]] | None = None
 
     def request(
         self, rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0, **kw: object
@@ -38,6 +49,9 @@ class Harness:
         return req
 
     def step(self, token_of: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
+        """Schedules and runs one step; returns it and the requests finished by the step applied now (this
+        one, or with `overlap` the previous one)."""
+        prev, self.inflight = self.inflight, None
         out = self.sched.schedule()
         bs = self.pool.block_size
         assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
@@ -52,19 +66,36 @@ class Harness:
                     pos,
                 )
             for pos in range(s.start, s.start + s.num_new_tokens):
-                self.kv[(r.block_ids[pos // bs], pos % bs)] = r.all_token_ids[pos]
+                if pos < r.num_tokens:
+                    token = r.all_token_ids[pos]
+                else:  # the placeholder: the previous step sampled it, not applied yet
+                    assert prev is not None and pos == r.num_tokens, (r.request_id, pos)
+                    token = prev[1][r.request_id]
+                self.kv[(r.block_ids[pos // bs], pos % bs)] = token
             if s.samples:
-                default = 100 + len(r.output_token_ids)
+                default = 100 + len(r.output_token_ids) + max(0, r.num_pending - 1)
                 sampled[r.request_id] = (token_of or {}).get(r.request_id, default)
-        finished = self.sched.update(out, sampled)
+        if self.sched.config.overlap:
+            self.inflight = (out, sampled) if out.scheduled else None
+            finished = self._apply(prev) if prev is not None else []
+        else:
+            finished = self.sched.update(out, sampled)
         self.check()
         return out, finished
+
+    def _apply(self, step: tuple[SchedulerOutput, dict[RequestId, int]]) -> list[Request]:
+        out, sampled = step
+        live = {s.request.request_id for s in out.scheduled if s.request.status is RequestStatus.RUNNING}
+        return self.sched.update(out, {rid: t for rid, t in sampled.items() if rid in live})
+
+    def has_work(self) -> bool:
+        return self.sched.has_unfinished() or self.inflight is not None
 
     def run(self, limit: int = 1000) -> list[str]:
         """Steps until idle; returns request ids in finishing order."""
         order: list[str] = []
         for _ in range(limit):
-            if not self.sched.has_unfinished():
+            if not self.has_work():
                 return order
             order += [r.request_id for r in self.step()[1]]
         raise AssertionError("scheduler did not drain")

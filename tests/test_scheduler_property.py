@@ -25,12 +25,19 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(6, 24), budget=st.integers(4, 24), max_num_seqs=st.integers(1, 5))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=ops,
+    num_blocks=st.integers(6, 24),
+    budget=st.integers(4, 24),
+    max_num_seqs=st.integers(1, 5),
+    overlap=st.booleans(),
+)
 def test_random_operations_keep_every_invariant(
-    ops: list[tuple[str, object, int, int]], num_blocks: int, budget: int, max_num_seqs: int
+    ops: list[tuple[str, object, int, int]], num_blocks: int, budget: int, max_num_seqs: int, overlap: bool
 ) -> None:
-    h = Harness(num_blocks, block_size=4, max_num_seqs=max_num_seqs, budget=budget)
+    """`overlap`: each step is scheduled before the previous one's tokens are applied (async scheduling)."""
+    h = Harness(num_blocks, block_size=4, max_num_seqs=max_num_seqs, budget=budget, overlap=overlap)
     ids: list[str] = []
     for n, (kind, arg, x, y) in enumerate(ops):
         if kind == "add":

@@ -15,8 +15,10 @@ Invariants (check_invariants() verifies them after any call):
   launched and this one not yet applied: at most one at each schedule()), the next step computes
   the placeholder's position (its input comes from the device), and num_computed_tokens may exceed
   num_tokens by the placeholder. A request whose placeholder would reach max_tokens, or whose sampling reads
-  its history (penalties), is not scheduled again until update() has applied the token. A token sampled
-  for a request that ended or was preempted meanwhile is dropped.
+  its history (penalties), is not scheduled again until update() has applied the token; nor is one whose
+  placeholder finds no free block and would have to preempt itself (dropping its token, it would need the
+  same block again after recomputing: a livelock in a full pool). A token sampled for a request that ended
+  or was preempted meanwhile is dropped.
 Threading: one caller (the engine loop) calls every method; aborts from other threads go through it.
 """
 
@@ -175,6 +177,8 @@ class Scheduler:
                     request.block_ids += self.pool.allocate(self._blocks_short(request, num_new))
                 except NoFreeBlocks:
                     victim = self.running[-1]
+                    if victim is request and request.num_pending:
+                        break  # its token is on the way: wait for update() rather than drop it
                     budget += planned.pop(victim.request_id, 0)
                     self._preempt(victim)
                     preempted.append(victim.request_id)
@@ -338,6 +342,10 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        # With overlap, the step in flight may have filled blocks update() has not committed yet: commit the
+        # full ones of known tokens (their KV lands before any later step reads them, on the same stream), or
+        # a request preempted for its next block would recompute them, need the block again, and livelock.
+        self._commit_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
         self.stats.preemptions += 1
