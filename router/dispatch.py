@@ -54,6 +54,8 @@ class Rerouter(Protocol):
 
     def refused(self, node_id: NodeId) -> None: ...
 
+    def fetched(self, node_id: NodeId, remote_tokens: int, miss_tokens: int) -> None: ...
+
     def place(
         self, prompt: Sequence[int], cache_salt: str | None, deadline: float
     ) -> Awaitable[Placement]: ...
@@ -378,9 +380,11 @@ class RequestRun:
         if route.fetch_from is None:
             return
         planned = route.planned_fetch_tokens(len(job.prompt_token_ids))
-        hits = self._metrics.prefix_hit_tokens
+        hits, missed = self._metrics.prefix_hit_tokens, max(0, planned - fetched_tokens)
         hits.labels(kind="remote").inc(fetched_tokens)
-        hits.labels(kind="miss").inc(max(0, planned - fetched_tokens))
+        hits.labels(kind="miss").inc(missed)
+        if self._rerouter is not None and route.prefill is not None:
+            self._rerouter.fetched(route.prefill.node_id, fetched_tokens, missed)
 
     def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
         """Counts a decision made on index records the prefilling node turned out not to hold."""

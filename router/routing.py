@@ -112,6 +112,12 @@ class Router:
         now = time.monotonic()
         return [s for s in await self._membership.nodes() if self.usable(s, now)]
 
+    def fetched(self, node_id: NodeId, remote_tokens: int, miss_tokens: int) -> None:
+        """What a prefill node reported it fetched (and what a planned fetch left it to compute), for the
+        index's hit statistics (kvctl stats), beside the local and miss counts routing recorded."""
+        if self.index_ok:
+            self._background.spawn(self._record_hits(node_id, 0, remote_tokens, miss_tokens))
+
     def refused(self, node_id: NodeId) -> None:
         """A node turned a request away before starting it (it is draining): route around it at once,
         without waiting for the cached node list to expire; the index shows the drain within a TTL."""

@@ -218,6 +218,10 @@ def test_a_prefix_only_d_holds_is_fetched_from_d_and_not_sent_back(
     name = "pdserve_router_prefix_hit_tokens_total"
     remote = sample(router, name, {"kind": "remote"}) - sample(router_before, name, {"kind": "remote"})
     assert remote == fetched, f"router counted {remote} remote tokens, the node fetched {fetched}"
+    deadline = time.monotonic() + 10  # the index's hit statistics agree (the router records them aside)
+    while (remote_stat := kvctl_main(live.redis_url, "stats")["nodes"][node]["remote_tokens"]) < fetched:
+        assert time.monotonic() < deadline, f"kvctl stats: {remote_stat} remote tokens on {node}"
+        time.sleep(0.2)
     for kind in ("decisions_total", "actual_ttft_seconds_count", "estimated_ttft_seconds_count"):
         series = f"pdserve_router_cost_model_{kind}"
         fetch = {"option": "pd_fetch"}
