@@ -25,6 +25,9 @@ With a host tier (`host_blocks` > 0, shared/engine/host_tier.py):
   they read (take_copies() after every call that allocates or restores).
 - The events describe the node's holdings over both tiers: Stored/Removed when a hash enters/leaves the
   node, BlockTiered when it moves between tiers; `held_hashes()` lists both tiers.
+Why one module of about 420 lines: every state change of a block (both tiers, the events, the lists) is
+checked against the invariants above by one check_invariants() and one property test; splitting the tier's
+moves out would put half of each transition in another file.
 """
 
 from __future__ import annotations
