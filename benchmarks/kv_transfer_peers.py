@@ -29,6 +29,7 @@ from pdserve.kvtransfer.connector import (
     FrameBlocks,
     KVLayout,
     OpenReply,
+    OpenRequest,
     PeerIdentity,
     TransferAborted,
     create_sender,
@@ -86,11 +87,9 @@ class BenchHandler:
         self.die_on_data = die_on_data
         self.expected = pattern_cache(device)[:, :, torch.tensor(src_blocks(), device=device)]  # P's blocks
 
-    async def on_open(
-        self, peer: NodeId, tid: RequestId, hashes: Any, num_blocks: int, deadline: float
-    ) -> OpenReply:
-        ids = [self.free.pop() for _ in range(num_blocks)]
-        self.reserved[tid] = ids
+    async def on_open(self, req: OpenRequest) -> OpenReply:
+        ids = [self.free.pop() for _ in range(req.num_blocks)]
+        self.reserved[req.transfer_id] = ids
         return OpenReply(0, tuple(BlockId(b) for b in ids))
 
     async def on_data(

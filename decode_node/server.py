@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pdserve.kvtransfer.connector import OpenRefused, OpenReply, TransferHandler
+from pdserve.kvtransfer.connector import OpenRefused, OpenReply, OpenRequest, TransferHandler
 from pdserve.shared.engine.engine import RemoteReservation, RequestOutput
 from pdserve.shared.engine.request import Request as EngineRequest
 from pdserve.shared.node.node_metrics import RequestTiming
@@ -100,35 +100,28 @@ class DecodeHandler(TransferHandler):
         if gen.prefill_node_id in self._silent:
             self._spawn(self.kv_lost(rid, f"prefill node {gen.prefill_node_id} went silent"))
 
-    async def on_open(
-        self,
-        peer: NodeId,
-        transfer_id: RequestId,
-        block_hashes: tuple[BlockHash, ...],
-        num_blocks: int,
-        deadline: float,
-    ) -> OpenReply:
-        self._silent.discard(peer)
-        if transfer_id in self._ended:
+    async def on_open(self, req: OpenRequest) -> OpenReply:
+        self._silent.discard(req.peer)
+        if req.transfer_id in self._ended:
             raise OpenRefused("the request already ended on the decode node")
-        entry = self._entry(transfer_id)
+        entry = self._entry(req.transfer_id)
         if entry.reservation is not None:
             raise OpenRefused("transfer already open")
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.time())):
+            async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 await entry.arrived.wait()  # the router's request, sent beside P's, may come second
                 async with self._admission:
                     while entry.ended is None:
-                        res = await self._reserve(block_hashes, num_blocks)
+                        res = await self._reserve(req.block_hashes, req.num_blocks)
                         if res is not None:
                             entry.reservation = res
                             break
                         await asyncio.sleep(ADMISSION_POLL_S)
         except TimeoutError:
-            await self.fail(transfer_id, "deadline passed while the decode node had no room for the KV")
+            await self.fail(req.transfer_id, "deadline passed while the decode node had no room for the KV")
         except asyncio.CancelledError:  # the transfer connection ended
             await asyncio.shield(
-                self.kv_lost(transfer_id, "KV transfer connection ended before OPEN was answered")
+                self.kv_lost(req.transfer_id, "KV transfer connection ended before OPEN was answered")
             )
             raise
         if entry.ended is not None or entry.reservation is None:

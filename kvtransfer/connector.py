@@ -25,6 +25,7 @@ from pdserve.kvtransfer.common import (
     KVTransferError,
     OpenRefused,
     OpenReply,
+    OpenRequest,
     PeerIdentity,
     ProtocolError,
     TransferAborted,
@@ -49,6 +50,7 @@ __all__ = [
     "KVTransferError",
     "OpenRefused",
     "OpenReply",
+    "OpenRequest",
     "PeerIdentity",
     "ProtocolError",
     "TransferAborted",
@@ -67,18 +69,8 @@ __all__ = [
 class TransferHandler(Protocol):
     """D's side, implemented by the decode node. Calls for one transfer never overlap."""
 
-    async def on_open(
-        self,
-        peer: NodeId,
-        transfer_id: RequestId,
-        block_hashes: tuple[BlockHash, ...],
-        num_blocks: int,
-        deadline: float,
-    ) -> OpenReply:
-        """Match the held prefix, reserve the rest; raise `OpenRefused(reason)` to refuse.
-
-        num_blocks counts every block of the prompt, a trailing partial one included; deadline: unix s.
-        """
+    async def on_open(self, req: OpenRequest) -> OpenReply:
+        """Match the held prefix, reserve the rest; raise `OpenRefused(reason)` to refuse."""
 
     async def on_data(
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor

@@ -32,6 +32,7 @@ from pdserve.kvtransfer.common import (
     HandshakeError,
     OpenRefused,
     OpenReply,
+    OpenRequest,
     PeerIdentity,
     ProtocolError,
 )
@@ -223,7 +224,9 @@ class ChannelServer:
         else:
             try:
                 hashes = tuple(BlockHash(h) for h in msg.block_hashes)
-                reply = await self.handler.on_open(peer_id, tid, hashes, msg.num_blocks, msg.deadline)
+                reply = await self.handler.on_open(
+                    OpenRequest(peer_id, tid, hashes, msg.num_blocks, msg.deadline)
+                )
             except OpenRefused as e:
                 refusal = e.reason
             except asyncio.CancelledError:

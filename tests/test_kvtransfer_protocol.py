@@ -33,6 +33,7 @@ from pdserve.kvtransfer.connector import (
     KVReceiverServer,
     OpenRefused,
     OpenReply,
+    OpenRequest,
     PeerIdentity,
     TransferAborted,
     TransferRefused,
@@ -124,14 +125,8 @@ class PagedReceiver:
         self.held[block_hash] = block
         return block
 
-    async def on_open(
-        self,
-        peer: NodeId,
-        transfer_id: RequestId,
-        hashes: tuple[BlockHash, ...],
-        num_blocks: int,
-        deadline: float,
-    ) -> OpenReply:
+    async def on_open(self, req: OpenRequest) -> OpenReply:
+        hashes, num_blocks, transfer_id = req.block_hashes, req.num_blocks, req.transfer_id
         num_held = 0
         while num_held < len(hashes) and hashes[num_held] in self.held:
             num_held += 1

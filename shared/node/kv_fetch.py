@@ -36,6 +36,7 @@ from pdserve.kvtransfer.connector import (
     KVTransferError,
     OpenRefused,
     OpenReply,
+    OpenRequest,
     TransferHandler,
     TransferSession,
 )
@@ -133,22 +134,15 @@ class FetchReceiver(TransferHandler):
         self.pending: dict[RequestId, _Fetch] = {}
         self._background: set[asyncio.Future[Any]] = set()
 
-    async def on_open(
-        self,
-        peer: NodeId,
-        transfer_id: RequestId,
-        block_hashes: tuple[BlockHash, ...],
-        num_blocks: int,
-        deadline: float,
-    ) -> OpenReply:
-        f = self.pending.get(transfer_id)
+    async def on_open(self, req: OpenRequest) -> OpenReply:
+        f = self.pending.get(req.transfer_id)
         if f is None or f.ended or f.reservation is not None:
             raise OpenRefused("no prefix fetch is waiting for this transfer")
-        if num_blocks != len(block_hashes) or tuple(block_hashes) != f.hashes[:num_blocks]:
+        if req.num_blocks != len(req.block_hashes) or tuple(req.block_hashes) != f.hashes[: req.num_blocks]:
             raise OpenRefused("the holder offered blocks that were not asked for")
         engine = self.rt.engine
         fut = asyncio.ensure_future(
-            self.rt.aengine.call(lambda: engine.reserve_remote(block_hashes, num_blocks))
+            self.rt.aengine.call(lambda: engine.reserve_remote(req.block_hashes, req.num_blocks))
         )
         try:
             res = await asyncio.shield(fut)
