@@ -86,6 +86,9 @@ async def evict(client: httpx.AsyncClient, *urls: str) -> None:
         (await client.post(f"{url}/internal/evict", json={"all": True})).raise_for_status()
 
 
+PHASES = ("fetch_seconds", "compute_seconds", "transfer_seconds")
+
+
 async def nodes_phase(
     args: argparse.Namespace, urls: dict[str, str], d_addr: str, token: str
 ) -> dict[str, Any]:
@@ -100,10 +103,13 @@ async def nodes_phase(
         await request(client, d, p1, [t + 1 for t in prompt[:512]])  # warm-up (kernels, connections)
         await request(client, d, p2, [t + 2 for t in prompt[:512]], (urls["prefill-0"], 512 // BS))
         cold, fetched, fetched_blocks = [], [], []
+        phases: dict[str, list[float]] = {}  # P's own account of each run: fetch, compute, transfer
         want: list[int] = []
         for _ in range(args.runs):
             await evict(client, *urls.values())
-            t, toks, _ = await request(client, d, p1, prompt)
+            t, toks, res = await request(client, d, p1, prompt)
+            for k in PHASES:
+                phases.setdefault(f"cold_{k}", []).append(res[k])
             cold.append(t)
             want = want or toks
             assert toks == want, "cold runs disagree"
@@ -113,7 +119,10 @@ async def nodes_phase(
             assert toks == want, "a fetched prefix gave other tokens than the cold run"
             fetched.append(t)
             fetched_blocks.append(res["fetched_tokens"] // BS)
+            for k in PHASES:
+                phases.setdefault(f"fetched_{k}", []).append(res[k])
         out["cold_ttft_s"], out["fetched_ttft_s"] = cold, fetched
+        out["phases"] = phases
         out["fetched_blocks"] = fetched_blocks
         short: dict[int, dict[str, float]] = {}
         for n in args.short_lengths:
@@ -207,6 +216,11 @@ def main() -> int:
     c, f = med(nodes["cold_ttft_s"]), med(nodes["fetched_ttft_s"])
     print(f"| TTFT, prefix fetched from another node (ms) | {f * 1e3:.1f} | cold {c * 1e3:.1f} | "
           f"{c / f:.1f}x |")  # fmt: skip
+    for case in ("cold", "fetched"):
+        parts = ", ".join(
+            f"{k.split('_')[0]} {med(nodes['phases'][f'{case}_{k}']) * 1e3:.1f}" for k in PHASES
+        )
+        print(f"| P's account of a {case} request (ms, medians): {parts} | | | |")
     fetched = med(nodes["fetched_blocks"])
     print(f"| blocks fetched per request | {fetched:.0f} | {args.prefix_tokens // BS} | |")
     for n, row in nodes["short"].items():
