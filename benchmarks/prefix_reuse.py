@@ -191,10 +191,10 @@ def main() -> int:
     ap.add_argument("--short-lengths", type=int, nargs="*", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--json-out", default="")
     ap.add_argument("--skip-host-tier", action="store_true")
+    ap.add_argument("--layers-per-frame", type=int, default=4, help="the prefill nodes' --layers-per-frame")
     args = ap.parse_args()
     args.kv_blocks = args.prefix_tokens // BS + 256
     args.prompt_tokens = args.prefix_tokens + 64
-    args.layers_per_frame = 4
     token = secrets.token_hex(16)
     procs, urls, tports = [], {}, {}
     try:
