@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import secrets
 import statistics
 import sys
@@ -28,13 +29,17 @@ from typing import Any
 import httpx
 import torch
 from pdserve.benchmarks.pd_ttft import start_node, stop, wait_ready
+from pdserve.launch import MODULES, Cluster, free_port, start_redis
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.model_runner import kv_bytes_per_block
 from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import RedisConfig
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
-from pdserve.shared.types import NodeId, RequestId
+from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 BS = 16
 
@@ -46,12 +51,20 @@ async def request(
     prompt: list[int],
     fetch: tuple[str, int] | None = None,
 ) -> tuple[float, list[int], dict[str, Any]]:
-    """(time to first token, greedy tokens, P's result) of one request; prefill = (P id, P url, D addr)."""
+    """(time to first token, greedy tokens, P's result) of one request; prefill = (P id, P url, D addr), or
+    None: D computes the prompt (after fetching `fetch` = (holder url, blocks) when given)."""
     rid = RequestId(f"r{secrets.token_hex(6)}")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     deadline = time.time() + 300
+    local_fetch = (None, 0) if prefill is not None or fetch is None else fetch
     gen = NodeGenerateRequest(
-        rid, tuple(prompt), params, None, deadline, None if prefill is None else NodeId(prefill[0])
+        rid,
+        tuple(prompt),
+        params,
+        None,
+        deadline,
+        None if prefill is None else NodeId(prefill[0]),
+        *local_fetch,
     )
     t0 = time.perf_counter()
     first, pre_task = 0.0, None
@@ -136,6 +149,142 @@ async def nodes_phase(
     return out
 
 
+def decisions(metrics: str) -> dict[str, float]:
+    """The router's cost-model decision counters, by option."""
+    pattern = r'pdserve_router_cost_model_decisions_total\{option="(\w+)"\} ([0-9.e+]+)'
+    return {m[0]: float(m[1]) for m in re.findall(pattern, metrics)}
+
+
+async def routed(
+    client: httpx.AsyncClient, base: str, model: str, prompt: list[int]
+) -> tuple[float, str, str]:
+    """(time to the first streamed token, greedy text of 4 tokens, the cost model's option) of one request
+    through the router."""
+    before = decisions((await client.get(f"{base}/metrics")).text)
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    t0 = time.perf_counter()
+    first, text = 0.0, ""
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("text", "")
+            if piece and not first:
+                first = time.perf_counter() - t0
+            text += piece
+    after = decisions((await client.get(f"{base}/metrics")).text)
+    option = ",".join(k for k in after if after[k] > before.get(k, 0.0)) or "?"
+    return first, text, option
+
+
+async def wait_index(index: BlockIndex, hashes: list[BlockHash], want: dict[str, int]) -> None:
+    """Until the index shows `want` prefix blocks per node (at least; exactly for 0)."""
+    deadline = time.monotonic() + 30
+    while True:
+        got = await index.lookup(hashes)
+        if all(got.get(NodeId(n), 0) >= b if b else got.get(NodeId(n), 0) == 0 for n, b in want.items()):
+            return
+        assert time.monotonic() < deadline, f"index {got}, waited for {want}"
+        await asyncio.sleep(0.05)
+
+
+async def router_phase(
+    args: argparse.Namespace, cluster: Cluster, redis_url: str, base: str
+) -> dict[str, Any]:
+    """Through the router (cost model on): the prompt cold (every cache emptied) against the same prompt
+    while only prefill-0 holds its prefix (seeded by a P/D request of another suffix, then evicted from the
+    other nodes); the router picks the placement (its option is recorded). Beside it, straight to the nodes:
+    prefill-1 fetching from prefill-0 (pd_fetch) and the decode node fetching from prefill-0 (local_fetch)."""
+    rng = random.Random(0)
+    prefix = [rng.randrange(1, 30000) for _ in range(args.prefix_tokens)]
+    prompt = prefix + [rng.randrange(1, 30000) for _ in range(16)]
+    seed = prefix + [rng.randrange(1, 30000) for _ in range(16)]
+    urls = {n: cluster.urls[n] for n in ("prefill-0", "prefill-1", "decode-0")}
+    token = cluster.auth_token
+    index = BlockIndex(RedisConfig(url=redis_url))
+    out: dict[str, Any] = {"cold": [], "held": [], "held_option": [], "cold_option": []}
+    try:
+        while len(await index.nodes()) < 3:
+            await asyncio.sleep(0.2)
+        info = (await index.nodes())[0].info
+        hashes = hash_blocks(prompt, BS, hash_seed(bytes.fromhex(info.model_fingerprint), None))
+        full = args.prefix_tokens // BS
+        d_addr = next(s.info.transfer_addr for s in await index.nodes() if s.info.node_id == "decode-0")
+        p1 = ("prefill-0", urls["prefill-0"], d_addr)
+        p2 = ("prefill-1", urls["prefill-1"], d_addr)
+        async with httpx.AsyncClient(timeout=600, headers=bearer(token)) as client:
+            model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
+            for warm in range(3):  # kernels, connections, and the cost model's first observations
+                await routed(client, base, model, [t + warm + 1 for t in prompt[:2048]])
+            want = ""
+            for _ in range(args.runs):
+                await evict(client, *urls.values())
+                await wait_index(index, hashes[:full], dict.fromkeys(urls, 0))
+                t, text, option = await routed(client, base, model, prompt)
+                out["cold"].append(t)
+                out["cold_option"].append(option)
+                want = want or text
+                assert text == want, "cold runs through the router disagree"
+                await evict(client, *urls.values())
+                await request(client, urls["decode-0"], p1, seed)  # prefill-0 (and D) now hold the prefix
+                await evict(client, urls["prefill-1"], urls["decode-0"])
+                await wait_index(index, hashes[:full], {"prefill-0": full, "prefill-1": 0, "decode-0": 0})
+                t, text, option = await routed(client, base, model, prompt)
+                assert text == want, "a prefix held on another node gave other text than the cold run"
+                out["held"].append(t)
+                out["held_option"].append(option)
+            straight: dict[str, list[float]] = {"pd_fetch": [], "local_fetch": []}
+            for _ in range(args.runs):
+                await evict(client, urls["prefill-1"], urls["decode-0"])
+                t, _, res = await request(client, urls["decode-0"], p2, prompt, (urls["prefill-0"], full))
+                assert res["fetched_tokens"] >= (full - 1) * BS, res
+                straight["pd_fetch"].append(t)
+                await evict(client, urls["prefill-1"], urls["decode-0"])
+                t, _, _ = await request(client, urls["decode-0"], None, prompt, (urls["prefill-0"], full))
+                straight["local_fetch"].append(t)
+            out["straight"] = straight
+    finally:
+        await index.close()
+    return out
+
+
+def run_router(args: argparse.Namespace) -> dict[str, Any]:
+    cluster = Cluster()
+    try:
+        redis_url = start_redis(cluster)
+        common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--num-kv-blocks",
+                  str(args.kv_blocks), "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64),
+                  "--connector", args.connector, "--redis", redis_url, "--log-level", "WARNING"]  # fmt: skip
+        for role, name in (("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0")):
+            port = free_port()
+            extra = ["--layers-per-frame", str(args.layers_per_frame)] if role == "prefill" else []
+            argv = [
+                sys.executable,
+                "-m",
+                MODULES[role],
+                "--node-id",
+                name,
+                "--port",
+                str(port),
+                *common,
+                *extra,
+            ]
+            cluster.spawn(name, argv, env=cluster.secret_env, url=f"http://127.0.0.1:{port}")
+        for name in ("prefill-0", "prefill-1", "decode-0"):
+            cluster.wait_http(f"{cluster.urls[name]}/internal/health", timeout_s=600)
+        port = free_port()
+        router = [sys.executable, "-m", "pdserve.router", "--model", args.model, "--redis", redis_url,
+                  "--port", str(port), "--cost-model", "--log-level", "WARNING"]  # fmt: skip
+        cluster.spawn("router", router, env=cluster.secret_env)
+        base = f"http://127.0.0.1:{port}"
+        cluster.wait_http(f"{base}/health", timeout_s=120)
+        return asyncio.run(router_phase(args, cluster, redis_url, base))
+    finally:
+        cluster.stop()
+
+
 def host_tier_phase(args: argparse.Namespace) -> dict[str, Any]:
     """Two engines on one set of weights, each with a pool that holds one prefix: without a tier a prefix is
     recomputed (the baseline); with one, alternating two prefixes evicts each into the host tier and brings
@@ -191,10 +340,31 @@ def main() -> int:
     ap.add_argument("--short-lengths", type=int, nargs="*", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--json-out", default="")
     ap.add_argument("--skip-host-tier", action="store_true")
+    ap.add_argument("--router", action="store_true", help="through a router (cost model on) and Redis")
     ap.add_argument("--layers-per-frame", type=int, default=4, help="the prefill nodes' --layers-per-frame")
     args = ap.parse_args()
     args.kv_blocks = args.prefix_tokens // BS + 256
     args.prompt_tokens = args.prefix_tokens + 64
+    med = statistics.median
+    if args.router:
+        r = run_router(args)
+        c, h = med(r["cold"]), med(r["held"])
+        print(f"\n{args.model} {args.dtype} on {args.device}, {args.connector}, through the router "
+              f"(cost model on), prefix {args.prefix_tokens} + 16, median of {args.runs}\n")  # fmt: skip
+        print("| measure | value | against | ratio |\n|---|---:|---:|---:|")
+        print(f"| TTFT, prefix held on prefill-0 only, through the router (ms) | {h * 1e3:.1f} | cold "
+              f"{c * 1e3:.1f} | {c / h:.1f}x |")  # fmt: skip
+        options = f"cold {sorted(set(r['cold_option']))}, held {sorted(set(r['held_option']))}"
+        print(f"| router's options: {options} | | | |")
+        for k, v in r["straight"].items():
+            print(f"| straight to the nodes, {k} from prefill-0 (ms) | {med(v) * 1e3:.1f} | cold (router) "
+                  f"{c * 1e3:.1f} | {c / med(v):.1f}x |")  # fmt: skip
+        print(json.dumps({k: [round(x * 1e3, 1) if isinstance(x, float) else x for x in v]
+                          for k, v in r.items() if isinstance(v, list)}))  # fmt: skip
+        if args.json_out:
+            with open(args.json_out, "w") as fh:
+                json.dump({"router": r, "args": vars(args)}, fh)
+        return 0
     token = secrets.token_hex(16)
     procs, urls, tports = [], {}, {}
     try:
@@ -209,7 +379,6 @@ def main() -> int:
         )
     finally:
         stop(procs)
-    med = statistics.median
     print(f"\n{args.model} {args.dtype} on {args.device}, {args.connector}, prefix {args.prefix_tokens} "
           f"tokens + 16, median of {args.runs}\n")  # fmt: skip
     print("| measure | value | against | ratio |\n|---|---:|---:|---:|")

@@ -31,6 +31,7 @@ import httpx
 from pdserve.cli import default_model_path
 from pdserve.launch import MODULES, Cluster, free_port, start_redis
 from pdserve.shared.node.node_auth import bearer
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def node_specs(values: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -81,6 +82,49 @@ def profilers(cluster: Cluster, out: str, run: int) -> list[subprocess.Popen[byt
     return procs
 
 
+def cost_model_table(metrics: str) -> str:
+    """The router's cost-model series so far (pdserve_router_cost_model_*), one row per option: decisions,
+    mean estimated and measured time to first token, the median of estimate / measured (interpolated in its
+    histogram's buckets) and the share of choices whose estimate was within 25 % of the measured time."""
+    rows: dict[str, dict[str, float]] = {}
+    ratio: dict[str, list[tuple[float, float]]] = {}
+    for family in text_string_to_metric_families(metrics):
+        if not family.name.startswith("pdserve_router_cost_model_"):
+            continue
+        for sample in family.samples:
+            option = sample.labels.get("option", "")
+            row = rows.setdefault(option, {})
+            name = sample.name.removeprefix("pdserve_router_cost_model_")
+            if name.endswith("_bucket") and name.startswith("estimate_ratio"):
+                ratio.setdefault(option, []).append((float(sample.labels["le"]), sample.value))
+            else:
+                row[name] = sample.value
+    out = ["| option | decisions | estimated TTFT mean (ms) | measured TTFT mean (ms) | estimate / measured, "
+           "median | within 25 % |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for option, row in sorted(rows.items()):
+        n = row.get("actual_ttft_seconds_count", 0.0)
+        est = row.get("estimated_ttft_seconds_sum", 0.0) / max(
+            row.get("estimated_ttft_seconds_count", 0.0), 1
+        )
+        act = row.get("actual_ttft_seconds_sum", 0.0) / max(n, 1)
+        cum = sorted(ratio.get(option, []))
+        median, within = float("nan"), float("nan")
+        if cum and cum[-1][1] > 0:
+            total = cum[-1][1]
+            lo, below = 0.0, 0.0
+            for le, c in cum:
+                if c >= total / 2:
+                    hi = le if le != float("inf") else lo * 2
+                    median = lo + (hi - lo) * (total / 2 - below) / max(c - below, 1e-9)
+                    break
+                lo, below = le, c
+            at = dict(cum)
+            within = (at.get(1.25, 0.0) - at.get(0.75, 0.0)) / total
+        out.append(f"| {option} | {row.get('decisions_total', 0):.0f} | {est * 1e3:.1f} | {act * 1e3:.1f} | "
+                   f"{median:.2f} | {within:.0%} |")  # fmt: skip
+    return "cost model (the router's pdserve_router_cost_model_* series, cumulative):\n" + "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argv[: argv.index("--")] if "--" in argv else argv
@@ -118,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spy.send_signal(signal.SIGINT)
             for spy in spies:
                 spy.wait(timeout=60)
+            print(cost_model_table(httpx.get(f"{base}/metrics", timeout=30).text), flush=True)
         for name, url in nodes:
             a = httpx.get(f"{url}/internal/audit", headers=bearer(cluster.auth_token), timeout=30).json()
             clean = a["in_use"] == a["reserved"] == a.get("pinned", 0) == a["live_requests"] == 0

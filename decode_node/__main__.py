@@ -5,22 +5,28 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from fastapi import FastAPI
 from pdserve.decode_node.server import DecodeHandler, add_decode_routes
 from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import KVSender, create_sender, create_server
-from pdserve.shared.node.kv_fetch import PrefixExporter, add_export_route
+from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
 from pdserve.shared.node.node_cli import NodeConfigs
 from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
     handler = DecodeHandler(rt, cfg.kv_load_failure_policy)
-    add_decode_routes(app, rt, handler)
     identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
     server = create_server(cfg.connector, identity, handler)
     await server.start()
+    # the receiving end of prefix fetches for prompts this node computes itself (the cost model's local_fetch)
+    fetch_receiver = FetchReceiver(rt)
+    fetch_server = create_server(replace(cfg.connector, listen_port=0), identity, fetch_receiver)
+    await fetch_server.start()
+    fetcher = PrefixFetcher(rt, fetch_receiver, fetch_server.address, cfg.connector.auth_token)
+    add_decode_routes(app, rt, handler, fetcher)
     rt.connector_kind = cfg.connector.kind
     senders: list[KVSender] = []  # the sender of prefix exports, made when a prefill node first fetches
 
@@ -33,6 +39,8 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
 
     async def teardown() -> None:
         await server.stop()
+        await fetch_server.stop()
+        await fetcher.close()
         for s in senders:
             await s.close()
 

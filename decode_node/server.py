@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import OpenRefused, OpenReply, OpenRequest, TransferHandler
 from pdserve.shared.engine.engine import RemoteReservation, RequestOutput
 from pdserve.shared.engine.request import Request as EngineRequest
+from pdserve.shared.node.kv_fetch import PrefixFetcher
 from pdserve.shared.node.node_metrics import RequestTiming
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
 from pdserve.shared.node.node_protocol import TokenLogprob as WireLogprob
@@ -283,7 +284,9 @@ def to_step_output(rt: NodeRuntime, out: RequestOutput, error: str | None = None
     )
 
 
-def add_decode_routes(app: FastAPI, rt: NodeRuntime, handler: DecodeHandler) -> None:
+def add_decode_routes(
+    app: FastAPI, rt: NodeRuntime, handler: DecodeHandler, fetcher: PrefixFetcher | None = None
+) -> None:
     @app.post("/internal/generate")
     async def generate(request: Request) -> Any:
         try:
@@ -297,7 +300,11 @@ def add_decode_routes(app: FastAPI, rt: NodeRuntime, handler: DecodeHandler) -> 
         rt.metrics.prompt_tokens.inc(len(gen.prompt_token_ids))
         if gen.prefill_node_id is None:
             engine_req = rt.engine.new_request(rid, gen.prompt_token_ids, gen.sampling, gen.cache_salt)
-            outputs: AsyncIterator[RequestOutput] = rt.aengine.generate(engine_req)
+            outputs: AsyncIterator[RequestOutput] = (
+                rt.aengine.generate(engine_req)
+                if gen.fetch_from_url is None or fetcher is None
+                else _fetched_local(rt, fetcher, gen, engine_req)
+            )
         else:
             q = rt.aengine.open_stream(rid)
             engine_req = rt.engine.new_request(rid, gen.prompt_token_ids, gen.sampling, gen.cache_salt)
@@ -305,6 +312,28 @@ def add_decode_routes(app: FastAPI, rt: NodeRuntime, handler: DecodeHandler) -> 
             handler.arrive(gen, engine_req, q)
             outputs = _remote_stream(rt, handler, rid, q)
         return StreamingResponse(_lines(rt, gen, outputs), media_type="application/x-ndjson")
+
+
+async def _fetched_local(
+    rt: NodeRuntime, fetcher: PrefixFetcher, gen: NodeGenerateRequest, req: EngineRequest
+) -> AsyncIterator[RequestOutput]:
+    """A prompt computed here after fetching the prefix blocks a holder has beyond this node's own (the cost
+    model's `local_fetch`): the fetch lands in reserved blocks, committed as cached, which the request's
+    admission then matches like its own; the reservation is given back once the prefill ended (its first
+    output) or the stream ended. A short or failed fetch only leaves more to compute."""
+    hashes = rt.engine.prompt_hashes(req)
+    n = len(gen.prompt_token_ids)
+    rid = RequestId(gen.request_id)
+    fetched = await fetcher.fetch_for(rid, n, hashes, gen.fetch_from_url, gen.fetch_blocks, gen.deadline)
+    try:
+        async for out in rt.aengine.generate(req):
+            if fetched is not None:
+                done, fetched = fetched, None
+                await fetcher.release(done)
+            yield out
+    finally:
+        if fetched is not None:
+            await fetcher.release(fetched)
 
 
 async def _remote_stream(

@@ -120,9 +120,10 @@ async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
         holder = max(
             (r["prefix_blocks"] for r in rows if p is None or r["node_id"] != p["node_id"]), default=0
         )
+        holder_d = max((r["prefix_blocks"] for r in rows if r["node_id"] != d["node_id"]), default=0)
         p_blocks, p_queue = (p["prefix_blocks"], queued.get(p["node_id"], 0)) if p else (0, 0)
         x = Inputs(len(tokens), block_size, p_blocks, d["prefix_blocks"], holder, p_queue,
-                   queued.get(d["node_id"], 0), p is not None)  # fmt: skip
+                   queued.get(d["node_id"], 0), p is not None, holder_d if p is not None else 0)  # fmt: skip
         est = CostModel(rates).estimates(x)
         cost["estimates"] = [{"option": e.option, "ttft_s": e.ttft_s, "compute_tokens": e.compute_tokens,
                               "fetch_blocks": e.fetch_blocks} for e in est]  # fmt: skip

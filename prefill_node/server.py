@@ -149,17 +149,13 @@ class PrefillService:
             sent.update(blocks.indices)
 
     async def _fetch(self, req: PrefillRequest, hashes: Sequence[BlockHash]) -> FetchedPrefix | None:
-        """Fetches the prefix blocks the router said another node holds and this one lacks (never the block
-        holding the prompt's last token: the engine computes at least that token)."""
-        engine = self.rt.engine
-        want = min(req.fetch_blocks, (len(req.prompt_token_ids) - 1) // engine.cfg.block_size)
-        if self.fetcher is None or req.fetch_from_url is None or want <= 0:
+        """Fetches the prefix blocks the router said another node holds and this one lacks."""
+        if self.fetcher is None:
             return None
-        wanted = hashes[:want]
-        local = await self.rt.aengine.call(lambda: engine.cached_prefix_blocks(wanted))
-        if local >= want:
-            return None
-        return await self.fetcher.fetch(req.request_id, req.fetch_from_url, wanted, local, req.deadline)
+        n = len(req.prompt_token_ids)
+        return await self.fetcher.fetch_for(
+            req.request_id, n, hashes, req.fetch_from_url, req.fetch_blocks, req.deadline
+        )
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         engine = self.rt.engine

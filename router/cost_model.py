@@ -3,6 +3,8 @@ token of each way to prefill it, and the cheapest. Pure Python over plain data; 
 
 Options (DESIGN.md, "Where a prefill happens"):
 - `local`: the decode node prefills the tokens it does not hold itself (no transfer);
+- `local_fetch`: the decode node first fetches the prefix blocks a holder has beyond its own, then computes
+  the rest itself (one move of the prefix, straight to the node that needs it; docs/architecture.md);
 - `pd`: the prefill node computes what it does not hold and streams the KV to D;
 - `pd_fetch`: the prefill node first fetches the prefix blocks a holder has beyond its own, then computes
   the rest and streams to D.
@@ -29,8 +31,9 @@ from typing import Literal
 from pdserve.shared.wire import Codec
 
 CODEC = Codec("placement rates", 1)
-Option = Literal["local", "pd", "pd_fetch"]
-OPTIONS: tuple[Option, ...] = ("local", "pd", "pd_fetch")
+Option = Literal["local", "local_fetch", "pd", "pd_fetch"]
+OPTIONS: tuple[Option, ...] = ("local", "local_fetch", "pd", "pd_fetch")
+_PRIOR_OVERHEAD_S = 0.005
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Rates:
     prior_s_per_token: float = 1e-3
     fetch_s_per_block: float = 1e-4
     transfer_s_per_block: float = 1e-4
-    overhead_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPTIONS, 0.005))
+    overhead_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPTIONS, _PRIOR_OVERHEAD_S))
     observations: int = 0
 
     def to_json(self) -> bytes:
@@ -69,11 +72,13 @@ class Inputs:
     """Leading prompt blocks the prefill node holds (any tier)."""
     hits_decode: int
     hits_holder: int
-    """Leading prompt blocks the best other holder has (0: none)."""
+    """Leading prompt blocks the best holder other than the prefill node has (0: none)."""
     queued_prefill: int
     """Tokens queued on the prefill node (heartbeat)."""
     queued_decode: int
     has_prefill_node: bool = True
+    hits_holder_decode: int = 0
+    """Leading prompt blocks the best holder other than the decode node has (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,10 @@ class CostModel:
         nearest = min(per, key=lambda k: abs(math.log2(k) - math.log2(b)))
         return per[nearest]
 
+    def overhead(self, option: Option) -> float:
+        """The option's learned overhead (the prior of a record written before the option existed)."""
+        return self.rates.overhead_s.get(option, _PRIOR_OVERHEAD_S)
+
     def _compute_s(self, queued: int, tokens: int, prompt_tokens: int) -> float:
         return (queued + tokens) * self.s_per_token(prompt_tokens)
 
@@ -113,17 +122,22 @@ class CostModel:
         out = []
         c_local = n - min(x.hits_decode, usable) * bs
         out.append(
-            Estimate("local", r.overhead_s["local"] + self._compute_s(x.queued_decode, c_local, n), c_local)
+            Estimate("local", self.overhead("local") + self._compute_s(x.queued_decode, c_local, n), c_local)
         )
+        fetch_d = min(x.hits_holder_decode, usable) - min(x.hits_decode, usable)
+        if fetch_d > 0:
+            c_lf = n - min(x.hits_holder_decode, usable) * bs
+            t = self.overhead("local_fetch") + fetch_d * r.fetch_s_per_block
+            out.append(Estimate("local_fetch", t + self._compute_s(x.queued_decode, c_lf, n), c_lf, fetch_d))
         if x.has_prefill_node:
             send = (blocks - x.hits_decode) * r.transfer_s_per_block
             c_pd = n - min(x.hits_prefill, usable) * bs
-            pd = r.overhead_s["pd"] + self._compute_s(x.queued_prefill, c_pd, n) + send
+            pd = self.overhead("pd") + self._compute_s(x.queued_prefill, c_pd, n) + send
             out.append(Estimate("pd", pd, c_pd))
             fetch = min(x.hits_holder, usable) - min(x.hits_prefill, usable)
             if fetch > 0:
                 c_f = n - min(x.hits_holder, usable) * bs
-                t = r.overhead_s["pd_fetch"] + fetch * r.fetch_s_per_block
+                t = self.overhead("pd_fetch") + fetch * r.fetch_s_per_block
                 t += self._compute_s(x.queued_prefill, c_f, n) + send
                 out.append(Estimate("pd_fetch", t, c_f, fetch))
         return sorted(out, key=lambda e: e.ttft_s)
@@ -155,12 +169,11 @@ class CostModel:
         """The measured time to first token of a request placed on `estimate`: the part the other terms do
         not explain becomes the option's overhead."""
         r = self.rates
-        explained = estimate.ttft_s - r.overhead_s[estimate.option]
-        r.overhead_s[estimate.option] = max(
-            0.0, self._ewma(r.overhead_s[estimate.option], actual_s - explained)
-        )
+        old = self.overhead(estimate.option)
+        explained = estimate.ttft_s - old
+        r.overhead_s[estimate.option] = max(0.0, self._ewma(old, actual_s - explained))
         if estimate.option == "local":  # D's compute is seen only through its time to first token
             queued = x.queued_decode
-            own = actual_s - r.overhead_s["local"]
+            own = actual_s - self.overhead("local")
             if own > 0 and estimate.compute_tokens > 0:
                 self.observe_prefill(x.prompt_tokens, estimate.compute_tokens + queued, own)

@@ -311,12 +311,13 @@ class RequestRun:
         route = job.route
         # what to run, the same in both node requests: id, prompt, sampling, salt, deadline
         what = (job.request_id, job.prompt_token_ids, job.sampling, self._salt, self.deadline)
-        gen = NodeGenerateRequest(*what, None if route.prefill is None else route.prefill.node_id)
-        if prefill is None or route.prefill is None:
-            await self._pump(job, decode, route.decode, gen)
-            return
         fetch_url = None if route.fetch_from is None else route.fetch_from.http_url
         fetch_blocks = route.fetch_blocks if route.fetch_from is not None else 0
+        if prefill is None or route.prefill is None:  # D prefills, after fetching a holder's prefix if named
+            gen = NodeGenerateRequest(*what, None, fetch_url, fetch_blocks)
+            await self._pump(job, decode, route.decode, gen)
+            return
+        gen = NodeGenerateRequest(*what, route.prefill.node_id)
         pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr, fetch_url, fetch_blocks)
         pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
         pre_task = asyncio.create_task(prefill.prefill(pre))
@@ -365,6 +366,10 @@ class RequestRun:
             return
         actual = time.perf_counter() - start
         self._metrics.cost_actual_ttft.labels(option=route.estimate.option).observe(actual)
+        if actual > 0:
+            self._metrics.cost_estimate_ratio.labels(option=route.estimate.option).observe(
+                route.estimate.ttft_s / actual
+            )
         if self._rerouter is not None:
             self._rerouter.cost.observe_ttft(route.estimate, route.inputs, actual)
 
@@ -385,8 +390,9 @@ class RequestRun:
         hits, missed = self._metrics.prefix_hit_tokens, max(0, planned - fetched_tokens)
         hits.labels(kind="remote").inc(fetched_tokens)
         hits.labels(kind="miss").inc(missed)
-        if self._rerouter is not None and route.prefill is not None:
-            self._rerouter.fetched(route.prefill.node_id, fetched_tokens, missed)
+        if self._rerouter is not None:
+            prefilling = route.decode if route.prefill is None else route.prefill
+            self._rerouter.fetched(prefilling.node_id, fetched_tokens, missed)
 
     def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
         """Counts a decision made on index records the prefilling node turned out not to hold."""
@@ -400,6 +406,10 @@ class RequestRun:
         async for step in client.generate(req):
             if first and req.prefill_node_id is None:
                 self._check_hits(job, client.node_id, step.cached_tokens)
+                if job.route.fetch_from is not None:  # local_fetch: what D found cached beyond its own came
+                    n = len(job.prompt_token_ids)
+                    beyond = step.cached_tokens - job.route.expected_cached_tokens(n)
+                    self._count_fetch(job, max(0, min(beyond, job.route.planned_fetch_tokens(n))))
             first = False
             if step.token_ids and not timed:
                 timed = True

@@ -17,6 +17,7 @@ from pdserve.shared.metrics import MetricsRegistry
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
 _TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 DECISION_KINDS = ("pd", "local", "single")
@@ -73,6 +74,13 @@ class RouterMetrics(MetricsRegistry):
             "pdserve_router_cost_model_actual_ttft_seconds",
             "The measured time to first token of the same choices (from the choice's start), by option.",
             _LATENCY_BUCKETS,
+            ["option"],
+        )
+        self.cost_estimate_ratio = hist(
+            "pdserve_router_cost_model_estimate_ratio",
+            "Each choice's estimated over its measured time to first token, by option (1: exact; the median "
+            "within 0.75-1.25 is the model's accuracy target).",
+            _RATIO_BUCKETS,
             ["option"],
         )
         self.prefix_hit_tokens = counter(

@@ -47,7 +47,8 @@ class Route:
     """Leading prompt blocks the index said the prefilling node holds when the route was chosen."""
     fetch_from: NodeInfo | None = None
     """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
-    the prefill node fetches them from it (shared/node/kv_fetch.py) instead of computing them."""
+    the prefilling node (P, or D when it prefills: local_fetch) fetches them from it
+    (shared/node/kv_fetch.py) instead of computing them."""
     fetch_blocks: int = 0
     estimate: Estimate | None = None
     """The cost model's estimate for the option this route takes, and its inputs (for what it learns)."""
@@ -167,24 +168,34 @@ class Router:
         decode = by_id[decision.decode]
         prefill = by_id[decision.prefill] if decision.mode == "disaggregated" else None
         holder, fetch_blocks = _holder(hits, known, prefill, decision.cached_blocks_prefill)
+        # a holder for the decode node itself, when the cost model may let it prefill (local_fetch)
+        holder_d, blocks_d = None, 0
+        if self.cost_decides and prefill is not None:
+            holder_d, blocks_d = _holder(hits, known, decode, decision.cached_blocks_decode)
         inputs = Inputs(
             len(prompt), block_size, decision.cached_blocks_prefill, decision.cached_blocks_decode,
             fetch_blocks, views[decision.prefill].queued_prefill_tokens,
-            views[decision.decode].queued_prefill_tokens, prefill is not None,
+            views[decision.decode].queued_prefill_tokens, prefill is not None, blocks_d,
         )  # fmt: skip
         options = {e.option: e for e in self.cost.estimates(inputs)}
         if self.cost_decides and prefill is not None:
             best = min(options.values(), key=lambda e: e.ttft_s)
-            if best.option == "local":
+            if best.option in ("local", "local_fetch"):
                 decision = dataclasses.replace(
                     decision, mode="local_prefill", prefill=decision.decode, blocks_to_transfer=0,
                     cached_blocks_prefill=decision.cached_blocks_decode,
                     tokens_to_compute=best.compute_tokens,
                 )  # fmt: skip
                 prefill = None
-            if best.option != "pd_fetch":
+            if best.option == "local_fetch":
+                holder, fetch_blocks = holder_d, blocks_d
+            elif best.option != "pd_fetch":
                 holder, fetch_blocks = None, 0
-        option: Option = "local" if prefill is None else ("pd_fetch" if holder is not None else "pd")
+        option: Option
+        if prefill is None:
+            option = "local_fetch" if holder is not None else "local"
+        else:
+            option = "pd_fetch" if holder is not None else "pd"
         estimate = options[option]
         nodes = [node for node in (decode, prefill) if node is not None]
         for node in nodes:
@@ -253,8 +264,8 @@ class Router:
 def _holder(
     hits: dict[NodeId, int], known: Sequence[NodeStatus], prefill: NodeInfo | None, own_blocks: int
 ) -> tuple[NodeInfo | None, int]:
-    """The live node (any role) holding the longest prefix of the prompt, when a prefill node will compute
-    it and that node holds more than the prefill node itself: (holder, its blocks); else (None, 0)."""
+    """The live node (any role) holding the longest prefix of the prompt, when `prefill` (the node that will
+    compute it) holds less: (holder, its blocks); else (None, 0)."""
     if prefill is None:
         return None, 0
     live = {s.info.node_id: s.info for s in known}

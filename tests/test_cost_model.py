@@ -38,6 +38,24 @@ def test_every_open_option_is_estimated_cheapest_first() -> None:
     assert [e.option for e in model.estimates(inputs(4096, has_prefill_node=False))] == ["local"]
 
 
+def test_a_prefix_held_elsewhere_is_fetched_by_the_node_that_needs_it() -> None:
+    """D fetching the holder's prefix and computing the suffix moves the prefix once; P fetching it must
+    also send it on to D: with equal overheads local_fetch is the cheaper, by that send."""
+    model = trained()
+    x = inputs(16400, hits_holder=1024, hits_holder_decode=1024)
+    est = {e.option: e for e in model.estimates(x)}
+    assert set(est) == {"local", "local_fetch", "pd", "pd_fetch"} and model.choose(x).option == "local_fetch"
+    lf = est["local_fetch"]
+    assert lf.fetch_blocks == 1024 and lf.compute_tokens == 16400 - 1024 * BS
+    assert est["pd_fetch"].ttft_s - lf.ttft_s == pytest.approx(1025 * 1e-5)
+    busy = inputs(16400, hits_holder=1024, hits_holder_decode=1024, queued_decode=60000)
+    assert model.choose(busy).option == "pd_fetch"  # D's queue outweighs the second move
+    assert "local_fetch" not in {e.option for e in model.estimates(inputs(4096, hits_decode=10))}
+    old = Rates.from_json(model.rates.to_json())
+    del old.overhead_s["local_fetch"]  # a record written before the option existed
+    assert CostModel(old).choose(x).option == "local_fetch"
+
+
 def test_learned_overheads_put_short_prompts_on_d_and_long_ones_on_p() -> None:
     model = trained()
     short, long = inputs(32), inputs(8192, queued_decode=4000)

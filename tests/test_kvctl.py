@@ -137,7 +137,9 @@ def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> N
     assert where["nodes"][1]["prefix_blocks"] == 0
     cost = where["cost_model"]  # priors: no router published its rates here
     assert not cost["learned"] and (cost["prefill_node"], cost["decode_node"]) == ("p0", "d0")
-    assert {e["option"] for e in cost["estimates"]} == {"local", "pd"} and cost["choice"] in ("local", "pd")
+    estimates = {e["option"]: e for e in cost["estimates"]}
+    assert set(estimates) == {"local", "local_fetch", "pd"}  # D could fetch p0's 3 blocks
+    assert estimates["local_fetch"]["fetch_blocks"] == 3 and cost["choice"] in estimates
     _, salted, _ = kvctl(capsys, server, "where", "--prompt", PROMPT, "--cache-salt", "tenant-b")
     assert all(n["prefix_blocks"] == 0 for n in salted["nodes"])
     messages = json.dumps([{"role": "user", "content": PROMPT}])

@@ -256,3 +256,44 @@ def test_a_holder_that_evicted_part_of_the_prefix_makes_a_short_fetch(
     assert after[0] - before[0] == keep, f"fetched {after[0] - before[0]}, the holder kept {keep}"
     assert after[1] - before[1] == min(prefix_blocks, (len(ids) - 1) // BS) - keep, "the miss is counted"
     live.wait_clean()
+
+
+def test_the_decode_node_fetches_a_prefix_and_computes_the_rest_itself(
+    live: LiveCluster, cold: list[str]
+) -> None:
+    """The cost model's local_fetch, as the router sends it: D is told a prefill node holds the prefix, pulls
+    it over the KV-transfer protocol into its own pool and computes only the suffix; no prefill node
+    computes anything, and the text is the cold run's."""
+    ids = tokenize(model_path(), PREFIX + QUESTIONS[1], None)
+    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    holder = max(PREFILL, key=lambda n: where(live, PREFIX).get(n, 0))
+    if where(live, PREFIX).get(holder, 0) < prefix_blocks:
+        complete(live, PREFIX + QUESTIONS[2])
+        holder = max(PREFILL, key=lambda n: where(live, PREFIX).get(n, 0))
+    evict(live, DECODE, None)
+    wait_where(live, PREFIX, {holder: prefix_blocks, DECODE: 0})
+    statuses = {s["info"]["node_id"]: s["info"] for s in kvctl_main(live.redis_url, "nodes")["nodes"]}
+    before_d, before_h = counters(live, DECODE), counters(live, holder)
+    rid = RequestId(f"local-fetch-{uuid.uuid4().hex[:8]}")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    gen = NodeGenerateRequest(
+        rid, tuple(ids), sampling, None, time.time() + 600, None, statuses[holder]["http_url"], prefix_blocks
+    )
+    steps: list[StepOutput] = []
+    with httpx.stream(
+        "POST", f"{live.nodes[DECODE].url}/internal/generate", content=gen.to_json(),
+        headers=bearer(live.auth_token), timeout=600,
+    ) as r:  # fmt: skip
+        assert r.status_code == 200
+        steps += [StepOutput.from_line(line) for line in r.iter_lines() if line.strip()]
+    assert steps and steps[-1].finish_reason == "length", steps[-1:]
+    assert "".join(s.text for s in steps) == cold[1]
+    after_d, after_h = counters(live, DECODE), counters(live, holder)
+    fetched = after_d[0] - before_d[0]
+    assert fetched >= prefix_blocks - 1, f"D fetched {fetched} of {prefix_blocks} prefix blocks"
+    assert after_d[1] == before_d[1], "no fetch miss"
+    assert after_h[2] - before_h[2] == fetched, "the holder exported what D imported"
+    assert steps[0].cached_tokens >= fetched * BS, "D computed only what it did not fetch"
+    with pytest.raises(ValueError, match="no prefill_node_id"):
+        NodeGenerateRequest(rid, tuple(ids), sampling, None, time.time() + 60, NodeId(holder), "http://x", 1)
+    live.wait_clean()

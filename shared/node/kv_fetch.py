@@ -221,6 +221,29 @@ class PrefixFetcher:
         self.transfer_addr = transfer_addr
         self._client = httpx.AsyncClient(headers=bearer(auth_token), timeout=None)
 
+    async def fetch_for(
+        self,
+        request_id: RequestId,
+        prompt_len: int,
+        hashes: Sequence[BlockHash],
+        holder_url: str | None,
+        holder_blocks: int,
+        deadline: float,
+    ) -> FetchedPrefix | None:
+        """Fetches the leading prompt blocks the router said `holder_url` holds (`holder_blocks` of them) and
+        this node lacks, never the block holding the prompt's last token (the engine computes at least that
+        token); None when there is nothing to fetch. Call `release` with a result once the prefill that
+        uses it ended."""
+        engine = self.rt.engine
+        want = min(holder_blocks, (prompt_len - 1) // engine.cfg.block_size)
+        if holder_url is None or want <= 0:
+            return None
+        wanted = hashes[:want]
+        local = await self.rt.aengine.call(lambda: engine.cached_prefix_blocks(wanted))
+        if local >= want:
+            return None
+        return await self.fetch(request_id, holder_url, wanted, local, deadline)
+
     async def fetch(
         self,
         request_id: RequestId,

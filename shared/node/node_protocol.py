@@ -70,9 +70,24 @@ class NodeGenerateRequest(_Message):
     cache_salt: str | None
     deadline: float
     prefill_node_id: NodeId | None = None
+    fetch_from_url: str | None = None
+    """Only when this node computes the prompt (prefill_node_id None): the internal URL of a node the index
+    says holds `fetch_blocks` leading prompt blocks this node lacks; fetch them from it first (the cost
+    model's `local_fetch`)."""
+    fetch_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_request(self.request_id, self.prompt_token_ids, self.deadline)
+        _check_fetch(self.fetch_from_url, self.fetch_blocks)
+        if self.fetch_from_url is not None and self.prefill_node_id is not None:
+            raise ValueError(
+                "fetch_from_url names a holder for a prompt this node computes: no prefill_node_id"
+            )
+
+
+def _check_fetch(url: str | None, blocks: int) -> None:
+    if blocks < 0 or (blocks > 0) != bool(url):
+        raise ValueError(f"fetch_blocks {blocks} must be > 0 exactly when fetch_from_url is set ({url!r})")
 
 
 @dataclass(frozen=True)
@@ -98,11 +113,7 @@ class PrefillRequest(_Message):
                 f"decode_node_id {self.decode_node_id!r} and decode_transfer_addr "
                 f"{self.decode_transfer_addr!r} must both be set"
             )
-        if self.fetch_blocks < 0 or (self.fetch_blocks > 0) != bool(self.fetch_from_url):
-            raise ValueError(
-                f"fetch_blocks {self.fetch_blocks} must be > 0 exactly when fetch_from_url is set "
-                f"({self.fetch_from_url!r})"
-            )
+        _check_fetch(self.fetch_from_url, self.fetch_blocks)
 
 
 @dataclass(frozen=True)
