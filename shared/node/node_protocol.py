@@ -47,6 +47,11 @@ def _check_token_ids(name: str, ids: tuple[int, ...], allow_empty: bool) -> None
         raise ValueError(f"{name} holds negative token ids, e.g. {bad[0]}")
 
 
+def _check_deadline(deadline: float) -> None:
+    if not math.isfinite(deadline) or deadline <= 0:
+        raise ValueError(f"deadline must be positive unix seconds, got {deadline!r}")
+
+
 @dataclass(frozen=True)
 class _PromptRequest(_Message):
     """Router -> node, a prompt to work on: the fields and checks NodeGenerateRequest and PrefillRequest
@@ -61,8 +66,7 @@ class _PromptRequest(_Message):
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id is empty")
-        if not math.isfinite(self.deadline) or self.deadline <= 0:
-            raise ValueError(f"deadline must be positive unix seconds, got {self.deadline!r}")
+        _check_deadline(self.deadline)
         _check_token_ids("prompt_token_ids", self.prompt_token_ids, allow_empty=False)
 
 
@@ -111,8 +115,7 @@ class ExportRequest(_Message):
     def __post_init__(self) -> None:
         if not self.transfer_id:
             raise ValueError("transfer_id is empty")
-        if not math.isfinite(self.deadline) or self.deadline <= 0:
-            raise ValueError(f"deadline must be positive unix seconds, got {self.deadline!r}")
+        _check_deadline(self.deadline)
         if not self.block_hashes or any(len(h) != 32 for h in self.block_hashes):
             raise ValueError("block_hashes must be a non-empty list of 32-byte hashes")
         if not self.fetcher_transfer_addr:
