@@ -37,14 +37,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.ops import AttentionMetadata, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.loader import LoadedModel, load_model
-from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model import LlamaModel, rope_inv_freq
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
 from pdserve.shared.types import RequestId
 
@@ -298,10 +298,12 @@ def attention_bandwidth(c: ModelConfig, dev: torch.device, batch: int = 64, ctx:
     kv = torch.randn(2, batch * per_seq, block, c.num_kv_heads, c.head_dim, device=dev, dtype=torch.bfloat16)
     tables = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
     meta = AttentionMetadata(
+        positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
         slot_mapping=torch.zeros(batch, dtype=torch.int64, device=dev),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
         block_tables=tables, max_query_len=1, max_seq_len=ctx,
+        rope=RopeTables.from_inv_freq(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), ctx, dev),
     )  # fmt: skip
     q = torch.randn(batch, c.num_heads, c.head_dim, device=dev, dtype=torch.bfloat16)
     ops = TritonOps()

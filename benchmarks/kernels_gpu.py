@@ -18,10 +18,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import triton.testing
-from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.ops import AttentionMetadata, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_attention import choose_num_splits
 from pdserve.kernels.triton_ops import TritonOps
+from pdserve.shared.model.model import rope_inv_freq
 
 GIB = 1024**3
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -53,12 +54,14 @@ def paged_batch(
         q_starts.append(q_starts[-1] + new)
     q = torch.randn(q_starts[-1], n_heads, head_dim, device=device).to(dtype)
     meta = AttentionMetadata(
+        positions=torch.cat([torch.arange(ctx, ctx + new, device=device) for ctx, new in specs]),
         slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(q_starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         block_tables=tables,
         max_query_len=max(new for _, new in specs),
         max_seq_len=max(lens),
+        rope=RopeTables.from_inv_freq(rope_inv_freq(head_dim, 10000.0, None), max(lens), device),
     )
     return q, kv, meta
 

@@ -16,20 +16,49 @@ import torch
 
 
 @dataclass(frozen=True)
+class RopeTables:
+    """Rotate-half RoPE's tables, cos and sin: [P, D/2] fp32 each, row p for position p (every position a
+    step uses is < P). Checked once here, where they are built, rather than at every layer's call."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __post_init__(self) -> None:
+        for name, table in (("cos", self.cos), ("sin", self.sin)):
+            assert table.dtype == torch.float32 and table.dim() == 2, (
+                f"RoPE {name} must be fp32 [P, D/2], got {table.dtype} {tuple(table.shape)}"
+            )
+        assert self.cos.shape == self.sin.shape and self.cos.device == self.sin.device, (
+            f"RoPE cos {tuple(self.cos.shape)} on {self.cos.device} and sin {tuple(self.sin.shape)} on "
+            f"{self.sin.device} differ"
+        )
+        assert self.cos.is_contiguous() and self.sin.is_contiguous(), "RoPE tables must be contiguous"
+
+    @classmethod
+    def from_inv_freq(cls, inv_freq: torch.Tensor, max_positions: int, device: torch.device) -> RopeTables:
+        """inv_freq: [D/2] fp32 inverse frequencies -> the tables of positions 0..max_positions-1."""
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [P, D/2]
+        return cls(angles.cos().to(device), angles.sin().to(device))
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
-    """Batch layout of one forward step over T query tokens from S sequences.
+    """What every layer of one forward step over T query tokens from S sequences reads besides its own
+    weights and KV: built once per step (the CUDA-graph path builds it once, over its static buffers).
 
     Sequence s owns query tokens [query_start_loc[s], query_start_loc[s+1]); those are the last
     q_len_s tokens of its context of seq_lens[s] tokens (cached prefix + new), so query token i of
     sequence s sits at position seq_lens[s] - q_len_s + i and attends causally to positions <= it.
     """
 
-    slot_mapping: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, each query token's position: its row of the RoPE tables
+    slot_mapping: torch.Tensor  # [T] int64, where its K and V go (-1: nowhere)
     query_start_loc: torch.Tensor  # [S+1] int32, on the compute device
     seq_lens: torch.Tensor  # [S] int32
     block_tables: torch.Tensor  # [S, max_blocks] int32; entries past a sequence's blocks are ignored
     max_query_len: int
     max_seq_len: int
+    rope: RopeTables  # the model's, the same every step
 
     @property
     def num_seqs(self) -> int:
@@ -73,19 +102,12 @@ class AttentionOps(Protocol):
         (rms_norm(residual), residual)."""
 
     def rope_write_kv(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        num_heads: int,
+        self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:
-        """Rotate-half RoPE in fp32, then the KV write. qkv: [T, (Hq + 2 Hkv) * D] (q | k | v heads);
-        positions: [T] int64 rows of cos, sin: [P, D/2] fp32 (every position < P). Rotates q in place in
-        qkv and writes rotated k and v to slot slot_mapping[t] (skips -1); qkv's k and v columns are left
-        as they were. Returns q: [T, Hq, D], a view of qkv."""
+        """Rotate-half RoPE in fp32 at meta.positions, then the KV write. qkv: [T, (Hq + 2 Hkv) * D]
+        (q | k | v heads). Rotates q in place in qkv and writes rotated k and v to slot
+        meta.slot_mapping[t] (skips -1); qkv's k and v columns are left as they were. Returns q:
+        [T, Hq, D], a view of qkv."""
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2F] (gate | up) -> silu(gate) * up: [T, F], silu rounded before the product."""

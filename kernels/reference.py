@@ -95,14 +95,7 @@ class ReferenceOps:
         return self.rms_norm(residual, weight, eps), residual
 
     def rope_write_kv(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        num_heads: int,
+        self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:
         check_kv_layer(kv_layer)
         n_tokens = qkv.shape[0]
@@ -111,13 +104,14 @@ class ReferenceOps:
         assert qkv.shape[1] == q_cols + 2 * n_kv * head_dim, (qkv.shape, num_heads, kv_layer.shape)
         qk = qkv[:, : q_cols + n_kv * head_dim].view(n_tokens, num_heads + n_kv, head_dim)
         half = head_dim // 2
-        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D/2] fp32
+        rope, positions = meta.rope, meta.positions
+        c, s = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # [T, 1, D/2] fp32
         x1, x2 = qk[..., :half].float(), qk[..., half:].float()  # [T, Hq + Hkv, D/2] each
         rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)  # [T, Hq + Hkv, D]
         q = qk[:, :num_heads]  # q: [T, Hq, D], a view of qkv
         q.copy_(rotated[:, :num_heads])
         v = qkv[:, q_cols + n_kv * head_dim :].view(n_tokens, n_kv, head_dim)  # v: [T, Hkv, D]
-        self.write_kv(rotated[:, num_heads:], v, kv_layer, slot_mapping)
+        self.write_kv(rotated[:, num_heads:], v, kv_layer, meta.slot_mapping)
         return q
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from pdserve.kernels.ops import AttentionMetadata
 
 _SILU_BLOCK = 1024  # elements of one row per program
 
@@ -114,18 +115,9 @@ def rms_norm(
     return out
 
 
-def rope_write_kv(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    kv_layer: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-) -> None:
-    """qkv: [T, (Hq + 2 Hkv) * D], rows of q | k | v heads; q is rotated in place, rotated k and v go
-    to slot_mapping[t] of kv_layer [2, N, B, Hkv, D] (skipped where -1). positions: [T] int64 rows of
-    cos, sin: [P, D/2] fp32."""
+def rope_write_kv(qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int) -> None:
+    """qkv: [T, (Hq + 2 Hkv) * D], rows of q | k | v heads; q is rotated in place at meta.positions,
+    rotated k and v go to meta.slot_mapping[t] of kv_layer [2, N, B, Hkv, D] (skipped where -1)."""
     n_tokens = qkv.shape[0]
     if n_tokens == 0:
         return
@@ -133,8 +125,8 @@ def rope_write_kv(
     half = head_dim // 2
     k_cache, v_cache = kv_layer[0], kv_layer[1]  # [N, B, Hkv, D]: slot = block * B + offset
     _rope_write_kv_kernel[(n_tokens,)](
-        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
-        qkv.stride(0), cos.stride(0), k_cache.stride(1), k_cache.stride(2),
+        qkv, meta.positions, meta.rope.cos, meta.rope.sin, k_cache, v_cache, meta.slot_mapping,
+        qkv.stride(0), meta.rope.cos.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_Q=num_heads, N_KV=n_kv, HALF=half, Q_PAD=triton.next_power_of_2(num_heads),
         KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half), num_warps=4,
     )  # fmt: skip

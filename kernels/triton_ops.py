@@ -165,17 +165,11 @@ class TritonOps:
         return triton_fused.rms_norm(x, residual, weight, eps), residual
 
     def rope_write_kv(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        num_heads: int,
+        self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:
         """Rotates q in place in qkv [T, (Hq + 2 Hkv) * D], writes rotated k and v to the cache; returns
-        q: [T, Hq, D], a view of qkv. Positions are not range-checked (that would read the device)."""
+        q: [T, Hq, D], a view of qkv. Positions are not range-checked (that would read the device); the
+        RoPE tables checked themselves when they were built."""
         _check_cache(kv_layer)
         n_kv, head_dim = kv_layer.shape[3], kv_layer.shape[4]
         width = (num_heads + 2 * n_kv) * head_dim
@@ -187,19 +181,14 @@ class TritonOps:
         _check_float("qkv", qkv, kv_layer.device)
         assert qkv.stride(1) == 1, f"qkv must be contiguous along its columns, got strides {qkv.stride()}"
         n_tokens = qkv.shape[0]
-        _check_index("positions", positions, torch.int64, kv_layer.device, (n_tokens,))
-        _check_index("slot_mapping", slot_mapping, torch.int64, kv_layer.device, (n_tokens,))
-        for name, table in (("cos", cos), ("sin", sin)):
-            assert table.dtype == torch.float32 and table.dim() == 2 and table.shape[1] == head_dim // 2, (
-                f"{name} must be fp32 [P, {head_dim // 2}], got {table.dtype} {tuple(table.shape)}"
-            )
-            assert table.device == kv_layer.device, (
-                f"{name} is on {table.device} but kv_layer is on {kv_layer.device}"
-            )
-            assert table.stride(1) == 1 and table.stride(0) == cos.stride(0), (
-                f"cos and sin must share row strides with contiguous rows, got {cos.stride()}, {sin.stride()}"
-            )
-        triton_fused.rope_write_kv(qkv, positions, cos, sin, kv_layer, slot_mapping, num_heads)
+        _check_index("positions", meta.positions, torch.int64, kv_layer.device, (n_tokens,))
+        _check_index("slot_mapping", meta.slot_mapping, torch.int64, kv_layer.device, (n_tokens,))
+        cos = meta.rope.cos
+        assert cos.shape[1] == head_dim // 2 and cos.device == kv_layer.device, (
+            f"RoPE tables must be [P, {head_dim // 2}] on {kv_layer.device}, got {tuple(cos.shape)} on "
+            f"{cos.device}"
+        )
+        triton_fused.rope_write_kv(qkv, kv_layer, meta, num_heads)
         return qkv[:, : num_heads * head_dim].view(n_tokens, num_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -116,22 +116,27 @@ class HandshakeError(KVTransferError):
         self.detail = detail
 
 
-class TransferRefused(KVTransferError):
+class _TransferFailed(KVTransferError):
+    """One transfer failed (`transfer_id`); `reason` says why, `outcome` how."""
+
+    outcome = "failed"
+
+    def __init__(self, transfer_id: str, reason: str) -> None:
+        super().__init__(f"transfer {transfer_id!r} {self.outcome}: {reason}")
+        self.transfer_id = transfer_id
+        self.reason = reason
+
+
+class TransferRefused(_TransferFailed):
     """D declined OPEN (no free blocks, unknown request, past deadline...); nothing is reserved."""
 
-    def __init__(self, transfer_id: str, reason: str) -> None:
-        super().__init__(f"transfer {transfer_id!r} refused: {reason}")
-        self.transfer_id = transfer_id
-        self.reason = reason
+    outcome = "refused"
 
 
-class TransferAborted(KVTransferError):
+class TransferAborted(_TransferFailed):
     """The transfer ended without ACK; D has released (or will release) its reservation."""
 
-    def __init__(self, transfer_id: str, reason: str) -> None:
-        super().__init__(f"transfer {transfer_id!r} aborted: {reason}")
-        self.transfer_id = transfer_id
-        self.reason = reason
+    outcome = "aborted"
 
 
 class OpenRefused(KVTransferError):

@@ -7,9 +7,10 @@ soon as it has the payload, before it checks and encodes the frame's header (fra
 Both ends must run on one host; CUDA opens IPC memory of a GPU the process does not otherwise see, so
 per-process CUDA_VISIBLE_DEVICES is fine.
 
-Setup (`authenticated`, after the handshake; the record's fields are in docs/kv_transfer_protocol.md): D
-exports its window (`CudaIpcOptions.window_bytes`), SLOTS interprocess "freed" events and a shared-memory
-file (the progress counter and the ACK doorbell); P maps them and answers with SLOTS "copied" events.
+Setup (`authenticated`, after the handshake; two records through the one codec, versioned with the
+protocol): D exports its window (`CudaIpcOptions.window_bytes`), SLOTS interprocess "freed" events and a
+shared-memory file (the progress counter and the ACK doorbell) in a `WindowOffer`; P maps them and answers
+with SLOTS "copied" events in a `WindowAccept`.
 
 Frames: payload k of a connection lands at an offset both ends compute alike (`WindowRing`), so no offset
 travels. P waits on the host until D has released frame `must` (the newest earlier frame whose bytes the new
@@ -39,13 +40,12 @@ import struct
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
 
-import msgpack
 import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
-from pdserve.kvtransfer.common import ConnectionLost
+from pdserve.kvtransfer.common import ConnectionLost, ProtocolError
 from pdserve.kvtransfer.connector import ConnectorConfig, CudaIpcOptions
+from pdserve.kvtransfer.cuda_ipc_setup import WindowAccept, WindowOffer, recv_record, send_record
 from pdserve.kvtransfer.device_sync import on_device, on_stream, poll
 from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, Doorbell, SharedFile, open_shared
 from pdserve.kvtransfer.tcp import ControlChannel, ControlTransport, TcpChannel
@@ -53,9 +53,6 @@ from pdserve.kvtransfer.window_ring import SLOTS, WindowRing
 
 log = logging.getLogger("pdserve.kvtransfer")
 
-RECORD_LEN = struct.Struct("<I")
-MAX_RECORD_BYTES = 1 << 16
-SETUP_MAGIC = "pdserve-cuda-ipc-1"
 SHM_PREFIX = "pdserve-ipc-"
 COUNTER = struct.Struct("<q")
 SHM_BYTES = COUNTER.size + DOORBELL_BYTES  # the progress counter, then the ACK doorbell
@@ -73,23 +70,8 @@ def _event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
 
 
-def _handles(events: list[torch.cuda.Event]) -> list[bytes]:
-    return [bytes(event.ipc_handle()) for event in events]
-
-
-def _field(record: dict[str, Any], name: str, kind: type) -> Any:
-    value = record.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) is not (kind is bool):
-        got = type(value).__name__
-        raise ConnectionLost(f"cuda_ipc setup record: {name!r} is {got}, not {kind.__name__}")
-    return value
-
-
-def _event_list(record: dict[str, Any], name: str) -> list[bytes]:
-    value = _field(record, name, list)
-    if len(value) != SLOTS or not all(isinstance(h, bytes) for h in value):
-        raise ConnectionLost(f"cuda_ipc setup record: {name!r} must hold {SLOTS} event handles")
-    return value
+def _handles(events: list[torch.cuda.Event]) -> tuple[bytes, ...]:
+    return tuple(bytes(event.ipc_handle()) for event in events)
 
 
 class IpcChannel(ControlChannel):
@@ -120,22 +102,6 @@ class IpcChannel(ControlChannel):
     def payload_limit(self) -> int:
         return self._window_bytes
 
-    async def _send_record(self, record: dict[str, Any]) -> None:
-        body = msgpack.packb(record, use_bin_type=True)
-        await self._control.send(RECORD_LEN.pack(len(body)), body, None)
-
-    async def _recv_record(self) -> dict[str, Any]:
-        (size,) = RECORD_LEN.unpack(await self._control.recv_exact(RECORD_LEN.size))
-        if size > MAX_RECORD_BYTES:
-            raise ConnectionLost(f"cuda_ipc setup record of {size} B from {self.peer}")
-        try:
-            record = msgpack.unpackb(await self._control.recv_exact(size), raw=False)
-        except (ValueError, msgpack.UnpackException) as e:
-            raise ConnectionLost(f"cuda_ipc setup record from {self.peer} is not msgpack: {e}") from e
-        if not isinstance(record, dict) or record.get("magic") != SETUP_MAGIC:
-            raise ConnectionLost(f"{self.peer} sent no cuda_ipc setup record")
-        return record
-
     async def authenticated(self) -> None:
         self._check()
         try:
@@ -159,32 +125,22 @@ class IpcChannel(ControlChannel):
         self._counter = self._shared.mapping
         self._doorbell = Doorbell(self._counter, COUNTER.size)
         _, handle, size, offset, rc_handle, rc_offset, event, event_sync = shared
-        await self._send_record(
-            {
-                "magic": SETUP_MAGIC,
-                "handle": bytes(handle),
-                "size": int(size),
-                "offset": int(offset),
-                "ref_counter": bytes(rc_handle),
-                "ref_counter_offset": int(rc_offset),
-                "event": bytes(event or b""),
-                "event_sync": bool(event_sync),
-                "freed": freed,
-                "progress": self._shared.token,
-            }
-        )
-        reply = await self._recv_record()
+        offer = WindowOffer(
+            bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset), bytes(event or b""),
+            bool(event_sync), freed, self._shared.token,
+        )  # fmt: skip
+        await send_record(self._control, offer)
+        reply = await recv_record(self._control, WindowAccept)
         with on_device(self._device):
-            copied = _event_list(reply, "copied")
-            self._copied = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in copied]
+            self._copied = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in reply.copied]
         self._unlink()
 
     async def _setup_sender(self) -> None:
-        record = await self._recv_record()
+        offer = await recv_record(self._control, WindowOffer)
         try:
-            self._counter = open_shared(SHM_PREFIX, _field(record, "progress", bytes), SHM_BYTES)
+            self._counter = open_shared(SHM_PREFIX, offer.progress, SHM_BYTES)
         except ValueError as e:
-            raise ConnectionLost(f"cuda_ipc setup record: {e}") from None
+            raise ProtocolError(f"cuda_ipc setup record from {self.peer}: {e}") from None
         if self._counter is None:
             raise ConnectionLost(f"{self.peer}'s progress counter is not on this host (cuda_ipc needs one)")
         self._doorbell = Doorbell(self._counter, COUNTER.size)
@@ -193,15 +149,9 @@ class IpcChannel(ControlChannel):
             # Mapped into this process's own device: copies into it run on this GPU's copy engines (mapped
             # as the owner's device they are far slower: docs/kv_transfer_protocol.md, "Measurements").
             storage = torch.UntypedStorage._new_shared_cuda(
-                index,
-                _field(record, "handle", bytes),
-                _field(record, "size", int),
-                _field(record, "offset", int),
-                _field(record, "ref_counter", bytes),
-                _field(record, "ref_counter_offset", int),
-                _field(record, "event", bytes),
-                _field(record, "event_sync", bool),
-            )
+                index, offer.handle, offer.size, offer.offset, offer.ref_counter, offer.ref_counter_offset,
+                offer.event, offer.event_sync,
+            )  # fmt: skip
             window = torch.empty(0, dtype=torch.uint8, device=self._device).set_(storage)
             if window.numel() < self._window_bytes:
                 raise ConnectionLost(
@@ -209,13 +159,11 @@ class IpcChannel(ControlChannel):
                     f"this end's window_bytes is {self._window_bytes}"
                 )
             self._window = window
-            self._freed = [
-                torch.cuda.Event.from_ipc_handle(self._device, h) for h in _event_list(record, "freed")
-            ]
+            self._freed = [torch.cuda.Event.from_ipc_handle(self._device, h) for h in offer.freed]
             self._copied = [_event() for _ in range(SLOTS)]
             copied = _handles(self._copied)
             self._stream = torch.cuda.Stream(self._device)
-        await self._send_record({"magic": SETUP_MAGIC, "copied": copied})
+        await send_record(self._control, WindowAccept(copied))
 
     def _released(self) -> int:
         """Frames D has released so far (read from the shared counter)."""

@@ -14,11 +14,14 @@ gets a communicator.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
+from collections.abc import AsyncIterator
 
 from pdserve.kvtransfer.common import ConnectionLost, HandshakeError, PeerIdentity, ProtocolError
+from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.framing import FramedConnection, VersionMismatch
 from pdserve.kvtransfer.messages import PROTOCOL_VERSION, Auth, Error, Hello, Message, Ready
 
@@ -73,56 +76,75 @@ async def _expect(conn: FramedConnection, kind: type[Message]) -> Message:
     return msg
 
 
-async def client_handshake(
-    conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool, liveness_s: float
-) -> Hello:
-    """P's side; returns D's HELLO once D sent READY."""
-    nonce_p = os.urandom(NONCE_BYTES)
-    hello = Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_p, checksum, b"", liveness_s)
-    await conn.send(hello)
-    peer = await _expect(conn, Hello)
-    assert isinstance(peer, Hello)
-    problem = _mismatch(me, peer)
-    if problem is not None:
-        raise await _refuse(conn, *problem)
-    expected = _proof(token, b"receiver", nonce_p, peer.nonce, me.node_id, peer.node_id)
-    if not hmac.compare_digest(expected, peer.proof):
-        raise await _refuse(
-            conn, "auth", f"receiver {peer.node_id!r} failed the HMAC challenge (token differs)"
-        )
-    await conn.send(Auth(_proof(token, b"sender", nonce_p, peer.nonce, me.node_id, peer.node_id)))
-    await _expect(conn, Ready)
-    conn.authenticated = True
-    conn.checksum = checksum or peer.checksum
-    conn.peer_liveness_s = peer.liveness_s
-    await conn.channel.authenticated()
+@contextlib.asynccontextmanager
+async def _in_time(conn: FramedConnection, timeout_s: float) -> AsyncIterator[None]:
+    """The handshake's time limit: past it, HandshakeError `timeout`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError:
+        raise HandshakeError(
+            "timeout", f"{conn.channel.peer} did not finish the handshake within {timeout_s}s"
+        ) from None
+
+
+async def client_handshake(conn: FramedConnection, config: ConnectorConfig, me: PeerIdentity) -> Hello:
+    """P's side, within config.handshake_timeout_s; returns D's HELLO once D sent READY."""
+    token = config.auth_token
+    async with _in_time(conn, config.handshake_timeout_s):
+        nonce_p = os.urandom(NONCE_BYTES)
+        await conn.send(_hello(config, me, nonce_p, proof=b""))
+        peer = await _expect(conn, Hello)
+        assert isinstance(peer, Hello)
+        problem = _mismatch(me, peer)
+        if problem is not None:
+            raise await _refuse(conn, *problem)
+        expected = _proof(token, b"receiver", nonce_p, peer.nonce, me.node_id, peer.node_id)
+        if not hmac.compare_digest(expected, peer.proof):
+            raise await _refuse(
+                conn, "auth", f"receiver {peer.node_id!r} failed the HMAC challenge (token differs)"
+            )
+        await conn.send(Auth(_proof(token, b"sender", nonce_p, peer.nonce, me.node_id, peer.node_id)))
+        await _expect(conn, Ready)
+        _authenticated(conn, config, peer)
+        await conn.channel.authenticated()
     return peer
 
 
-async def server_handshake(
-    conn: FramedConnection, token: str, me: PeerIdentity, checksum: bool, liveness_s: float
-) -> Hello:
-    """D's side; returns P's HELLO after sending READY."""
-    peer = await _expect(conn, Hello)
-    assert isinstance(peer, Hello)
-    problem = _mismatch(me, peer)
-    if problem is not None:
-        raise await _refuse(conn, *problem)
-    nonce_d = os.urandom(NONCE_BYTES)
-    proof = _proof(token, b"receiver", peer.nonce, nonce_d, peer.node_id, me.node_id)
-    await conn.send(
-        Hello(PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce_d, checksum, proof, liveness_s)
-    )
-    auth = await _expect(conn, Auth)
-    assert isinstance(auth, Auth)
-    expected = _proof(token, b"sender", peer.nonce, nonce_d, peer.node_id, me.node_id)
-    if not hmac.compare_digest(expected, auth.proof):
-        raise await _refuse(
-            conn, "auth", f"sender {peer.node_id!r} failed the HMAC challenge (token differs)"
-        )
-    await conn.send(Ready())
-    conn.authenticated = True
-    conn.checksum = checksum or peer.checksum
-    conn.peer_liveness_s = peer.liveness_s
-    await conn.channel.authenticated()
+async def server_handshake(conn: FramedConnection, config: ConnectorConfig, me: PeerIdentity) -> Hello:
+    """D's side, within config.handshake_timeout_s; returns P's HELLO after sending READY."""
+    token = config.auth_token
+    async with _in_time(conn, config.handshake_timeout_s):
+        peer = await _expect(conn, Hello)
+        assert isinstance(peer, Hello)
+        problem = _mismatch(me, peer)
+        if problem is not None:
+            raise await _refuse(conn, *problem)
+        nonce_d = os.urandom(NONCE_BYTES)
+        proof = _proof(token, b"receiver", peer.nonce, nonce_d, peer.node_id, me.node_id)
+        await conn.send(_hello(config, me, nonce_d, proof))
+        auth = await _expect(conn, Auth)
+        assert isinstance(auth, Auth)
+        expected = _proof(token, b"sender", peer.nonce, nonce_d, peer.node_id, me.node_id)
+        if not hmac.compare_digest(expected, auth.proof):
+            raise await _refuse(
+                conn, "auth", f"sender {peer.node_id!r} failed the HMAC challenge (token differs)"
+            )
+        await conn.send(Ready())
+        _authenticated(conn, config, peer)
+        await conn.channel.authenticated()
     return peer
+
+
+def _hello(config: ConnectorConfig, me: PeerIdentity, nonce: bytes, proof: bytes) -> Hello:
+    return Hello(
+        PROTOCOL_VERSION, me.node_id, me.fingerprint, me.layout, nonce, config.frame_checksum, proof,
+        config.liveness_s,
+    )  # fmt: skip
+
+
+def _authenticated(conn: FramedConnection, config: ConnectorConfig, peer: Hello) -> None:
+    """Either end after READY: the connection checksums if either end asks, and knows the peer's liveness."""
+    conn.authenticated = True
+    conn.checksum = config.frame_checksum or peer.checksum
+    conn.peer_liveness_s = peer.liveness_s

@@ -1,4 +1,4 @@
-"""The messages of KV-transfer protocol v5 and their header encoding (docs/kv_transfer_protocol.md).
+"""The messages of KV-transfer protocol v6 and their header encoding (docs/kv_transfer_protocol.md).
 
 Each message is a frozen dataclass with a one-byte wire type; its header is the one codec's msgpack map of its
 fields and the version (shared/wire.py: tuples as arrays, bytes as bin, `KVLayout` and `FirstToken` as nested
@@ -16,7 +16,7 @@ from pdserve.kvtransfer.common import ProtocolError
 from pdserve.shared.types import FirstToken, KVLayout
 from pdserve.shared.wire import Codec, WireError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclass(frozen=True)

@@ -146,20 +146,7 @@ class ChannelServer:
     async def _handshake(self, conn: FramedConnection) -> str | None:
         """The sender's node id, or None (logged) when it is refused or leaves before READY."""
         try:
-            async with asyncio.timeout(self.config.handshake_timeout_s):
-                hello = await server_handshake(
-                    conn,
-                    self.config.auth_token,
-                    self.identity,
-                    self.config.frame_checksum,
-                    self.config.liveness_s,
-                )
-        except TimeoutError:
-            log.warning(
-                "refused sender from %s: no handshake within %ss",
-                conn.channel.peer,
-                self.config.handshake_timeout_s,
-            )
+            hello = await server_handshake(conn, self.config, self.identity)
         except (HandshakeError, ProtocolError, ConnectionLost) as e:
             log.warning("refused sender from %s: %s", conn.channel.peer, e)
         else:

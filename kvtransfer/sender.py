@@ -338,17 +338,7 @@ class ChannelSender:
         channel = await self.transport.dial(host, port, self.config.connect_timeout_s)
         conn = FramedConnection(channel, self.config.max_payload_bytes)
         try:
-            async with asyncio.timeout(self.config.handshake_timeout_s):
-                peer = await client_handshake(
-                    conn,
-                    self.config.auth_token,
-                    self.identity,
-                    self.config.frame_checksum,
-                    self.config.liveness_s,
-                )
-        except TimeoutError:
-            channel.abort()
-            raise HandshakeError("timeout", f"{address} did not finish the handshake in time") from None
+            peer = await client_handshake(conn, self.config, self.identity)
         except (HandshakeError, ProtocolError, ConnectionLost) as e:
             channel.abort()
             log.warning("handshake with %s failed: %s", address, e)

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pdserve.shared.wire import Codec
+from pdserve.shared.wire import Codec, JsonMessage
 
 CODEC = Codec("placement rates", 1)
 Option = Literal["local", "local_fetch", "pd", "pd_fetch"]
@@ -37,8 +37,11 @@ _PRIOR_OVERHEAD_S = 0.005
 
 
 @dataclass
-class Rates:
-    """What the model has learned (or, before any observation, its priors)."""
+class Rates(JsonMessage):
+    """What the model has learned (or, before any observation, its priors). Its JSON (the one codec's,
+    versioned) is the record the router keeps in the index for `kvctl where`."""
+
+    codec = CODEC
 
     prefill_s_per_token: dict[int, float] = field(default_factory=dict)
     """By prompt-length bucket (the bucket's upper bound, a power of two)."""
@@ -47,14 +50,6 @@ class Rates:
     transfer_s_per_block: float = 1e-4
     overhead_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPTIONS, _PRIOR_OVERHEAD_S))
     observations: int = 0
-
-    def to_json(self) -> bytes:
-        """The record the router keeps in the index for `kvctl where` (the one codec's versioned JSON)."""
-        return CODEC.to_json(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> Rates:
-        return CODEC.from_json(cls, data)
 
 
 def bucket(tokens: int) -> int:

@@ -28,7 +28,7 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 import msgpack
 
@@ -128,6 +128,20 @@ class Codec:
         if dec is None:
             dec = self._decoders[key] = _dataclass_check(cls, as_json)
         return dec
+
+
+class JsonMessage:
+    """A message whose JSON form is its protocol's codec's, named by `codec` in the subclass (a frozen
+    dataclass, or the base of one protocol's messages): `to_json` and `from_json` at every call site."""
+
+    codec: ClassVar[Codec]
+
+    def to_json(self) -> bytes:
+        return self.codec.to_json(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Self:
+        return cls.codec.from_json(cls, data)
 
 
 # ---- compiling a type into its checker and encoder -----------------------------------------------------

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import triton
+from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.engine.config import EngineConfig
@@ -69,9 +70,19 @@ def test_rope_write_kv_and_silu_mul_on_gpu(dtype: torch.dtype, n_tokens: int) ->
     slots = torch.randperm(64 * 16, device=dev)[:n_tokens]
     slots[0] = -1
     kv = torch.zeros(2, 64, 16, hkv, d, device=dev, dtype=dtype)
+    meta = AttentionMetadata(  # n_tokens one-token sequences: what RoPE + KV write read
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=torch.arange(n_tokens + 1, dtype=torch.int32, device=dev),
+        seq_lens=(positions + 1).to(torch.int32),
+        block_tables=torch.zeros(n_tokens, C.max_position_embeddings // 16, dtype=torch.int32, device=dev),
+        max_query_len=1,
+        max_seq_len=C.max_position_embeddings,
+        rope=model.rope,
+    )
     kv_ref, qkv_ref = kv.clone(), qkv.clone()
-    q = TRI.rope_write_kv(qkv, positions, model.rope_cos, model.rope_sin, kv, slots, hq)
-    q_ref = REF.rope_write_kv(qkv_ref, positions, model.rope_cos, model.rope_sin, kv_ref, slots, hq)
+    q = TRI.rope_write_kv(qkv, kv, meta, hq)
+    q_ref = REF.rope_write_kv(qkv_ref, kv_ref, meta, hq)
     _ulp_close(q, q_ref)
     _ulp_close(kv, kv_ref)
     gate_up = torch.randn(n_tokens, 2 * C.intermediate_size, device=dev).to(dtype) * 4

@@ -16,7 +16,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 import triton
-from pdserve.kernels.ops import AttentionMetadata, AttentionOps
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_fused import _rms_norm_kernel
 from pdserve.kernels.triton_ops import TritonOps
@@ -74,26 +74,36 @@ def test_rms_norm_strided_rows() -> None:
 
 def _rope_case(
     dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """qkv [6, (Hq + 2 Hkv) * D], a poisoned cache [2, 3, 16, Hkv, D] and the metadata of six one-token
+    sequences at scattered positions (what RoPE + KV write read: positions, slots and the tables)."""
     gen = torch.Generator().manual_seed(head_dim + n_q)
-    n_tokens, max_pos = 6, 300
-    inv_freq = rope_inv_freq(head_dim, 10000.0, None)
-    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)  # [P, D/2]
-    qkv = torch.randn(n_tokens, (n_q + 2 * n_kv) * head_dim, generator=gen).to(dtype)
+    max_pos = 300
+    qkv = torch.randn(6, (n_q + 2 * n_kv) * head_dim, generator=gen).to(dtype)
     positions = torch.tensor([0, 1, 17, 299, 5, 128], dtype=torch.int64)
-    # slot -1: a padding row, whose q is still rotated but whose K/V go nowhere
-    slots = torch.tensor([3, 0, 31, -1, 16, 8], dtype=torch.int64)
+    meta = AttentionMetadata(
+        positions=positions,
+        # slot -1: a padding row, whose q is still rotated but whose K/V go nowhere
+        slot_mapping=torch.tensor([3, 0, 31, -1, 16, 8], dtype=torch.int64),
+        query_start_loc=torch.arange(7, dtype=torch.int32),
+        seq_lens=(positions + 1).to(torch.int32),
+        block_tables=torch.zeros(6, -(-max_pos // 16), dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=max_pos,
+        rope=RopeTables.from_inv_freq(rope_inv_freq(head_dim, 10000.0, None), max_pos, torch.device("cpu")),
+    )
     kv = torch.full((2, 3, 16, n_kv, head_dim), POISON, dtype=dtype)
-    return qkv, positions, angles.cos(), angles.sin(), kv, slots
+    return qkv, kv, meta
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(4, 2, 16), (6, 3, 12), (8, 8, 64)])
 def test_rope_write_kv_matches_reference(dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int) -> None:
-    qkv, positions, cos, sin, kv, slots = _rope_case(dtype, n_q, n_kv, head_dim)
+    qkv, kv, meta = _rope_case(dtype, n_q, n_kv, head_dim)
+    slots = meta.slot_mapping
     qkv_tri, qkv_ref, kv_tri, kv_ref = qkv.clone(), qkv.clone(), kv.clone(), kv.clone()
-    q_tri = TRI.rope_write_kv(qkv_tri, positions, cos, sin, kv_tri, slots, n_q)
-    q_ref = REF.rope_write_kv(qkv_ref, positions, cos, sin, kv_ref, slots, n_q)
+    q_tri = TRI.rope_write_kv(qkv_tri, kv_tri, meta, n_q)
+    q_ref = REF.rope_write_kv(qkv_ref, kv_ref, meta, n_q)
     assert q_tri.shape == (6, n_q, head_dim) and q_tri.data_ptr() == qkv_tri.data_ptr()  # a view of qkv
     _assert_close(q_tri, q_ref)
     _assert_close(kv_tri, kv_ref)
@@ -109,12 +119,12 @@ def test_rope_write_kv_matches_reference(dtype: torch.dtype, n_q: int, n_kv: int
 
 
 def test_rope_is_the_rotate_half_of_hugging_face_in_fp32() -> None:
-    qkv, positions, cos, sin, kv, slots = _rope_case(torch.float32, 4, 2, 16)
+    qkv, kv, meta = _rope_case(torch.float32, 4, 2, 16)
     q = qkv[:, : 4 * 16].view(6, 4, 16)
-    c, s = cos[positions][:, None], sin[positions][:, None]
+    c, s = meta.rope.cos[meta.positions][:, None], meta.rope.sin[meta.positions][:, None]
     rotate_half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
     want = q * torch.cat((c, c), -1) + rotate_half * torch.cat((s, s), -1)
-    got = TRI.rope_write_kv(qkv.clone(), positions, cos, sin, kv, slots, 4)
+    got = TRI.rope_write_kv(qkv.clone(), kv, meta, 4)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
@@ -128,13 +138,16 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
 
 
 def test_boundary_checks_name_the_bad_value() -> None:
-    qkv, positions, cos, sin, kv, slots = _rope_case(torch.float32, 4, 2, 16)
+    qkv, kv, meta = _rope_case(torch.float32, 4, 2, 16)
     with pytest.raises(AssertionError, match=r"qkv must be \[T, 144\] for 5 q heads"):
-        TRI.rope_write_kv(qkv, positions, cos, sin, kv, slots, 5)
+        TRI.rope_write_kv(qkv, kv, meta, 5)
     with pytest.raises(AssertionError, match=r"positions must be torch.int64"):
-        TRI.rope_write_kv(qkv, positions.int(), cos, sin, kv, slots, 4)
-    with pytest.raises(AssertionError, match=r"cos must be fp32 \[P, 8\]"):
-        TRI.rope_write_kv(qkv, positions, cos.bfloat16(), sin, kv, slots, 4)
+        TRI.rope_write_kv(qkv, kv, dataclasses.replace(meta, positions=meta.positions.int()), 4)
+    with pytest.raises(AssertionError, match=r"RoPE cos must be fp32 \[P, D/2\]"):
+        RopeTables(meta.rope.cos.bfloat16(), meta.rope.sin)
+    narrow = RopeTables(meta.rope.cos[:, :4].contiguous(), meta.rope.sin[:, :4].contiguous())
+    with pytest.raises(AssertionError, match=r"RoPE tables must be \[P, 8\]"):
+        TRI.rope_write_kv(qkv, kv, dataclasses.replace(meta, rope=narrow), 4)
     with pytest.raises(AssertionError, match=r"x dtype torch.bfloat16 must equal the weight's torch.float32"):
         TRI.rms_norm(torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8), 1e-5)
     with pytest.raises(AssertionError, match=r"residual must be \[T, E\] with weight \[E\]"):
@@ -166,14 +179,16 @@ def _prefill_then_decode(model: LlamaModel, ops: AttentionOps, tokens: list[int]
     for start, end in ((0, n - 1), (n - 1, n)):
         pos = torch.arange(start, end)
         meta = AttentionMetadata(
+            positions=pos,
             slot_mapping=table[0, pos // block].long() * block + pos % block,
             query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32),
             block_tables=table,
             max_query_len=end - start,
             max_seq_len=end,
+            rope=model.rope,
         )
-        hidden = model.forward(torch.tensor(tokens[start:end]), pos, kv, meta, ops)
+        hidden = model.forward(torch.tensor(tokens[start:end]), kv, meta, ops)
         rows.append(model.compute_logits(hidden[-1:]))
     return torch.cat(rows)
 

@@ -15,9 +15,11 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
+import msgpack
 import pytest
 import torch
 from pdserve.kernels.reference import ReferenceOps
+from pdserve.kvtransfer.common import ProtocolError
 from pdserve.kvtransfer.connector import (
     CudaIpcOptions,
     FrameBlocks,
@@ -26,8 +28,18 @@ from pdserve.kvtransfer.connector import (
     create_sender,
 )
 from pdserve.kvtransfer.cuda_ipc import live_windows
+from pdserve.kvtransfer.cuda_ipc_setup import (
+    RECORD_LEN,
+    SETUP_CODEC,
+    WindowAccept,
+    WindowOffer,
+    recv_record,
+    send_record,
+)
+from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
 from pdserve.kvtransfer.window_ring import ALIGN, SLOTS, WindowRing
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
+from pdserve.shared.wire import WireError
 from pdserve.tests.test_kvtransfer_protocol import (
     LAYOUT,
     PagedReceiver,
@@ -78,6 +90,66 @@ def test_ring_undo_forgets_the_last_frame_and_refuses_oversized_ones() -> None:
 def test_cuda_ipc_needs_a_gpu_device() -> None:
     with pytest.raises(ValueError, match="needs a CUDA"):
         create_sender(config("cuda_ipc", device="cpu"), identity("prefill-0"))
+
+
+OFFER = WindowOffer(
+    handle=b"h" * 64, size=1 << 20, offset=0, ref_counter=b"r" * 16, ref_counter_offset=8, event=b"",
+    event_sync=False, freed=tuple(bytes([i]) * 64 for i in range(SLOTS)), progress=b"t" * 16,
+)  # fmt: skip
+
+
+def test_setup_records_round_trip_and_malformed_ones_are_refused_by_the_codec() -> None:
+    assert SETUP_CODEC.from_msgpack(WindowOffer, SETUP_CODEC.to_msgpack(OFFER)) == OFFER
+    accept = WindowAccept(OFFER.freed)
+    assert SETUP_CODEC.from_msgpack(WindowAccept, SETUP_CODEC.to_msgpack(accept)) == accept
+    fields = msgpack.unpackb(SETUP_CODEC.to_msgpack(OFFER))
+    bad = [
+        ({**fields, "freed": fields["freed"][1:]}, rf"WindowOffer: freed must hold {SLOTS} event"),
+        ({**fields, "handle": "h" * 64}, r"WindowOffer.handle: expected bytes, got str"),
+        ({**fields, "event_sync": 0}, r"WindowOffer.event_sync: expected bool, got int"),
+        ({k: v for k, v in fields.items() if k != "progress"}, r"lacks field 'progress'"),
+        ({**fields, "magic": "pdserve-cuda-ipc-1"}, r"unknown field\(s\) \['magic'\]"),  # the old record
+        ({**fields, "v": fields["v"] - 1}, r"cuda_ipc setup record version"),
+    ]
+    for record, match in bad:
+        with pytest.raises(WireError, match=match):
+            SETUP_CODEC.from_msgpack(WindowOffer, msgpack.packb(record))
+    with pytest.raises(WireError, match=r"WindowAccept: copied must hold"):
+        SETUP_CODEC.from_msgpack(WindowAccept, msgpack.packb({"v": fields["v"], "copied": []}))
+
+
+def test_setup_records_cross_a_real_connection_and_a_bad_one_is_a_protocol_error() -> None:
+    """D's end reads records as `authenticated` does, over loopback TCP (no GPU needed for the records)."""
+
+    async def scenario() -> None:
+        accepted: asyncio.Queue[TcpChannel] = asyncio.Queue()
+
+        async def on_channel(channel: object) -> None:
+            assert isinstance(channel, TcpChannel)
+            await accepted.put(channel)
+
+        transport = TcpTransport()
+        listener = await transport.listen("127.0.0.1", 0, on_channel)
+        p = await transport.dial("127.0.0.1", listener.port, 5.0)
+        assert isinstance(p, TcpChannel)
+        d = await accepted.get()
+        try:
+            await send_record(d, OFFER)
+            assert await recv_record(p, WindowOffer) == OFFER
+            body = msgpack.packb({"v": SETUP_CODEC.version, "copied": [b"x"]})
+            await p.send(RECORD_LEN.pack(len(body)), body, None)
+            with pytest.raises(ProtocolError, match="bad cuda_ipc setup record") as refused:
+                await recv_record(d, WindowAccept)
+            assert isinstance(refused.value.__cause__, WireError)
+            await p.send(RECORD_LEN.pack(1 << 20), b"", None)  # a length no record has
+            with pytest.raises(ProtocolError, match="setup record of 1048576 B"):
+                await recv_record(d, WindowAccept)
+        finally:
+            await p.close()
+            await d.close()
+            await listener.close()
+
+    run(scenario())
 
 
 def _devices() -> tuple[str, str]:

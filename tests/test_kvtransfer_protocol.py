@@ -206,7 +206,11 @@ async def raw_sender(kind: str, server: KVReceiverServer) -> FramedConnection:
     host, port = parse_address(server.address, kind)
     channel: ByteChannel = await TRANSPORTS[kind]().dial(host, port, 5.0)
     conn = FramedConnection(channel, 1 << 30)
-    await client_handshake(conn, TOKEN, identity("raw-prefill"), checksum=True, liveness_s=60.0)
+    await client_handshake(
+        conn,
+        config(kind, checksum=True, liveness_s=60.0),
+        identity("raw-prefill"),
+    )
     return conn
 
 

@@ -77,15 +77,17 @@ def _paged_logits(loaded: LoadedModel, ids: list[int], prefill: int) -> torch.Te
     for lo, hi in itertools.pairwise(bounds):
         pos = torch.arange(lo, hi)
         meta = AttentionMetadata(
+            positions=pos,
             slot_mapping=table[pos // BLOCK] * BLOCK + pos % BLOCK,
             query_start_loc=torch.tensor([0, hi - lo], dtype=torch.int32),
             seq_lens=torch.tensor([hi], dtype=torch.int32),
             block_tables=table[None].to(torch.int32),
             max_query_len=hi - lo,
             max_seq_len=hi,
+            rope=loaded.model.rope,
         )
         with torch.inference_mode():
-            hidden = loaded.model.forward(tokens[lo:hi], pos, kv, meta, ReferenceOps())
+            hidden = loaded.model.forward(tokens[lo:hi], kv, meta, ReferenceOps())
             rows.append(loaded.model.compute_logits(hidden))
     return torch.cat(rows)
 

@@ -141,18 +141,18 @@ class PagedRunner:
         for row, s in enumerate(chunks):
             tables[row, : len(self.tables[s])] = torch.tensor(self.tables[s])
         meta = AttentionMetadata(
+            positions=torch.cat(pos),
             slot_mapping=torch.cat(slots),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             block_tables=tables,
             max_query_len=max(len(t) for t in chunks.values()),
             max_seq_len=max(seq_lens),
+            rope=self.model.rope,
         )
         self.hooked.clear()
         with torch.inference_mode():
-            hidden = self.model(
-                torch.cat(ids), torch.cat(pos), self.kv, meta, ReferenceOps(), self.hooked.append
-            )
+            hidden = self.model(torch.cat(ids), self.kv, meta, ReferenceOps(), self.hooked.append)
             return self.model.compute_logits(hidden)
 
 

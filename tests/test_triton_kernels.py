@@ -9,6 +9,7 @@ hold large values, so a kernel that reads outside a sequence's context produces 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
@@ -16,7 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest
 import torch
 import triton
-from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.ops import AttentionMetadata, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_attention import (
     _decode_split_kernel,
@@ -25,6 +26,7 @@ from pdserve.kernels.triton_attention import (
     paged_prefill_attention,
 )
 from pdserve.kernels.triton_ops import TritonOps
+from pdserve.shared.model.model import rope_inv_freq
 from triton.runtime.interpreter import InterpretedFunction
 
 triton.knobs.runtime.interpret = True
@@ -75,12 +77,14 @@ def _batch(
         starts.append(starts[-1] + new)
     q = torch.randn(starts[-1], n_kv * group, head_dim, generator=gen).to(dtype)
     meta = AttentionMetadata(
+        positions=torch.cat([torch.arange(ctx, ctx + new) for ctx, new in specs]),
         slot_mapping=torch.empty(0, dtype=torch.int64),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=tables,
         max_query_len=max(new for _, new in specs),
         max_seq_len=max(lens),
+        rope=RopeTables.from_inv_freq(rope_inv_freq(head_dim, 10000.0, None), max(lens), torch.device("cpu")),
     )
     return q, kv, meta
 
@@ -206,9 +210,7 @@ def test_choose_num_splits_keeps_long_contexts_parallel() -> None:
 
 def test_boundary_checks_name_the_bad_value() -> None:
     q, kv, meta = _batch([(3, 1)], 2, 2, 64)
-    bad_tables = AttentionMetadata(
-        meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables.long(), 1, 4
-    )
+    bad_tables = dataclasses.replace(meta, block_tables=meta.block_tables.long())
     with pytest.raises(AssertionError, match=r"block_tables must be torch.int32"):
         TRI.decode_attention(q, kv, bad_tables, 0.125)
     with pytest.raises(AssertionError, match=r"query heads 3 must be a multiple of KV heads 2"):

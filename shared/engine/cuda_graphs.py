@@ -137,16 +137,18 @@ class DecodeGraphs:
 
     def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(
+            positions=self._i64[1, :b],
             slot_mapping=self._i64[2, :b],
             query_start_loc=self._qsl[: b + 1],
             seq_lens=self._seq[:b],
             block_tables=self._tab[:b],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            rope=self.model.rope,
         )
 
         def fn() -> torch.Tensor:
-            hidden = self.model.forward(self._i64[0, :b], self._i64[1, :b], self.kv_cache, meta, self.ops)
+            hidden = self.model.forward(self._i64[0, :b], self.kv_cache, meta, self.ops)
             return self.model.compute_logits(hidden, self.ops)  # [b, V] fp32
 
         return fn
@@ -315,20 +317,21 @@ def _profile_peak(
     starts = [0]
     for q in q_lens:
         starts.append(starts[-1] + q)
-    positions = torch.cat([torch.arange(q, device=dev) for q in q_lens])
     meta = AttentionMetadata(
+        positions=torch.cat([torch.arange(q, device=dev) for q in q_lens]),
         slot_mapping=torch.arange(n_tokens, device=dev) % (n_blocks * block_size),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
         seq_lens=torch.tensor(q_lens, dtype=torch.int32, device=dev),
         block_tables=torch.arange(width, dtype=torch.int32, device=dev).repeat(len(q_lens), 1),
         max_query_len=max(q_lens),
         max_seq_len=max(q_lens),
+        rope=model.rope,
     )
     input_ids = torch.zeros(n_tokens, dtype=torch.int64, device=dev)
     torch.cuda.synchronize(dev)
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
-    hidden = model.forward(input_ids, positions, kv, meta, ops)
+    hidden = model.forward(input_ids, kv, meta, ops)
     model.compute_logits(hidden[:n_logits])
     torch.cuda.synchronize(dev)
     return torch.cuda.max_memory_allocated(dev) - base

@@ -118,7 +118,7 @@ class ModelRunner:
                 logits = logits if len(keep) == len(items) else logits[keep]
                 return self._wait(logits) if wait else logits
         input_ids, positions, slots = self._token_lists(items)
-        meta = self._metadata(items, slots)
+        meta = self._metadata(items, positions, slots)
         dev = self.device
         ids_t = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         if from_device is not None:
@@ -128,14 +128,7 @@ class ModelRunner:
             dst = torch.tensor([starts[i] for i, _ in fill], dtype=torch.int64, device=dev)
             src = torch.tensor([row for _, row in fill], dtype=torch.int64, device=dev)
             ids_t[dst] = from_device[1][src]
-        hidden = self.model.forward(
-            ids_t,
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.kv_cache,
-            meta,
-            self.ops,
-            layer_hook,
-        )
+        hidden = self.model.forward(ids_t, self.kv_cache, meta, self.ops, layer_hook)
         # rows: each sampled item's last token in the flat batch, from host-side counts (no device sync)
         rows, end = [], 0
         for it in items:
@@ -170,7 +163,9 @@ class ModelRunner:
             slots.extend(it.block_ids[p // b] * b + p % b for p in range(it.start, end))
         return input_ids, positions, slots
 
-    def _metadata(self, items: Sequence[BatchItem], slots: list[int]) -> AttentionMetadata:
+    def _metadata(
+        self, items: Sequence[BatchItem], positions: list[int], slots: list[int]
+    ) -> AttentionMetadata:
         dev = self.device
         starts = [0]
         for it in items:
@@ -182,10 +177,12 @@ class ModelRunner:
         width = -(-max(len(it.block_ids) for it in items) // TABLE_ALIGN) * TABLE_ALIGN
         table = [list(it.block_ids) + [0] * (width - len(it.block_ids)) for it in items]
         return AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
             max_query_len=max(it.num_tokens for it in items),
             max_seq_len=max(seq_lens),
+            rope=self.model.rope,
         )

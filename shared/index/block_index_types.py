@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 from pdserve.shared.types import ROLES, BlockHash, KVLayout, NodeId, Role
-from pdserve.shared.wire import Codec
+from pdserve.shared.wire import Codec, JsonMessage
 
 CODEC = Codec("index record", 1)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -109,8 +109,14 @@ class RedisConfig:
         return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
+class _Record(JsonMessage):
+    """A record Redis stores."""
+
+    codec = CODEC
+
+
 @dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(_Record):
     """A node's registration. epoch is assigned by `BlockIndex.register` (0 before)."""
 
     node_id: NodeId
@@ -155,16 +161,9 @@ class NodeInfo:
     def block_size(self) -> int:
         return self.kv_layout.block_size
 
-    def to_json(self) -> bytes:
-        return CODEC.to_json(self)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> NodeInfo:
-        return CODEC.from_json(cls, text)
-
 
 @dataclass(frozen=True)
-class NodeLoad:
+class NodeLoad(_Record):
     """What a node reports with each heartbeat. Counts are of requests and of KV blocks."""
 
     running: int
@@ -183,13 +182,6 @@ class NodeLoad:
         bad = {k: v for k, v in counts.items() if v < 0}
         if bad:
             raise ValueError(f"NodeLoad counts must be >= 0, got {bad}")
-
-    def to_json(self) -> bytes:
-        return CODEC.to_json(self)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> NodeLoad:
-        return CODEC.from_json(cls, text)
 
 
 @dataclass(frozen=True)

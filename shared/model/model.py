@@ -1,11 +1,12 @@
 """The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Mistral, SmolLM) over a paged KV cache.
 
 Owns the weights in fused form (QKV in one matrix, gate/up in one matrix: one matmul each) and the RoPE
-cos/sin tables (fp32, precomputed up to `max_position_embeddings`). Invariants: `forward` writes the
-step's K/V for layer l into `kv_cache[l]` before attending, then calls `layer_hook(l)`; it returns the
-residual stream before the final norm, which `compute_logits` applies (norm is per row, so the caller
-may select rows first). Nothing in `forward` syncs with the host, so it can be captured in a CUDA graph.
-Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
+cos/sin tables (`rope`, fp32, precomputed up to `max_position_embeddings`; every step's AttentionMetadata
+carries them beside the positions, so a layer's call takes only the step's metadata). Invariants: `forward`
+writes the step's K/V for layer l into `kv_cache[l]` before attending, then calls `layer_hook(l)`; it
+returns the residual stream before the final norm, which `compute_logits` applies (norm is per row, so the
+caller may select rows first). Nothing in `forward` syncs with the host, so it can be captured in a CUDA
+graph. Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
 RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer's norm to add into the
 residual stream, so the stream is updated in place and only the last add is a separate op.
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
@@ -21,7 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
-from pdserve.kernels.ops import AttentionMetadata, AttentionOps
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 from torch import nn
 
@@ -92,16 +93,13 @@ class DecoderLayer(nn.Module):
         self,
         delta: torch.Tensor | None,
         residual: torch.Tensor,
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         ops: AttentionOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """residual: [T, E] stream, updated in place; delta: [T, E] the previous layer's MLP output, not
         yet added (None before the first layer). Returns (this layer's MLP output, residual): the add is
-        left to the next norm, which fuses it. positions: [T] int64; rope: fp32 (cos, sin) [P, D/2];
-        kv_layer: [2, N, B, Hkv, D]."""
+        left to the next norm, which fuses it. kv_layer: [2, N, B, Hkv, D]."""
         n_tokens = residual.shape[0]
         hq, d = self.num_heads, self.head_dim
         norm = self.input_norm
@@ -112,7 +110,7 @@ class DecoderLayer(nn.Module):
         linear = self.linear.linear
         qkv = linear(normed, self.qkv_w, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
         # q: [T, Hq, D], rotated in place in qkv; rotated K and V are in kv_layer
-        q = ops.rope_write_kv(qkv, positions, *rope, kv_layer, meta.slot_mapping, hq)
+        q = ops.rope_write_kv(qkv, kv_layer, meta, hq)
         if meta.is_decode:
             attn = ops.decode_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         else:
@@ -124,9 +122,6 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    rope_cos: torch.Tensor
-    rope_sin: torch.Tensor
-
     def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = cfg
@@ -140,11 +135,7 @@ class LlamaModel(nn.Module):
             else _param((cfg.vocab_size, cfg.hidden_size), device, dtype)
         )
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [D/2]
-        angles = torch.outer(
-            torch.arange(cfg.max_position_embeddings, dtype=torch.float32), inv_freq
-        )  # [P, D/2]
-        self.register_buffer("rope_cos", angles.cos().to(device), persistent=False)  # [P, D/2] fp32
-        self.register_buffer("rope_sin", angles.sin().to(device), persistent=False)  # [P, D/2] fp32
+        self.rope = RopeTables.from_inv_freq(inv_freq, cfg.max_position_embeddings, device)  # [P, D/2] fp32
         self.linear: Linear = DenseLinear()
         self.lm_head_w = self.lm_head_weight.detach()
 
@@ -163,25 +154,27 @@ class LlamaModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: AttentionOps,
         layer_hook: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_cache: [L, 2, N, B, Hkv, D] -> hidden [T, E] before the final
-        norm (compute_logits applies it)."""
+        """input_ids: [T] int64; kv_cache: [L, 2, N, B, Hkv, D]; meta: the step's, with this model's `rope`
+        -> hidden [T, E] before the final norm (compute_logits applies it)."""
         cfg = self.config
-        assert input_ids.dim() == 1 and positions.shape == input_ids.shape, (input_ids.shape, positions.shape)
+        assert input_ids.dim() == 1 and meta.positions.shape == input_ids.shape, (
+            input_ids.shape,
+            meta.positions.shape,
+        )
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == cfg.num_layers and kv_cache.shape[1] == 2, (
             kv_cache.shape
         )
         assert kv_cache.shape[4:] == (cfg.num_kv_heads, cfg.head_dim), kv_cache.shape
-        rope = (self.rope_cos, self.rope_sin)
+        assert meta.rope is self.rope, "the step's metadata must carry this model's RoPE tables (model.rope)"
         h = F.embedding(input_ids, self.embed_weight)  # h: [T, E] residual stream
         delta: torch.Tensor | None = None  # [T, E] the last layer's MLP output, not yet in h
         for i, layer in enumerate(self.decoder_layers):
-            delta, h = layer(delta, h, positions, rope, kv_cache[i], meta, ops)
+            delta, h = layer(delta, h, kv_cache[i], meta, ops)
             if layer_hook is not None:
                 layer_hook(i)
         return h if delta is None else h.add_(delta)

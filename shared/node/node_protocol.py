@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Self
+from typing import NamedTuple
 
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import FINISH_REASONS, ROLES, FinishReason, NodeId, RequestId, Role
-from pdserve.shared.wire import Codec
+from pdserve.shared.wire import Codec, JsonMessage
 
 PROTOCOL_VERSION = 1
 CODEC = Codec("node protocol", PROTOCOL_VERSION)
@@ -33,15 +33,10 @@ NODE_KEEPALIVE_S = 65  # a node's HTTP server closes a connection idle this long
 LOGPROB_FLOOR = -9999.0
 
 
-class _Message:
-    """The JSON form of a node-protocol message (the codec's; the methods keep the call sites short)."""
+class _Message(JsonMessage):
+    """A node-protocol message."""
 
-    def to_json(self) -> bytes:
-        return CODEC.to_json(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> Self:
-        return CODEC.from_json(cls, data)
+    codec = CODEC
 
 
 def _check_token_ids(name: str, ids: tuple[int, ...], allow_empty: bool) -> None:
@@ -52,23 +47,33 @@ def _check_token_ids(name: str, ids: tuple[int, ...], allow_empty: bool) -> None
         raise ValueError(f"{name} holds negative token ids, e.g. {bad[0]}")
 
 
-def _check_request(request_id: str, prompt_token_ids: tuple[int, ...], deadline: float) -> None:
-    if not request_id:
-        raise ValueError("request_id is empty")
+def _check_deadline(deadline: float) -> None:
     if not math.isfinite(deadline) or deadline <= 0:
         raise ValueError(f"deadline must be positive unix seconds, got {deadline!r}")
-    _check_token_ids("prompt_token_ids", prompt_token_ids, allow_empty=False)
 
 
 @dataclass(frozen=True)
-class NodeGenerateRequest(_Message):
-    """Router -> decode (or single) node. prefill_node_id None: compute the prompt locally."""
+class _PromptRequest(_Message):
+    """Router -> node, a prompt to work on: the fields and checks NodeGenerateRequest and PrefillRequest
+    share (each adds its own after them)."""
 
     request_id: RequestId
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     cache_salt: str | None
     deadline: float
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id is empty")
+        _check_deadline(self.deadline)
+        _check_token_ids("prompt_token_ids", self.prompt_token_ids, allow_empty=False)
+
+
+@dataclass(frozen=True)
+class NodeGenerateRequest(_PromptRequest):
+    """Router -> decode (or single) node. prefill_node_id None: compute the prompt locally."""
+
     prefill_node_id: NodeId | None = None
     fetch_from_url: str | None = None
     """Only when this node computes the prompt (prefill_node_id None): the internal URL of a node the index
@@ -77,7 +82,7 @@ class NodeGenerateRequest(_Message):
     fetch_blocks: int = 0
 
     def __post_init__(self) -> None:
-        _check_request(self.request_id, self.prompt_token_ids, self.deadline)
+        super().__post_init__()
         _check_fetch(self.fetch_from_url, self.fetch_blocks)
         if self.fetch_from_url is not None and self.prefill_node_id is not None:
             raise ValueError(
@@ -91,14 +96,9 @@ def _check_fetch(url: str | None, blocks: int) -> None:
 
 
 @dataclass(frozen=True)
-class PrefillRequest(_Message):
+class PrefillRequest(_PromptRequest):
     """Router -> prefill node: compute the prompt, sample the first token, send the KV to the decode node."""
 
-    request_id: RequestId
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    cache_salt: str | None
-    deadline: float
     decode_node_id: NodeId
     decode_transfer_addr: str
     fetch_from_url: str | None = None
@@ -107,7 +107,7 @@ class PrefillRequest(_Message):
     fetch_blocks: int = 0
 
     def __post_init__(self) -> None:
-        _check_request(self.request_id, self.prompt_token_ids, self.deadline)
+        super().__post_init__()
         if not self.decode_node_id or not self.decode_transfer_addr:
             raise ValueError(
                 f"decode_node_id {self.decode_node_id!r} and decode_transfer_addr "
@@ -129,8 +129,7 @@ class ExportRequest(_Message):
     def __post_init__(self) -> None:
         if not self.transfer_id:
             raise ValueError("transfer_id is empty")
-        if not math.isfinite(self.deadline) or self.deadline <= 0:
-            raise ValueError(f"deadline must be positive unix seconds, got {self.deadline!r}")
+        _check_deadline(self.deadline)
         if not self.block_hashes or any(len(h) != 32 for h in self.block_hashes):
             raise ValueError("block_hashes must be a non-empty list of 32-byte hashes")
         if not self.fetcher_transfer_addr:
