@@ -205,6 +205,7 @@ class PrefillService:
             stats = await session.complete(
                 FirstToken(token) if lp is None else FirstToken(token, lp.logprob, lp.top)
             )
+            acked_at = time.monotonic()
             m = self.rt.metrics
             m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
             m.transfer_seconds.labels(self.rt.connector_kind).observe(stats.seconds)
@@ -237,6 +238,7 @@ class PrefillService:
                 fetch_seconds=fetch_s,
                 compute_seconds=max(0.0, prefilled_at - scheduled),
                 transfer_seconds=stats.seconds,
+                transfer_tail_seconds=max(0.0, acked_at - prefilled_at),
             )
         except (KVTransferError, RuntimeError, TimeoutError, ValueError) as exc:
             self.rt.metrics.transfers.labels(self.rt.connector_kind, "failed").inc()

@@ -11,14 +11,17 @@ Options (DESIGN.md, "Where a prefill happens"):
 (A prefix in a node's host tier counts as that node's own: the engine restores it before scheduling.)
 
 Estimate = learned overhead of the option + queue + compute + moved blocks, where every rate is learned
-online from what the router observes (EWMA, weight `alpha`), and only until a first observation the prior
-of `Rates` stands in:
+online from what the router observes (EWMA, weight `alpha`; the first observation of a rate replaces its
+prior), and only until a first observation the prior of `Rates` stands in:
 - prefill seconds per computed token, per prompt-length bucket (powers of two), from each prefill node's
   reported compute time and from local prefills' time to first token; an unseen bucket takes the nearest
   seen one;
-- fetch seconds per block and transfer seconds per block (P -> D), from the prefill node's report;
+- fetch seconds per block, from the prefill node's report (a fetch runs before the compute, so all of it
+  adds to the time to first token);
+- transfer seconds per sent block (P -> D) of the transfer's tail: the part left after the compute, from
+  the first token to D's acknowledgement (the rest streams under the compute and costs nothing);
 - per option, the residual between the measured time to first token and the estimate's other terms
-  (routing, HTTP, OPEN round trip, the transfer's unoverlapped tail).
+  (routing, HTTP, the OPEN round trip).
 Queue depths come from the nodes' heartbeats (tokens not computed yet). Units: seconds, tokens, blocks.
 """
 
@@ -33,7 +36,6 @@ from pdserve.shared.wire import Codec, JsonMessage
 CODEC = Codec("placement rates", 1)
 Option = Literal["local", "local_fetch", "pd", "pd_fetch"]
 OPTIONS: tuple[Option, ...] = ("local", "local_fetch", "pd", "pd_fetch")
-_PRIOR_OVERHEAD_S = 0.005
 
 
 @dataclass
@@ -46,9 +48,14 @@ class Rates(JsonMessage):
     prefill_s_per_token: dict[int, float] = field(default_factory=dict)
     """By prompt-length bucket (the bucket's upper bound, a power of two)."""
     prior_s_per_token: float = 1e-3
-    fetch_s_per_block: float = 1e-4
-    transfer_s_per_block: float = 1e-4
-    overhead_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPTIONS, _PRIOR_OVERHEAD_S))
+    fetch_s_per_block: float | None = None
+    """A fetch's time per block, from the prefill nodes' reports (None: none yet, `prior_s_per_block`)."""
+    transfer_s_per_block: float | None = None
+    """The time per sent block of the transfer to D left after the compute (its unoverlapped tail)."""
+    prior_s_per_block: float = 1e-4
+    overhead_s: dict[str, float] = field(default_factory=dict)
+    """Per option, learned; an option not observed yet takes `prior_overhead_s`."""
+    prior_overhead_s: float = 5e-3
     observations: int = 0
 
 
@@ -104,14 +111,22 @@ class CostModel:
 
     def overhead(self, option: Option) -> float:
         """The option's learned overhead (the prior of a record written before the option existed)."""
-        return self.rates.overhead_s.get(option, _PRIOR_OVERHEAD_S)
+        return self.rates.overhead_s.get(option, self.rates.prior_overhead_s)
+
+    def fetch_s_per_block(self) -> float:
+        r = self.rates
+        return r.fetch_s_per_block if r.fetch_s_per_block is not None else r.prior_s_per_block
+
+    def transfer_s_per_block(self) -> float:
+        r = self.rates
+        return r.transfer_s_per_block if r.transfer_s_per_block is not None else r.prior_s_per_block
 
     def _compute_s(self, queued: int, tokens: int, prompt_tokens: int) -> float:
         return (queued + tokens) * self.s_per_token(prompt_tokens)
 
     def estimates(self, x: Inputs) -> list[Estimate]:
         """Every option open for the prompt, cheapest first."""
-        r, bs, n = self.rates, x.block_size, x.prompt_tokens
+        bs, n = x.block_size, x.prompt_tokens
         blocks = -(-n // bs)
         usable = (n - 1) // bs  # the block holding the last token is always computed
         out = []
@@ -122,17 +137,17 @@ class CostModel:
         fetch_d = min(x.hits_holder_decode, usable) - min(x.hits_decode, usable)
         if fetch_d > 0:
             c_lf = n - min(x.hits_holder_decode, usable) * bs
-            t = self.overhead("local_fetch") + fetch_d * r.fetch_s_per_block
+            t = self.overhead("local_fetch") + fetch_d * self.fetch_s_per_block()
             out.append(Estimate("local_fetch", t + self._compute_s(x.queued_decode, c_lf, n), c_lf, fetch_d))
         if x.has_prefill_node:
-            send = (blocks - x.hits_decode) * r.transfer_s_per_block
+            send = (blocks - x.hits_decode) * self.transfer_s_per_block()
             c_pd = n - min(x.hits_prefill, usable) * bs
             pd = self.overhead("pd") + self._compute_s(x.queued_prefill, c_pd, n) + send
             out.append(Estimate("pd", pd, c_pd))
             fetch = min(x.hits_holder, usable) - min(x.hits_prefill, usable)
             if fetch > 0:
                 c_f = n - min(x.hits_holder, usable) * bs
-                t = self.overhead("pd_fetch") + fetch * r.fetch_s_per_block
+                t = self.overhead("pd_fetch") + fetch * self.fetch_s_per_block()
                 t += self._compute_s(x.queued_prefill, c_f, n) + send
                 out.append(Estimate("pd_fetch", t, c_f, fetch))
         return sorted(out, key=lambda e: e.ttft_s)
@@ -141,8 +156,9 @@ class CostModel:
         return self.estimates(x)[0]
 
     # ---- learning -----------------------------------------------------------------------------------------
-    def _ewma(self, old: float, new: float) -> float:
-        return old + self.alpha * (new - old)
+    def _ewma(self, old: float | None, new: float) -> float:
+        """The first observation replaces the prior; later ones move the average by `alpha`."""
+        return new if old is None else old + self.alpha * (new - old)
 
     def observe_prefill(self, prompt_tokens: int, computed_tokens: int, seconds: float) -> None:
         """A prefill node computed `computed_tokens` of a `prompt_tokens` prompt in `seconds`."""
@@ -150,7 +166,7 @@ class CostModel:
             return
         per, b = self.rates.prefill_s_per_token, bucket(prompt_tokens)
         value = seconds / computed_tokens
-        per[b] = value if b not in per else self._ewma(per[b], value)
+        per[b] = self._ewma(per.get(b), value)
         self.rates.observations += 1
 
     def observe_moves(self, fetched_blocks: int, fetch_s: float, sent_blocks: int, send_s: float) -> None:
@@ -164,8 +180,8 @@ class CostModel:
         """The measured time to first token of a request placed on `estimate`: the part the other terms do
         not explain becomes the option's overhead."""
         r = self.rates
-        old = self.overhead(estimate.option)
-        explained = estimate.ttft_s - old
+        explained = estimate.ttft_s - self.overhead(estimate.option)
+        old = r.overhead_s.get(estimate.option)
         r.overhead_s[estimate.option] = max(0.0, self._ewma(old, actual_s - explained))
         if estimate.option == "local":  # D's compute is seen only through its time to first token
             queued = x.queued_decode

@@ -378,7 +378,8 @@ class RequestRun:
             return
         cost, blocks = self._rerouter.cost, result.fetched_tokens // job.route.decode.block_size
         cost.observe_prefill(len(job.prompt_token_ids), result.computed_tokens, result.compute_seconds)
-        cost.observe_moves(blocks, result.fetch_seconds, result.transferred_blocks, result.transfer_seconds)
+        sent, tail = result.transferred_blocks, result.transfer_tail_seconds
+        cost.observe_moves(blocks, result.fetch_seconds, sent, tail)
 
     def _count_fetch(self, job: ChoiceJob, fetched_tokens: int) -> None:
         """The "remote" prefix hits are what the prefill node really fetched; what the route planned to fetch

@@ -52,7 +52,7 @@ def test_a_prefix_held_elsewhere_is_fetched_by_the_node_that_needs_it() -> None:
     assert model.choose(busy).option == "pd_fetch"  # D's queue outweighs the second move
     assert "local_fetch" not in {e.option for e in model.estimates(inputs(4096, hits_decode=10))}
     old = Rates.from_json(model.rates.to_json())
-    del old.overhead_s["local_fetch"]  # a record written before the option existed
+    old.overhead_s = {"local": 0.005, "pd": 0.005, "pd_fetch": 0.005}  # written before the option existed
     assert CostModel(old).choose(x).option == "local_fetch"
 
 
@@ -62,7 +62,7 @@ def test_learned_overheads_put_short_prompts_on_d_and_long_ones_on_p() -> None:
     for _ in range(5):  # a P/D round trip measured 20 ms above its compute; a local prefill 2 ms
         for x, option, extra in ((short, "pd", 0.020), (short, "local", 0.002)):
             e = next(e for e in model.estimates(x) if e.option == option)
-            model.observe_ttft(e, x, e.ttft_s - model.rates.overhead_s[option] + extra)
+            model.observe_ttft(e, x, e.ttft_s - model.overhead(e.option) + extra)
     assert model.rates.overhead_s["pd"] == pytest.approx(0.020, rel=1e-6)
     assert model.choose(short).option == "local"
     assert model.choose(long).option == "pd"  # D's queue outweighs the round trip
@@ -81,4 +81,19 @@ def test_rates_round_trip_and_estimates_track_observations() -> None:
     x = inputs(3000, hits_holder=50, queued_prefill=100)
     assert [e.ttft_s for e in again.estimates(x)] == [e.ttft_s for e in model.estimates(x)]
     pd = next(e for e in model.estimates(inputs(3000)) if e.option == "pd")
-    assert pd.ttft_s == pytest.approx(model.rates.overhead_s["pd"] + 3000 * 2e-4 + 188 * 1e-5)
+    assert pd.ttft_s == pytest.approx(model.overhead("pd") + 3000 * 2e-4 + 188 * 1e-5)
+
+
+def test_the_first_observation_of_each_rate_replaces_its_prior() -> None:
+    """Priors only stand in until something was measured: one observation sets a rate, later ones average."""
+    model = CostModel(Rates(), alpha=0.2)
+    assert model.fetch_s_per_block() == model.transfer_s_per_block() == Rates().prior_s_per_block
+    model.observe_moves(1000, 0.020, 1025, 0.0041)  # a fetch of 20 us a block; a 4.1 ms transfer tail
+    assert model.fetch_s_per_block() == pytest.approx(2e-5)
+    assert model.transfer_s_per_block() == pytest.approx(4e-6)
+    model.observe_moves(1000, 0.040, 0, 0.0)
+    assert model.fetch_s_per_block() == pytest.approx(2e-5 + 0.2 * 2e-5)
+    x = inputs(64)
+    local = next(e for e in model.estimates(x) if e.option == "local")
+    model.observe_ttft(local, x, local.ttft_s + 0.030)  # 30 ms more than the prior overhead explains
+    assert model.overhead("local") == pytest.approx(Rates().prior_overhead_s + 0.030)

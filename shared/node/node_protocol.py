@@ -166,6 +166,8 @@ class PrefillResult(_Message):
     """The engine's prefill, from its first step for the request to the first token."""
     transfer_seconds: float = 0.0
     """The transfer to D, from its first DATA frame to D's acknowledgement (overlapping the compute)."""
+    transfer_tail_seconds: float = 0.0
+    """The part of the transfer not hidden under the compute: from the first token to D's acknowledgement."""
 
     def __post_init__(self) -> None:
         if self.error is None and self.first_token is None:
