@@ -180,6 +180,14 @@ class CostModel:
         """The measured time to first token of a request placed on `estimate`: the part the other terms do
         not explain becomes the option's overhead."""
         r = self.rates
+        if estimate.option == "local_fetch" and estimate.fetch_blocks > 0:
+            # D does not report its fetch: it is what the time to first token leaves after D's own overhead
+            # (learned from its local prefills) and its compute
+            compute = self._compute_s(x.queued_decode, estimate.compute_tokens, x.prompt_tokens)
+            fetch_s = actual_s - self.overhead("local") - compute
+            if fetch_s > 0:
+                r.fetch_s_per_block = self._ewma(r.fetch_s_per_block, fetch_s / estimate.fetch_blocks)
+            estimate = next(e for e in self.estimates(x) if e.option == "local_fetch")
         explained = estimate.ttft_s - self.overhead(estimate.option)
         old = r.overhead_s.get(estimate.option)
         r.overhead_s[estimate.option] = max(0.0, self._ewma(old, actual_s - explained))

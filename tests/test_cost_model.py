@@ -97,3 +97,11 @@ def test_the_first_observation_of_each_rate_replaces_its_prior() -> None:
     local = next(e for e in model.estimates(x) if e.option == "local")
     model.observe_ttft(local, x, local.ttft_s + 0.030)  # 30 ms more than the prior overhead explains
     assert model.overhead("local") == pytest.approx(Rates().prior_overhead_s + 0.030)
+    held = inputs(16400, hits_holder=1024, hits_holder_decode=1024)
+    lf = next(e for e in model.estimates(held) if e.option == "local_fetch")
+    compute = lf.ttft_s - model.overhead("local_fetch") - 1024 * model.fetch_s_per_block()
+    actual = model.overhead("local") + compute + 1024 * 5e-5  # D's fetch took 50 us a block
+    model.observe_ttft(lf, held, actual)
+    assert model.fetch_s_per_block() == pytest.approx(2.4e-5 + 0.2 * (5e-5 - 2.4e-5))
+    again = next(e for e in model.estimates(held) if e.option == "local_fetch")
+    assert again.ttft_s == pytest.approx(actual)  # its first observation set the option's overhead
