@@ -71,11 +71,6 @@ class AttentionMetadata:
 
 
 class AttentionOps(Protocol):
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """key/value: [T, Hkv, D]; writes token t into slot slot_mapping[t] (skips -1)."""
-
     def prefill_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:

@@ -15,20 +15,6 @@ from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
 
 
 class ReferenceOps:
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        check_kv_layer(kv_layer)
-        _, n_blocks, block_size, n_kv, head_dim = kv_layer.shape
-        assert key.shape == value.shape and key.shape[1:] == (n_kv, head_dim), (key.shape, kv_layer.shape)
-        assert slot_mapping.shape == (key.shape[0],)
-        flat = kv_layer.view(2, n_blocks * block_size, n_kv, head_dim)
-        if bool((slot_mapping < 0).any()):  # padding rows (slot -1) are rare: mask only then
-            valid = slot_mapping >= 0
-            slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-        flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
-        flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
-
     def prefill_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
@@ -111,12 +97,29 @@ class ReferenceOps:
         q = qk[:, :num_heads]  # q: [T, Hq, D], a view of qkv
         q.copy_(rotated[:, :num_heads])
         v = qkv[:, q_cols + n_kv * head_dim :].view(n_tokens, n_kv, head_dim)  # v: [T, Hkv, D]
-        self.write_kv(rotated[:, num_heads:], v, kv_layer, meta.slot_mapping)
+        write_kv(rotated[:, num_heads:], v, kv_layer, meta.slot_mapping)
         return q
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         f = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :f]) * gate_up[:, f:]
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key/value: [T, Hkv, D]; writes token t into slot slot_mapping[t] of kv_layer (skips -1): the second
+    half of `rope_write_kv`, and how tests fill a cache."""
+    check_kv_layer(kv_layer)
+    _, n_blocks, block_size, n_kv, head_dim = kv_layer.shape
+    assert key.shape == value.shape and key.shape[1:] == (n_kv, head_dim), (key.shape, kv_layer.shape)
+    assert slot_mapping.shape == (key.shape[0],)
+    flat = kv_layer.view(2, n_blocks * block_size, n_kv, head_dim)
+    if bool((slot_mapping < 0).any()):  # padding rows (slot -1) are rare: mask only then
+        valid = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Triton implementation of `AttentionOps` (kernels/ops.py), checked against kernels/reference.py.
 
-Owns the KV-cache write and block gather/scatter kernels and the boundary checks of every op; the
-attention kernels live in kernels/triton_attention.py, the fused norm/RoPE/SiLU kernels in
-kernels/triton_fused.py. Invariants: every op checks shapes, dtypes,
-strides and devices before launching (nothing device-specific is read at import), and no op reads a
-device value on the host, so decode stays capturable in a CUDA graph. Under TRITON_INTERPRET=1 the same
+Owns the block gather/scatter kernel and the boundary checks of every op; the attention kernels live in
+kernels/triton_attention.py, the fused norm/RoPE/SiLU kernels (the KV-cache write among them) in
+kernels/triton_fused.py. Invariants: every op checks shapes, dtypes, strides and devices before launching
+(nothing device-specific is read at import), and no op reads a device value on the host, so decode stays
+capturable in a CUDA graph. Under TRITON_INTERPRET=1 the same
 kernels run on CPU tensors.
 """
 
@@ -26,27 +26,6 @@ from pdserve.kernels.triton_attention import (
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; a few splits keep it exercised
 _COPY_CHUNK = 1024  # elements per program of a block copy
-
-
-@triton.jit
-def _write_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cslot, stride_ch,
-    N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-):  # fmt: skip
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + token)
-    if slot < 0:
-        return
-    offs_h = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, DIM_PAD)
-    mask = (offs_h < N_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # key, value tiles: [HEADS_PAD, DIM_PAD]; tl.store casts to the cache dtype
-    k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    cache_off = slot * stride_cslot + offs_h[:, None] * stride_ch + offs_d[None, :]
-    tl.store(k_cache_ptr + cache_off, k, mask=mask)
-    tl.store(v_cache_ptr + cache_off, v, mask=mask)
 
 
 @triton.jit
@@ -76,32 +55,6 @@ def _sm_count(device: torch.device) -> int:
 
 class TritonOps:
     """`AttentionOps` with Triton kernels. Stateless apart from a per-device SM-count cache."""
-
-    def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_layer: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        """key/value: [T, Hkv, D]; writes token t into slot slot_mapping[t] (skips -1)."""
-        _check_cache(kv_layer)
-        _, _, _, n_kv, head_dim = kv_layer.shape
-        for name, x in (("key", key), ("value", value)):
-            assert x.dim() == 3 and x.shape[1:] == (n_kv, head_dim), (
-                f"{name} must be [T, {n_kv}, {head_dim}] to match kv_layer {tuple(kv_layer.shape)}, "
-                f"got {tuple(x.shape)}"
-            )
-            _check_float(name, x, kv_layer.device)
-            assert x.stride(2) == 1, f"{name} must have a contiguous head dim, got strides {x.stride()}"
-        assert key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
-        _check_index("slot_mapping", slot_mapping, torch.int64, kv_layer.device, (key.shape[0],))
-        if key.shape[0] == 0:
-            return
-        k_cache, v_cache = kv_layer[0], kv_layer[1]  # [N, B, Hkv, D]: slot = block * B + offset
-        _write_kv_kernel[(key.shape[0],)](
-            key, value, k_cache, v_cache, slot_mapping,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(1), k_cache.stride(2),
-            N_HEADS=n_kv, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(n_kv),
-            DIM_PAD=triton.next_power_of_2(head_dim), num_warps=4,
-        )  # fmt: skip
 
     def prefill_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float

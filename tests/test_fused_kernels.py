@@ -143,6 +143,8 @@ def test_boundary_checks_name_the_bad_value() -> None:
         TRI.rope_write_kv(qkv, kv, meta, 5)
     with pytest.raises(AssertionError, match=r"positions must be torch.int64"):
         TRI.rope_write_kv(qkv, kv, dataclasses.replace(meta, positions=meta.positions.int()), 4)
+    with pytest.raises(AssertionError, match=r"slot_mapping must be torch.int64"):
+        TRI.rope_write_kv(qkv, kv, dataclasses.replace(meta, slot_mapping=meta.slot_mapping.int()), 4)
     with pytest.raises(AssertionError, match=r"RoPE cos must be fp32 \[P, D/2\]"):
         RopeTables(meta.rope.cos.bfloat16(), meta.rope.sin)
     narrow = RopeTables(meta.rope.cos[:, :4].contiguous(), meta.rope.sin[:, :4].contiguous())

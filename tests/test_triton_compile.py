@@ -37,9 +37,10 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         cases.append((attn, "_prefill_kernel", {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64}))
     cases.append((attn, "_decode_reduce_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
                                                   "NUM_SPLITS": 3, "SPLITS_PAD": 4}))  # fmt: skip
-    cases.append((ops, "_write_kv_kernel", {"key_ptr": "*bf16", "value_ptr": "*bf16", "k_cache_ptr": "*bf16",
-                                            "v_cache_ptr": "*bf16", "slots_ptr": "*i64", "N_HEADS": 8,
-                                            "HEAD_DIM": 128, "HEADS_PAD": 8, "DIM_PAD": 128}))  # fmt: skip
+    cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {  # RoPE + the KV-cache write
+        "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_cache_ptr": "*bf16",
+        "v_cache_ptr": "*bf16", "slots_ptr": "*i64", "N_Q": 32, "N_KV": 8, "HALF": 64, "Q_PAD": 32,
+        "KV_PAD": 8, "HALF_PAD": 64}))  # fmt: skip
     for gather in (True, False):
         copy = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "ids_ptr": "*i64", "src_kv_stride": "i64",
                 "dst_kv_stride": "i64", "BLOCK_ELEMS": 16384, "CHUNK": 1024, "GATHER": gather}  # fmt: skip

@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 from pdserve.kernels.ops import AttentionMetadata, RopeTables
-from pdserve.kernels.reference import ReferenceOps
+from pdserve.kernels.reference import ReferenceOps, write_kv
 from pdserve.kernels.triton_attention import (
     _decode_split_kernel,
     choose_num_splits,
@@ -71,7 +71,7 @@ def _batch(
         slots += [ids[i // block_size] * block_size + i % block_size for i in range(n)]
     key = torch.randn(len(slots), n_kv, head_dim, generator=gen)
     value = torch.randn(len(slots), n_kv, head_dim, generator=gen)
-    REF.write_kv(key, value, kv, torch.tensor(slots, dtype=torch.int64))
+    write_kv(key, value, kv, torch.tensor(slots, dtype=torch.int64))
     starts = [0]
     for _, new in specs:
         starts.append(starts[-1] + new)
@@ -93,21 +93,6 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     tol = TOL[want.dtype]
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_write_kv_matches_reference_and_skips_minus_one(dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(1)
-    kv_ref = torch.randn(2, 6, 16, 3, 64, generator=gen).to(dtype)
-    kv_tri = kv_ref.clone()
-    qkv = torch.randn(9, 5, 3, 64, generator=gen)  # key/value are strided views, as after a fused QKV
-    key, value = qkv[:, 1], qkv[:, 3]
-    slots = torch.tensor([0, 15, 16, -1, 95, 40, -1, 17, 50], dtype=torch.int64)
-    REF.write_kv(key, value, kv_ref, slots)
-    TRI.write_kv(key, value, kv_tri, slots)
-    # The interpreter narrows fp32 to bf16 by truncation where the GPU rounds to nearest: 1 ulp apart.
-    tol = 2**-7 if dtype == torch.bfloat16 else 0.0
-    torch.testing.assert_close(kv_tri, kv_ref, rtol=tol, atol=0.0)
 
 
 def test_gather_scatter_round_trip_matches_reference() -> None:
@@ -187,20 +172,6 @@ def test_prefill_half_precision_cache(dtype: torch.dtype) -> None:
     _close(got, REF.prefill_attention(q, kv, meta, scale=0.125))
 
 
-def test_write_then_attend_matches_reference_end_to_end() -> None:
-    # The model's order: write the step's K/V into the paged cache, then attend over it.
-    q, kv, meta = _batch([(5, 11), (0, 4)], 2, 4, 64, seed=30)
-    table = meta.block_tables[0].tolist()
-    # Sequence 0's new tokens sit at positions 5..15; sequence 1's slots are marked -1 (not written).
-    new_slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(5, 16)] + [-1] * 4)
-    key, value = torch.randn(15, 2, 64), torch.randn(15, 2, 64)
-    kv_tri = kv.clone()
-    TRI.write_kv(key, value, kv_tri, new_slots)
-    REF.write_kv(key, value, kv, new_slots)
-    assert torch.equal(kv_tri, kv)
-    _close(TRI.prefill_attention(q, kv_tri, meta, 0.125), REF.prefill_attention(q, kv, meta, 0.125))
-
-
 def test_choose_num_splits_keeps_long_contexts_parallel() -> None:
     assert choose_num_splits(64, 8, 4096, 132) == 2
     assert choose_num_splits(1, 8, 32768, 132) == 64
@@ -217,8 +188,6 @@ def test_boundary_checks_name_the_bad_value() -> None:
         TRI.decode_attention(torch.randn(1, 3, 64), kv, meta, 0.125)
     with pytest.raises(AssertionError, match=r"kv_layer must be contiguous"):
         TRI.decode_attention(q, kv.transpose(3, 4).contiguous().transpose(3, 4), meta, 0.125)
-    with pytest.raises(AssertionError, match=r"slot_mapping must be torch.int64"):
-        TRI.write_kv(torch.randn(1, 2, 64), torch.randn(1, 2, 64), kv, torch.zeros(1, dtype=torch.int32))
     with pytest.raises(AssertionError, match=r"block_ids must lie in \[0, 4\)"):
         TRI.gather_blocks(kv, torch.tensor([4]), torch.empty(2, 1, 16, 2, 64))
     with pytest.raises(AssertionError, match=r"q must have a contiguous head dim"):
