@@ -195,6 +195,8 @@ class RequestRun:
     def _release_jobs(jobs: list[ChoiceJob]) -> None:
         for job in jobs:
             job.lease.release()
+            if job.route.hold is not None:
+                job.route.hold.release()
 
     async def _abort(self, client: NodeClient, request_id: RequestId) -> None:
         try:
@@ -296,6 +298,8 @@ class RequestRun:
             raise
         finally:
             job.lease.release()
+            if route.hold is not None:
+                route.hold.release()
             for gauge in gauges:
                 gauge.dec()
             if self._open.get(job.request_id):
@@ -362,6 +366,8 @@ class RequestRun:
     def _learn_ttft(self, job: ChoiceJob) -> None:
         """The choice's first token: its time from the choice's start beside the cost model's estimate."""
         route, start = job.route, self._choice_start.get(job.index)
+        if route.hold is not None:
+            route.hold.release()
         if route.estimate is None or route.inputs is None or start is None:
             return
         actual = time.perf_counter() - start

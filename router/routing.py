@@ -36,6 +36,28 @@ _RATES_EVERY_S = 5.0
 """How often the router publishes its cost model's learned rates to the index (for kvctl where)."""
 
 
+@dataclass(eq=False)
+class PrefillHold:
+    """A routed prompt's tokens still to compute on its prefilling node (P, or D prefilling it itself), in
+    this router's own count, from the choice to its first token or its end. They are the cost model's queue
+    depths: fresher than the nodes' heartbeats (one a second), whose stale queues made its estimates err."""
+
+    _counts: dict[NodeId, int]
+    node: NodeId
+    tokens: int
+    _held: bool = True
+
+    def release(self) -> None:
+        """Idempotent."""
+        if self._held:
+            self._held = False
+            left = self._counts[self.node] - self.tokens
+            if left:
+                self._counts[self.node] = left
+            else:
+                del self._counts[self.node]
+
+
 @dataclass(frozen=True)
 class Route:
     """Where one prompt runs: decode (or single) node, and the prefill node when disaggregated."""
@@ -53,6 +75,8 @@ class Route:
     estimate: Estimate | None = None
     """The cost model's estimate for the option this route takes, and its inputs (for what it learns)."""
     inputs: Inputs | None = None
+    hold: PrefillHold | None = None
+    """Released by dispatch at the choice's first token (and at its end)."""
 
     def expected_cached_tokens(self, prompt_len: int) -> int:
         """Prompt tokens the prefilling node should find cached if the index was right (an engine computes at
@@ -81,6 +105,8 @@ class Placement:
     def release(self) -> None:
         for lease in self.leases:
             lease.release()
+        if self.route.hold is not None:
+            self.route.hold.release()
 
 
 @dataclass(eq=False)
@@ -99,6 +125,8 @@ class Router:
     """Learns from every placed request; picks the prefill option only when `cost_decides`."""
     cost_decides: bool = False
     _rates_due: float = field(default=0.0, init=False)
+    _prefilling: dict[NodeId, int] = field(default_factory=dict, init=False)
+    """Tokens routed to each node and not computed yet (PrefillHold), by this router."""
     _rotation: int = field(default=0, init=False)
     _refused: dict[NodeId, float] = field(default_factory=dict, init=False)
     """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
@@ -172,10 +200,11 @@ class Router:
         holder_d, blocks_d = None, 0
         if self.cost_decides and prefill is not None:
             holder_d, blocks_d = _holder(hits, known, decode, decision.cached_blocks_decode)
+        own = self._prefilling
         inputs = Inputs(
             len(prompt), block_size, decision.cached_blocks_prefill, decision.cached_blocks_decode,
-            fetch_blocks, views[decision.prefill].queued_prefill_tokens,
-            views[decision.decode].queued_prefill_tokens, prefill is not None, blocks_d,
+            fetch_blocks, own.get(decision.prefill, 0), own.get(decision.decode, 0), prefill is not None,
+            blocks_d,
         )  # fmt: skip
         options = {e.option: e for e in self.cost.estimates(inputs)}
         if self.cost_decides and prefill is not None:
@@ -211,8 +240,20 @@ class Router:
         local = decision.cached_blocks_prefill * block_size
         m.cost_decisions.labels(option=option).inc()
         m.cost_estimated_ttft.labels(option=option).observe(estimate.ttft_s)
+        prefilling = decode.node_id if prefill is None else prefill.node_id
+        tokens = estimate.compute_tokens * n
+        own[prefilling] = own.get(prefilling, 0) + tokens
+        hold = PrefillHold(own, prefilling, tokens)
         route = Route(
-            kind, decode, prefill, decision.cached_blocks_prefill, holder, fetch_blocks, estimate, inputs
+            kind,
+            decode,
+            prefill,
+            decision.cached_blocks_prefill,
+            holder,
+            fetch_blocks,
+            estimate,
+            inputs,
+            hold,
         )
         # what a fetch brings is counted when the prefill node says what came (dispatch: remote, or miss)
         miss = len(prompt) - local - route.planned_fetch_tokens(len(prompt))

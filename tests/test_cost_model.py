@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 from pdserve.router.cost_model import CostModel, Inputs, Rates, bucket
+from pdserve.router.routing import PrefillHold
+from pdserve.shared.types import NodeId
 
 BS = 16
 
@@ -105,3 +107,21 @@ def test_the_first_observation_of_each_rate_replaces_its_prior() -> None:
     assert model.fetch_s_per_block() == pytest.approx(2.4e-5 + 0.2 * (5e-5 - 2.4e-5))
     again = next(e for e in model.estimates(held) if e.option == "local_fetch")
     assert again.ttft_s == pytest.approx(actual)  # its first observation set the option's overhead
+
+
+def test_queue_depths_are_the_routers_own_prefill_holds() -> None:
+    """The cost model's queues count the tokens this router placed on a node until their first token:
+    holds add up per node and each goes exactly once."""
+    counts: dict[NodeId, int] = {}
+    a, b = NodeId("p0"), NodeId("d0")
+    holds = []
+    for node, tokens in ((a, 4096), (a, 128), (b, 300)):
+        counts[node] = counts.get(node, 0) + tokens
+        holds.append(PrefillHold(counts, node, tokens))
+    assert counts == {a: 4224, b: 300}
+    holds[0].release()
+    holds[0].release()
+    assert counts == {a: 128, b: 300}
+    for hold in holds:
+        hold.release()
+    assert counts == {}
