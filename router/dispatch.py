@@ -18,10 +18,12 @@ and migration only if one class owns the choice's whole life.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 import weakref
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from pdserve.router.admission import Lease
@@ -44,6 +46,7 @@ from pdserve.shared.index.block_index_types import NodeInfo
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, PrefillResult, StepOutput
 from pdserve.shared.types import NodeId, RequestId
 
+log = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 1.0
 _MAX_REROUTES = 2
 
@@ -378,6 +381,8 @@ class RequestRun:
             )
         if self._rerouter is not None:
             self._rerouter.cost.observe_ttft(route.estimate, route.inputs, actual)
+        log.debug("cost model ttft %s", json.dumps({"estimate": asdict(route.estimate),
+                  "inputs": asdict(route.inputs), "actual_s": actual}))  # fmt: skip
 
     def _learn_prefill(self, job: ChoiceJob, result: PrefillResult) -> None:
         if self._rerouter is None:
@@ -386,6 +391,10 @@ class RequestRun:
         cost.observe_prefill(len(job.prompt_token_ids), result.computed_tokens, result.compute_seconds)
         sent, tail = result.transferred_blocks, result.transfer_tail_seconds
         cost.observe_moves(blocks, result.fetch_seconds, sent, tail)
+        log.debug("cost model prefill %s", json.dumps({"prompt_tokens": len(job.prompt_token_ids),
+                  "computed_tokens": result.computed_tokens, "compute_s": result.compute_seconds,
+                  "fetched_blocks": blocks, "fetch_s": result.fetch_seconds, "sent_blocks": sent,
+                  "tail_s": tail}))  # fmt: skip
 
     def _count_fetch(self, job: ChoiceJob, fetched_tokens: int) -> None:
         """The "remote" prefix hits are what the prefill node really fetched; what the route planned to fetch
