@@ -358,7 +358,8 @@ async def _lines(
         while True:
             try:
                 # The request's one deadline: past it the node aborts (freeing its blocks) and says so.
-                out = await asyncio.wait_for(anext(outputs), timeout=max(0.0, gen.deadline - time.time()))
+                async with asyncio.timeout(max(0.0, gen.deadline - time.time())):
+                    out = await anext(outputs)
             except StopAsyncIteration:
                 return
             except TimeoutError:

@@ -233,7 +233,8 @@ class PairGroupChannel(ControlChannel):
                     delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
                     self._hurry.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._hurry.wait(), delay)
+                        async with asyncio.timeout(delay):
+                            await self._hurry.wait()
                     continue
                 raise ConnectionLost(f"{self._backend.name} payload with {self.peer} failed: {problem}")
         except BaseException as e:  # a failed, timed-out or cancelled op: the pair cannot be trusted

@@ -194,7 +194,8 @@ class ChannelSession:
                     await asyncio.sleep(0)
             if waiter.done():  # seen while spinning: no timeout scope to set up
                 return waiter.result()
-            return await asyncio.wait_for(waiter, max(until - time.time(), 0.0))
+            async with asyncio.timeout(max(until - time.time(), 0.0)):
+                return await waiter
         except TimeoutError:
             await self.abort(f"no {what} from receiver by the deadline")
             raise TransferAborted(self._transfer_id, f"no {what} by the deadline") from None

@@ -104,7 +104,8 @@ class UcxChannel(ControlChannel):
                     await self._control.send(
                         RECORD.pack(RECORD_MAGIC, self._transport.ucx_port, self._window, key), b"", None
                     )
-                    self._ep = await asyncio.wait_for(endpoint, timeout)
+                    async with asyncio.timeout(timeout):
+                        self._ep = await endpoint
                 finally:
                     self._transport.forget(key)
                 self._slot = torch.empty(self._window, dtype=torch.uint8, device=self._device)
@@ -115,7 +116,8 @@ class UcxChannel(ControlChannel):
                 raise ConnectionLost(f"{self.peer} sent {magic!r} instead of the {RECORD_MAGIC!r} record")
             self._transport.bind_device()
             self._ep = await ucxx.create_endpoint(self._host, port, connect_timeout=timeout)
-            await asyncio.wait_for(ucx_request(self._ep.send(np.frombuffer(key, dtype=np.uint8))), timeout)
+            async with asyncio.timeout(timeout):
+                await ucx_request(self._ep.send(np.frombuffer(key, dtype=np.uint8)))
         except (*UCX_ERRORS, RequestFailed, TimeoutError, OSError) as e:
             raise self._lost(f"UCX endpoint setup failed: {e!r}") from e
         except BaseException as e:
@@ -229,7 +231,8 @@ class UcxChannel(ControlChannel):
                 while not landing.done() and time.perf_counter() < spin_until:
                     await asyncio.sleep(0)
             if not landing.done():
-                await asyncio.wait_for(asyncio.shield(landing), self._transport.liveness_s)
+                async with asyncio.timeout(self._transport.liveness_s):
+                    await asyncio.shield(landing)
             landing.result()
         except TimeoutError:
             raise self._lost(f"payload not done within {self._transport.liveness_s}s") from None
@@ -347,7 +350,8 @@ class UcxTransport:
     async def _accept(self, endpoint: ucxx.Endpoint) -> None:
         key = np.empty(KEY_BYTES, dtype=np.uint8)
         try:
-            await asyncio.wait_for(ucx_request(endpoint.recv(key)), self.setup_timeout_s)
+            async with asyncio.timeout(self.setup_timeout_s):
+                await ucx_request(endpoint.recv(key))
         except (RequestFailed, TimeoutError):
             endpoint.abort()
             return

@@ -122,7 +122,8 @@ class Ledger:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            await asyncio.wait_for(waiter, max(0.0, deadline - time.time()))
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                await waiter
         except TimeoutError:
             raise NoRoom(
                 "no node had room before the request's deadline", self.config.retry_after_s

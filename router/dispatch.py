@@ -172,7 +172,8 @@ class RequestRun:
     async def next_event(self, timeout_s: float) -> ChoiceEvent | None:
         """The next event of any choice, or None when none arrived within timeout_s seconds."""
         try:
-            event = await asyncio.wait_for(self._queue.get(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                event = await self._queue.get()
         except TimeoutError:
             return None
         if event.error is not None or (event.step is not None and event.step.finish_reason is not None):

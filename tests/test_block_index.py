@@ -494,3 +494,29 @@ def test_digest_follows_every_write_of_the_records(redis_server: LocalRedis, ops
             assert await index.digest(nid, epoch) == BlocksDigest.of(list(truth))
 
     run(body())
+
+
+def test_a_cancelled_call_is_never_left_running(redis_server: LocalRedis) -> None:
+    """A task cancelled while the index talks to Redis ends with CancelledError, whenever the cancel lands
+    (redis-py's send path loses one that lands as the send completes, on Python 3.11; the router's stop
+    then waited for its refresh loop forever)."""
+
+    async def scenario() -> None:
+        index = make_index(redis_server)
+
+        async def poll() -> None:
+            while True:
+                await index.nodes()
+
+        try:
+            for i in range(200):
+                task = asyncio.ensure_future(poll())
+                await asyncio.sleep((i % 20) * 0.0005)
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=5)
+                assert done, f"round {i}: the cancelled task still runs"
+                assert task.cancelled()
+        finally:
+            await index.close()
+
+    run(scenario())

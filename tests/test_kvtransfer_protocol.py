@@ -740,13 +740,16 @@ def test_ucx_sender_pipelines_payloads_in_order() -> None:
         listener = await d_transport.listen("127.0.0.1", 0, on_channel)
         channel = await p_transport.dial("127.0.0.1", listener.port, 5.0)
         assert isinstance(channel, UcxChannel)
-        await asyncio.wait_for(channel.authenticated(), 10.0)
+        async with asyncio.timeout(10.0):
+            await channel.authenticated()
         payloads = [torch.full((1 << 20,), i + 1, dtype=torch.uint8) for i in range(3)]
         for i, payload in enumerate(payloads):
-            await asyncio.wait_for(channel.send(b"pfx" + bytes([i]), b"hdr", payload), 10.0)
+            async with asyncio.timeout(10.0):
+                await channel.send(b"pfx" + bytes([i]), b"hdr", payload)
         assert not received and len(channel._in_flight) >= 1  # sent ahead of D's reads
         go.set()
-        await asyncio.wait_for(done.wait(), 10.0)
+        async with asyncio.timeout(10.0):
+            await done.wait()
         assert received == [x for i in range(3) for x in (b"pfx" + bytes([i]) + b"hdr", bytes([i + 1]) * 8)]
         await channel.close()
         assert not channel._in_flight
@@ -781,7 +784,8 @@ def test_ucx_endpoint_with_an_unknown_key_is_dropped() -> None:
         port = int.from_bytes(record[4:6], "little")
         endpoint = await ucxx.create_endpoint("127.0.0.1", port)
         await endpoint.send(np.frombuffer(os.urandom(16), dtype=np.uint8))  # not the key D sent
-        failure = await asyncio.wait_for(outcome, 10.0)
+        async with asyncio.timeout(10.0):
+            failure = await outcome
         assert isinstance(failure, ConnectionLost)
         endpoint.abort()
         control.abort()
@@ -842,8 +846,9 @@ def test_an_idle_ucx_connection_leaves_the_event_loop_idle() -> None:
         d_transport = UcxTransport(config("ucx", options=UcxOptions(window_bytes=1 << 20)))
         listener = await d_transport.listen("127.0.0.1", 0, on_channel)
         p_channel = await UcxTransport(config("ucx")).dial("127.0.0.1", listener.port, 5.0)
-        await asyncio.wait_for(p_channel.authenticated(), 10.0)
-        d_channel = await asyncio.wait_for(accepted, 10.0)
+        async with asyncio.timeout(10.0):
+            await p_channel.authenticated()
+            d_channel = await accepted
         assert isinstance(d_channel, UcxChannel) and d_channel._standing is not None
         cpu = time.thread_time()
         await asyncio.sleep(1.0)

@@ -11,11 +11,14 @@ Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts kee
 - A node's records list the blocks it holds in any tier; `blkhost:<id>:<epoch>` lists those of them that
   sit in its host-memory tier (BlockTiered events), kept beside the records with the same TTL.
 Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
-credentials raise its subclass `IndexAuthError`.
+credentials raise its subclass `IndexAuthError`. A call cancelled while redis-py sends a command (its
+`asyncio.wait_for` swallows a cancellation that lands as the send completes, Python 3.11) raises
+`CancelledError` when it returns: a cancelled caller is never left running.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -123,6 +126,8 @@ class BlockIndex:
     @asynccontextmanager
     async def _guard(self, what: str) -> AsyncIterator[None]:
         where = self.config.address
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             yield
         except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
@@ -135,6 +140,8 @@ class BlockIndex:
             raise IndexUnavailable(f"Redis at {where} is unreachable during {what}: {exc}") from exc
         except rexc.RedisError as exc:  # OOM, READONLY replica, a busy script: Redis cannot serve the index
             raise IndexUnavailable(f"Redis at {where} failed {what}: {exc}") from exc
+        if task is not None and task.cancelling() > cancels:
+            raise asyncio.CancelledError(f"{what} was cancelled while Redis answered")
 
     async def _call(self, script: Any, what: str, *args: bytes | str | int) -> Any:
         async with self._guard(what):
