@@ -22,6 +22,7 @@ from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import HitStats, NodeStatus
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.wire import WireError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -107,7 +108,10 @@ async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
         )
     rows.sort(key=lambda r: (-r["prefix_blocks"], r["node_id"]))
     raw = await index.cost_rates()
-    rates = Rates() if raw is None else Rates.from_json(raw)
+    try:
+        rates = Rates() if raw is None else Rates.from_json(raw)
+    except WireError:  # written by a router of another record version: the priors stand in
+        raw, rates = None, Rates()
     loads = {s.info.node_id: s.load for s in await index.nodes()}
 
     def best(role: str) -> dict[str, Any] | None:

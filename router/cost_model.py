@@ -12,10 +12,14 @@ Options (DESIGN.md, "Where a prefill happens"):
 
 Estimate = learned overhead of the option + queue + compute + moved blocks, where every rate is learned
 online from what the router observes (EWMA, weight `alpha`; the first observation of a rate replaces its
-prior), and only until a first observation the prior of `Rates` stands in:
-- prefill seconds per computed token, per prompt-length bucket (powers of two), from each prefill node's
-  reported compute time and from local prefills' time to first token; an unseen bucket takes the nearest
-  seen one;
+prior, an overhead moves from its prior), and only until a first observation the prior of `Rates` stands
+in:
+- a prefill's seconds as a line in the tokens it computes (plus the tokens queued before it): a fixed
+  cost per prefill (a step reads every weight; a request crosses processes) plus seconds per token, fitted
+  per prompt-length bucket (powers of two: attention grows with the context) by exponentially weighted
+  least squares over each prefill node's reported compute times and local prefills' times to first token;
+  an unseen bucket takes the nearest seen one (a line through zero per token, before two different token
+  counts were seen in a bucket, then the prior `prior_s_per_token`, stand in);
 - fetch seconds per block, from the prefill node's report (a fetch runs before the compute, so all of it
   adds to the time to first token);
 - transfer seconds per sent block (P -> D) of the transfer's tail: the part left after the compute, from
@@ -33,7 +37,7 @@ from typing import Literal
 
 from pdserve.shared.wire import Codec, JsonMessage
 
-CODEC = Codec("placement rates", 1)
+CODEC = Codec("placement rates", 2)
 Option = Literal["local", "local_fetch", "pd", "pd_fetch"]
 OPTIONS: tuple[Option, ...] = ("local", "local_fetch", "pd", "pd_fetch")
 
@@ -45,8 +49,9 @@ class Rates(JsonMessage):
 
     codec = CODEC
 
-    prefill_s_per_token: dict[int, float] = field(default_factory=dict)
-    """By prompt-length bucket (the bucket's upper bound, a power of two)."""
+    prefill_fit: dict[int, tuple[float, float, float, float, float]] = field(default_factory=dict)
+    """By prompt-length bucket (the bucket's upper bound, a power of two): the exponentially weighted sums
+    (weight, x, y, x*x, x*y) of prefills' computed tokens x against their seconds y."""
     prior_s_per_token: float = 1e-3
     fetch_s_per_block: float | None = None
     """A fetch's time per block, from the prefill nodes' reports (None: none yet, `prior_s_per_block`)."""
@@ -92,22 +97,36 @@ class Estimate:
 
 
 class CostModel:
-    def __init__(self, rates: Rates | None = None, alpha: float = 0.2) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha={alpha} must be in (0, 1]")
+    def __init__(self, rates: Rates | None = None, alpha: float = 0.2, fit_alpha: float = 0.05) -> None:
+        """alpha: the EWMA weight of a new observation of a rate or overhead; fit_alpha: the weight by which
+        each new prefill discounts the older ones in its bucket's fit."""
+        for name, value in (("alpha", alpha), ("fit_alpha", fit_alpha)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={value} must be in (0, 1]")
         self.rates = rates or Rates()
         self.alpha = alpha
+        self.fit_alpha = fit_alpha
 
     # ---- estimates --------------------------------------------------------------------------------------
-    def s_per_token(self, tokens: int) -> float:
-        per = self.rates.prefill_s_per_token
-        if not per:
-            return self.rates.prior_s_per_token
-        b = bucket(tokens)
-        if b in per:
-            return per[b]
-        nearest = min(per, key=lambda k: abs(math.log2(k) - math.log2(b)))
-        return per[nearest]
+    def prefill_line(self, prompt_tokens: int) -> tuple[float, float]:
+        """(fixed seconds, seconds per token) of a prefill in the prompt's bucket (or the nearest fitted)."""
+        fits = self.rates.prefill_fit
+        if not fits:
+            return 0.0, self.rates.prior_s_per_token
+        b = bucket(prompt_tokens)
+        w, sx, sy, sxx, sxy = (
+            fits[b] if b in fits else fits[min(fits, key=lambda k: abs(k.bit_length() - b.bit_length()))]
+        )
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var > (0.1 * mx) ** 2:  # token counts differ enough to tell the fixed cost from the per-token one
+            slope = (sxy / w - mx * my) / var
+            fixed = my - slope * mx
+            if slope >= 0 and fixed >= 0:
+                return fixed, slope
+            if slope < 0:
+                return my, 0.0
+        return 0.0, sxy / sxx
 
     def overhead(self, option: Option) -> float:
         """The option's learned overhead (the prior of a record written before the option existed)."""
@@ -122,7 +141,8 @@ class CostModel:
         return r.transfer_s_per_block if r.transfer_s_per_block is not None else r.prior_s_per_block
 
     def _compute_s(self, queued: int, tokens: int, prompt_tokens: int) -> float:
-        return (queued + tokens) * self.s_per_token(prompt_tokens)
+        fixed, per_token = self.prefill_line(prompt_tokens)
+        return fixed + (queued + tokens) * per_token
 
     def estimates(self, x: Inputs) -> list[Estimate]:
         """Every option open for the prompt, cheapest first."""
@@ -164,9 +184,10 @@ class CostModel:
         """A prefill node computed `computed_tokens` of a `prompt_tokens` prompt in `seconds`."""
         if computed_tokens <= 0 or seconds <= 0:
             return
-        per, b = self.rates.prefill_s_per_token, bucket(prompt_tokens)
-        value = seconds / computed_tokens
-        per[b] = self._ewma(per.get(b), value)
+        fits, b, x = self.rates.prefill_fit, bucket(prompt_tokens), float(computed_tokens)
+        keep = 1.0 - self.fit_alpha
+        w, sx, sy, sxx, sxy = (keep * v for v in fits.get(b, (0.0,) * 5))
+        fits[b] = (w + 1.0, sx + x, sy + seconds, sxx + x * x, sxy + x * seconds)
         self.rates.observations += 1
 
     def observe_moves(self, fetched_blocks: int, fetch_s: float, sent_blocks: int, send_s: float) -> None:
@@ -188,8 +209,10 @@ class CostModel:
             if fetch_s > 0:
                 r.fetch_s_per_block = self._ewma(r.fetch_s_per_block, fetch_s / estimate.fetch_blocks)
             estimate = next(e for e in self.estimates(x) if e.option == "local_fetch")
-        explained = estimate.ttft_s - self.overhead(estimate.option)
-        old = r.overhead_s.get(estimate.option)
+        # An overhead moves from its prior by alpha, never jumps to one residual: early residuals also hold
+        # the error of rates not learned yet (replayed over a logged workload, jumping doubled pd's estimates)
+        old = self.overhead(estimate.option)
+        explained = estimate.ttft_s - old
         r.overhead_s[estimate.option] = max(0.0, self._ewma(old, actual_s - explained))
         if estimate.option == "local":  # D's compute is seen only through its time to first token
             queued = x.queued_decode

@@ -98,15 +98,36 @@ def test_the_first_observation_of_each_rate_replaces_its_prior() -> None:
     x = inputs(64)
     local = next(e for e in model.estimates(x) if e.option == "local")
     model.observe_ttft(local, x, local.ttft_s + 0.030)  # 30 ms more than the prior overhead explains
-    assert model.overhead("local") == pytest.approx(Rates().prior_overhead_s + 0.030)
+    assert model.overhead("local") == pytest.approx(Rates().prior_overhead_s + 0.2 * 0.030)  # it moves
     held = inputs(16400, hits_holder=1024, hits_holder_decode=1024)
     lf = next(e for e in model.estimates(held) if e.option == "local_fetch")
     compute = lf.ttft_s - model.overhead("local_fetch") - 1024 * model.fetch_s_per_block()
     actual = model.overhead("local") + compute + 1024 * 5e-5  # D's fetch took 50 us a block
     model.observe_ttft(lf, held, actual)
     assert model.fetch_s_per_block() == pytest.approx(2.4e-5 + 0.2 * (5e-5 - 2.4e-5))
+    before = compute + 1024 * model.fetch_s_per_block() + Rates().prior_overhead_s  # the fetch rate learned
     again = next(e for e in model.estimates(held) if e.option == "local_fetch")
-    assert again.ttft_s == pytest.approx(actual)  # its first observation set the option's overhead
+    assert again.ttft_s == pytest.approx(before + 0.2 * (actual - before))
+
+
+def test_a_prefill_is_a_fixed_cost_plus_a_cost_per_token_fitted_per_bucket() -> None:
+    """Suffixes of a cached prefix cost about as much as a step, whatever their length; a line through
+    zero (seconds per token) put them at a fraction of it. Two token counts in a bucket identify both."""
+    model = CostModel(Rates())
+    model.observe_prefill(4400, 4400, 0.030 + 4400 * 2e-5)
+    assert model.prefill_line(4400) == pytest.approx(
+        (0.0, (0.030 + 4400 * 2e-5) / 4400)
+    )  # one count: a ratio
+    for tokens in (64, 300, 4096):
+        model.observe_prefill(4400, tokens, 0.030 + tokens * 2e-5)
+    fixed, per_token = model.prefill_line(4400)
+    assert fixed == pytest.approx(0.030) and per_token == pytest.approx(2e-5)
+    assert model.prefill_line(7000) == (fixed, per_token)  # the same bucket
+    assert model.prefill_line(100) == (fixed, per_token)  # an unseen bucket takes the nearest fitted one
+    local = next(
+        e for e in model.estimates(inputs(4400, hits_decode=270, queued_decode=100)) if e.option == "local"
+    )
+    assert local.ttft_s == pytest.approx(model.overhead("local") + 0.030 + (100 + 80) * 2e-5)
 
 
 def test_queue_depths_are_the_routers_own_prefill_holds() -> None:
