@@ -3,7 +3,9 @@
 Prints one table. Decode attention is timed at batch 64 x 4k context in the Llama-3.1-8B shape
 (32 query heads, 8 KV heads, head dim 128, bf16, block 16) and its achieved bandwidth (KV bytes read /
 median time) is printed next to the device-to-device copy bandwidth measured in the same run (bytes read
-+ written). Prefill attention is timed on one 4096-token sequence, next to torch SDPA on contiguous K/V.
++ written). Prefill attention is timed on one 4096-token sequence, next to torch SDPA on contiguous K/V,
+and on a 16-token suffix over a 16,384-token cached prefix (a fetched prefix's step), split-K as
+TritonOps chooses it next to the single pass (num_splits=1) it replaces, per layer and x 32 layers.
 
     python -m pdserve.benchmarks.kernels_gpu
 """
@@ -20,7 +22,11 @@ import torch.nn.functional as F
 import triton.testing
 from pdserve.kernels.ops import AttentionMetadata, RopeTables
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.kernels.triton_attention import choose_num_splits
+from pdserve.kernels.triton_attention import (
+    choose_num_splits,
+    choose_prefill_splits,
+    paged_prefill_attention,
+)
 from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.model import rope_inv_freq
 
@@ -173,6 +179,31 @@ def time_prefill(device: torch.device) -> list[tuple[str, str, str]]:
     ]
 
 
+def time_prefill_suffix(device: torch.device) -> list[tuple[str, str, str]]:
+    ctx, new, n_heads, n_kv, head_dim, layers = 16384, 16, 32, 8, 128, 32
+    q, kv, meta = paged_batch([(ctx, new)], n_heads, n_kv, head_dim, 16, torch.bfloat16, device)
+    tri = TritonOps()
+    scale = head_dim**-0.5
+    sm = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = choose_prefill_splits(n_heads, 1, new, ctx + new, sm)
+    args = (q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, new, scale)
+    single_ms = median_ms(lambda: paged_prefill_attention(*args, 1))
+    split_ms = median_ms(lambda: tri.prefill_attention(q, kv, meta, scale))
+    shape = f"ctx={ctx} new={new} Hq={n_heads} Hkv={n_kv} D={head_dim} bf16"
+    return [
+        (
+            "prefill suffix, 1 pass (before)",
+            shape,
+            f"{single_ms * 1e3:.1f} us, x{layers} {single_ms * layers:.2f} ms",
+        ),
+        (
+            f"prefill suffix, {splits} splits",
+            shape,
+            f"{split_ms * 1e3:.1f} us, x{layers} {split_ms * layers:.2f} ms",
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--device", default="cuda:0", help="CUDA device to run on (default cuda:0)")
@@ -190,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'op':<16}{'case':<{width + 2}}{'max rel err':>12}  {'tol':>8}  ok")
     for op, case, err, tol in checks:
         print(f"{op:<16}{case:<{width + 2}}{err:>12.2e}  {tol:>8.0e}  {'yes' if err <= tol else 'NO'}")
-    timings = time_decode(device) + time_prefill(device)
+    timings = time_decode(device) + time_prefill(device) + time_prefill_suffix(device)
     width = max(len(t[1]) for t in timings)
     print(f"\n{'what':<34}{'shape':<{width + 2}}result")
     for what, shape, result in timings:

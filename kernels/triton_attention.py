@@ -5,6 +5,20 @@ Both read K/V through the block table one token row at a time (token n of a sequ
 need not be contiguous. Softmax runs in base 2 on fp32 scores with fp32 accumulation whatever the cache
 dtype. Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise
 with the device, so decode can be captured in a CUDA graph.
+
+Split-K, both phases: when too few programs would cover the SMs, each sequence's keys are cut into
+`num_splits` BLOCK_N-aligned ranges, one program each; a split writes its normalised output and base-2
+log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and one reduction kernel
+(`_reduce_splits_kernel`, shared by decode and prefill) weighs them. Split 0 always holds key 0, which
+every query sees, so each row has a finite lse to weigh the others against; a split with no key visible
+to a row has lse = -inf and weight 0. The split counts:
+- decode (`choose_num_splits`): enough (seq, KV head, split) programs for about four per SM, no split
+  under 256 keys.
+- prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
+  (a short suffix over a long cached prefix: 32 programs for 16 new tokens at Llama-3.1-8B), then about
+  four programs per SM, no split under 512 keys; so a normal prefill (enough tiles to fill the SMs) or a
+  context under 1,024 keys keeps the single pass that writes its output directly, and the scratch stays
+  under (4 x SMs + programs) x BLOCK_M x D fp32 values (21 MiB on an H100 at D = 128).
 """
 
 from __future__ import annotations
@@ -19,6 +33,7 @@ LOG2E = 1.4426950408889634
 # Finite start for the running max, so a fully masked tile never computes exp2(-inf - -inf) = NaN.
 _MASKED_MAX = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
+_MIN_PREFILL_SPLIT = 512  # keys
 
 
 @triton.jit
@@ -114,36 +129,41 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_os, stride_oh,
+def _reduce_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
+    # Grid (R, Hq): R = sequences (decode, one query each) or query tokens (prefill).
+    # mid_o: [R, Hq, NUM_SPLITS, HEAD_DIM] fp32, mid_lse: [R, Hq, NUM_SPLITS] fp32; out: [R, Hq, HEAD_DIM]
+    r = tl.program_id(0)
     head = tl.program_id(1)
-    row = seq.to(tl.int64) * tl.num_programs(1) + head
+    row = r.to(tl.int64) * tl.num_programs(1) + head
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, DIM_PAD)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; split 0 always holds the sequence's first token
+    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; split 0 always holds key 0, visible to every query
     o_off = (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
     o = tl.load(mid_o_ptr + o_off, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out, mask=d_mask)
+    tl.store(out_ptr + r.to(tl.int64) * stride_or + head * stride_oh + offs_d, out, mask=d_mask)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(0)
+    # Grid (NUM_SPLITS * Hq, S, tiles): the heads of one split side by side, so a KV group's blocks are
+    # shared in L2.
+    n_heads = tl.num_programs(0) // NUM_SPLITS
+    head = tl.program_id(0) % n_heads
+    split = tl.program_id(0) // n_heads
     seq = tl.program_id(1)
-    # Longest-running (last) query tiles start first, all heads of a tile side by side so a KV group's
-    # blocks are shared in L2.
+    # Longest-running (last) query tiles start first.
     tile = tl.num_programs(2) - 1 - tl.program_id(2)
     q_begin = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_begin
@@ -158,7 +178,8 @@ def _prefill_kernel(
     offs_d = tl.arange(0, DIM_PAD)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
-    q_mask = (offs_m < q_len)[:, None] & d_mask[None, :]
+    m_mask = offs_m < q_len
+    q_mask = m_mask[:, None] & d_mask[None, :]
     rows = (q_begin + offs_m).to(tl.int64)
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
@@ -170,19 +191,24 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
-    # Keys before the tile's first query position are visible to every row: no causal mask there.
-    # The tile never reads keys past its last row's position.
-    unmasked_end = (ctx_len + m0) // BLOCK_N * BLOCK_N
+    # The tile never reads keys past its last row's position; this split takes a BLOCK_N-aligned share
+    # [start, end) of them (all of them when NUM_SPLITS == 1), split 0 from key 0.
     visible_end = tl.minimum(ctx_len + m0 + BLOCK_M, seq_len)
+    per_split = tl.cdiv(tl.cdiv(visible_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, visible_end)
+    # Keys before the tile's first query position are visible to every row: no causal mask there. Both
+    # bounds are BLOCK_N-aligned or end at visible_end, past which every key is causally masked anyway.
+    unmasked_end = (ctx_len + m0) // BLOCK_N * BLOCK_N
     all_n = offs_n >= 0
-    for n0 in range(0, unmasked_end, BLOCK_N):
+    for n0 in range(start, tl.minimum(end, unmasked_end), BLOCK_N):
         off = _kv_offsets(
             table_row, n0 + offs_n, all_n, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE
         )
         k = tl.load(k_ptr + off, mask=d_mask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=d_mask[None, :], other=0.0)
         m_i, l_i, acc = _softmax_step(q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE)
-    for n0 in range(unmasked_end, visible_end, BLOCK_N):
+    for n0 in range(tl.maximum(start, unmasked_end), end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < seq_len
         k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
@@ -191,7 +217,16 @@ def _prefill_kernel(
         m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=q_mask)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=q_mask)
+    else:
+        # Partial per (token, head, split), as the decode split kernel writes it; a row that sees no key
+        # of this split (empty split, or all its keys in the row's future) has l_i = 0 and lse = -inf.
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        row = rows * n_heads + head  # mid_*: [T, Hq, NUM_SPLITS, (D)]
+        tl.store(mid_lse_ptr + row * NUM_SPLITS + split, lse, mask=m_mask)
+        o_off = (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
+        tl.store(mid_o_ptr + o_off, out, mask=q_mask)
 
 
 def dot_dtype(cache_dtype: torch.dtype, device: torch.device) -> tl.dtype:
@@ -209,6 +244,20 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     programs = num_seqs * num_kv_heads
     wanted = -(-4 * sm_count // programs)
     by_length = -(-max_seq_len // 256)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def choose_prefill_splits(
+    num_heads: int, num_seqs: int, max_query_len: int, max_seq_len: int, sm_count: int, block_m: int = 64
+) -> int:
+    """Splits of each sequence's keys for prefill: 1 while the (Hq, seq, query tile) programs alone are at
+    least the SMs; below that (a short suffix over a long cached prefix), enough to give every SM about
+    four programs, but no split shorter than 512 keys, so a context under 1,024 keys never splits."""
+    programs = num_heads * num_seqs * -(-max_query_len // block_m)
+    if programs >= sm_count:
+        return 1
+    wanted = -(-4 * sm_count // programs)
+    by_length = max_seq_len // _MIN_PREFILL_SPLIT
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
@@ -245,12 +294,23 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4,
     )  # fmt: skip
-    _decode_reduce_kernel[(n_seqs, n_heads)](
+    _reduce_splits(mid_o, mid_lse, out)
+    return out
+
+
+def _reduce_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """mid_o: [R, Hq, splits, D] fp32, mid_lse: [R, Hq, splits] fp32 -> out: [R, Hq, D] (any float dtype,
+    head dim contiguous); R = sequences for decode, query tokens for prefill."""
+    n_rows, n_heads, num_splits, head_dim = mid_o.shape
+    assert mid_lse.shape == (n_rows, n_heads, num_splits) and out.shape == (n_rows, n_heads, head_dim), (
+        f"mid_o {tuple(mid_o.shape)}, mid_lse {tuple(mid_lse.shape)} and out {tuple(out.shape)} disagree"
+    )
+    assert mid_o.is_contiguous() and mid_lse.is_contiguous() and out.stride(2) == 1
+    _reduce_splits_kernel[(n_rows, n_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
     )  # fmt: skip
-    return out
 
 
 def paged_prefill_attention(
@@ -261,28 +321,44 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     max_query_len: int,
     scale: float,
+    num_splits: int = 1,
     block_m: int = 64,
     block_n: int = 64,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D] in q's dtype; causal over each sequence's cached prefix and new tokens.
 
-    Grid (Hq, S, ceil(max_query_len / block_m)); tiles past a sequence's query length exit at once.
+    kv_layer: [2, N, block_size, Hkv, D]; block_tables: [S, max_blocks] int32; seq_lens: [S] int32 (cached
+    + new); query_start_loc: [S + 1] int32 offsets into T. Grid (num_splits * Hq, S,
+    ceil(max_query_len / block_m)); tiles past a sequence's query length exit at once. With num_splits > 1
+    each tile's visible keys are split and the partials reduced (choose_prefill_splits picks the count).
     Inputs are trusted: TritonOps.prefill_attention checks them.
     """
     n_tokens, n_heads, head_dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape
-    out = torch.empty_like(q)
     n_seqs = seq_lens.shape[0]
+    assert 1 <= num_splits <= _MAX_SPLITS, f"num_splits must be in [1, {_MAX_SPLITS}], got {num_splits}"
+    assert query_start_loc.shape == (n_seqs + 1,) and block_tables.shape[0] == n_seqs, (
+        f"query_start_loc {tuple(query_start_loc.shape)} and block_tables {tuple(block_tables.shape)} must "
+        f"be [S+1] and [S, max_blocks] for S = {n_seqs}"
+    )
+    out = torch.empty_like(q)
     if n_tokens == 0 or n_seqs == 0:
         return out
     k_cache, v_cache = kv_layer[0], kv_layer[1]
-    grid = (n_heads, n_seqs, math.ceil(max_query_len / block_m))
+    if num_splits == 1:
+        mid_o = mid_lse = out  # not read: the single pass writes out directly
+    else:
+        mid_o = torch.empty((n_tokens, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((n_tokens, n_heads, num_splits), dtype=torch.float32, device=q.device)
+    grid = (num_splits * n_heads, n_seqs, math.ceil(max_query_len / block_m))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale * LOG2E,
+        q, k_cache, v_cache, out, mid_o, mid_lse, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=n_heads // n_kv, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4, num_stages=2,
     )  # fmt: skip
+    if num_splits > 1:
+        _reduce_splits(mid_o, mid_lse, out)
     return out

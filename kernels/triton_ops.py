@@ -19,6 +19,7 @@ from pdserve.kernels import triton_fused
 from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
 from pdserve.kernels.triton_attention import (
     choose_num_splits,
+    choose_prefill_splits,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -59,14 +60,22 @@ class TritonOps:
     def prefill_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's paged context (varlen batch)."""
+        """q: [T, Hq, D] -> [T, Hq, D]; causal over each sequence's paged context (varlen batch).
+
+        Splits each sequence's keys (choose_prefill_splits, from the host ints max_query_len and
+        max_seq_len) when a short suffix over a long context would leave SMs idle.
+        """
         _check_attention(q, kv_layer, meta)
         assert meta.query_start_loc.shape == (meta.num_seqs + 1,), (
             f"query_start_loc must be [S+1] = [{meta.num_seqs + 1}], got {tuple(meta.query_start_loc.shape)}"
         )
-        return paged_prefill_attention(
-            q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale
+        num_splits = choose_prefill_splits(
+            q.shape[1], meta.num_seqs, meta.max_query_len, meta.max_seq_len, _sm_count(kv_layer.device)
         )
+        return paged_prefill_attention(
+            q, kv_layer, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, scale,
+            num_splits,
+        )  # fmt: skip
 
     def decode_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float

@@ -15,6 +15,7 @@ import torch
 import triton
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
+from pdserve.kernels.triton_attention import choose_prefill_splits
 from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
@@ -89,6 +90,21 @@ def test_rope_write_kv_and_silu_mul_on_gpu(dtype: torch.dtype, n_tokens: int) ->
     _ulp_close(TRI.silu_mul(gate_up), REF.silu_mul(gate_up))
 
 
+def test_split_prefill_of_a_short_suffix_over_a_long_prefix_on_gpu() -> None:
+    """A fetched 16k prefix's 16-token step takes the split-K path, alone and beside a sequence whose
+    40 new tokens cross a query tile's causal edge; bf16 at Llama-3.1-8B's attention shape."""
+    from pdserve.benchmarks.kernels_gpu import paged_batch
+
+    dev = torch.device("cuda")
+    specs = [(16384, 16), (3000, 40)]
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+    q, kv, meta = paged_batch(specs, C.num_heads, C.num_kv_heads, C.head_dim, 16, torch.bfloat16, dev)
+    assert choose_prefill_splits(C.num_heads, 2, 40, 16400, sm_count) > 1
+    scale = C.head_dim**-0.5
+    got, want = TRI.prefill_attention(q, kv, meta, scale), REF.prefill_attention(q, kv, meta, scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 def _kernel_names(fn: object) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -100,9 +116,9 @@ def _kernel_names(fn: object) -> list[str]:
 
 def test_captured_decode_step_launches_few_kernels() -> None:
     """A batch-1 decode step on a 2-layer model: per layer 4 matrix products (+ split-K reduces) and
-    6 kernels of ours (2 norms, RoPE + KV write, 2 attention, SiLU x up). Besides those, only the
-    embedding, the last residual add, the final norm (4: compute_logits has no ops), the logits cast and
-    the runner's copy of the logits: 8, and 10 allowed."""
+    6 kernels of ours (2 norms, RoPE + KV write, 2 attention, SiLU x up), plus our fused final norm
+    (compute_logits gets the step's ops). Besides those, only the embedding, the last residual add, the
+    logits cast and the runner's copy of the logits: 4, and 10 allowed."""
     dev = torch.device("cuda")
     cfg = dataclasses.replace(C, num_layers=2, vocab_size=512, bos_token_id=1, eos_token_ids=(2,))
     model = LlamaModel(cfg, dev, torch.bfloat16)
@@ -116,8 +132,12 @@ def test_captured_decode_step_launches_few_kernels() -> None:
     runner.execute([BatchItem(list(range(40)), 0, 39, [3, 5, 7], True)])
     names = _kernel_names(lambda: runner.execute([item]))
     runner.close()
-    ours = [n for n in names if re.match(r"_(rms_norm|rope_write_kv|silu_mul|decode_\w+)_kernel", n)]
-    assert len(ours) == 2 * 6, names
+    ours = [
+        n
+        for n in names
+        if re.match(r"_(rms_norm|rope_write_kv|silu_mul|decode_split|reduce_splits)_kernel", n)
+    ]
+    assert len(ours) == 2 * 6 + 1, names
     gemm = re.compile(r"gemm|gemv|nvjet|splitK|cutlass|sm90_xmma", re.IGNORECASE)
     others = [n for n in names if n not in ours and not gemm.search(n)]
     assert len(others) <= 10, others

@@ -34,8 +34,10 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         cases.append(
             (attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3})
         )
-        cases.append((attn, "_prefill_kernel", {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64}))
-    cases.append((attn, "_decode_reduce_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
+        for splits in (1, 3):
+            prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "NUM_SPLITS": splits}
+            cases.append((attn, "_prefill_kernel", prefill))
+    cases.append((attn, "_reduce_splits_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
                                                   "NUM_SPLITS": 3, "SPLITS_PAD": 4}))  # fmt: skip
     cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {  # RoPE + the KV-cache write
         "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_cache_ptr": "*bf16",

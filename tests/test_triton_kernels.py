@@ -22,6 +22,7 @@ from pdserve.kernels.reference import ReferenceOps, write_kv
 from pdserve.kernels.triton_attention import (
     _decode_split_kernel,
     choose_num_splits,
+    choose_prefill_splits,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -164,12 +165,49 @@ def test_prefill_through_ops_default_tiles() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_prefill_half_precision_cache(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_half_precision_cache(dtype: torch.dtype, num_splits: int) -> None:
     q, kv, meta = _batch([(9, 12), (0, 1), (16, 20)], 2, 4, 64, dtype=dtype, seed=21)
     got = paged_prefill_attention(
-        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.125, 16, 16
-    )
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.125,
+        num_splits, block_m=16, block_n=16,
+    )  # fmt: skip
     _close(got, REF.prefill_attention(q, kv, meta, scale=0.125))
+
+
+# Split-K prefill: a few new tokens over a long cached prefix (ending mid-block), two tiles whose first
+# one ends inside the context's last key tile, a plain prompt whose second tile crosses the causal edge,
+# a 1-token chunk, and one short enough that most splits are empty.
+SPLIT_MIX = [(300, 3), (150, 17), (0, 20), (47, 1), (5, 2)]
+
+
+@pytest.mark.parametrize(("group", "head_dim", "n_kv"), [(1, 32, 2), (4, 32, 1), (3, 64, 2)])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_prefill_split_matches_reference(group: int, head_dim: int, n_kv: int, num_splits: int) -> None:
+    q, kv, meta = _batch(SPLIT_MIX, n_kv, group, head_dim, seed=30 + group)
+    want = REF.prefill_attention(q, kv, meta, scale=head_dim**-0.5)
+    got = paged_prefill_attention(
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+        head_dim**-0.5, num_splits, block_m=16, block_n=16,
+    )  # fmt: skip
+    _close(got, want)
+
+
+def test_prefill_through_ops_splits_a_short_suffix_over_a_long_context() -> None:
+    # 2 query heads x 1 sequence x 1 tile is fewer programs than the interpreter's 4 SMs: 2 splits.
+    q, kv, meta = _batch([(1100, 5)], 1, 2, 32, seed=31)
+    assert choose_prefill_splits(2, 1, 5, 1105, 4) == 2
+    _close(TRI.prefill_attention(q, kv, meta, scale=0.2), REF.prefill_attention(q, kv, meta, scale=0.2))
+
+
+def test_choose_prefill_splits_only_for_short_queries_over_long_contexts() -> None:
+    assert choose_prefill_splits(32, 1, 16, 16400, 132) == 17  # a fetched 16k prefix, 16-token suffix
+    assert choose_prefill_splits(32, 1, 200, 16400, 132) == 5  # 4 tiles: 128 programs
+    assert choose_prefill_splits(8, 1, 16, 40000, 132) == 64
+    assert choose_prefill_splits(32, 1, 4096, 4096, 132) == 1  # a normal prefill fills the SMs
+    assert choose_prefill_splits(32, 5, 16, 16400, 132) == 1
+    assert choose_prefill_splits(32, 1, 16, 1000, 132) == 1  # short context
+    assert choose_prefill_splits(32, 1, 16, 16, 132) == 1
 
 
 def test_choose_num_splits_keeps_long_contexts_parallel() -> None:
