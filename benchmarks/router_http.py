@@ -2,9 +2,15 @@
 
 Starts a real redis-server, a real router process (`python -m pdserve.router`) and an *echo node*: a real
 node process that registers in the index as a `single` node and answers every `/internal/generate` at once
-with one token. So each request pays everything the router does (parse, validate, tokenize with the chat
-template, hash, one Redis lookup, choose, one HTTP hop to a node, stream parsing, OpenAI response) and no
-model time. The echo node is part of this benchmark only, never of the product.
+with one token (after decoding the request as a node does). So each request pays everything the router does
+(parse, validate, tokenize with the chat template, hash, one Redis lookup, choose, one HTTP hop to a node,
+stream parsing, OpenAI response) and no model time. The echo node is part of this benchmark only, never of
+the product.
+
+`--prompt-tokens N` measures instead the router's own time to first token for one long token-id prompt
+(as benchmarks/prefix_reuse.py --router sends its 16k-token prompts): the echo node publishes the prompt's
+blocks, so the lookup walks the whole prefix; one streamed /v1/completions at a time against the same
+NodeGenerateRequest sent straight to the echo node (as the router would send it), medians of `--runs`.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -25,18 +33,34 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pdserve.cli import default_model_path
 from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.shared.engine.block_hash import hash_blocks, hash_seed, model_fingerprint
+from pdserve.shared.engine.block_pool import BlockStored
+from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
+from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
-from pdserve.shared.types import KVLayout, NodeId
+from pdserve.shared.node.node_protocol import PROTOCOL_VERSION, NodeGenerateRequest, StepOutput
+from pdserve.shared.types import KVLayout, NodeId, RequestId
 
-CRED = credential_digest("bench")
-FINGERPRINT_HEX = "ab" * 32
+TOKEN = "echo-node"
+JSON = {"content-type": "application/json"}
+CRED = credential_digest(TOKEN)
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
 
-def echo_node(port: int, redis_url: str) -> None:
+def long_prompt(tokens: int) -> list[int]:
+    rng = random.Random(0)
+    return [rng.randrange(1, 30000) for _ in range(tokens)]
+
+
+def fingerprint(model: str) -> str:
+    """The model fingerprint a real node of `model` registers (router/model_check.py checks it)."""
+    config, _, identity = read_gguf(model)
+    return model_fingerprint(config.to_dict(), identity, LAYOUT.dtype, LAYOUT.block_size).hex()
+
+
+def echo_node(port: int, redis_url: str, prompt_tokens: int, model: str) -> None:
     from fastapi.responses import StreamingResponse
 
     app = FastAPI()
@@ -45,10 +69,15 @@ def echo_node(port: int, redis_url: str) -> None:
     async def register() -> None:
         index = BlockIndex(RedisConfig(url=redis_url, heartbeat_ttl_s=3600, records_ttl_s=7200))
         info = NodeInfo(
-            node, "single", f"http://127.0.0.1:{port}", "", FINGERPRINT_HEX, LAYOUT, 1, 100_000, CRED, 8192
-        )
-        await index.register(info)
+            node, "single", f"http://127.0.0.1:{port}", "", fingerprint(model), LAYOUT, PROTOCOL_VERSION,
+            100_000, CRED, max(8192, prompt_tokens + 64),
+        )  # fmt: skip
+        epoch = await index.register(info)
         await index.heartbeat(node, NodeLoad(0, 0, 0, 100_000, 0))
+        if prompt_tokens:  # the long prompt's prefix is held here: the router's lookup walks all of it
+            seed = hash_seed(bytes.fromhex(info.model_fingerprint), None)
+            hashes = hash_blocks(long_prompt(prompt_tokens), LAYOUT.block_size, seed)
+            await index.publish(node, epoch, [BlockStored(tuple(hashes), None)])
 
     @app.post("/internal/generate")
     async def generate(request: Request) -> StreamingResponse:
@@ -98,29 +127,67 @@ async def load(base: str, model: str, requests: int, concurrency: int) -> tuple[
         return time.perf_counter() - t0, latencies, errors
 
 
+async def first_token(client: httpx.AsyncClient, method_url: str, **kwargs: object) -> float:
+    """Seconds from sending a streamed request to its first token (an SSE text chunk or an NDJSON step)."""
+    t0 = time.perf_counter()
+    async with client.stream("POST", method_url, **kwargs) as resp:  # type: ignore[arg-type]
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0].get("text"):
+                return time.perf_counter() - t0
+            if line.startswith("{") and StepOutput.from_line(line).token_ids:
+                return time.perf_counter() - t0
+    raise AssertionError(f"{method_url}: no token came")
+
+
+async def latency(base: str, node: str, model: str, tokens: int, runs: int) -> dict[str, list[float]]:
+    """Time to first token of one long token-id prompt, through the router and straight to the echo node."""
+    prompt = long_prompt(tokens)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True})
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out: dict[str, list[float]] = {"router": [], "straight": []}
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i in range(runs + 2):  # two warm-ups
+            routed = await first_token(client, f"{base}/v1/completions", content=body, headers=JSON)
+            gen = NodeGenerateRequest(RequestId(f"s{i}"), tuple(prompt), params, None, time.time() + 60)
+            t0 = time.perf_counter()
+            data = gen.to_json()  # the router's encoding: timed on both sides
+            encode = time.perf_counter() - t0
+            straight = encode + await first_token(client, f"{node}/internal/generate", content=data)
+            if i >= 2:
+                out["router"].append(routed)
+                out["straight"].append(straight)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--model", default=None, help="tokenizer source (default SmolLM2's GGUF)")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="time to first token of one such prompt")
+    p.add_argument("--runs", type=int, default=20, help="with --prompt-tokens: requests measured")
     p.add_argument("--echo-node", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--redis", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.echo_node:
-        echo_node(args.echo_node, args.redis)
-        return 0
     model = args.model or default_model_path()
+    if args.echo_node:
+        echo_node(args.echo_node, args.redis, args.prompt_tokens, model)
+        return 0
     procs: list[subprocess.Popen[bytes]] = []
     with LocalRedis() as redis:
         try:
             node_port, router_port = free_port(), free_port()
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, __file__, "--echo-node", str(node_port), "--redis", redis.url]
+                    [
+                        *(sys.executable, __file__, "--echo-node", str(node_port), "--redis", redis.url),
+                        *("--prompt-tokens", str(args.prompt_tokens), "--model", model),
+                    ]
                 )
             )
             router = [sys.executable, "-m", "pdserve.router", "--model", model, "--redis", redis.url]
-            env = os.environ | {"PDSERVE_AUTH_TOKEN": "echo-node"}  # the echo node asks for no credential
+            env = os.environ | {"PDSERVE_AUTH_TOKEN": TOKEN}  # the echo node checks no credential
             procs.append(subprocess.Popen([*router, "--port", str(router_port)], env=env))
             base = f"http://127.0.0.1:{router_port}"
             deadline = time.monotonic() + 120
@@ -130,12 +197,24 @@ def main() -> int:
                         break
                 time.sleep(0.3)
             name = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
-            asyncio.run(load(base, name, 100, 8))  # warm-up: connections, tokenizer, node list
-            wall, lat, errors = asyncio.run(load(base, name, args.requests, args.concurrency))
+            if args.prompt_tokens:
+                node = f"http://127.0.0.1:{node_port}"
+                times = asyncio.run(latency(base, node, name, args.prompt_tokens, args.runs))
+            else:
+                asyncio.run(load(base, name, 100, 8))  # warm-up: connections, tokenizer, node list
+                wall, lat, errors = asyncio.run(load(base, name, args.requests, args.concurrency))
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait(timeout=10)
+    if args.prompt_tokens:
+        routed, straight = (statistics.median(times[k]) * 1e3 for k in ("router", "straight"))
+        own = statistics.median(r - s for r, s in zip(times["router"], times["straight"], strict=True)) * 1e3
+        print(f"| {args.prompt_tokens}-token id prompt, median of {args.runs} | ms |\n|---|---:|")
+        print(f"| time to first token through the router | {routed:.1f} |")
+        print(f"| the same request straight to the echo node (encode, send, node decode) | {straight:.1f} |")
+        print(f"| the router's own time (median of the paired differences) | {own:.1f} |")
+        return 0
     q = statistics.quantiles(lat, n=100)
     print("| measurement | value |\n|---|---:|")
     print(f"| router HTTP requests/s (chat, ~100-token prompt, echo node) | {len(lat) / wall:,.0f} |")

@@ -11,6 +11,7 @@ the request's deadline, never the node's fault.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,11 +33,22 @@ _JSON = {"content-type": "application/json"}
 _ABORT_TIMEOUT_S = 5.0
 _INFO_TIMEOUT_S = 10.0
 _HEALTH_TIMEOUT_S = 1.0
+_DRAIN_S = 0.5
 _DOWN = (httpx.NetworkError, httpx.RemoteProtocolError)
 """Refused, reset or cut connections: the node (or the way to it) is gone."""
 
 OnDown = Callable[[NodeId, str, str], None]
 """(node id, http url, reason): a call to the node failed at the transport level."""
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Reads a finished stream to its end (the node closes it right after its last step), so that httpx
+    keeps the connection for the next request: one closed unread makes the next request connect anew.
+    A node that keeps it open past _DRAIN_S only costs that connection."""
+    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(_DRAIN_S):
+            async for _ in lines:
+                pass
 
 
 class NodeError(Exception):
@@ -122,12 +134,14 @@ class NodeClient:
             ) as resp:
                 if resp.status_code != 200:
                     self._check(resp.status_code, (await resp.aread()).decode(errors="replace"))
-                async for line in resp.aiter_lines():
+                lines = resp.aiter_lines()
+                async for line in lines:
                     if not line.strip():
                         continue
                     step = StepOutput.from_line(line)
                     yield step
                     if step.finish_reason is not None:
+                        await _drain(lines)
                         return
         except (httpx.HTTPError, ValueError) as exc:
             raise self._failed("/internal/generate", exc, request.deadline) from exc

@@ -147,8 +147,13 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number; send finite numbers")
 
 
+_NESTED = frozenset((str, list, dict))
+"""What json.loads builds that _check_tree looks into (the rest are numbers, booleans and null)."""
+
+
 def _check_tree(body: Any) -> None:
-    """Depth and text of every value, iteratively (a recursive walk is what a deep body attacks)."""
+    """Depth and text of every value, iteratively (a recursive walk is what a deep body attacks). A list of
+    scalars only (a token-id prompt: 16k ints) is passed over in one C-level pass of its item types."""
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]
     while stack:
         node, path, depth = stack.pop()
@@ -164,7 +169,7 @@ def _check_tree(body: Any) -> None:
                 _check_text(key, f"{path}.{key!a}".lstrip("."))
                 if isinstance(value, str | list | dict):
                     stack.append((value, f"{path}.{key}".lstrip("."), depth + 1))
-        else:
+        elif not _NESTED.isdisjoint(set(map(type, node))):
             for i, value in enumerate(node):
                 if isinstance(value, str | list | dict):
                     stack.append((value, f"{path}[{i}]", depth + 1))
@@ -321,7 +326,11 @@ def _validate(model: type[CompletionBody] | type[ChatBody], body: Any) -> Any:
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    """A list of ints only (no bools): one C-level pass over the item types (a prompt may hold 100k ids)."""
+    return isinstance(value, list) and set(map(type, value)) <= _INT
+
+
+_INT = frozenset((int,))
 
 
 def _parse_prompt(prompt: Any) -> tuple[Prompt, ...]:
@@ -342,8 +351,8 @@ def _parse_prompt(prompt: Any) -> tuple[Prompt, ...]:
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise OpenAIError(400, f"prompt {i} is empty", param="prompt")
-        if isinstance(p, tuple) and min(p) < 0:
-            raise OpenAIError(400, f"prompt {i} holds a negative token id {min(p)}", param="prompt")
+        if isinstance(p, tuple) and (lowest := min(p)) < 0:
+            raise OpenAIError(400, f"prompt {i} holds a negative token id {lowest}", param="prompt")
     return tuple(prompts)
 
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import (
+    CODEC,
     LOGPROB_FLOOR,
     PROTOCOL_VERSION,
     AbortRequest,
@@ -22,8 +23,9 @@ from pdserve.shared.node.node_protocol import (
     TopLogprob,
 )
 from pdserve.shared.types import NodeId, RequestId
+from pdserve.shared.wire import WireError
 
-ids = st.lists(st.integers(0, 2**31), min_size=1, max_size=40).map(tuple)
+ids = st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=40).map(tuple)
 names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
 finite = st.floats(min_value=LOGPROB_FLOOR, max_value=0.0, allow_nan=False)
 raw_bytes = st.one_of(st.none(), st.lists(st.integers(0, 255), max_size=6).map(tuple))
@@ -57,6 +59,14 @@ def test_generate_request_round_trips(prompt, params, salt, deadline, prefill) -
 def test_prefill_request_round_trips(prompt, params, salt, deadline) -> None:
     req = PrefillRequest(RequestId("r-1"), prompt, params, salt, deadline, NodeId("d0"), "127.0.0.1:9000")
     assert PrefillRequest.from_json(req.to_json()) == req
+
+
+def test_token_ids_travel_packed_and_ids_beyond_uint32_are_refused() -> None:
+    req = NodeGenerateRequest(RequestId("r"), (0, 7, 2**32 - 1), SamplingParams(), None, 1e9)
+    assert CODEC.from_msgpack(NodeGenerateRequest, CODEC.to_msgpack(req)) == req
+    assert NodeGenerateRequest.from_json(req.to_json()) == req
+    with pytest.raises(WireError, match=r"\[0, 2\*\*32\)"):
+        NodeGenerateRequest(RequestId("r"), (2**32,), SamplingParams(), None, 1e9).to_json()
 
 
 @settings(max_examples=100, deadline=None)
@@ -103,7 +113,8 @@ def test_minus_infinity_is_clamped_and_nan_refused() -> None:
 def test_wire_format_is_versioned_and_explicit() -> None:
     req = NodeGenerateRequest(RequestId("r"), (1, 2), SamplingParams(max_tokens=3), None, 1e9)
     obj = json.loads(req.to_json())
-    assert obj["v"] == PROTOCOL_VERSION and obj["prompt_token_ids"] == [1, 2]
+    # token ids travel packed: little-endian uint32, lowercase hex in JSON
+    assert obj["v"] == PROTOCOL_VERSION and obj["prompt_token_ids"] == "0100000002000000"
     assert obj["sampling"]["max_tokens"] == 3
     obj["v"] = PROTOCOL_VERSION + 1
     with pytest.raises(ValueError, match="protocol version"):
@@ -113,9 +124,10 @@ def test_wire_format_is_versioned_and_explicit() -> None:
 @pytest.mark.parametrize(
     ("patch", "match"),
     [
-        ({"prompt_token_ids": []}, "prompt_token_ids is empty"),
-        ({"prompt_token_ids": [1, -2]}, "negative"),
-        ({"prompt_token_ids": [1, True]}, "prompt_token_ids"),
+        ({"prompt_token_ids": ""}, "prompt_token_ids is empty"),
+        ({"prompt_token_ids": "010000000200"}, "prompt_token_ids: expected packed uint32"),
+        ({"prompt_token_ids": "01zz0000"}, "prompt_token_ids: expected hex digits"),
+        ({"prompt_token_ids": [1, 2]}, "prompt_token_ids: expected packed uint32"),
         ({"deadline": "soon"}, "deadline"),
         ({"deadline": -1}, "deadline"),
         ({"request_id": 7}, "request_id"),

@@ -1,4 +1,5 @@
-"""The internal router <-> node messages (HTTP control plane), version 1.
+"""The internal router <-> node messages (HTTP control plane), version 2 (2: prompt token ids travel packed,
+as little-endian uint32 in lowercase hex: shared/wire.py's U32Ids).
 
 Endpoints on every node: `POST /internal/generate` (body NodeGenerateRequest; reply an NDJSON stream, one
 StepOutput line per engine step, the last one carrying finish_reason), `POST /internal/prefill` (body
@@ -24,9 +25,9 @@ from typing import NamedTuple
 
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import FINISH_REASONS, ROLES, FinishReason, NodeId, RequestId, Role
-from pdserve.shared.wire import Codec, JsonMessage
+from pdserve.shared.wire import Codec, JsonMessage, U32Ids
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 CODEC = Codec("node protocol", PROTOCOL_VERSION)
 CLIENT_KEEPALIVE_S = 5.0  # the router's pools drop a connection idle this long
 NODE_KEEPALIVE_S = 65  # a node's HTTP server closes a connection idle this long: beyond CLIENT_KEEPALIVE_S
@@ -42,9 +43,8 @@ class _Message(JsonMessage):
 def _check_token_ids(name: str, ids: tuple[int, ...], allow_empty: bool) -> None:
     if not ids and not allow_empty:
         raise ValueError(f"{name} is empty")
-    bad = [t for t in ids if t < 0]
-    if bad:
-        raise ValueError(f"{name} holds negative token ids, e.g. {bad[0]}")
+    if ids and (lowest := min(ids)) < 0:  # min: one C-level pass (a prompt may hold 100k ids)
+        raise ValueError(f"{name} holds negative token ids, e.g. {lowest}")
 
 
 def _check_deadline(deadline: float) -> None:
@@ -58,7 +58,7 @@ class _PromptRequest(_Message):
     share (each adds its own after them)."""
 
     request_id: RequestId
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: U32Ids
     sampling: SamplingParams
     cache_salt: str | None
     deadline: float
