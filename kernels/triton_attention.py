@@ -191,24 +191,32 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
-    # The tile never reads keys past its last row's position; this split takes a BLOCK_N-aligned share
-    # [start, end) of them (all of them when NUM_SPLITS == 1), split 0 from key 0.
+    # The tile never reads keys past its last row's position: [0, visible_end). Keys before the tile's
+    # first query position, [0, unmasked_end), are visible to every row: no causal mask there.
     visible_end = tl.minimum(ctx_len + m0 + BLOCK_M, seq_len)
-    per_split = tl.cdiv(tl.cdiv(visible_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    end = tl.minimum(start + per_split, visible_end)
-    # Keys before the tile's first query position are visible to every row: no causal mask there. Both
-    # bounds are BLOCK_N-aligned or end at visible_end, past which every key is causally masked anyway.
     unmasked_end = (ctx_len + m0) // BLOCK_N * BLOCK_N
+    if NUM_SPLITS == 1:  # the single pass, as compiled before splits existed
+        start = 0
+        unmasked_stop = unmasked_end
+        masked_start = unmasked_end
+        end = visible_end
+    else:
+        # This split's BLOCK_N-aligned share [start, end), split 0 from key 0. Every bound is aligned or
+        # is visible_end, past which every key is causally masked anyway, so no split mask is needed.
+        per_split = tl.cdiv(tl.cdiv(visible_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, visible_end)
+        unmasked_stop = tl.minimum(end, unmasked_end)
+        masked_start = tl.maximum(start, unmasked_end)
     all_n = offs_n >= 0
-    for n0 in range(start, tl.minimum(end, unmasked_end), BLOCK_N):
+    for n0 in range(start, unmasked_stop, BLOCK_N):
         off = _kv_offsets(
             table_row, n0 + offs_n, all_n, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE
         )
         k = tl.load(k_ptr + off, mask=d_mask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=d_mask[None, :], other=0.0)
         m_i, l_i, acc = _softmax_step(q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE)
-    for n0 in range(tl.maximum(start, unmasked_end), end, BLOCK_N):
+    for n0 in range(masked_start, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < seq_len
         k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
