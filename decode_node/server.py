@@ -18,6 +18,10 @@ the request's deadline is its only clock, owned by the `/internal/generate` stre
 OPEN's wait; a request that ended is tombstoned until its deadline, so a late OPEN for it is refused instead
 of reserving blocks nobody will use; every `/internal/generate` stream ends with exactly one line carrying
 finish_reason; a stream whose client goes away aborts its request, including one still waiting for its KV.
+
+Why one module of about 400 lines: the reservation-ends-once and one-deadline invariants span the OPEN's
+admission, the generate stream and the recompute / local-fetch fallbacks; split apart, each piece would
+restate the tombstones and the deadline it must share.
 """
 
 from __future__ import annotations
