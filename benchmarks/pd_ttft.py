@@ -30,9 +30,10 @@ from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillReques
 from pdserve.shared.types import NodeId, RequestId
 
 
-def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, token: str) -> tuple[
-    subprocess.Popen[bytes], str, int]:  # fmt: skip
-    port, tport = free_port(), free_port()
+def node_argv(
+    role: str, node_id: str, port: int, tport: int, device: str, args: argparse.Namespace
+) -> list[str]:
+    """A benchmark node's command line (prefix_reuse.py's too): the model, pool and connector of `args`."""
     module = "pdserve.prefill_node" if role == "prefill" else "pdserve.decode_node"
     argv = [sys.executable, "-m", module, "--node-id", node_id, "--port", str(port), "--model", args.model,
             "--device", device, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
@@ -43,8 +44,15 @@ def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, t
         argv += ["--layers-per-frame", str(args.layers_per_frame)]
     if role == "single":
         argv += ["--role", "single"]
+    return argv
+
+
+def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, token: str) -> tuple[
+    subprocess.Popen[bytes], str, int]:  # fmt: skip
+    port, tport = free_port(), free_port()
     env = os.environ | {"PDSERVE_AUTH_TOKEN": token}  # a secret: never on argv
-    return subprocess.Popen(argv, env=env), f"http://127.0.0.1:{port}", tport
+    return subprocess.Popen(node_argv(role, node_id, port, tport, device, args), env=env), \
+        f"http://127.0.0.1:{port}", tport  # fmt: skip
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:

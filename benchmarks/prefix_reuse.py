@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 import torch
-from pdserve.benchmarks.pd_ttft import start_node, stop, wait_ready
-from pdserve.launch import MODULES, Cluster, free_port, start_redis
+from pdserve.benchmarks.pd_ttft import node_argv, start_node, stop, wait_ready
+from pdserve.launch import Cluster, free_port, start_redis
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
@@ -263,23 +263,9 @@ def run_router(args: argparse.Namespace) -> dict[str, Any]:
     cluster = Cluster()
     try:
         redis_url = start_redis(cluster)
-        common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--num-kv-blocks",
-                  str(args.kv_blocks), "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64),
-                  "--connector", args.connector, "--redis", redis_url, "--log-level", "WARNING"]  # fmt: skip
         for role, name in (("prefill", "prefill-0"), ("prefill", "prefill-1"), ("decode", "decode-0")):
             port = free_port()
-            extra = ["--layers-per-frame", str(args.layers_per_frame)] if role == "prefill" else []
-            argv = [
-                sys.executable,
-                "-m",
-                MODULES[role],
-                "--node-id",
-                name,
-                "--port",
-                str(port),
-                *common,
-                *extra,
-            ]
+            argv = [*node_argv(role, name, port, free_port(), args.device, args), "--redis", redis_url]
             cluster.spawn(name, argv, env=cluster.secret_env, url=f"http://127.0.0.1:{port}")
         for name in ("prefill-0", "prefill-1", "decode-0"):
             cluster.wait_http(f"{cluster.urls[name]}/internal/health", timeout_s=600)
