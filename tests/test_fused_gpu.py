@@ -1,8 +1,8 @@
 """Fused Triton kernels compiled for the GPU against their torch reference twins at Llama-3.1-8B shapes,
 and the kernels one captured batch-1 decode step launches. Marked gpu: they need CUDA and compiled (not
-interpreted) Triton, so they skip where tests/test_fused_kernels.py has switched this process to the
-interpreter. On the GPU the kernels round to nearest as torch does, so most results are bit-equal; RoPE
-may differ by a fused multiply-add, 1 ulp.
+interpreted) Triton, so they skip under TRITON_INTERPRET=1 (the interpreter-only modules skip themselves
+where CUDA is, so that they never switch a GPU test process to the interpreter). On the GPU the kernels
+round to nearest as torch does, so most results are bit-equal; RoPE may differ by a fused multiply-add, 1 ulp.
 """
 
 from __future__ import annotations

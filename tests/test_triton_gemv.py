@@ -1,6 +1,6 @@
 """The Triton GEMV (kernels/triton_gemv.py) against F.linear in fp32 arithmetic, under the interpreter on
-the CPU: one row and several, with and without bias, ragged N and K, each dtype, and through the model's
-GPU matmul backend."""
+the CPU and compiled where CUDA is: one row and several, with and without bias, ragged N and K, each dtype,
+and through the model's GPU matmul backend."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from pdserve.kernels.linear import GemvLinear
 from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, default_config, gemv
 
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
@@ -22,9 +23,9 @@ def _want(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Ten
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_linear(rows: int, dtype: torch.dtype, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 100, generator=gen).to(dtype)
-    w = torch.randn(70, 100, generator=gen).to(dtype)  # N and K not multiples of the tiles
-    b = torch.randn(70, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(rows, 100, generator=gen).to(DEV, dtype)
+    w = torch.randn(70, 100, generator=gen).to(DEV, dtype)  # N and K not multiples of the tiles
+    b = torch.randn(70, generator=gen).to(DEV, dtype) if with_bias else None
     got = gemv(x, w, b, GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2))
     want = _want(x, w, b)
     scale = want.float().abs().max().item()
@@ -34,8 +35,8 @@ def test_gemv_matches_linear(rows: int, dtype: torch.dtype, with_bias: bool) -> 
 
 def test_default_tiles_and_strided_rows() -> None:
     gen = torch.Generator().manual_seed(7)
-    w = torch.randn(40, 300, generator=gen)
-    x = torch.randn(6, 600, generator=gen)[:, ::2]  # a strided row view: the backend makes it contiguous
+    w = torch.randn(40, 300, generator=gen).to(DEV)
+    x = torch.randn(6, 600, generator=gen).to(DEV)[:, ::2]  # strided rows: the backend makes them contiguous
     assert default_config(40, 300, 1).block_k == 512 and default_config(40, 300, 4).block_n == 32
     got = GemvLinear().linear(x, w, None)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
