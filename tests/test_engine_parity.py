@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,15 @@ def _prompts_file(path: Path, indices: list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory: pytest.TempPathFactory) -> HF:
+def ours_running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[list[dict[str, Any]]]]:
+    """Our CLI runs (one thread each), started before HF's reference (one thread) and running beside it."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_ours, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+
+
+@pytest.fixture(scope="module")
+def hf(ours_running: Future[list[dict[str, Any]]], tmp_path_factory: pytest.TempPathFactory) -> HF:
+    """HF's reference; asks for `ours_running` only so that our runs start first and overlap with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
@@ -133,8 +143,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> HF:
     return HF(refs, hf_dir)
 
 
-@pytest.fixture(scope="module")
-def ours(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def _ours(prompts_path: Path) -> list[dict[str, Any]]:
     """Our CLI's output for every prompt, in PROMPTS order."""
     chat_kind, chat = PROMPTS[SOLO[0]]
     raw_kind, raw = PROMPTS[SOLO[1]]
@@ -144,7 +153,7 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         "--prompt", raw, "--max-tokens", str(MAX_NEW)
     )
     rest = [i for i in range(len(PROMPTS)) if i not in SOLO]
-    path = _prompts_file(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", rest)
+    path = _prompts_file(prompts_path, rest)
     # the concurrent run overlaps steps (async scheduling, off by default on the CPU): same tokens
     batched = _cli(
         "--prompts-file", path, "--max-tokens", str(MAX_NEW), "--max-num-batched-tokens", str(CHUNK_BUDGET),
@@ -153,6 +162,11 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     assert len(solo) == 2 and len(batched) == len(rest)
     by_index = dict(zip([*SOLO, *rest], solo + batched, strict=True))
     return [by_index[i] for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def ours(ours_running: Future[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return ours_running.result()
 
 
 def _compare(i: int, ref: Reference, tokens: list[int]) -> str | None:
