@@ -9,6 +9,8 @@ token (`prev_row`, overlap) reads it from that step's token tensor on the device
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,6 +44,20 @@ def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
     return c.num_layers * 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
 
 
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor for the KV pool. On the CPU it lies on an anonymous memory mapping, which the
+    OS hands out zeroed and commits page by page on first write: a node starts without writing its whole
+    pool (gigabytes of page faults at start-up), and its resident memory grows with the blocks it uses."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    try:
+        mapping = mmap.mmap(-1, nbytes)
+    except OSError as exc:
+        raise OSError(exc.errno, f"a KV pool of {nbytes / (1 << 30):.2f} GiB: {exc.strerror}") from exc
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -67,10 +83,10 @@ class ModelRunner:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         # kv_cache: [L, 2, N, B, Hkv, D]
-        self.kv_cache = torch.zeros(
+        self.kv_cache = _zeroed(
             (c.num_layers, 2, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim),
-            dtype=cfg.torch_dtype,
-            device=self.device,
+            cfg.torch_dtype,
+            self.device,
         )
         # Pure-decode steps without a layer hook replay CUDA graphs; they hold kv_cache's address, which
         # is why the pool is allocated once, before capture, and never moves.
