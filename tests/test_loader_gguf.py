@@ -16,7 +16,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
-from pdserve.shared.model.gguf_loader import dequantize_tensor, hf_name, parse_header, read_gguf
+from pdserve.shared.model.gguf_header import parse_header
+from pdserve.shared.model.gguf_loader import dequantize_tensor, hf_name, read_gguf
 from pdserve.shared.model.loader import load_model
 
 GGUF = os.path.join(

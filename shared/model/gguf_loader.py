@@ -1,29 +1,24 @@
 """Reading a GGUF file: `ModelConfig` from its metadata, and lazily dequantized HF-named weights.
 
-The header (metadata and tensor table) is parsed here with `struct` over an mmap, using the `gguf`
-package's constants: `gguf.GGUFReader` builds a numpy memmap view per vocabulary string and spends
-2 s (idle machine) to 8 s (busy one) on SmolLM2's 98k strings before any weight is read. Weights are
-zero-copy views of the mmap, dequantized only when the model asks (so at most one fp32 tensor exists
-beside the model): F32/F16/BF16/Q8_0/Q4_0/Q4_1 in torch, bit-identical to `gguf.quants`, any other type
-through `gguf.quants.dequantize`. llama.cpp stores Llama's Q/K rows permuted for its interleaved RoPE;
+The header (metadata and tensor table) is gguf_header.py's. Weights are zero-copy views of the mmap,
+dequantized only when the model asks (so at most one fp32 tensor exists beside the model):
+F32/F16/BF16/Q8_0/Q4_0/Q4_1 in torch, bit-identical to `gguf.quants`, any other type through
+`gguf.quants.dequantize`. llama.cpp stores Llama's Q/K rows permuted for its interleaved RoPE;
 `_unpermute` restores the Hugging Face order. The identity is SHA-256 over the bytes before the tensor
-data (header, metadata, tensor table) and the file size: no pass over the weights.
-"""
+data (header, metadata, tensor table) and the file size: no pass over the weights."""
 
 from __future__ import annotations
 
 import hashlib
 import mmap
 import re
-import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from pdserve.shared.model.gguf_header import GGUFHeader, GGUFTensor, parse_header
 from pdserve.shared.model.model import rope_inv_freq
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 
@@ -49,29 +44,7 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp writes Llama 3.1's scaling as a rope_freqs tensor; these are the values it was made from
 _LLAMA3_DEFAULTS = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
-_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}  # fmt: skip
 _FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class GGUFTensor:
-    name: str
-    shape: tuple[int, ...]  # torch order (GGUF lists dims fastest-first)
-    qtype: GGMLQuantizationType
-    start: int  # absolute file offset
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    metadata: dict[str, Any]  # scalars and strings; arrays of strings are kept as their length
-    tensors: dict[str, GGUFTensor]
-    data_start: int
 
 
 def hf_name(gguf_name: str) -> str:
@@ -103,60 +76,6 @@ def read_gguf(path: str) -> tuple[ModelConfig, WeightThunks, bytes]:
         heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(name.split(".")[-2], 0)
         thunks[hf_name(name)] = _thunk(buf, t, heads if permute else 0)
     return config, thunks, identity.digest()
-
-
-def parse_header(buf: mmap.mmap) -> GGUFHeader:
-    """Metadata and tensor table of a GGUF v2/v3 file. ValueError (naming the problem) if malformed."""
-    magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
-    if magic != GGUF_MAGIC:
-        raise ValueError("not a GGUF file (bad magic)")
-    if version not in (2, 3):
-        raise ValueError(f"GGUF version {version} is not supported (2, 3)")
-    pos = 24
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key, pos = _read_str(buf, pos)
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        metadata[key], pos = _read_value(buf, pos + 4, GGUFValueType(vtype))
-    tensors: dict[str, GGUFTensor] = {}
-    infos = []
-    for _ in range(n_tensors):
-        name, pos = _read_str(buf, pos)
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        infos.append((name, tuple(reversed(dims)), Q(qtype), offset))
-    align = int(metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
-    data_start = -(-pos // align) * align
-    for name, shape, qtype, offset in infos:
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        n_elements = int(np.prod(shape))
-        tensors[name] = GGUFTensor(name, shape, qtype, data_start + offset, n_elements // block * block_bytes)
-    return GGUFHeader(metadata, tensors, data_start)
-
-
-def _read_str(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (n,) = struct.unpack_from("<Q", buf, pos)
-    return buf[pos + 8 : pos + 8 + n].decode("utf-8"), pos + 8 + n
-
-
-def _read_value(buf: mmap.mmap, pos: int, vtype: GGUFValueType) -> tuple[Any, int]:
-    if vtype == GGUFValueType.STRING:
-        return _read_str(buf, pos)
-    if vtype != GGUFValueType.ARRAY:
-        fmt = _SCALAR_FORMATS[vtype]
-        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
-    etype, count = struct.unpack_from("<IQ", buf, pos)
-    pos += 12
-    if GGUFValueType(etype) == GGUFValueType.STRING:  # vocabularies: walked, not decoded
-        for _ in range(count):
-            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
-        return count, pos
-    if GGUFValueType(etype) == GGUFValueType.ARRAY:
-        raise ValueError("nested GGUF arrays are not supported")
-    fmt = _SCALAR_FORMATS[GGUFValueType(etype)]
-    return list(struct.unpack_from(f"<{count}{fmt[1]}", buf, pos)), pos + count * struct.calcsize(fmt)
 
 
 def _thunk(buf: mmap.mmap, t: GGUFTensor, unpermute_heads: int) -> Callable[[], torch.Tensor]:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import mmap
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import tokenizers
+from pdserve.shared.model.gguf_header import parse_header
 
 GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -199,8 +201,6 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
         """From a GGUF file's tokenizer metadata (vocabulary, merges, special ids, chat template)."""
-        from transformers.integrations.gguf.reader import read_gguf_metadata
-
         try:  # transformers >= 5.18 moved the tokenizer table and converter next to the GGUF reader
             from transformers.integrations.gguf.gguf_tokenizer_mapping import (
                 GGUF_TOKENIZER_MAPPING,
@@ -212,7 +212,8 @@ class Tokenizer:
                 convert_gguf_tokenizer,
             )
 
-        meta, _ = read_gguf_metadata(path, GGUF_STRING_ARRAYS)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            meta = parse_header(buf, GGUF_STRING_ARRAYS).metadata
         tok_dict = {
             field: meta[f"tokenizer.{key}"]
             for key, field in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
