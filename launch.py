@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -101,12 +102,16 @@ class Cluster:
             redis.stop()
         self.redis.clear()
 
-    def wait_http(self, url: str, timeout_s: float) -> None:
+    def wait_http(
+        self, url: str, timeout_s: float, ready: Callable[[httpx.Response], bool] | None = None
+    ) -> None:
+        """Until `url` answers 200 (and `ready` holds for the reply); RuntimeError when a child dies first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=1.0).status_code == 200:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                reply = httpx.get(url, timeout=1.0)
+                if reply.status_code == 200 and (ready is None or ready(reply)):
                     return
             time.sleep(0.2)
         raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
@@ -180,8 +185,6 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
             argv += ["--role", "single"]
         cluster.spawn(name, argv, env=cluster.secret_env, url=f"http://127.0.0.1:{port}")
         urls.append(f"http://127.0.0.1:{port}/internal/health")
-    for url in urls:
-        cluster.wait_http(url, timeout_s=300)
     router_argv = [
         py,
         "-m",
@@ -195,9 +198,17 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
         *cfg.router_args,
     ]
     base = f"http://127.0.0.1:{cfg.port}"
+    # the router starts while the nodes load (its start-up overlaps theirs) and serves once it sees them all
     cluster.spawn("router", router_argv, env=cluster.secret_env, url=base)
-    cluster.wait_http(f"{base}/health", timeout_s=120)
+    for url in urls:
+        cluster.wait_http(url, timeout_s=300)
+    cluster.wait_http(f"{base}/health", timeout_s=120, ready=lambda r: _ready_nodes(r) == len(roles))
     return base
+
+
+def _ready_nodes(health: httpx.Response) -> int:
+    """How many nodes the router's /health body counts ready, over every role."""
+    return sum(int(role["ready"]) for role in health.json()["nodes"].values())
 
 
 def demo_request(base: str) -> str:
