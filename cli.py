@@ -91,18 +91,12 @@ def _generate(opts: GenerateOptions) -> int:
 
     model = check_model_path(opts.model or default_model_path())  # before torch loads
 
-    from pdserve.shared.cli.engine_args import engine_config
-    from pdserve.shared.cli.offline import Prompt, parse_messages, read_prompts_file, run
+    from pdserve.shared.cli.offline import Prompt, parse_messages, read_prompts_file
     from pdserve.shared.engine.sampling_params import SamplingParams
-    from pdserve.shared.model.loader import ModelLoadError
 
     sources = [n for n in ("prompt", "messages", "prompts_file") if getattr(opts, n) is not None]
     if len(sources) != 1:
         raise SettingsError("give exactly one of --prompt, --messages, --prompts-file")
-    if opts.threads:
-        import torch
-
-        torch.set_num_threads(opts.threads)
     params = SamplingParams(
         max_tokens=opts.max_tokens,
         temperature=opts.temperature,
@@ -121,6 +115,14 @@ def _generate(opts: GenerateOptions) -> int:
         if not opts.prompt:
             raise ValueError("--prompt is empty; give at least one character")
         prompts = [Prompt(params, text=opts.prompt)]
+
+    import torch  # the request is checked: now the engine's imports
+    from pdserve.shared.cli.engine_args import engine_config
+    from pdserve.shared.cli.offline import run
+    from pdserve.shared.model.loader import ModelLoadError
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     config = engine_config(opts.model_copy(update={"model": model}))
     try:
         return run(config, prompts, opts.json_output)

@@ -11,12 +11,14 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdserve.shared.engine.config import EngineConfig
-from pdserve.shared.engine.engine import LLMEngine, RequestOutput
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import FinishReason, RequestId
+
+if TYPE_CHECKING:  # the engine (torch) loads in `run`: prompts are read and checked before it
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import LLMEngine, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ def generate(engine: LLMEngine, prompts: Sequence[tuple[Sequence[int], SamplingP
 
 
 def run(cfg: EngineConfig, prompts: Sequence[Prompt], as_json: bool) -> int:
+    from pdserve.shared.engine.engine import LLMEngine
+
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     load_s = time.perf_counter() - t0
