@@ -6,6 +6,8 @@ script) imports triton: every kernel then runs under TRITON_INTERPRET=1, as CI t
 nothing is set and the kernels compile. A CPU install without triton (`make test`; triton is the [gpu] extra,
 which `make test KERNEL_TESTS=1` and CI add) collects none of the Triton kernels' test modules, and says so in
 the header.
+`hf_smollm2`, the Hugging Face reference of the SmolLM2 GGUF (tests/hf_reference.py), is loaded once per
+session for the modules that compare against it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 import torch
+from pdserve.tests.hf_reference import HFSmolLM2, load_hf_smollm2
 
 
 def _install_numpy24_index_fix() -> None:
@@ -51,3 +55,9 @@ if not torch.cuda.is_available() and TRITON:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if np.lib.NumpyVersion(np.__version__) >= "2.4.0":
         _install_numpy24_index_fix()
+
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> HFSmolLM2:
+    return load_hf_smollm2(str(tmp_path_factory.mktemp("smollm2-safetensors")))

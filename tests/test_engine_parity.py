@@ -12,7 +12,6 @@ Teacher-forced logits (1e-3 at every position) are tests/test_model_gguf.py's jo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import warnings
@@ -24,11 +23,9 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve.cli import default_model_path
-from safetensors.torch import save_file
+from pdserve.tests.hf_reference import HFSmolLM2
 
 pytestmark = pytest.mark.slow
-GGUF = default_model_path()
 MAX_NEW = 64
 TIE_GAP = 1e-4
 CHUNK_BUDGET = 64
@@ -108,14 +105,10 @@ def ours_running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[li
 
 
 @pytest.fixture(scope="module")
-def hf(ours_running: Future[list[dict[str, Any]]], tmp_path_factory: pytest.TempPathFactory) -> HF:
-    """HF's reference; asks for `ours_running` only so that our runs start first and overlap with it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def hf(ours_running: Future[list[dict[str, Any]]], hf_smollm2: HFSmolLM2) -> HF:
+    """HF's reference; asks for `ours_running` first so that our runs start first and overlap with it."""
+    model, tok = hf_smollm2.model, hf_smollm2.tokenizer
     torch.set_num_threads(1)
-    folder, name = os.path.split(GGUF)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     refs = []
     for kind, content in PROMPTS:
         text = content
@@ -134,13 +127,7 @@ def hf(ours_running: Future[list[dict[str, Any]]], tmp_path_factory: pytest.Temp
             )
         top2 = torch.cat(out.logits).float().topk(2, dim=-1).values  # [steps, 2]
         refs.append(Reference(ids, out.sequences[0, len(ids) :].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
-    hf_dir = str(tmp_path_factory.mktemp("smollm2-safetensors"))
-    # transformers refuses save_pretrained on a GGUF-loaded model: save the config and weights directly
-    model.config.save_pretrained(hf_dir)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
-    save_file(state, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(hf_dir)
-    return HF(refs, hf_dir)
+    return HF(refs, hf_smollm2.saved_dir)
 
 
 def _ours(prompts_path: Path) -> list[dict[str, Any]]:

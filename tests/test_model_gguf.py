@@ -1,8 +1,9 @@
 """The real SmolLM2 GGUF: our load vs transformers loading the same file (exact reference, fp32).
 
 Teacher-forced logits of a ~100-token chat prompt must agree within 1e-3 at every position; the HF
-safetensors directory that transformers saves from the GGUF must load to the same logits as our GGUF
-load; our GGUF tokenizer must agree with transformers'. The transformers load (slow) is done once.
+safetensors directory saved from transformers' load of the GGUF must load to the same logits as our GGUF
+load; our GGUF tokenizer must agree with transformers'. The transformers load (slow) is conftest's
+`hf_smollm2`, made once per session.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.shared.model.loader import LoadedModel, load_model
-from safetensors.torch import save_file
+from pdserve.tests.hf_reference import HFSmolLM2
 
 pytestmark = pytest.mark.slow
 GGUF = os.path.join(
@@ -45,24 +46,13 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def ref(hf_smollm2: HFSmolLM2) -> Reference:
     torch.set_num_threads(1)
     ours = load_model(GGUF, device=CPU, dtype=torch.float32)
     prompt = ours.tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}])
-    folder, name = os.path.split(GGUF)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     with torch.inference_mode():
-        logits = hf(torch.tensor([prompt])).logits[0].float()
-    hf_dir = str(tmp_path_factory.mktemp("smollm2-hf"))
-    # transformers refuses save_pretrained on a GGUF-loaded model: save its config and state dict ourselves
-    hf.config.save_pretrained(hf_dir)
-    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
-    save_file(state, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-    hf_tok.save_pretrained(hf_dir)
-    return Reference(ours, hf_dir, hf_tok, prompt, logits)
+        logits = hf_smollm2.model(torch.tensor([prompt])).logits[0].float()
+    return Reference(ours, hf_smollm2.saved_dir, hf_smollm2.tokenizer, prompt, logits)
 
 
 def _paged_logits(loaded: LoadedModel, ids: list[int], prefill: int) -> torch.Tensor:
