@@ -57,7 +57,6 @@ if not torch.cuda.is_available() and TRITON:
         _install_numpy24_index_fix()
 
 
-
 @pytest.fixture(scope="session")
 def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> HFSmolLM2:
     return load_hf_smollm2(str(tmp_path_factory.mktemp("smollm2-safetensors")))
