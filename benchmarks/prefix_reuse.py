@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import torch
 from pdserve.benchmarks.pd_ttft import node_argv, start_node, stop, wait_ready
+from pdserve.kvctl.commands import where
 from pdserve.launch import Cluster, free_port, start_redis
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.config import EngineConfig
@@ -211,7 +212,7 @@ async def router_phase(
     token = cluster.auth_token
     index = BlockIndex(RedisConfig(url=redis_url))
     out: dict[str, Any] = {"cold": [], "held": [], "held_option": [], "cold_option": [], "cold_text": [],
-                           "held_text": []}  # fmt: skip
+                           "held_text": [], "held_estimates": {}}  # fmt: skip
     try:
         while len(await index.nodes()) < 3:
             await asyncio.sleep(0.2)
@@ -239,6 +240,8 @@ async def router_phase(
                 await request(client, urls["decode-0"], p1, seed)  # prefill-0 (and D) now hold the prefix
                 await evict(client, urls["prefill-1"], urls["decode-0"])
                 await wait_index(index, hashes[:full], {"prefill-0": full, "prefill-1": 0, "decode-0": 0})
+                for e in (await where(index, prompt, None))["cost_model"]["estimates"]:
+                    out["held_estimates"].setdefault(e["option"], []).append(e["ttft_s"])
                 t, t_text, text, option = await routed(client, base, model, prompt)
                 assert text == want, "a prefix held on another node gave other text than the cold run"
                 out["held"].append(t)
@@ -354,6 +357,8 @@ def main() -> int:
               f"{ct / ht:.1f}x |")  # fmt: skip
         options = f"cold {sorted(set(r['cold_option']))}, held {sorted(set(r['held_option']))}"
         print(f"| router's options: {options} | | | |")
+        estimates = ", ".join(f"{k} {med(v) * 1e3:.1f}" for k, v in sorted(r["held_estimates"].items()))
+        print(f"| the cost model's estimates for the held prompt, median (ms) | {estimates} | | |")
         for k, v in r["straight"].items():
             print(f"| straight to the nodes, {k} from prefill-0 (ms) | {med(v) * 1e3:.1f} | cold (router) "
                   f"{c * 1e3:.1f} | {c / med(v):.1f}x |")  # fmt: skip
