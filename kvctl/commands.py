@@ -128,10 +128,11 @@ async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
         p_blocks, p_queue = (p["prefix_blocks"], queued.get(p["node_id"], 0)) if p else (0, 0)
         x = Inputs(len(tokens), block_size, p_blocks, d["prefix_blocks"], holder, p_queue,
                    queued.get(d["node_id"], 0), p is not None, holder_d if p is not None else 0)  # fmt: skip
-        est = CostModel(rates).estimates(x)
+        model = CostModel(rates)
+        est = model.estimates(x)
         cost["estimates"] = [{"option": e.option, "ttft_s": e.ttft_s, "compute_tokens": e.compute_tokens,
                               "fetch_blocks": e.fetch_blocks} for e in est]  # fmt: skip
-        cost["choice"] = est[0].option
+        cost["choice"] = model.choose(x).option
         cost["prefill_node"] = p["node_id"] if p else None
         cost["decode_node"] = d["node_id"]
     return {

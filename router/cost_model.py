@@ -26,6 +26,8 @@ in:
   the first token to D's acknowledgement (the rest streams under the compute and costs nothing);
 - per option, the residual between the measured time to first token and the estimate's other terms
   (routing, HTTP, the OPEN round trip).
+The cheapest estimate is chosen, except that each option is tried once while it is within a factor of the
+cheapest (`choose`): what is never chosen is never learned.
 Queue depths come from the nodes' heartbeats (tokens not computed yet). Units: seconds, tokens, blocks.
 """
 
@@ -40,6 +42,8 @@ from pdserve.shared.wire import Codec, JsonMessage
 CODEC = Codec("placement rates", 2)
 Option = Literal["local", "local_fetch", "pd", "pd_fetch"]
 OPTIONS: tuple[Option, ...] = ("local", "local_fetch", "pd", "pd_fetch")
+EXPLORE_WITHIN = 2.0
+"""An option not observed yet is tried once when its estimate is at most this many times the cheapest's."""
 
 
 @dataclass
@@ -173,7 +177,13 @@ class CostModel:
         return sorted(out, key=lambda e: e.ttft_s)
 
     def choose(self, x: Inputs) -> Estimate:
-        return self.estimates(x)[0]
+        """The cheapest option; but an open option whose time to first token was never observed (its
+        overhead, and maybe its per-block rate, still priors) is tried once when its estimate is within
+        `EXPLORE_WITHIN` of the cheapest. An option never chosen is never measured, so a prior too
+        pessimistic for this cluster (a transfer's cost on a fast link) would otherwise stand for good."""
+        est = self.estimates(x)
+        limit = EXPLORE_WITHIN * est[0].ttft_s
+        return next((e for e in est if e.option not in self.rates.overhead_s and e.ttft_s <= limit), est[0])
 
     # ---- learning -----------------------------------------------------------------------------------------
     def _ewma(self, old: float | None, new: float) -> float:

@@ -208,7 +208,7 @@ class Router:
         )  # fmt: skip
         options = {e.option: e for e in self.cost.estimates(inputs)}
         if self.cost_decides and prefill is not None:
-            best = min(options.values(), key=lambda e: e.ttft_s)
+            best = self.cost.choose(inputs)
             if best.option in ("local", "local_fetch"):
                 decision = dataclasses.replace(
                     decision, mode="local_prefill", prefill=decision.decode, blocks_to_transfer=0,

@@ -146,3 +146,30 @@ def test_queue_depths_are_the_routers_own_prefill_holds() -> None:
     for hold in holds:
         hold.release()
     assert counts == {}
+
+
+def test_an_option_never_observed_is_tried_once_and_then_its_measure_decides() -> None:
+    """A pessimistic prior must not stand for good: on a fast link the transfer's prior (per block) made P/D
+    look dearer than D's own fetch, P/D was never chosen, so its real cost was never measured."""
+    model = trained(fetch=5e-5)
+    model.rates.transfer_s_per_block = None  # nothing sent yet: the prior stands in
+    x = inputs(16400, hits_prefill=1024, hits_holder_decode=1024)  # P holds the prefix, D holds nothing
+    lf = next(e for e in model.estimates(x) if e.option == "local_fetch")
+    model.observe_ttft(lf, x, lf.ttft_s)  # D's fetch and its own prefills observed
+    model.observe_ttft(next(e for e in model.estimates(inputs(64)) if e.option == "local"), inputs(64), 0.01)
+    cheapest = model.estimates(x)[0]
+    assert cheapest.option == "local_fetch"  # by the prior: 1025 blocks x 100 us to send
+    tried = model.choose(x)
+    assert tried.option == "pd" and tried.ttft_s <= 2 * cheapest.ttft_s  # never observed, within 2x: tried
+    model.observe_moves(0, 0.0, 1025, 0.0015)  # its transfer tail: 1.5 ms for 1025 blocks
+    model.observe_ttft(tried, x, 0.050)
+    assert model.choose(x).option == "pd" == model.estimates(x)[0].option  # measured cheaper: chosen on
+    model.observe_ttft(model.choose(x), x, 0.500)
+    for _ in range(20):
+        model.observe_ttft(next(e for e in model.estimates(x) if e.option == "pd"), x, 0.500)
+    assert model.choose(x).option == "local_fetch"  # measured dearer: not tried again
+    far = trained()
+    far.observe_ttft(next(e for e in far.estimates(inputs(64)) if e.option == "local"), inputs(64), 0.001)
+    local, pd = far.estimates(inputs(64))
+    assert pd.option == "pd" and pd.ttft_s > 2 * local.ttft_s
+    assert far.choose(inputs(64)).option == "local"  # pd, unobserved but over twice the cost: not tried
