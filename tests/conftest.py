@@ -7,13 +7,15 @@ nothing is set and the kernels compile. A CPU install without triton (`make test
 which `make test KERNEL_TESTS=1` and CI add) collects none of the Triton kernels' test modules, and says so in
 the header.
 `hf_smollm2`, the Hugging Face reference of the SmolLM2 GGUF (tests/hf_reference.py), is loaded once per
-session for the modules that compare against it.
+session (on first use) for the modules that compare against it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -58,5 +60,7 @@ if not torch.cuda.is_available() and TRITON:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> HFSmolLM2:
-    return load_hf_smollm2(str(tmp_path_factory.mktemp("smollm2-safetensors")))
+def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], HFSmolLM2]:
+    """Loads on the first call, not when a test asks for the fixture: pytest sets up session fixtures before
+    module ones, and the parity module starts its own runs first so that they overlap the load."""
+    return functools.cache(lambda: load_hf_smollm2(str(tmp_path_factory.mktemp("smollm2-safetensors"))))

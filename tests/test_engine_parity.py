@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +105,10 @@ def ours_running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Future[li
 
 
 @pytest.fixture(scope="module")
-def hf(ours_running: Future[list[dict[str, Any]]], hf_smollm2: HFSmolLM2) -> HF:
-    """HF's reference; asks for `ours_running` first so that our runs start first and overlap with it."""
-    model, tok = hf_smollm2.model, hf_smollm2.tokenizer
+def hf(ours_running: Future[list[dict[str, Any]]], hf_smollm2: Callable[[], HFSmolLM2]) -> HF:
+    """HF's reference; asks for `ours_running` so that our runs start first and overlap with it."""
+    reference = hf_smollm2()
+    model, tok = reference.model, reference.tokenizer
     torch.set_num_threads(1)
     refs = []
     for kind, content in PROMPTS:
@@ -127,7 +128,7 @@ def hf(ours_running: Future[list[dict[str, Any]]], hf_smollm2: HFSmolLM2) -> HF:
             )
         top2 = torch.cat(out.logits).float().topk(2, dim=-1).values  # [steps, 2]
         refs.append(Reference(ids, out.sequences[0, len(ids) :].tolist(), (top2[:, 0] - top2[:, 1]).tolist()))
-    return HF(refs, hf_smollm2.saved_dir)
+    return HF(refs, reference.saved_dir)
 
 
 def _ours(prompts_path: Path) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,14 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def ref(hf_smollm2: HFSmolLM2) -> Reference:
+def ref(hf_smollm2: Callable[[], HFSmolLM2]) -> Reference:
+    hf = hf_smollm2()
     torch.set_num_threads(1)
     ours = load_model(GGUF, device=CPU, dtype=torch.float32)
     prompt = ours.tokenizer.apply_chat_template([{"role": "user", "content": MESSAGE}])
     with torch.inference_mode():
-        logits = hf_smollm2.model(torch.tensor([prompt])).logits[0].float()
-    return Reference(ours, hf_smollm2.saved_dir, hf_smollm2.tokenizer, prompt, logits)
+        logits = hf.model(torch.tensor([prompt])).logits[0].float()
+    return Reference(ours, hf.saved_dir, hf.tokenizer, prompt, logits)
 
 
 def _paged_logits(loaded: LoadedModel, ids: list[int], prefill: int) -> torch.Tensor:
