@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from pdserve.tests.chaos_faults import SMALL_KV, kill9, reference
 from pdserve.tests.chaos_load import Load, metric_of
-from pdserve.tests.cluster_fixture import LiveCluster, served_model_name, up_config
+from pdserve.tests.cluster_fixture import LiveCluster, sample, served_model_name, up_config
 
 pytestmark = pytest.mark.slow
 
@@ -20,6 +21,12 @@ MODEL = served_model_name()
 PROMPTS = [f"{w} are interesting because" for w in ("Apples", "Bridges", "Comets", "Deserts")]
 MAX_TOKENS = 40
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+
+
+def generated(live: LiveCluster, node: str) -> float:
+    """Tokens the node has generated so far (counted as each step's output goes out), from its /metrics."""
+    page = httpx.get(f"{live.nodes[node].url}/metrics", timeout=10).text
+    return sample(page, "pdserve_node_generation_tokens_total")
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +56,12 @@ def test_streams_of_a_killed_decode_node_migrate_and_finish_with_the_undisturbed
             assert time.monotonic() < deadline, "decode-0 never carried two streams"
             time.sleep(0.02)
         loads[0].wait_until(lambda outs: any(len(o.events) >= 3 for o in outs if o.ended is None), 60)
+        # the kill must find streams decoding on decode-0 (tokens sent): one still waiting for its KV there
+        # is retried, not migrated
+        before = generated(live, "decode-0")
+        while generated(live, "decode-0") <= before:
+            assert time.monotonic() < deadline, "no stream decoded on decode-0"
+            time.sleep(0.01)
         killed_at = time.monotonic()
         kill9(live, "decode-0")
         time.sleep(8.0)
