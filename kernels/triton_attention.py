@@ -11,7 +11,10 @@ Split-K, both phases: when too few programs would cover the SMs, each sequence's
 log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and one reduction kernel
 (`_reduce_splits_kernel`, shared by decode and prefill) weighs them. Split 0 always holds key 0, which
 every query sees, so each row has a finite lse to weigh the others against; a split with no key visible
-to a row has lse = -inf and weight 0. The split counts:
+to a row has lse = -inf and weight 0. The split count is a run-time argument that Triton does not
+specialize on, so each kernel compiles once whatever the count (the prefill kernel twice: split or
+single pass); as a constant it compiled a kernel per count on first use, seconds of stall mid-serving,
+up to 64 times. The split counts:
 - decode (`choose_num_splits`): enough (seq, KV head, split) programs for about four per SM, no split
   under 256 keys.
 - prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
@@ -34,6 +37,7 @@ LOG2E = 1.4426950408889634
 _MASKED_MAX = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 _MIN_PREFILL_SPLIT = 512  # keys
+_SPLITS_CHUNK = 16  # splits the reduction weighs at a time
 
 
 @triton.jit
@@ -78,12 +82,12 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.conste
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -91,7 +95,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split takes a BLOCK_N-aligned share of this sequence's own length: a grid sized for the
     # batch's longest context stays correct for shorter ones (and for a graph captured at a larger one).
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -122,44 +126,61 @@ def _decode_split_kernel(
     # lse = -inf and so weight 0 in the reduction.
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # mid_*: [S, Hq, NUM_SPLITS, (D)]
-    tl.store(mid_lse_ptr + row * NUM_SPLITS + split, lse, mask=offs_g < GROUP)
-    o_off = (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
+    row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # mid_*: [S, Hq, num_splits, (D)]
+    tl.store(mid_lse_ptr + row * num_splits + split, lse, mask=offs_g < GROUP)
+    o_off = (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
     tl.store(mid_o_ptr + o_off, o, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
 ):  # fmt: skip
     # Grid (R, Hq): R = sequences (decode, one query each) or query tokens (prefill).
-    # mid_o: [R, Hq, NUM_SPLITS, HEAD_DIM] fp32, mid_lse: [R, Hq, NUM_SPLITS] fp32; out: [R, Hq, HEAD_DIM]
+    # mid_o: [R, Hq, num_splits, HEAD_DIM] fp32, mid_lse: [R, Hq, num_splits] fp32; out: [R, Hq, HEAD_DIM].
+    # The splits are weighed SPLITS_CHUNK at a time with a running max, so one compiled kernel serves
+    # every split count. Split 0 (in the first chunk) always holds key 0, visible to every query, so the
+    # running max is finite from the first chunk on.
     r = tl.program_id(0)
     head = tl.program_id(1)
     row = r.to(tl.int64) * tl.num_programs(1) + head
-    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_s = tl.arange(0, SPLITS_CHUNK)
     offs_d = tl.arange(0, DIM_PAD)
-    s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # [SPLITS_PAD]; split 0 always holds key 0, visible to every query
-    o_off = (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
+    s_mask = offs_s < num_splits
+    lse = tl.load(mid_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    m_run = tl.max(lse, 0)
+    w = tl.exp2(lse - m_run)  # [SPLITS_CHUNK]
+    o_off = (row * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :]
     o = tl.load(mid_o_ptr + o_off, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + r.to(tl.int64) * stride_or + head * stride_oh + offs_d, out, mask=d_mask)
+    acc = tl.sum(w[:, None] * o, 0)  # [DIM_PAD]
+    w_sum = tl.sum(w, 0)
+    for s0 in range(SPLITS_CHUNK, num_splits, SPLITS_CHUNK):
+        s = s0 + offs_s
+        s_mask = s < num_splits
+        lse = tl.load(mid_lse_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(lse, 0))
+        rescale = tl.exp2(m_run - m_new)
+        w = tl.exp2(lse - m_new)
+        o_off = (row * num_splits + s[:, None]) * HEAD_DIM + offs_d[None, :]
+        o = tl.load(mid_o_ptr + o_off, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = acc * rescale + tl.sum(w[:, None] * o, 0)
+        w_sum = w_sum * rescale + tl.sum(w, 0)
+        m_run = m_new
+    tl.store(out_ptr + r.to(tl.int64) * stride_or + head * stride_oh + offs_d, acc / w_sum, mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, tables_ptr, seq_lens_ptr, query_start_ptr, qk_scale,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_ot, stride_oh, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    # Grid (NUM_SPLITS * Hq, S, tiles): the heads of one split side by side, so a KV group's blocks are
-    # shared in L2.
-    n_heads = tl.num_programs(0) // NUM_SPLITS
+    # Grid (num_splits * Hq, S, tiles): the heads of one split side by side, so a KV group's blocks are
+    # shared in L2. SPLIT: num_splits > 1 (partials to mid_*), else the single pass writes out directly.
+    n_heads = tl.num_programs(0) // num_splits
     head = tl.program_id(0) % n_heads
     split = tl.program_id(0) // n_heads
     seq = tl.program_id(1)
@@ -195,7 +216,7 @@ def _prefill_kernel(
     # first query position, [0, unmasked_end), are visible to every row: no causal mask there.
     visible_end = tl.minimum(ctx_len + m0 + BLOCK_M, seq_len)
     unmasked_end = (ctx_len + m0) // BLOCK_N * BLOCK_N
-    if NUM_SPLITS == 1:  # the single pass, as compiled before splits existed
+    if not SPLIT:  # the single pass, as compiled before splits existed
         start = 0
         unmasked_stop = unmasked_end
         masked_start = unmasked_end
@@ -203,7 +224,7 @@ def _prefill_kernel(
     else:
         # This split's BLOCK_N-aligned share [start, end), split 0 from key 0. Every bound is aligned or
         # is visible_end, past which every key is causally masked anyway, so no split mask is needed.
-        per_split = tl.cdiv(tl.cdiv(visible_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(visible_end, num_splits), BLOCK_N) * BLOCK_N
         start = split * per_split
         end = tl.minimum(start + per_split, visible_end)
         unmasked_stop = tl.minimum(end, unmasked_end)
@@ -225,15 +246,15 @@ def _prefill_kernel(
         m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out, mask=q_mask)
     else:
         # Partial per (token, head, split), as the decode split kernel writes it; a row that sees no key
         # of this split (empty split, or all its keys in the row's future) has l_i = 0 and lse = -inf.
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        row = rows * n_heads + head  # mid_*: [T, Hq, NUM_SPLITS, (D)]
-        tl.store(mid_lse_ptr + row * NUM_SPLITS + split, lse, mask=m_mask)
-        o_off = (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
+        row = rows * n_heads + head  # mid_*: [T, Hq, num_splits, (D)]
+        tl.store(mid_lse_ptr + row * num_splits + split, lse, mask=m_mask)
+        o_off = (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
         tl.store(mid_o_ptr + o_off, out, mask=q_mask)
 
 
@@ -297,9 +318,9 @@ def paged_decode_attention(
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4,
     )  # fmt: skip
     _reduce_splits(mid_o, mid_lse, out)
@@ -315,9 +336,8 @@ def _reduce_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     )
     assert mid_o.is_contiguous() and mid_lse.is_contiguous() and out.stride(2) == 1
     _reduce_splits_kernel[(n_rows, n_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), SPLITS_CHUNK=_SPLITS_CHUNK, num_warps=4,
     )  # fmt: skip
 
 
@@ -362,9 +382,9 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, mid_o, mid_lse, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=n_heads // n_kv, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
         DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:

@@ -31,14 +31,12 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     for cache, dot in (("bf16", tl.bfloat16), ("fp16", tl.float16), ("fp32", tl.float32)):
         ptrs = {"q_ptr": f"*{cache}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{cache}"}
         common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64}
-        cases.append(
-            (attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3})
-        )
-        for splits in (1, 3):
-            prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "NUM_SPLITS": splits}
+        cases.append((attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16}))
+        for split in (False, True):
+            prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "SPLIT": split}
             cases.append((attn, "_prefill_kernel", prefill))
     cases.append((attn, "_reduce_splits_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
-                                                  "NUM_SPLITS": 3, "SPLITS_PAD": 4}))  # fmt: skip
+                                                  "SPLITS_CHUNK": 16}))  # fmt: skip
     cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {  # RoPE + the KV-cache write
         "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_cache_ptr": "*bf16",
         "v_cache_ptr": "*bf16", "slots_ptr": "*i64", "N_Q": 32, "N_KV": 8, "HALF": 64, "Q_PAD": 32,

@@ -139,6 +139,20 @@ def test_decode_through_ops_with_empty_splits() -> None:
     _close(TRI.decode_attention(q, kv, meta, scale=0.125), REF.decode_attention(q, kv, meta, scale=0.125))
 
 
+def test_splits_past_one_reduction_chunk() -> None:
+    # 40 splits: the reduction weighs them in three chunks of 16 with a running max; the short sequences
+    # leave every chunk after the first empty (lse -inf), the 1,300-token one fills them all.
+    q, kv, meta = _batch([(1299, 1), (0, 1), (30, 1)], 1, 2, 32, seed=6)
+    got = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.2, 40, block_n=32)
+    _close(got, REF.decode_attention(q, kv, meta, scale=0.2))
+    q, kv, meta = _batch([(700, 3), (20, 2)], 1, 2, 32, seed=7)
+    got = paged_prefill_attention(
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.2, 40,
+        block_m=16, block_n=16,
+    )  # fmt: skip
+    _close(got, REF.prefill_attention(q, kv, meta, scale=0.2))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_half_precision_cache(dtype: torch.dtype) -> None:
     q, kv, meta = _batch([(37, 1), (0, 1), (80, 1)], 2, 4, 64, dtype=dtype, seed=6)
