@@ -54,3 +54,16 @@ def test_tables_padded_and_batch_invariant() -> None:
     torch.testing.assert_close(mixed, torch.cat(alone), rtol=1e-4, atol=1e-4)
     assert ops.widths and all(w % TABLE_ALIGN == 0 for w in ops.widths), ops.widths
     assert {16, 32} <= set(ops.widths), ops.widths
+
+
+def test_warm_up_runs_prefill_paths_and_writes_no_kv() -> None:
+    # The GPU runner calls warm_up at construction to compile its kernels; it must leave the pool as it was.
+    torch.set_num_threads(1)
+    ops = RecordingOps()
+    cfg = EngineConfig(model="dummy:tiny", cuda_graphs=False, max_model_len=2048)
+    runner = ModelRunner(tiny_loaded(torch.device("cpu")), cfg, 64, max_model_len=2048, ops=ops)
+    runner.kv_cache.copy_(torch.randn(runner.kv_cache.shape, generator=torch.Generator().manual_seed(1)))
+    before = runner.kv_cache.clone()
+    runner.warm_up(2048)
+    assert torch.equal(runner.kv_cache, before)
+    assert set(ops.widths) == {16, 64}, ops.widths  # a short prompt, then 16 tokens over 1,024

@@ -1,5 +1,6 @@
-"""Decode under CUDA graphs: one captured forward + logits per batch-size bucket, and the GPU memory plan
-that sizes the KV pool with room left for those graphs.
+"""Steps under CUDA graphs: `GraphSet`, what every kind shares (static buffers, one graph per bucket, one
+private pool); decode, one captured forward + logits per batch-size bucket; and the GPU memory plan that
+sizes the KV pool with room left for the graphs (the short-prefill kind is shared/engine/prefill_graphs.py).
 
 Invariants: a graph holds the addresses of the weights, the KV tensor and this module's static buffers,
 so none of them moves or is freed while graphs exist (the KV pool is allocated once, before capture, and
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 GRAPH_OVERHEAD_BYTES = 16 * MIB
 """Per captured graph, beyond its activations: an estimate (executable graph, cuBLAS workspace)."""
+PREFILL_TOKEN_BUCKETS = (16, 64, 256, 512)
+"""New-token counts of the single-sequence prefill graphs (shared/engine/prefill_graphs.py): past about 512
+tokens a step's GPU work hides its launches."""
 SAMPLER_COPIES = 4
 """The sampler holds at most this many fp32 [max_num_seqs, V] tensors at once: an estimate."""
 
@@ -47,6 +51,12 @@ def bucket_sizes(max_num_seqs: int) -> tuple[int, ...]:
         sizes.append(b)
         b *= 2
     return (*sizes, max_num_seqs)
+
+
+def prefill_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """The token buckets of the prefill graphs (PREFILL_TOKEN_BUCKETS) a step budget of
+    max_num_batched_tokens can use."""
+    return tuple(b for b in PREFILL_TOKEN_BUCKETS if b <= max_num_batched_tokens)
 
 
 def pick_bucket(buckets: Sequence[int], n: int) -> int:
@@ -82,12 +92,14 @@ class _EagerBucket:
         self.logits = self._fn()
 
 
-class DecodeGraphs:
-    """Pure-decode steps (one new token per sequence) replayed from captured graphs.
+class GraphSet:
+    """One kind of step replayed from graphs, one graph per bucket (ascending), over one model, KV tensor
+    and ops. A subclass allocates its static buffers for the largest bucket (`_stage_buffers`) and builds a
+    bucket's forward (`_forward_fn`); `close()` gives the graphs and their pool back and is idempotent.
+    `capture=False` runs the same static-buffer path eagerly (CPU, and the oracle for the graph path in
+    tests). Build it after the weights are loaded and the KV tensor is allocated."""
 
-    Build it after the weights are loaded and the KV tensor is allocated; `capture=False` runs the same
-    static-buffer path eagerly (CPU, and the oracle for the graph path in tests).
-    """
+    kind = ""  # what the log line calls these steps
 
     def __init__(
         self,
@@ -96,19 +108,82 @@ class DecodeGraphs:
         ops: AttentionOps,
         *,
         block_size: int,
-        max_num_seqs: int,
         max_model_len: int,
+        buckets: tuple[int, ...],
         capture: bool,
     ) -> None:
         dev = kv_cache.device
         assert not capture or dev.type == "cuda", f"CUDA graphs need a CUDA KV cache, got {dev}"
+        assert list(buckets) == sorted(set(buckets)), f"buckets must ascend, got {buckets}"
         self.model, self.kv_cache, self.ops = model, kv_cache, ops
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.buckets = bucket_sizes(max_num_seqs)
-        max_bs = self.buckets[-1]
+        self.buckets = buckets
         self.width = -(-max_model_len // block_size)  # block-table columns
-        pin = dev.type == "cuda"
+        self._pin = dev.type == "cuda"  # staging buffers in pinned memory, copied without a sync
+        self._fence = torch.cuda.Event() if self._pin else None
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._stage_buffers(max(buckets, default=1))
+        graphs: dict[int, _Bucket] = {}
+        start, reserved = time.perf_counter(), _reserved(dev)
+        with torch.inference_mode():
+            for b in reversed(buckets):  # largest first: smaller graphs reuse its pool memory
+                fn = self._forward_fn(b)
+                if self._pool is None:
+                    graphs[b] = _EagerBucket(fn)
+                    continue
+                for _ in range(2):  # compile Triton kernels and create cuBLAS handles outside the capture
+                    fn()
+                torch.cuda.synchronize(dev)
+                graphs[b] = _GraphBucket(fn, self._pool)
+        self._graphs: dict[int, _Bucket] | None = graphs
+        self.pool_bytes = _reserved(dev) - reserved
+        """Device memory the capture took (graph pool and workspaces), measured; 0 on CPU."""
+        log.info(
+            "%s %s for buckets %s in %.1f s, %.0f MiB",
+            self.kind, "graphs captured" if capture else "buckets built (eager)",
+            buckets, time.perf_counter() - start, self.pool_bytes / MIB,
+        )  # fmt: skip
+
+    def _stage_buffers(self, max_bucket: int) -> None:
+        raise NotImplementedError
+
+    def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
+        raise NotImplementedError
+
+    def _bucket(self, b: int) -> _Bucket:
+        """Bucket b's graph, once the previous step's staging copies have left the host buffers."""
+        if self._graphs is None:
+            raise RuntimeError(f"{type(self).__name__}.run after close()")
+        if self._fence is not None:
+            self._fence.synchronize()
+        return self._graphs[b]
+
+    def close(self) -> None:
+        """Drops every graph and the private pool; a later `run` raises. Idempotent."""
+        graphs, self._graphs = self._graphs, None
+        if graphs is None:
+            return
+        self._pool = None
+        for bucket in graphs.values():
+            if isinstance(bucket, _GraphBucket):
+                bucket.graph.reset()
+        graphs.clear()
+        if self.kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.device)
+            # capture ran matmuls on a side stream, whose cuBLAS workspace would stay allocated for good
+            torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+
+
+class DecodeGraphs(GraphSet):
+    """Pure-decode steps (one new token per sequence) replayed from captured graphs, one per batch-size
+    bucket (`bucket_sizes(max_num_seqs)`)."""
+
+    kind = "decode"
+
+    def _stage_buffers(self, max_bs: int) -> None:
+        dev, pin = self.kv_cache.device, self._pin
         # host staging -> device copies; rows of _i64: input ids, positions, slots, and the row of the
         # previous step's sampled tokens a row takes its input id from on the device (-1: none)
         self._h_i64 = torch.zeros((4, max_bs), dtype=torch.int64, pin_memory=pin)
@@ -119,21 +194,6 @@ class DecodeGraphs:
         self._seq = self._h_seq.to(dev, copy=True)
         self._tab = self._h_tab.to(dev, copy=True)
         self._qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self._fence = torch.cuda.Event() if pin else None
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
-        graphs: dict[int, _Bucket] = {}
-        start, reserved = time.perf_counter(), _reserved(dev)
-        with torch.inference_mode():
-            for b in reversed(self.buckets):  # largest first: smaller graphs reuse its pool memory
-                graphs[b] = self._build(b)
-        self._graphs: dict[int, _Bucket] | None = graphs
-        self.pool_bytes = _reserved(dev) - reserved
-        """Device memory the capture took (graph pool and workspaces), measured; 0 on CPU."""
-        log.info(
-            "decode %s for batch buckets %s in %.1f s, %.0f MiB",
-            "graphs captured" if capture else "buckets built (eager)",
-            self.buckets, time.perf_counter() - start, self.pool_bytes / MIB,
-        )  # fmt: skip
 
     def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(
@@ -153,15 +213,6 @@ class DecodeGraphs:
 
         return fn
 
-    def _build(self, b: int) -> _Bucket:
-        fn = self._forward_fn(b)
-        if self._pool is None:
-            return _EagerBucket(fn)
-        for _ in range(2):  # compile Triton kernels and create cuBLAS handles outside the capture
-            fn()
-        torch.cuda.synchronize(self.kv_cache.device)
-        return _GraphBucket(fn, self._pool)
-
     def fits(self, seq_lens: Sequence[int]) -> bool:
         """Whether a decode batch with these context lengths (new token included) can replay."""
         return 0 < len(seq_lens) <= self.buckets[-1] and max(seq_lens) <= self.max_model_len
@@ -177,14 +228,11 @@ class DecodeGraphs:
         blocks are block_ids[i]; `from_device` = (pairs (row, j), tokens) replaces row's input with
         tokens[j] on the device (the previous step's sample, never read back). Returns fp32 logits [n, V]
         (a copy, so the next replay cannot change it)."""
-        if self._graphs is None:
-            raise RuntimeError("DecodeGraphs.run after close()")
         n = len(input_ids)
         assert len(block_ids) == n == len(seq_lens), (n, len(block_ids), len(seq_lens))
         assert self.fits(seq_lens), f"batch of {n} rows, longest context {max(seq_lens)}: does not fit"
         b = pick_bucket(self.buckets, n)
-        if self._fence is not None:
-            self._fence.synchronize()  # the previous step's copies have left the staging buffers
+        bucket = self._bucket(b)
         self._stage(input_ids, block_ids, seq_lens, b)
         if from_device is not None:
             src = self._h_i64.numpy()[3]
@@ -201,7 +249,6 @@ class DecodeGraphs:
             ids.copy_(torch.where(src >= 0, tokens[src.clamp(min=0)], ids))
         if self._fence is not None:
             self._fence.record()
-        bucket = self._graphs[b]
         bucket.replay()
         return bucket.logits[:n].clone()
 
@@ -222,22 +269,6 @@ class DecodeGraphs:
         # padding rows; their table rows keep earlier valid block ids (all entries ever written are)
         i64[0, n:b], i64[1, n:b], i64[2, n:b] = 0, 0, -1
         seq[n:b] = 1
-
-    def close(self) -> None:
-        """Drops every graph and the private pool; a later `run` raises. Idempotent."""
-        graphs, self._graphs = self._graphs, None
-        if graphs is None:
-            return
-        for bucket in graphs.values():
-            if isinstance(bucket, _GraphBucket):
-                bucket.graph.reset()
-        graphs.clear()
-        self._pool = None
-        if self.kv_cache.device.type == "cuda":
-            torch.cuda.synchronize(self.kv_cache.device)
-            # capture ran matmuls on a side stream, whose cuBLAS workspace would stay allocated for good
-            torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
 
 
 def _reserved(dev: torch.device) -> int:
@@ -287,12 +318,15 @@ def plan_gpu_memory(
     )
     prefill = _profile_peak(model, ops, scratch, [prefill_len], min(max_num_seqs, prefill_len))
     decode = _profile_peak(model, ops, scratch, [1] * max_num_seqs, max_num_seqs)
+    # the prefill graphs (shared/engine/prefill_graphs.py): one sequence, their largest bucket of tokens
+    short = prefill_buckets(max_num_batched_tokens)
+    short_peak = _profile_peak(model, ops, scratch, [short[-1]], 1) if cuda_graphs and short else 0
     del scratch
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    n_graphs = len(bucket_sizes(max_num_seqs)) if cuda_graphs else 0
-    graph_reserve = decode + GRAPH_OVERHEAD_BYTES * n_graphs if cuda_graphs else 0
+    n_graphs = len(bucket_sizes(max_num_seqs)) + len(short) if cuda_graphs else 0
+    graph_reserve = decode + short_peak + GRAPH_OVERHEAD_BYTES * n_graphs if cuda_graphs else 0
     sampler = SAMPLER_COPIES * max_num_seqs * c.vocab_size * 4
     used = total - free
     kv = int(total * utilization) - used - max(prefill, decode) - graph_reserve - sampler

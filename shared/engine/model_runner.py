@@ -9,16 +9,21 @@ token (`prev_row`, overlap) reads it from that step's token tensor on the device
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, get_ops
 from pdserve.shared.engine.config import EngineConfig
-from pdserve.shared.engine.cuda_graphs import DecodeGraphs
+from pdserve.shared.engine.cuda_graphs import DecodeGraphs, bucket_sizes, prefill_buckets
+from pdserve.shared.engine.prefill_graphs import PrefillGraphs
 from pdserve.shared.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
 
 TABLE_ALIGN = 16
 """Block-table columns of an eager step are a multiple of this (one kernel specialization for all widths)."""
@@ -90,23 +95,65 @@ class ModelRunner:
         )
         # Pure-decode steps without a layer hook replay CUDA graphs; they hold kv_cache's address, which
         # is why the pool is allocated once, before capture, and never moves.
+        # Short single-sequence prefills replay graphs too (their eager launches cost more than their GPU
+        # work); a layer hook then runs for every layer after the replay.
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             limit = min(cfg.max_model_len or c.max_position_embeddings, c.max_position_embeddings)
+            m, kv, ops, bs, mml = self.model, self.kv_cache, self.ops, cfg.block_size, max_model_len or limit
+            decode_buckets = bucket_sizes(cfg.max_num_seqs)
             self.graphs = DecodeGraphs(
-                self.model,
-                self.kv_cache,
-                self.ops,
-                block_size=cfg.block_size,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=max_model_len or limit,
-                capture=True,
+                m, kv, ops, block_size=bs, max_model_len=mml, buckets=decode_buckets, capture=True
             )
+            prefill_tokens = prefill_buckets(cfg.max_num_batched_tokens)
+            self.prefill_graphs = PrefillGraphs(
+                m, kv, ops, block_size=bs, max_model_len=mml, buckets=prefill_tokens, capture=True
+            )
+        if self.device.type == "cuda":
+            self.warm_up(max_model_len or c.max_position_embeddings)
+
+    @torch.inference_mode()
+    def warm_up(self, max_model_len: int) -> None:
+        """Compiles, before the node serves (construction calls it on CUDA), every kernel that a prefill
+        step and a block copy launch; the decode kernels compile at graph capture. A 64-token prompt
+        (cuBLAS products, single-pass attention), 16 tokens over a context of up to 1,024 (GEMV products,
+        split attention and its reduction), one block copied out and back. Else the first requests of
+        each kind wait for Triton's compiler, seconds each, and the router's cost model learns those
+        seconds as prefill time. Nothing changes: every slot is -1 (no KV written), the tables name block
+        0 (read, discarded), and block 0 is copied back onto itself while no request holds it."""
+        start = time.perf_counter()
+        b = self.block_size
+        context = max(64, min(max_model_len, 64 * b))
+        for ctx_len, new in ((0, 64), (context - 16, 16)):
+            n_blocks = -(-(ctx_len + new) // (b * TABLE_ALIGN)) * TABLE_ALIGN
+            meta = AttentionMetadata(
+                positions=torch.arange(ctx_len, ctx_len + new, device=self.device),
+                slot_mapping=torch.full((new,), -1, dtype=torch.int64, device=self.device),
+                query_start_loc=torch.tensor([0, new], dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor([ctx_len + new], dtype=torch.int32, device=self.device),
+                block_tables=torch.zeros((1, n_blocks), dtype=torch.int32, device=self.device),
+                max_query_len=new,
+                max_seq_len=ctx_len + new,
+                rope=self.model.rope,
+            )
+            ids = torch.zeros(new, dtype=torch.int64, device=self.device)
+            hidden = self.model.forward(ids, self.kv_cache, meta, self.ops)
+            self.model.compute_logits(hidden[-1:], self.ops)
+        block = torch.zeros(1, dtype=torch.int64, device=self.device)
+        layer = self.kv_cache[0]
+        buffer = torch.empty((2, 1, *layer.shape[2:]), dtype=layer.dtype, device=self.device)
+        self.ops.gather_blocks(layer, block, buffer)
+        self.ops.scatter_blocks(buffer, layer, block)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("prefill and block-copy kernels warmed up in %.1f s", time.perf_counter() - start)
 
     def close(self) -> None:
         """Releases the captured graphs and their memory pool (the KV tensor goes with the runner)."""
-        if self.graphs is not None:
-            self.graphs.close()
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.close()
 
     @torch.inference_mode()
     def execute(
@@ -132,6 +179,15 @@ class ModelRunner:
                 logits = self.graphs.run(ids, [it.block_ids for it in items], seq_lens, from_device)
                 keep = [i for i, it in enumerate(items) if it.sample]
                 logits = logits if len(keep) == len(items) else logits[keep]
+                return self._wait(logits) if wait else logits
+        if self.prefill_graphs is not None and len(items) == 1 and items[0].prev_row < 0:
+            it = items[0]
+            if self.prefill_graphs.fits(it.num_tokens, it.start + it.num_tokens):
+                logits = self.prefill_graphs.run(it.token_ids, it.start, it.num_tokens, it.block_ids)
+                if layer_hook is not None:  # every layer's KV writes are queued before the hook's work
+                    for layer in range(self.config.num_layers):
+                        layer_hook(layer)
+                logits = logits if it.sample else logits[:0]
                 return self._wait(logits) if wait else logits
         input_ids, positions, slots = self._token_lists(items)
         meta = self._metadata(items, positions, slots)
