@@ -11,10 +11,12 @@ Split-K, both phases: when too few programs would cover the SMs, each sequence's
 log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and one reduction kernel
 (`_reduce_splits_kernel`, shared by decode and prefill) weighs them. Split 0 always holds key 0, which
 every query sees, so each row has a finite lse to weigh the others against; a split with no key visible
-to a row has lse = -inf and weight 0. The split count is a run-time argument that Triton does not
-specialize on, so each kernel compiles once whatever the count (the prefill kernel twice: split or
-single pass); as a constant it compiled a kernel per count on first use, seconds of stall mid-serving,
-up to 64 times. The split counts:
+to a row has lse = -inf and weight 0. Compiled kernels: prefill takes its split count at run time (Triton
+does not specialize on it), so it compiles twice (split or single pass) whatever the count, where a
+constant compiled one per count on first use, seconds of stall inside a request, up to 64 times; the
+reduction compiles once per power of two up to 16 (it weighs 16 splits at a time past that); decode keeps
+its count a constant, as before: decode runs from CUDA graphs captured at start-up, one count per batch
+bucket, so no request meets its compile. The split counts:
 - decode (`choose_num_splits`): enough (seq, KV head, split) programs for about four per SM, no split
   under 256 keys.
 - prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
@@ -37,7 +39,7 @@ LOG2E = 1.4426950408889634
 _MASKED_MAX = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 _MIN_PREFILL_SPLIT = 512  # keys
-_SPLITS_CHUNK = 16  # splits the reduction weighs at a time
+_SPLITS_CHUNK = 16  # the most splits the reduction weighs at a time (fewer: the next power of two)
 
 
 @triton.jit
@@ -82,12 +84,12 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.conste
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, num_splits,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,7 +97,7 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split takes a BLOCK_N-aligned share of this sequence's own length: a grid sized for the
     # batch's longest context stays correct for shorter ones (and for a graph captured at a larger one).
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -126,9 +128,9 @@ def _decode_split_kernel(
     # lse = -inf and so weight 0 in the reduction.
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # mid_*: [S, Hq, num_splits, (D)]
-    tl.store(mid_lse_ptr + row * num_splits + split, lse, mask=offs_g < GROUP)
-    o_off = (row[:, None] * num_splits + split) * HEAD_DIM + offs_d[None, :]
+    row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # mid_*: [S, Hq, NUM_SPLITS, (D)]
+    tl.store(mid_lse_ptr + row * NUM_SPLITS + split, lse, mask=offs_g < GROUP)
+    o_off = (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
     tl.store(mid_o_ptr + o_off, o, mask=q_mask)
 
 
@@ -318,9 +320,9 @@ def paged_decode_attention(
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), num_splits,
+        block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4,
     )  # fmt: skip
     _reduce_splits(mid_o, mid_lse, out)
@@ -337,7 +339,8 @@ def _reduce_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     assert mid_o.is_contiguous() and mid_lse.is_contiguous() and out.stride(2) == 1
     _reduce_splits_kernel[(n_rows, n_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), SPLITS_CHUNK=_SPLITS_CHUNK, num_warps=4,
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        SPLITS_CHUNK=min(_SPLITS_CHUNK, triton.next_power_of_2(num_splits)), num_warps=4,
     )  # fmt: skip
 
 

@@ -31,7 +31,9 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     for cache, dot in (("bf16", tl.bfloat16), ("fp16", tl.float16), ("fp32", tl.float32)):
         ptrs = {"q_ptr": f"*{cache}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{cache}"}
         common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64}
-        cases.append((attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16}))
+        cases.append(
+            (attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3})
+        )
         for split in (False, True):
             prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "SPLIT": split}
             cases.append((attn, "_prefill_kernel", prefill))

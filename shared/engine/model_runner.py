@@ -115,17 +115,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_model_len: int) -> None:
-        """Compiles, before the node serves (construction calls it on CUDA), every kernel that a prefill
-        step and a block copy launch; the decode kernels compile at graph capture. A 64-token prompt
-        (cuBLAS products, single-pass attention), 16 tokens over a context of up to 1,024 (GEMV products,
-        split attention and its reduction), one block copied out and back. Else the first requests of
-        each kind wait for Triton's compiler, seconds each, and the router's cost model learns those
-        seconds as prefill time. Nothing changes: every slot is -1 (no KV written), the tables name block
-        0 (read, discarded), and block 0 is copied back onto itself while no request holds it."""
+        """Compiles, before the node serves (construction calls it on CUDA), every kernel that an eager
+        prefill step and a block copy launch (decode and short single-sequence prefills compile at graph
+        capture): a 64-token prompt (cuBLAS products, single-pass attention); 16 tokens over contexts of
+        1,024, 2,048, 4,096 and 8,192 (GEMV products, split attention, and the reduction of 2, 4, 8 and 16
+        splits, each its own kernel); one block copied out and back. Else the first requests of each kind
+        wait for Triton's compiler, seconds each, and the router's cost model learns those seconds as
+        prefill time. Nothing changes: every slot is -1 (no KV written), the tables name block 0 (read,
+        discarded), and block 0 is copied back onto itself while no request holds it."""
         start = time.perf_counter()
         b = self.block_size
-        context = max(64, min(max_model_len, 64 * b))
-        for ctx_len, new in ((0, 64), (context - 16, 16)):
+        steps = [(0, 64)] + [(c - 16, 16) for c in (1024, 2048, 4096, 8192) if c <= max_model_len]
+        for ctx_len, new in steps:
             n_blocks = -(-(ctx_len + new) // (b * TABLE_ALIGN)) * TABLE_ALIGN
             meta = AttentionMetadata(
                 positions=torch.arange(ctx_len, ctx_len + new, device=self.device),
