@@ -19,7 +19,9 @@ Weights are seeded dummies drawn on the GPU.
 
 `--overlap-only` measures just the engine loop with async scheduling off and on (one engine each over the
 same weights, runs alternated, three rounds): batch-1 decode at 1k context against the roofline, and
-throughput at batch 8 and 64 at 2k context.
+throughput at batch 8 and 64 at 2k context. `--short-prefill-only` measures one engine step of a short
+prefill replayed from a prefill graph against the same step launched eagerly (one engine each): 16 new
+tokens over a cached 16k prefix, and prompts of 16, 100 and 500 tokens.
 """
 
 from __future__ import annotations
@@ -382,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--overlap-only", action="store_true",
                         help="only the engine loop with async scheduling off vs on")  # fmt: skip
+    parser.add_argument("--short-prefill-only", action="store_true",
+                        help="only short prefill steps, replayed from prefill graphs vs eager")  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         print(f"gpu_decode: needs a CUDA device, got --device {args.device!r} "
@@ -401,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     bw = res["copy_bytes_per_s"] = copy_bandwidth(dev)
     release(dev)
     rows.append(("HBM copy bandwidth (4 GiB, read + written)", f"{bw / GIB:.0f} GiB/s", "", ""))
-    if args.overlap_only:
-        rows += overlap_rows(args.shape, dev, bw, gen, res)
+    if args.overlap_only or args.short_prefill_only:
+        only = overlap_rows if args.overlap_only else short_prefill_rows
+        rows += only(args.shape, dev, bw, gen, res)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=2)
         print(markdown(rows), flush=True)
@@ -588,6 +593,67 @@ def overlap_rows(
         off, on = med[f"b{b}"][False], med[f"b{b}"][True]
         rows.append((f"decode throughput, batch {b}, 2k ctx: async off / on (medians of 3)",
                      f"{off:.0f} / {on:.0f} tok/s", "", f"on/off {on / off:.3f}"))  # fmt: skip
+    for engine in engines.values():
+        engine.close()
+    return rows
+
+
+def short_prefill_rows(
+    shape: str, dev: torch.device, bw: float, gen: torch.Generator, res: dict[str, Any]
+) -> list[Row]:
+    """One engine step of a short prefill, replayed from a prefill graph (cuda_graphs on) and launched eagerly
+    (cuda_graphs off), two engines over the same weights, alternated: 16 new tokens over a cached
+    16,384-token prefix (the step of a prefix held on the node) and whole prompts of 16, 100 and 500
+    tokens, fresh every round (two rounds each: medians of 16 prefix steps and 12 prompts of each length);
+    and whether both paths give the same greedy tokens."""
+    c = NAMED_SHAPES[shape]
+    log(f"loading dummy:{shape} bf16 on the GPU")
+    loaded = load_model(f"dummy:{shape}", device=dev, dtype=torch.bfloat16, seed=0)
+    prefix = random_tokens(16384, c.vocab_size, gen)
+    engines = {}
+    for graphs in (True, False):
+        cfg = EngineConfig(model=f"dummy:{shape}", device=str(dev), dtype="bfloat16", max_model_len=16448,
+                           num_kv_blocks=2200, cuda_graphs=graphs, async_scheduling=False)  # fmt: skip
+        engines[graphs] = LLMEngine(cfg, loaded)
+        engine_step_seconds(engines[graphs], prefix)  # the prefix now cached
+    lengths = (16, 100, 500)
+    got: dict[str, dict[bool, list[float]]] = {k: {True: [], False: []} for k in ("held", *map(str, lengths))}
+    tokens: dict[bool, list[int]] = {True: [], False: []}
+    for graphs in (True, False, True, False):
+        engine = engines[graphs]
+        first = not tokens[graphs]
+        # fresh suffixes and prompts every round (a repeat would hit the prefix cache), the same for both
+        # engines in their first round, so that their greedy tokens compare
+        rnd = torch.Generator().manual_seed(len(got["held"][graphs]))
+        suffixes = [random_tokens(16, c.vocab_size, rnd) for _ in range(8)]
+        prompts = {n: [random_tokens(n, c.vocab_size, rnd) for _ in range(6)] for n in lengths}
+        for sfx in suffixes:
+            got["held"][graphs].append(engine_step_seconds(engine, prefix + sfx) * 1e3)
+            if first:
+                out = run_greedy(engine, [prefix + sfx], 1)
+                tokens[graphs].append(out[0][0])
+        for n in lengths:
+            got[str(n)][graphs] += [engine_step_seconds(engine, p) * 1e3 for p in prompts[n]]
+        log(
+            f"graphs {graphs}: "
+            + ", ".join(f"{k} {statistics.median(v[graphs]):.1f} ms" for k, v in got.items())
+        )
+    res["short_prefill_ms"] = {k: {str(g): v for g, v in d.items()} for k, d in got.items()}
+    med = {k: {g: statistics.median(v) for g, v in d.items()} for k, d in got.items()}
+    rows: list[Row] = []
+    same = tokens[True] == tokens[False]
+    rows.append(
+        (
+            "16 new tokens over a cached 16,384-token prefix, one step: prefill graph / eager (ms)",
+            f"{med['held'][True]:.1f} / {med['held'][False]:.1f}",
+            "",
+            f"{med['held'][False] / med['held'][True]:.2f}x; same greedy tokens: {verdict(same)}",
+        )
+    )
+    for n in lengths:
+        g, e = med[str(n)][True], med[str(n)][False]
+        rows.append((f"prompt of {n} tokens, one step: prefill graph / eager (ms)", f"{g:.1f} / {e:.1f}", "",
+                     f"{e / g:.2f}x"))  # fmt: skip
     for engine in engines.values():
         engine.close()
     return rows
