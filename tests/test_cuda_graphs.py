@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -170,42 +171,61 @@ def test_run_refuses_rows_without_blocks(cpu_runner: ModelRunner) -> None:
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_captured_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None:
+def replay_matches_eager(
+    runner: ModelRunner, items: list[BatchItem], written: torch.Tensor, tol: float
+) -> None:
+    """One step through the runner's graphs, then the same step from the same KV with every graph kind set
+    aside (the eager path): the same logits and KV, and nothing written outside `written` [blocks, B]."""
+    runner.kv_cache.normal_()
+    before = runner.kv_cache.clone()
+    got = runner.execute(items)
+    kv_graph = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    kinds = runner.graphs, runner.prefill_graphs
+    runner.graphs = runner.prefill_graphs = None
+    want = runner.execute(items)
+    runner.graphs, runner.prefill_graphs = kinds
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(kv_graph, runner.kv_cache, rtol=tol, atol=tol)
+    written = written.to(runner.kv_cache.device)
+    assert torch.equal(kv_graph[:, :, ~written], before[:, :, ~written])
+
+
+def on_gpu_frees_memory(
+    cfg: EngineConfig, dtype: torch.dtype, exercise: Callable[[ModelRunner], None]
+) -> None:
+    """Builds a GPU runner (graphs captured) of the tiny model, runs `exercise` on it, closes it: the device
+    memory comes back to within 1 MiB of where it started."""
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     gc.collect()
     torch.cuda.empty_cache()
     start = torch.cuda.memory_allocated(dev)
-    cfg = EngineConfig(
-        model="dummy:tiny", device="cuda", dtype=str(dtype).removeprefix("torch."), max_num_seqs=MAX_SEQS
-    )
     runner = ModelRunner(tiny_loaded(dev, dtype), cfg, NUM_BLOCKS, max_model_len=MAX_LEN)
-    graphs = runner.graphs
-    assert graphs is not None and graphs.pool_bytes > 0
-    rng = random.Random(3)
-    for n in (1, 3, MAX_SEQS):
-        items = decode_batch(rng, n, runner.config.vocab_size)
-        runner.kv_cache.normal_()
-        before = runner.kv_cache.clone()
-        got = runner.execute(items)
-        kv_graph = runner.kv_cache.clone()
-        runner.kv_cache.copy_(before)
-        short, runner.prefill_graphs = runner.prefill_graphs, None  # else a 1-row batch with a hook replays
-        want = runner.execute(items, layer_hook=lambda layer: None)
-        runner.prefill_graphs = short
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-        torch.testing.assert_close(kv_graph, runner.kv_cache, rtol=tol, atol=tol)
-        written = _written_mask(runner, items).to(dev)
-        assert torch.equal(kv_graph[:, :, ~written], before[:, :, ~written])
+    exercise(runner)
     runner.close()
-    del runner, graphs, short, got, want, kv_graph, before
+    del runner
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(dev) - start < 1 << 20
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_captured_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None:
+    def exercise(runner: ModelRunner) -> None:
+        assert runner.graphs is not None and runner.graphs.pool_bytes > 0
+        rng = random.Random(3)
+        for n in (1, 3, MAX_SEQS):
+            items = decode_batch(rng, n, runner.config.vocab_size)
+            replay_matches_eager(
+                runner, items, _written_mask(runner, items), 1e-4 if dtype == torch.float32 else 2e-2
+            )
+
+    dtype_name = str(dtype).removeprefix("torch.")
+    cfg = EngineConfig(model="dummy:tiny", device="cuda", dtype=dtype_name, max_num_seqs=MAX_SEQS)
+    on_gpu_frees_memory(cfg, dtype, exercise)
 
 
 def test_rows_fed_from_the_previous_steps_tokens_match_host_tokens(cpu_runner: ModelRunner) -> None:

@@ -8,7 +8,6 @@ reference ops: the same staging, padding rows and fixed max_seq_len a captured g
 
 from __future__ import annotations
 
-import gc
 import random
 from typing import Any
 
@@ -21,7 +20,14 @@ from pdserve.shared.engine.cuda_graphs import prefill_buckets
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
 from pdserve.shared.engine.prefill_graphs import PrefillGraphs
 
-from tests.test_cuda_graphs import BLOCK, MAX_LEN, NUM_BLOCKS, cpu_runner, tiny_loaded
+from tests.test_cuda_graphs import (
+    BLOCK,
+    MAX_LEN,
+    NUM_BLOCKS,
+    cpu_runner,
+    on_gpu_frees_memory,
+    replay_matches_eager,
+)
 
 __all__ = ["cpu_runner"]  # the fixture, shared with the decode graphs' tests
 
@@ -126,33 +132,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_captured_prefill_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None:
-    dev = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gc.collect()
-    torch.cuda.empty_cache()
-    start = torch.cuda.memory_allocated(dev)
+    def exercise(runner: ModelRunner) -> None:
+        assert runner.prefill_graphs is not None and runner.prefill_graphs.buckets == (16, 64, 256, 512)
+        rng = random.Random(3)
+        for context, new in ((0, 1), (0, 16), (37, 5), (90, 38), (100, 28)):
+            item = prefill_item(rng, context, new, runner.config.vocab_size)
+            replay_matches_eager(runner, [item], _written(item), 1e-4 if dtype == torch.float32 else 2e-2)
+
     cfg = EngineConfig(model="dummy:tiny", device="cuda", dtype=str(dtype).removeprefix("torch."))
-    runner = ModelRunner(tiny_loaded(dev, dtype), cfg, NUM_BLOCKS, max_model_len=MAX_LEN)
-    graphs = runner.prefill_graphs
-    assert graphs is not None and graphs.buckets == (16, 64, 256, 512)
-    rng = random.Random(3)
-    for context, new in ((0, 1), (0, 16), (37, 5), (90, 38), (100, 28)):
-        item = prefill_item(rng, context, new, runner.config.vocab_size)
-        runner.kv_cache.normal_()
-        before = runner.kv_cache.clone()
-        got = runner.execute([item])
-        kv_graph = runner.kv_cache.clone()
-        runner.kv_cache.copy_(before)
-        runner.prefill_graphs = None
-        want = runner.execute([item], layer_hook=lambda layer: None)
-        runner.prefill_graphs = graphs
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-        torch.testing.assert_close(kv_graph, runner.kv_cache, rtol=tol, atol=tol)
-        written = _written(item).to(dev)
-        assert torch.equal(kv_graph[:, :, ~written], before[:, :, ~written])
-    runner.close()
-    del runner, graphs, got, want, kv_graph, before
-    gc.collect()
-    torch.cuda.empty_cache()
-    assert torch.cuda.memory_allocated(dev) - start < 1 << 20
+    on_gpu_frees_memory(cfg, dtype, exercise)
