@@ -46,6 +46,27 @@ class RouterOptions(SecretFiles):
     deadline: float = Field(600.0, gt=0, description="default request deadline, seconds")
     max_deadline: float = Field(3600.0, gt=0, description="cap on a request's `timeout`, seconds")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1, description="largest request body, bytes")
+    max_request_bytes_per_token: int = Field(
+        32,
+        ge=1,
+        description="a body may also hold at most this many bytes per token of the nodes' context "
+        "(max_model_len): larger ones get 413 before they are parsed or tokenized",
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a connection may take to send a request's headers; then it is closed"
+    )
+    body_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds a request may take to send its body after its headers; then it is closed",
+    )
+    max_connections_per_client: int = Field(
+        1024,
+        ge=0,
+        description="connections one client address may hold open; more get 429 and are closed (0: no cap; "
+        "behind a proxy, every client has the proxy's address)",
+    )
+    api_docs: bool = Field(False, description="serve /docs, /redoc and /openapi.json")
     max_n: int = Field(16, ge=1, description="cap on n x prompts of one request")
     node_list_ttl: float = Field(
         1.0,
@@ -71,7 +92,9 @@ class RouterOptions(SecretFiles):
         description="file of accepted API keys, one per line or comma-separated (else PDSERVE_API_KEYS is "
         "read; none: any client is accepted)",
     )
-    metrics_auth: bool = Field(False, description="require an API key on /metrics too")
+    metrics_public: bool = Field(
+        False, description="serve /metrics without an API key (by default it asks for one when keys are set)"
+    )
     auth_token_file: str | None = Field(
         None,
         description="file holding the cluster's credential, the nodes' KV-transfer token, sent on every call "
@@ -131,6 +154,11 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         default_deadline_s=opts.deadline,
         max_deadline_s=opts.max_deadline,
         max_request_bytes=opts.max_request_bytes,
+        max_request_bytes_per_token=opts.max_request_bytes_per_token,
+        header_timeout_s=opts.header_timeout,
+        body_timeout_s=opts.body_timeout,
+        max_connections_per_client=opts.max_connections_per_client,
+        api_docs=opts.api_docs,
         max_n=opts.max_n,
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
@@ -139,7 +167,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
-        metrics_auth=opts.metrics_auth,
+        metrics_public=opts.metrics_public,
         node_token=token,
         rate_limit=RateLimit(opts.rate_limit, opts.rate_limit_burst) if opts.rate_limit else None,
     )
@@ -151,6 +179,7 @@ def run(opts: RouterOptions) -> int:
 
     import uvicorn
     from pdserve.router.app import create_app
+    from pdserve.router.front_guard import FrontGuard
     from pdserve.router.request_log import RequestLog
     from pdserve.shared.index.block_index import BlockIndex
     from pdserve.shared.model.loader import ModelLoadError, load_tokenizer
@@ -168,10 +197,12 @@ def run(opts: RouterOptions) -> int:
         ", ".join(config.served_model_names), config.model_path, config.host, config.port,
         config.redis.address, config.redis.cluster, asyncio.run(_nodes_seen(config)),
     )  # fmt: skip
+    guard = FrontGuard(config.header_timeout_s, config.body_timeout_s, config.max_connections_per_client)
     # log_config=None: uvicorn's loggers (its access log among them) go through the format set above, at
     # the same --log-level
     uvicorn.run(
-        RequestLog(app),
+        guard.wrap(RequestLog(app)),
+        http=guard.protocol(),
         host=config.host,
         port=config.port,
         log_level=opts.log_level.lower(),

@@ -1,9 +1,12 @@
 """The router's OpenAI-compatible HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models,
-/health (a readiness report: 200 while some node pair can serve, else 503), /metrics.
+/health (a readiness report: 200 while some node pair can serve, else 503), /metrics (behind the API key
+unless `metrics_public`), and /docs, /redoc, /openapi.json only with `api_docs`.
 
 Invariants: the routes only translate between HTTP and router/handler.py's RequestHandler, which does the
 work and owns the BlockIndex it is given; every error leaves as OpenAI's ErrorResponse (never FastAPI's
-{"detail"}), the router's domain errors through router/errors.py's `to_openai`.
+{"detail"}), the router's domain errors through router/errors.py's `to_openai`; a path with a trailing
+slash is served as the path without it (no redirect, whose Location would echo the request's Host); a
+client that leaves before its body is in is a ClientGone (499), not a 500.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pdserve.router.config import RouterConfig
-from pdserve.router.errors import RouterError
+from pdserve.router.errors import ClientGone, RouterError
 from pdserve.router.handler import Endpoint, Incoming, Reply, RequestHandler, error_reply
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.model.tokenizer import Tokenizer
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 
 def _response(reply: Reply) -> Response:
@@ -32,11 +37,35 @@ def _response(reply: Reply) -> Response:
     return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
 
 
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in request.stream():
+            yield chunk
+    except ClientDisconnect as exc:
+        raise ClientGone("the client left before it sent the whole request body") from exc
+
+
 def _incoming(request: Request) -> Incoming:
     headers = request.headers
     return Incoming(
-        headers.get("authorization"), request.stream(), headers.get("content-length"), request.is_disconnected
+        headers.get("authorization"), _body(request), headers.get("content-length"), request.is_disconnected
     )
+
+
+class _NoTrailingSlash:
+    """Serves `/v1/models/` as `/v1/models`, as OpenAI's API does, instead of redirecting."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            raw = scope.get("raw_path")
+            scope = {**scope, "path": path.rstrip("/") or "/"}
+            if raw:
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
+        await self.app(scope, receive, send)
 
 
 def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) -> FastAPI:
@@ -48,7 +77,16 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         yield
         await handler.stop()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    docs = config.api_docs
+    app = FastAPI(
+        title="pdserve router",
+        lifespan=lifespan,
+        redirect_slashes=False,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.add_middleware(_NoTrailingSlash)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> Response:

@@ -30,6 +30,21 @@ class RouterConfig:
     max_deadline_s: float = 3600.0
     """Upper bound on a client's `timeout` extension."""
     max_request_bytes: int = 8 * 1024 * 1024
+    """Largest request body, bytes, whatever the context."""
+    max_request_bytes_per_token: int = 32
+    """A body may hold at most this many bytes per token of the nodes' context (max_model_len), so that a
+    body no prompt could fit is refused before it is parsed or tokenized (the lower of the two limits
+    applies; several prompts in one request share it)."""
+    header_timeout_s: float = 10.0
+    """Seconds a connection may take to send a request's headers (from its opening or the end of the
+    previous response); then it is closed (router/front_guard.py)."""
+    body_timeout_s: float = 60.0
+    """Seconds a request may take to send its whole body once its headers are in; then it is closed."""
+    max_connections_per_client: int = 1024
+    """Connections one client address may hold open at once; more are answered 429 and closed (0: no cap;
+    behind a proxy every client shares the proxy's address)."""
+    api_docs: bool = False
+    """Serve /docs, /redoc and /openapi.json."""
     max_n: int = 16
     """Upper bound on `n` times the number of prompts of one request (each is a node request)."""
     node_list_ttl_s: float = 1.0
@@ -67,8 +82,9 @@ class RouterConfig:
     Retry-After. None: unlimited. Applies to /v1/completions and /v1/chat/completions when api_keys is set."""
     served_model_aliases: tuple[str, ...] = ()
     """More ids clients may pass as `model` (listed by /v1/models after served_model_name)."""
-    metrics_auth: bool = False
-    """Whether /metrics asks for an API key too (every /v1 route does when api_keys is set)."""
+    metrics_public: bool = False
+    """Serve /metrics without an API key (by default it asks for one, as every /v1 route, when api_keys is
+    set)."""
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -84,7 +100,12 @@ class RouterConfig:
             raise ValueError(f"default_deadline_s {self.default_deadline_s} exceeds max_deadline_s")
         if self.migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
-        for name in ("max_request_bytes", "max_n", "max_connections_per_node"):
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections_per_client < 0:
+            raise ValueError("max_connections_per_client must be >= 0")
+        for name in ("max_request_bytes", "max_request_bytes_per_token", "max_n", "max_connections_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.node_connect_timeout_s <= 0:

@@ -154,7 +154,7 @@ class RequestHandler:
         return model
 
     def metrics_page(self, authorization: str | None) -> bytes:
-        if self.config.metrics_auth:
+        if not self.config.metrics_public:
             self.authenticate(authorization)
         return self.metrics.render()
 
@@ -218,7 +218,8 @@ class RequestHandler:
         config = self.config
         arrival = time.perf_counter()
         tenant = self.tenants.admit(incoming.authorization)
-        spec = parse(await self._read_json(incoming))
+        context = await self._context_limit()
+        spec = parse(await self._read_json(incoming, context))
         check_token_ids(spec, self.tokenizer.vocab_size)
         if spec.model not in self._served:
             served = ", ".join(sorted(self._served))
@@ -228,6 +229,9 @@ class RequestHandler:
             raise OpenAIError(400, f"n x prompts = {spec.n * max(len(spec.prompts), 1)} exceeds the limit "
                               f"{config.max_n}", param="n")  # fmt: skip
         prompts, echo = await self._tokenize(spec)
+        if context is not None:  # before the index lookup: a prompt that cannot fit costs no routing
+            for ids in prompts:
+                check_length(spec, len(ids), context)
         salt = cache_salt(tenant, spec.cache_salt)
         timeout = min(spec.timeout_s or config.default_deadline_s, config.max_deadline_s)
         deadline = time.time() + timeout
@@ -260,16 +264,32 @@ class RequestHandler:
         choices = {job.index: ChoiceState(offset=len(echo[job.index // spec.n])) for job in jobs}
         return ServedRequest(spec, head, [len(ids) for ids in prompts], echo, run, arrival, choices)
 
-    async def _read_json(self, incoming: Incoming) -> Any:
-        limit = self.config.max_request_bytes
+    async def _context_limit(self) -> int | None:
+        """The largest context (max_model_len) of the nodes the router knows: no prompt longer fits on any
+        (the chosen nodes' own is checked after routing); None while it knows none."""
+        statuses = await self.membership.nodes()
+        return max((s.info.max_model_len for s in statuses), default=None)
+
+    async def _read_json(self, incoming: Incoming, context: int | None) -> Any:
+        """The body, parsed; OpenAIError 413 as soon as its declared or received size is over the limit:
+        max_request_bytes, or max_request_bytes_per_token x the context when that is lower (a body no prompt
+        could fit is refused before it is parsed or tokenized)."""
+        config = self.config
+        limit, why = config.max_request_bytes, "--max-request-bytes"
+        if context is not None and context * config.max_request_bytes_per_token < limit:
+            limit = context * config.max_request_bytes_per_token
+            why = (f"{config.max_request_bytes_per_token} bytes per token of the model's context of "
+                   f"{context} tokens (--max-request-bytes-per-token); send several prompts as several "
+                   "requests")  # fmt: skip
         declared = incoming.content_length or ""
         if declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+            raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes: "
+                              f"{why}")  # fmt: skip
         body = bytearray()
         async for chunk in incoming.body:
             body += chunk
             if len(body) > limit:
-                raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
+                raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes: {why}")
         return parse_json_body(bytes(body))
 
     async def _tokenize(self, spec: GenerationSpec) -> tuple[list[tuple[int, ...]], list[str]]:

@@ -3,8 +3,9 @@
 Every HTTP request gets an id: the client's `X-Request-Id` when it sends a usable one, else a new one. It is
 returned in the `X-Request-Id` header and bound to `REQUEST_ID` while the request runs, so a line logged
 anywhere during it (a stream that ends in an error, say) can name it. Every 5xx answer is logged as one line
-with the id, the route and the cause (the OpenAI error body's code and message); an exception that escapes
-the app is logged as one such line too, and uvicorn then logs its traceback. The access log (uvicorn's) has
+with the id, the route and the cause (the OpenAI error body's code and message); a client that left before
+its answer (499) is one line too; an exception that escapes the app is logged as one such line, and uvicorn
+then logs its traceback. The access log (uvicorn's) has
 one line per request besides.
 
 Invariants: it wraps the app from outside, so it sees the 500 that Starlette's last-resort handler sends; it
@@ -77,5 +78,7 @@ class RequestLog:
             raise
         finally:
             REQUEST_ID.reset(token)
-        if status >= 500 and scope["path"] not in _QUIET_PATHS:
+        if status == 499:
+            log.info("request %s %s: the client left before its answer (499)", request_id, route)
+        elif status >= 500 and scope["path"] not in _QUIET_PATHS:
             log.warning("request %s %s answered %d: %s", request_id, route, status, _cause(bytes(body)))
