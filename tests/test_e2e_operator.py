@@ -83,7 +83,7 @@ def test_models_retrieve_behind_the_api_key(live: LiveCluster, client: openai.Op
         client.completions.create(model=model_path(), prompt="hi", max_tokens=1)
     assert httpx.get(f"{live.base}/v1/models", timeout=10).status_code == 401
     assert httpx.get(f"{live.base}/v1/models/{NAMES[0]}", timeout=10).status_code == 401
-    assert httpx.get(f"{live.base}/metrics", timeout=10).status_code == 200  # --metrics-auth is off
+    assert httpx.get(f"{live.base}/metrics", timeout=10).status_code == 401  # no --metrics-public
     done = client.chat.completions.create(
         model=NAMES[1], messages=[{"role": "user", "content": "Say hi"}], max_tokens=4, temperature=0
     )
@@ -106,7 +106,8 @@ def test_vllm_series_with_model_name(live: LiveCluster, client: openai.OpenAI) -
     assert sample(texts["decode-0"], "vllm:generation_tokens_total", labels) >= 6
     assert sample(texts["prefill-0"], "vllm:prefix_cache_queries_total", labels) > 0
     assert 0 <= sample(texts["decode-0"], "vllm:kv_cache_usage_perc", labels) <= 1
-    router = httpx.get(f"{live.base}/metrics", timeout=10).text
+    key = {"authorization": f"Bearer {API_KEY}"}  # the router's /metrics asks for it (no --metrics-public)
+    router = httpx.get(f"{live.base}/metrics", headers=key, timeout=10).text
     assert "_created" not in router and "process_cpu_seconds_total" in router
     assert "pdserve_router_e2e_request_latency_seconds_count" in router
     assert "pdserve_node_e2e_request_latency_seconds_count" in texts["decode-0"]
