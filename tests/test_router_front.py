@@ -160,6 +160,10 @@ def test_slowloris_sockets_are_closed_while_requests_go_on(live: tuple[LiveClust
     assert refused, "the per-address connection cap refused no connection"
     assert max(t for _, t in closes) < BODY_TIMEOUT_S + 10  # generous slack: the bound, not a speed
     assert during, "no normal request finished during the attack"
+    # the closed sockets gave their places back: the attacker's address is served again
+    transport = httpx.HTTPTransport(local_address=ATTACKER)
+    with httpx.Client(base_url=cluster.base, headers=_auth(), transport=transport, timeout=30) as again:
+        assert again.get("/v1/models").status_code == 200
 
 
 def test_a_3mb_chat_body_is_refused_before_tokenizing(live: tuple[LiveCluster, str]) -> None:
