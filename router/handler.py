@@ -6,8 +6,9 @@ Invariants: every refusal leaves as OpenAI's ErrorResponse with its status; rout
 as domain errors (router/errors.py) and are mapped by `to_openai` alone; the router tokenizes (chat template
 included) and only token ids go to the nodes; a request ends on every path (finish, node failure, deadline,
 client disconnect, streaming or not) with its node requests aborted where they may still run
-(router/dispatch.py); every request counted in flight is counted out once. The handler owns the BlockIndex
-it is given and closes it in `stop()`.
+(router/dispatch.py); every request counted in flight is counted out once; a body over the size bound is
+refused before it is parsed, and a prompt longer than every node's context before the index lookup. The
+handler owns the BlockIndex it is given and closes it in `stop()`.
 """
 
 from __future__ import annotations
