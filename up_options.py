@@ -44,6 +44,11 @@ class UpOptions(Settings):
     redis_aof: bool = Field(
         False, description="Redis keeps an append-only file in the work directory: a restart keeps the index"
     )
+    name: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="the cluster file's name, which `kvctl --cluster NAME` picks while several clusters run",
+    )
 
 
 def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
@@ -120,4 +125,5 @@ def up_config(opts: UpOptions, model: str) -> UpConfig:
         ),
         router_args=router_args,
         redis_aof=opts.redis_aof,
+        name=opts.name,
     )
