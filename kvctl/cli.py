@@ -2,24 +2,27 @@
 evict, diff --repair).
 
 Invariants: every command takes `--redis URL`, `--cluster NAME` and `--json` (machine output on stdout,
-every command), each also from PDSERVE_* variables or `--config FILE` like every pdserve process; the
-Redis password only from PDSERVE_REDIS_PASSWORD or the file PDSERVE_REDIS_PASSWORD_FILE names. People get
-tables (rich). Exit codes: 0 done; 1 Redis or a node unreachable or refused the action (one line on
-stderr); 2 bad arguments. A reader of stdout that goes away (`kvctl blocks --json | head -1`) ends it
-quietly with 1: click catches the broken pipe and silences the final flush.
+every command), each also from PDSERVE_* variables or `--config FILE` like every pdserve process. Without
+`--redis` it uses the running `pdserve up` cluster's file (shared/cli/cluster_file.py: its Redis URL and
+password, its credential's file, its nodes' URLs; `--cluster NAME` picks one while several run). The Redis
+password otherwise comes only from PDSERVE_REDIS_PASSWORD or the file PDSERVE_REDIS_PASSWORD_FILE names.
+People get tables (rich). Exit codes: 0 done; 1 Redis or a node unreachable or refused the action (one line
+on stderr); 2 bad arguments. A reader of stdout that goes away (`kvctl blocks --json | head -1`) ends it
+quietly with 1: click catches the broken pipe and silences the final flush. `--help` imports click and
+pydantic only: the commands, Redis and the tokenizer are imported when a command runs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from pdserve.kvctl import commands
-from pdserve.kvctl.render import render
+from pdserve.shared.cli import cluster_file
 from pdserve.shared.cli.settings import (
     SecretFiles,
     SettingsError,
@@ -29,12 +32,21 @@ from pdserve.shared.cli.settings import (
 )
 from pydantic import Field
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
 _CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
 class Common(SecretFiles):
-    redis: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL of the index")
-    cluster: str = Field("default", description="cluster name (key prefix) in Redis")
+    redis: str | None = Field(
+        None, description="redis:// or rediss:// URL of the index (default: the running `pdserve up`'s)"
+    )
+    cluster: str | None = Field(
+        None,
+        description="the `pdserve up` cluster to use (by its --name) or, with --redis, the cluster name (key "
+        "prefix) in Redis (default: the only running `pdserve up`; with --redis, 'default')",
+    )
     tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
     json_output: bool = Field(
         False, description="print JSON instead of a table", json_schema_extra={"flag": "--json"}
@@ -83,8 +95,34 @@ class Diff(Common):
     auth_token_file: str | None = _TOKEN_FILE
 
 
+def _commands() -> ModuleType:
+    """kvctl/commands.py, imported when a command runs (Redis, httpx and the cost model: not for --help)."""
+    from pdserve.kvctl import commands
+
+    return commands
+
+
+def _up_cluster(opts: Common) -> cluster_file.ClusterFile | None:
+    """The running `pdserve up` cluster's file when no --redis is given; SettingsError when none runs."""
+    if opts.redis is not None:
+        return None
+    directory = cluster_file.cluster_dir(os.environ)
+    found = cluster_file.find(directory, opts.cluster)
+    if found is None:
+        raise SettingsError(
+            f"no running `pdserve up` cluster (no cluster file in {directory}): give --redis URL "
+            "(or PDSERVE_REDIS)"
+        )
+    return found
+
+
 def _token(opts: Evict | NodeAction | Diff) -> str:
-    token = read_secret("auth_token", "the cluster's KV-transfer token", opts.auth_token_file, required=True)
+    """The credential: --auth-token-file or PDSERVE_AUTH_TOKEN, else the file the cluster file names."""
+    what = "the cluster's KV-transfer token"
+    token = read_secret("auth_token", what, opts.auth_token_file, required=False)
+    if token is None:
+        up = _up_cluster(opts)
+        token = read_secret("auth_token", what, None if up is None else up.auth_token_file, required=True)
     assert token is not None
     return token
 
@@ -117,10 +155,15 @@ async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
     from pdserve.shared.index.block_index import BlockIndex
     from pdserve.shared.index.block_index_types import RedisConfig
 
+    up = _up_cluster(opts)
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+    url, cluster = opts.redis, opts.cluster or "default"
+    if up is not None:
+        url, cluster, password = up.redis_url, up.index_cluster, password or up.redis_password or None
+    assert url is not None
     try:
         config = RedisConfig(
-            url=opts.redis, password=password, cluster=opts.cluster, tls_ca_file=opts.tls_ca_file,
+            url=url, password=password, cluster=cluster, tls_ca_file=opts.tls_ca_file,
             socket_timeout_s=opts.timeout,
         )  # fmt: skip
     except ValueError as exc:
@@ -140,7 +183,12 @@ def _command(group: click.Group, name: str, cls: type[Common], doc: str, node_ar
             opts = settings_from_click(cls, ctx, values)
             action = make(opts, node_id)
             result = asyncio.run(_run(opts, action))
-            click.echo(json.dumps(result, indent=2) if opts.json_output else render(name, result))
+            if opts.json_output:
+                click.echo(json.dumps(result, indent=2))
+            else:
+                from pdserve.kvctl.render import render
+
+                click.echo(render(name, result))
 
         if node_arg:
             click.argument("node_id")(command)
@@ -155,24 +203,26 @@ def kvctl() -> None:
 
 
 _command(kvctl, "nodes", Common, "Live nodes: role, epoch, load, KV use, blocks, heartbeat.")(
-    lambda opts, _: commands.nodes
+    lambda opts, _: _commands().nodes
 )
 _command(kvctl, "blocks", Blocks, "Block records per node (hashes with --node).")(
-    lambda opts, _: lambda index: commands.blocks(index, opts.node, opts.limit)
+    lambda opts, _: lambda index: _commands().blocks(index, opts.node, opts.limit)
 )
 _command(kvctl, "stats", Common, "Prefix hits local/transferred/miss in tokens, per node and overall.")(
-    lambda opts, _: commands.stats
+    lambda opts, _: _commands().stats
 )
 
 
 def _drain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
     token = _token(opts)
-    return lambda index: commands.drain(index, node, opts.timeout, token, opts.url)
+    return lambda index: _commands().drain(index, node, opts.timeout, token, opts.url)
 
 
 def _undrain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
     token = _token(opts)
-    return lambda index: commands.undrain(index, node, opts.timeout, token, opts.url)
+    up = _up_cluster(opts)
+    known = None if up is None else up.nodes.get(node)
+    return lambda index: _commands().undrain(index, node, opts.timeout, token, opts.url, known)
 
 
 _command(kvctl, "drain", NodeAction, "Stop new work on a node; it finishes, then leaves.", node_arg=True)(
@@ -183,7 +233,7 @@ _command(kvctl, "undrain", NodeAction, "Give a drained node new work again.", no
 
 def _diff(opts: Diff, _: None) -> Callable[[Any], Any]:
     token = _token(opts)
-    return lambda index: commands.diff(index, opts.node, opts.repair, opts.timeout, token)
+    return lambda index: _commands().diff(index, opts.node, opts.repair, opts.timeout, token)
 
 
 _command(kvctl, "diff", Diff, "Index records against the blocks each node holds (--repair fixes them).")(
@@ -193,15 +243,15 @@ _command(kvctl, "diff", Diff, "Index records against the blocks each node holds 
 
 def _where(opts: PromptOptions, _: None) -> Callable[[Any], Any]:
     prompt, messages = _prompt(opts)
-    tokens = commands.tokenize(opts.model, prompt, messages)
-    return lambda index: commands.where(index, tokens, opts.cache_salt)
+    tokens = _commands().tokenize(opts.model, prompt, messages)
+    return lambda index: _commands().where(index, tokens, opts.cache_salt)
 
 
 def _evict(opts: Evict, _: None) -> Callable[[Any], Any]:
     prompt, messages = _prompt(opts, allow_all=True)
-    tokens = None if opts.all else commands.tokenize(opts.model, prompt, messages)
+    tokens = None if opts.all else _commands().tokenize(opts.model, prompt, messages)
     token = None if opts.index_only else _token(opts)
-    return lambda index: commands.evict(
+    return lambda index: _commands().evict(
         index, opts.node, tokens, opts.cache_salt, opts.index_only, opts.timeout, token
     )
 
@@ -212,8 +262,6 @@ _command(kvctl, "evict", Evict, "Evict a prompt's cached blocks (or all) from a 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; usage errors exit 2 (SystemExit), failures return 1 with one line on stderr."""
-    from pdserve.shared.index.block_index_types import BlockIndexError
-
     args = list(sys.argv[1:] if argv is None else argv)
     name = next((a for a in args if not a.startswith("-")), "kvctl")
     try:
@@ -224,7 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = exc.format_message() if isinstance(exc, click.ClickException) else str(exc)
         print(f"kvctl {name}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (BlockIndexError, commands.KvctlError) as exc:
+    except Exception as exc:
+        from pdserve.shared.index.block_index_types import BlockIndexError
+
+        if not isinstance(exc, BlockIndexError | _commands().KvctlError):
+            raise
         print(f"kvctl {name}: error: {exc}", file=sys.stderr)
         return 1
     return 0
