@@ -55,21 +55,22 @@ def _tokenizer(source: str) -> Tokenizer:
             return Tokenizer.from_gguf(source)
     except (OSError, ValueError, KeyError, IndexError) as exc:
         raise KvctlError(f"cannot load the tokenizer of {source}: {exc}") from exc
-    from pdserve.shared.model.loader import load_tokenizer
+    from pdserve.shared.model.loader import ModelLoadError, load_tokenizer
 
-    return load_tokenizer(source)
+    try:
+        return load_tokenizer(source)
+    except ModelLoadError as exc:
+        raise KvctlError(str(exc)) from exc
 
 
 def tokenize(model: str | None, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
     """Token ids as the router makes them: the prompt encoded, or the messages through the chat template."""
-    from pdserve.shared.model.loader import ModelLoadError
-
+    tokenizer = _tokenizer(model or default_model_path())
     try:
-        tokenizer = _tokenizer(model or default_model_path())
         if messages is not None:
             return tokenizer.apply_chat_template(messages)
         return tokenizer.encode(prompt or "", add_special_tokens=True)  # as the router encodes a prompt
-    except (ModelLoadError, ValueError) as exc:
+    except ValueError as exc:
         raise KvctlError(str(exc)) from exc
 
 

@@ -81,6 +81,13 @@ class Up:
             assert time.monotonic() < deadline, f"no {text!r} in {timeout_s:.0f}s: {self.lines[-20:]}"
             time.sleep(0.2)
 
+    def kill_left(self) -> None:
+        """The launcher and what it left running, killed by pid (after a failed test)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        _kill_left(self.pids)
+
     @property
     def pids(self) -> list[int]:
         return [pid for pid, _, _ in self.table.values()]
@@ -140,7 +147,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     if started.proc.poll() is None:
         started.proc.send_signal(signal.SIGINT)
         started.proc.wait(60)
-    _kill_left(started.pids)
+    started.kill_left()
 
 
 def test_port_in_use_fails_at_once_in_one_line(tmp_path: Path) -> None:
@@ -296,8 +303,8 @@ def test_sighup_stops_the_cluster_and_removes_its_files(tmp_path: Path) -> None:
         assert (workdir / "auth-token").exists()
         up.proc.send_signal(signal.SIGHUP)
         assert_gone_within(up.pids, 5.0)
+        assert up.proc.wait(10) == 0
     finally:
-        _kill_left(up.pids)
-    assert up.proc.wait(10) == 0
+        up.kill_left()
     assert not workdir.exists(), "the work directory (and its auth-token) outlived the cluster"
     assert not list((tmp_path / "pdserve").glob("*.json")), "the cluster file outlived the cluster"
