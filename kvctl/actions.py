@@ -18,6 +18,7 @@ from pdserve.shared.cli import cluster_file
 from pdserve.shared.cli.settings import (
     SecretFiles,
     SettingsError,
+    chat_template_text,
     click_options,
     read_secret,
     settings_from_click,
@@ -57,6 +58,9 @@ class PromptOptions(Common):
     )
     prompt: str | None = Field(None, description="prompt text (encoded as a completion prompt)")
     messages: str | None = Field(None, description="chat messages as JSON (chat template applied)")
+    chat_template: str | None = Field(
+        None, description="the cluster's --chat-template (a Jinja template or a file), if it set one"
+    )
 
 
 _TOKEN_FILE = Field(
@@ -182,13 +186,17 @@ def _diff(opts: Diff, _: None) -> Callable[[Any], Any]:
 
 def _where(opts: PromptOptions, _: None) -> Callable[[Any], Any]:
     prompt, messages = _prompt(opts)
-    tokens = _commands().tokenize(opts.model, prompt, messages)
+    tokens = _commands().tokenize(opts.model, prompt, messages, chat_template_text(opts.chat_template))
     return lambda index: _commands().where(index, tokens, opts.cache_salt)
 
 
 def _evict(opts: Evict, _: None) -> Callable[[Any], Any]:
     prompt, messages = _prompt(opts, allow_all=True)
-    tokens = None if opts.all else _commands().tokenize(opts.model, prompt, messages)
+    tokens = (
+        None
+        if opts.all
+        else _commands().tokenize(opts.model, prompt, messages, chat_template_text(opts.chat_template))
+    )
     token = None if opts.index_only else _token(opts)
     return lambda index: _commands().evict(
         index, opts.node, tokens, opts.cache_salt, opts.index_only, opts.timeout, token

@@ -63,9 +63,17 @@ def _tokenizer(source: str) -> Tokenizer:
         raise KvctlError(str(exc)) from exc
 
 
-def tokenize(model: str | None, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
-    """Token ids as the router makes them: the prompt encoded, or the messages through the chat template."""
+def tokenize(
+    model: str | None,
+    prompt: str | None,
+    messages: list[dict[str, Any]] | None,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Token ids as the router makes them: the prompt encoded, or the messages through the chat template
+    (the model's, or `chat_template` where the cluster runs with another)."""
     tokenizer = _tokenizer(model or default_model_path())
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     try:
         if messages is not None:
             return tokenizer.apply_chat_template(messages)

@@ -29,6 +29,10 @@ from pdserve.tests.cluster_fixture import assert_not_on_any_command_line, model_
 pytestmark = pytest.mark.slow
 
 API_KEY = "launcher-test-key-5e2a"
+TEMPLATE = (  # SmolLM2's, without the default system message it adds
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _env(rundir: Path, **extra: str) -> dict[str, str]:
@@ -142,7 +146,10 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     rundir = tmp_path_factory.mktemp("run")
     rundir.chmod(0o700)
     env = _env(rundir, PDSERVE_API_KEYS=API_KEY)
-    started = Up.start(rundir, "--port", str(free_port()), "--served-model-name", "smol", env=env)
+    template = rundir / "chat.jinja"
+    template.write_text(TEMPLATE)
+    args = ("--port", str(free_port()), "--served-model-name", "smol", "--chat-template", str(template))
+    started = Up.start(rundir, *args, env=env)
     yield started
     if started.proc.poll() is None:
         started.proc.send_signal(signal.SIGINT)
@@ -199,6 +206,16 @@ def test_the_cluster_file_names_a_redis_with_a_password(up: Up) -> None:
     assert redis.Redis.from_url(str(record["redis_url"]), password=password).ping()
     assert Path(str(record["auth_token_file"])).read_text()
     assert _chat(str(record["router_url"])).status_code == 200
+
+
+def test_the_router_and_the_nodes_render_the_chat_template_given(up: Up) -> None:
+    """The nodes got it too, or their tokenizer fingerprints would differ from the router's and it would
+    have refused them (the cluster would not have started)."""
+    from pdserve.shared.model.tokenizer import Tokenizer
+
+    usage = _chat(str(up.cluster_file()["router_url"])).json()["usage"]
+    rendered = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
+    assert usage["prompt_tokens"] == len(Tokenizer.from_gguf(model_path()).encode(rendered))
 
 
 def test_nodes_carry_only_their_own_secrets(up: Up) -> None:
