@@ -194,6 +194,24 @@ def test_kvctl_help_imports_neither_torch_nor_transformers(tmp_path: Path) -> No
     assert not {"torch", "transformers"} & imported
 
 
+def test_kvctl_picks_a_cluster_by_name_while_several_run(tmp_path: Path) -> None:
+    """Two cluster files of running launchers (this process stands in for both): kvctl asks for --cluster,
+    then uses the one named; a file whose launcher is gone is ignored."""
+    (tmp_path / "pdserve").mkdir()
+    ports = {"a": free_port(), "b": free_port(), "gone": free_port()}
+    for name, port in ports.items():
+        pid = os.getpid() if name != "gone" else 2**22 + 1  # above pid_max's default: never running
+        record = {"name": name, "pid": pid, "redis_url": f"redis://127.0.0.1:{port}/0", "redis_password": "p",
+                  "router_url": "http://127.0.0.1:1", "auth_token_file": str(tmp_path / "t")}  # fmt: skip
+        (tmp_path / "pdserve" / f"{name}.json").write_text(json.dumps(record))
+    several = kvctl(tmp_path, "nodes")
+    assert several.returncode == 2 and "several `pdserve up` clusters run (a, b)" in several.stderr
+    picked = kvctl(tmp_path, "nodes", "--cluster", "b")
+    assert picked.returncode == 1 and f"127.0.0.1:{ports['b']}" in picked.stderr, picked.stderr
+    gone = kvctl(tmp_path, "nodes", "--cluster", "gone")
+    assert gone.returncode == 2 and "no running `pdserve up` cluster 'gone'" in gone.stderr, gone.stderr
+
+
 def test_the_cluster_file_names_a_redis_with_a_password(up: Up) -> None:
     files = list((up.rundir / "pdserve").glob("*.json"))
     assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
