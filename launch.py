@@ -12,6 +12,8 @@ again on its port), the nodes, the router. Invariants:
   one that fails its start-up (during `up`'s own start, or 3 restarts in a row) stops the cluster;
 - secrets travel by environment only: the nodes get the cluster's credential and the Redis password, the
   router those and the API keys; none is on argv.
+About 420 lines, one module: starting, supervising and stopping the children are one owner's job (the
+restarts reuse how each child was started; the stop must see every child ever started).
 """
 
 from __future__ import annotations
