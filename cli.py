@@ -159,7 +159,7 @@ def _up(opts: UpOptions) -> int:
     from pdserve.shared.cli.settings import check_model_path
     from pdserve.up_options import up_config
 
-    return run_up(up_config(opts, check_model_path(opts.model or default_model_path())))
+    return run_up(up_config(opts, check_model_path(opts.model or default_model_path())), os.environ)
 
 
 _COMMANDS = {

@@ -4,19 +4,24 @@ Invariants: the server keeps nothing on disk (`--save '' --appendonly no`, its d
 temporary directory removed on stop), unless `aof_dir` is given: then it keeps an append-only file there
 (fsync every second) that a server started later on the same directory loads, and that directory outlives
 stop(); `start()` returns only once that process itself answers PING (with an AOF, once it has loaded it);
-`stop()` ends exactly the process it started, by pid, and is idempotent.
+`stop()` ends exactly the process it started, by pid, and is idempotent. With `die_with_parent` the server
+gets SIGKILL from the kernel when the thread that started it ends (Linux's parent-death signal), so a
+launcher killed outright leaves no Redis behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _LOWEST_PORT = 10000
@@ -57,6 +62,25 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for a child of this process: the kernel sends it SIGKILL when the thread that started
+    it ends, and it exits at once if this process is already gone (it died between fork and prctl). Linux
+    only (prctl); elsewhere the hook does nothing."""
+    parent = os.getpid()
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # looked up before the fork
+
+    def hook() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    return hook
+
+
 class _BindRace(RuntimeError):
     """redis-server could not bind its port: something took it after free_port() saw it free."""
 
@@ -74,6 +98,8 @@ class LocalRedis:
     startup_timeout_s: float = 10.0
     aof_dir: str | None = None
     """Keep an append-only file in this directory (created if missing; kept after stop), loaded at start."""
+    die_with_parent: bool = False
+    """The server is killed when the thread that started it ends (a launcher killed with SIGKILL)."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _dir: str | None = field(default=None, init=False, repr=False)
 
@@ -129,7 +155,8 @@ class LocalRedis:
         args += [*persist, "--daemonize", "no", "--loglevel", "warning"]
         assert self.log_path is not None
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(args, stdout=log, stderr=log)
+            hook = die_with_parent() if self.die_with_parent else None
+            self._proc = subprocess.Popen(args, stdout=log, stderr=log, preexec_fn=hook)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

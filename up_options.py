@@ -41,8 +41,16 @@ class UpOptions(Settings):
         "", description="comma-separated HTTP ports of the decode/single nodes (default: free)"
     )
     demo: bool = Field(False, description="send one chat request and print the answer")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or a file holding one, for the router and every node"
+    )
     redis_aof: bool = Field(
         False, description="Redis keeps an append-only file in the work directory: a restart keeps the index"
+    )
+    name: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="the cluster file's name, which `kvctl --cluster NAME` picks while several clusters run",
     )
 
 
@@ -102,6 +110,13 @@ def up_config(opts: UpOptions, model: str) -> UpConfig:
     prefill_args = _checked_args("prefill", opts.prefill_args, "--prefill-args", node)
     decode_args = _checked_args(d_role, opts.decode_args, "--decode-args", node)
     router_args = _checked_args("router", opts.router_args, "--router-args", {"model": model, "redis": "x"})
+    if opts.chat_template:
+        from pdserve.shared.cli.settings import chat_template_text
+
+        chat_template_text(opts.chat_template)  # checked here, once, before anything starts
+        template = os.path.abspath(opts.chat_template) if os.path.isfile(opts.chat_template) else None
+        flag = ("--chat-template", template or opts.chat_template)
+        router_args, node_args = (*flag, *router_args), (*flag, *node_args)
     if opts.served_model_name:
         router_args = ("--served-model-name", opts.served_model_name, *router_args)
         node_args = ("--served-model-name", opts.served_model_name.split(",")[0], *node_args)
@@ -120,4 +135,5 @@ def up_config(opts: UpOptions, model: str) -> UpConfig:
         ),
         router_args=router_args,
         redis_aof=opts.redis_aof,
+        name=opts.name,
     )

@@ -2,8 +2,9 @@
 render.py makes the tables).
 
 Invariants: a command reads the index through `BlockIndex` only and reaches nodes only through their
-registered `http_url`; block hashes of a prompt use the cluster's recorded fingerprint and block size,
-so they are the hashes the router computes for the same tokens and salt. Failures raise `KvctlError`
+registered `http_url` (or, for undrain, the URL the `pdserve up` cluster file names); block hashes of a
+prompt use the cluster's recorded fingerprint and block size, so they are the hashes the router computes
+for the same tokens and salt. Failures raise `KvctlError`
 (one line naming the bad value) or the block index's own errors; cli.py turns them into exit code 1.
 """
 
@@ -13,7 +14,7 @@ import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from pdserve.router.cost_model import CostModel, Inputs, Rates
@@ -23,6 +24,9 @@ from pdserve.shared.index.block_index_types import HitStats, NodeStatus
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.types import BlockHash, NodeId
 from pdserve.shared.wire import WireError
+
+if TYPE_CHECKING:
+    from pdserve.shared.model.tokenizer import Tokenizer
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -39,16 +43,42 @@ def default_model_path() -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
-def tokenize(model: str | None, prompt: str | None, messages: list[dict[str, Any]] | None) -> list[int]:
-    """Token ids as the router makes them: the prompt encoded, or the messages through the chat template."""
+def _tokenizer(source: str) -> Tokenizer:
+    """A GGUF file's or an HF directory's tokenizer through `tokenizers` alone (no torch: kvctl stays quick);
+    anything else (a dummy spec) through the model loader."""
+    from pdserve.shared.model.tokenizer import Tokenizer
+
+    try:
+        if os.path.isdir(source):
+            return Tokenizer.from_hf_dir(source)
+        if source.endswith(".gguf"):
+            return Tokenizer.from_gguf(source)
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        raise KvctlError(f"cannot load the tokenizer of {source}: {exc}") from exc
     from pdserve.shared.model.loader import ModelLoadError, load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(model or default_model_path())
+        return load_tokenizer(source)
+    except ModelLoadError as exc:
+        raise KvctlError(str(exc)) from exc
+
+
+def tokenize(
+    model: str | None,
+    prompt: str | None,
+    messages: list[dict[str, Any]] | None,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Token ids as the router makes them: the prompt encoded, or the messages through the chat template
+    (the model's, or `chat_template` where the cluster runs with another)."""
+    tokenizer = _tokenizer(model or default_model_path())
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    try:
         if messages is not None:
             return tokenizer.apply_chat_template(messages)
         return tokenizer.encode(prompt or "", add_special_tokens=True)  # as the router encodes a prompt
-    except (ModelLoadError, ValueError) as exc:
+    except ValueError as exc:
         raise KvctlError(str(exc)) from exc
 
 
@@ -207,15 +237,23 @@ async def drain(
 
 
 async def undrain(
-    index: BlockIndex, node_id: str, timeout_s: float, token: str, url: str | None = None
+    index: BlockIndex,
+    node_id: str,
+    timeout_s: float,
+    token: str,
+    url: str | None = None,
+    known_url: str | None = None,
 ) -> dict[str, Any]:
     """Ask a drained node to take new work again: it clears its draining mark in the index, or registers
-    anew if it had already left. A node that left the index is reached only through `url`."""
+    anew if it had already left. A node that left the index is reached through `url`, else `known_url` (its
+    URL in the `pdserve up` cluster file)."""
     if url is None:
         try:
             url = (await live_node(index, node_id)).info.http_url
         except KvctlError as exc:
-            raise KvctlError(f"{exc}; a drained node that left the index needs --url") from exc
+            if known_url is None:
+                raise KvctlError(f"{exc}; a drained node that left the index needs --url") from exc
+            url = known_url
     reply = await _post(node_id, url, "/internal/undrain", {}, timeout_s, token)
     return {"node_id": node_id, "draining": False, "node_reply": reply}
 

@@ -11,7 +11,7 @@ on_abort is called, on every path (P abort, deadline, connection cut, bad frame,
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -244,10 +244,14 @@ class ConnectorConfig:
 
     @property
     def frame_checksum(self) -> bool:
-        """Whether this end asks for checksummed frames (the `checksum` field, or the connector's default)."""
+        """Whether this end asks for checksummed frames (the `checksum` field, or the connector's default);
+        a built-in connector's default is known without importing it (nor its optional library)."""
         if self.checksum is not None:
             return self.checksum
-        return _connector(self.kind).default_checksum(self)
+        entry = _REGISTRY[self.kind]
+        if isinstance(entry, _Deferred):
+            return entry.checksum if isinstance(entry.checksum, bool) else entry.checksum(self)
+        return entry.default_checksum(self)
 
 
 class Connector(Protocol):
@@ -263,16 +267,34 @@ class Connector(Protocol):
     ) -> KVReceiverServer: ...
 
 
-# kind -> a Connector, or "module:attribute" imported on first use (so ucxx loads only when asked for)
-_REGISTRY: dict[str, Connector | str] = {
-    "tcp": "pdserve.kvtransfer.tcp:CONNECTOR",
-    "ucx": "pdserve.kvtransfer.ucx:CONNECTOR",
-    "nccl": "pdserve.kvtransfer.nccl:CONNECTOR",
-    "cuda_ipc": "pdserve.kvtransfer.cuda_ipc:CONNECTOR",
+def host_memory_checksum(config: ConnectorConfig) -> bool:
+    """On over host memory (TCP, shared memory); off when payloads are GPU memory (cuda_ipc over NVLink,
+    RDMA), whose links check integrity, and where a CRC would copy each payload to the host first."""
+    return torch.device(config.device).type != "cuda"
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A built-in connector imported on first use (so ucxx loads only when a ucx end is built), with what a
+    config needs to know of it before then."""
+
+    target: str
+    """"module:attribute" of the Connector."""
+    checksum: bool | Callable[[ConnectorConfig], bool]
+    """Its default_checksum, the same rule the connector applies."""
+    extra: str = ""
+    """The pdserve extra that installs its library, when it needs one."""
+
+
+_REGISTRY: dict[str, Connector | _Deferred] = {
+    "tcp": _Deferred("pdserve.kvtransfer.tcp:CONNECTOR", True),
+    "ucx": _Deferred("pdserve.kvtransfer.ucx:CONNECTOR", host_memory_checksum, extra="ucx"),
+    "nccl": _Deferred("pdserve.kvtransfer.nccl:CONNECTOR", False),
+    "cuda_ipc": _Deferred("pdserve.kvtransfer.cuda_ipc:CONNECTOR", False),
 }
 
 
-def register_connector(kind: str, connector: Connector | str) -> None:
+def register_connector(kind: str, connector: Connector) -> None:
     if kind in _REGISTRY:
         raise ValueError(f"connector kind {kind!r} is already registered")
     _REGISTRY[kind] = connector
@@ -284,10 +306,18 @@ def connector_kinds() -> list[str]:
 
 def _connector(kind: str) -> Connector:
     entry = _REGISTRY[kind]
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-        _REGISTRY[kind] = entry
+    if isinstance(entry, _Deferred):
+        module, _, attr = entry.target.partition(":")
+        try:
+            connector: Connector = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as exc:
+            if not entry.extra or (exc.name or "").startswith("pdserve"):
+                raise
+            raise KVTransferError(
+                f"the {kind} connector needs {exc.name}, which is not installed: "
+                f"pip install 'pdserve[{entry.extra}]' (in a checkout: make test-extras)"
+            ) from exc
+        _REGISTRY[kind] = entry = connector
     return entry
 
 

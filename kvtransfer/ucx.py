@@ -38,7 +38,7 @@ import torch
 import ucxx
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
-from pdserve.kvtransfer.connector import ConnectorConfig, UcxOptions
+from pdserve.kvtransfer.connector import ConnectorConfig, UcxOptions, host_memory_checksum
 from pdserve.kvtransfer.device_sync import SPIN_S, event_done, stream_idle
 from pdserve.kvtransfer.framing import ByteChannel
 from pdserve.kvtransfer.tcp import ControlChannel, ControlTransport, TcpChannel, TcpListener
@@ -390,10 +390,4 @@ class UcxTransport:
             CONTEXT.release(self._listener_context)
 
 
-def _checksum_default(config: ConnectorConfig) -> bool:
-    """On over host memory (TCP, shared memory); off when payloads are GPU memory (cuda_ipc over NVLink,
-    RDMA), whose links check integrity, and where a CRC would copy each payload to the host first."""
-    return torch.device(config.device).type != "cuda"
-
-
-CONNECTOR = ChannelConnector(UcxTransport, checksum_default=_checksum_default)
+CONNECTOR = ChannelConnector(UcxTransport, checksum_default=host_memory_checksum)

@@ -19,6 +19,7 @@ from pdserve.shared.cli.settings import (
     LogLevel,
     SecretFiles,
     StartupError,
+    chat_template_text,
     check_model_path,
     read_secret,
 )
@@ -33,6 +34,11 @@ log = logging.getLogger("pdserve.router")
 class RouterOptions(SecretFiles):
     model: str = Field(
         description="model file or directory (only its tokenizer and chat template are loaded)"
+    )
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template, or a file holding one, instead of the model's (every node needs "
+        "the same one)",
     )
     served_model_name: CommaList = Field(
         (),
@@ -176,6 +182,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
 def run(opts: RouterOptions) -> int:
     """Serves until SIGINT/SIGTERM; SettingsError, ValueError or OSError before serving propagate."""
     config = router_config(opts)  # before the heavy imports: a bad setting fails at once
+    template = chat_template_text(opts.chat_template)
 
     import uvicorn
     from pdserve.router.app import create_app
@@ -191,6 +198,8 @@ def run(opts: RouterOptions) -> int:
         tokenizer = load_tokenizer(config.model_path)
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from exc
+    if template is not None:  # the nodes are given the same one (their tokenizer fingerprints must agree)
+        tokenizer.chat_template = template
     app = create_app(config, tokenizer, BlockIndex(config.redis))
     log.info(
         "router for %s (model %s) starting on http://%s:%d; index: Redis at %s, cluster %r; nodes seen: %s",

@@ -40,7 +40,7 @@ SPECIAL = {"block_size": 32, "device": "cuda:1"}
 
 def settings_class(group: click.Group, name: str) -> type[Settings]:
     """The settings model whose fields a command's options are (read back from its click callback)."""
-    from pdserve.kvctl import cli as kvctl_cli
+    from pdserve.kvctl import actions as kvctl_cli
     from pdserve.router.__main__ import RouterOptions
     from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
     from pdserve.up_options import UpOptions
@@ -58,7 +58,9 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
 
 
 def get_command(group: click.Group, name: str) -> click.Command:
-    return pdserve_command(name) if group is pdserve else group.commands[name]
+    found = pdserve_command(name) if group is pdserve else group.get_command(click.Context(group), name)
+    assert found is not None, name
+    return found
 
 
 def sample(name: str, annotation: Any, default: Any) -> Any:

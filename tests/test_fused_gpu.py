@@ -27,6 +27,7 @@ from pdserve.shared.model.tokenizer import Tokenizer
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.extras,  # needs triton, the [gpu] extra
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.skipif(bool(triton.knobs.runtime.interpret), reason="Triton is interpreting here"),
 ]

@@ -28,6 +28,8 @@ from pdserve.shared.model.model import LlamaModel, rope_inv_freq
 from pdserve.shared.model.model_config import NAMED_SHAPES
 from triton.runtime.interpreter import InterpretedFunction
 
+pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
+
 triton.knobs.runtime.interpret = True
 del os.environ["TRITON_INTERPRET"]
 

@@ -61,11 +61,11 @@ from pdserve.kvtransfer.transport import Transport, parse_address
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 UCX = importlib.util.find_spec("ucxx") is not None
-"""The ucx connector runs over host memory too, but needs the [ucx] extra (`make test WITH_UCX=1`, CI)."""
+"""The ucx connector runs over host memory too, but needs the [ucx] extra (`make test-extras`, CI)."""
 if UCX:
     import ucxx
     from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport, progress_mode
-needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test WITH_UCX=1)")
+needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test-extras)")
 
 T = TypeVar("T")
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="bfloat16")
@@ -181,7 +181,7 @@ async def push(
     return reply, stats
 
 
-KINDS = ["tcp", "ucx"] if UCX else ["tcp"]
+KINDS = ["tcp", pytest.param("ucx", marks=[pytest.mark.extras, needs_ucx])]
 TRANSPORTS: dict[str, Callable[[], Transport]] = {
     "tcp": TcpTransport,
     "ucx": lambda: UcxTransport(config("ucx")),
@@ -713,6 +713,7 @@ if __name__ == "__main__":
     asyncio.run(sender_process(*sys.argv[1:4]))
 
 
+@pytest.mark.extras
 @needs_ucx
 def test_ucx_sender_pipelines_payloads_in_order() -> None:
     """UcxChannel.send returns once a frame's prefix is written and its payload posted: three 1 MiB payloads
@@ -758,6 +759,7 @@ def test_ucx_sender_pipelines_payloads_in_order() -> None:
     run(scenario())
 
 
+@pytest.mark.extras
 @needs_ucx
 def test_ucx_endpoint_with_an_unknown_key_is_dropped() -> None:
     """D's UCX listener hands an endpoint only to the connection whose record named its key: a peer that
@@ -794,6 +796,7 @@ def test_ucx_endpoint_with_an_unknown_key_is_dropped() -> None:
     run(scenario())
 
 
+@pytest.mark.extras
 @needs_ucx
 def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
     """D's standing receive takes the payloads that fit its window (tag WINDOW), a receive posted at the
@@ -830,6 +833,7 @@ def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
     run(scenario())
 
 
+@pytest.mark.extras
 @needs_ucx
 def test_an_idle_ucx_connection_leaves_the_event_loop_idle() -> None:
     """With D's standing receive posted and nothing sent, neither end's event loop turns: the thread that runs
@@ -860,6 +864,7 @@ def test_an_idle_ucx_connection_leaves_the_event_loop_idle() -> None:
     run(scenario())
 
 
+@pytest.mark.extras
 @needs_ucx
 def test_ucx_progress_mode_follows_the_config() -> None:
     """The "auto" mode polls on a GPU and sleeps on host memory; an unknown mode is refused at config time."""
@@ -872,6 +877,7 @@ def test_ucx_progress_mode_follows_the_config() -> None:
         config("tcp", options=UcxOptions())
 
 
+@pytest.mark.extras
 @needs_ucx
 def test_a_closed_ucx_connection_leaves_no_window_behind() -> None:
     """After a transfer and the connection's end (P closes, then D stops), nothing references D's window:

@@ -39,6 +39,8 @@ from pdserve.tests.test_kvtransfer_protocol import (
     until,
 )
 
+pytestmark = pytest.mark.extras  # needs ucxx, the [ucx] extra: `make test-extras`
+
 TRANSFERS = 12  # of 4 blocks each: GpuReceiver's cache holds BLOCKS = 48, and completed requests keep theirs
 
 

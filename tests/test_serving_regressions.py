@@ -4,21 +4,17 @@ processes: a real redis-server, real nodes and router started as `pdserve up` st
 node clean (in_use = reserved = 0 with no live request).
 
 Functions are named after the defect they pin: test_defect3_* (Redis restarted empty), test_defect4_* (a node
-with another credential), test_defect5_* (/health), test_defect6_* (what the operator sees), test_defect7_*
-(a plain clone tests itself).
+with another credential), test_defect5_* (/health), test_defect6_* (what the operator sees; what `pdserve up`
+prints: tests/test_launcher.py), test_defect7_* (a plain clone tests itself).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +32,6 @@ from pdserve.tests.cluster_fixture import (
     LiveCluster,
     NodeProc,
     kvctl_main,
-    model_path,
     node_argv,
     router_argv,
     served_model_name,
@@ -303,65 +298,3 @@ def _health_if(live: LiveCluster, role: str, state: str) -> httpx.Response | Non
     """The router's /health once it counts a `role` node as `state`."""
     r = _health(live)
     return r if r.json()["nodes"][role][state] else None
-
-
-def test_defect6_pdserve_up_shows_the_operator_how_to_reach_its_cluster() -> None:
-    """`pdserve up` prints the Redis URL, a table of its processes (role, pid, URL, log) and how to point
-    kvctl at the cluster; kvctl reaches it from the environment alone; Ctrl-C stops every process."""
-    port = free_port()
-    argv = [sys.executable, "-m", "pdserve.cli", "up", "--prefill", "0", "--decode", "1", "--threads", "1",
-            "--port", str(port), "--model", model_path(), "--node-args", " ".join(SMALL_KV)]  # fmt: skip
-    up = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    stdout = up.stdout
-    assert stdout is not None
-    out: list[str] = []
-    threading.Thread(target=lambda: out.extend(iter(stdout.readline, "")), daemon=True).start()
-    try:
-        _wait(
-            "pdserve up serving", lambda: any("Ctrl-C" in line for line in out) or up.poll() is not None, 300
-        )
-        text = "".join(out)
-        assert up.poll() is None, text
-        redis_url = re.search(r"Redis at (redis://127\.0\.0\.1:\d+/0)", text)
-        assert redis_url, text
-        url = redis_url.group(1)
-        rows = {
-            line.split()[0]: line.split()
-            for line in text.splitlines()
-            if line.startswith("  ") and len(line.split()) == 5
-        }
-        assert set(rows) >= {"component", "redis", "single-0", "router"}, text
-        assert rows["router"][3] == f"http://127.0.0.1:{port}" and rows["redis"][3] == url, text
-        for name in ("single-0", "router"):
-            assert os.path.exists(rows[name][4]), rows[name]
-        assert f"kvctl --redis {url}" in text and f"export PDSERVE_REDIS={url}" in text, text
-        token_file = re.search(r"PDSERVE_AUTH_TOKEN_FILE=(\S+)", text)
-        assert token_file and os.path.exists(token_file.group(1)), text
-        env = os.environ | {"PDSERVE_REDIS": url, "PDSERVE_AUTH_TOKEN_FILE": token_file.group(1)}
-        listed = subprocess.run([sys.executable, "-m", "pdserve.kvctl.cli", "nodes", "--json"], env=env,
-                                capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
-        assert [n["info"]["node_id"] for n in json.loads(listed.stdout)["nodes"]] == ["single-0"]
-        pipe = f"{sys.executable} -m pdserve.kvctl.cli nodes --json | head -1"
-        piped = subprocess.run(["bash", "-c", pipe], env=env, capture_output=True, text=True, timeout=120)
-        assert piped.stdout.strip() and "Traceback" not in piped.stderr, piped.stderr
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                       json={"model": MODEL, "prompt": "Ports:", "max_tokens": 4}, timeout=120)  # fmt: skip
-        assert r.status_code == 200, r.text
-        router_log = Path(rows["router"][4]).read_text()
-        assert '"POST /v1/completions HTTP/1.1" 200' in router_log, router_log[-2000:]
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=180)  # every process stops in turn; minutes when the machine is loaded
-        finally:
-            if up.poll() is None:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
-    assert up.returncode == 0, "".join(out)
-    for name, row in rows.items():
-        if name != "component":
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(row[2]), 0)
-                raise AssertionError(f"{name} (pid {row[2]}) still running after pdserve up stopped")

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
+
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:

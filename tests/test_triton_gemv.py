@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from pdserve.kernels.linear import GemvLinear
 from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, default_config, gemv
 
+pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 

@@ -33,6 +33,8 @@ from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.model import rope_inv_freq
 from triton.runtime.interpreter import InterpretedFunction
 
+pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
+
 triton.knobs.runtime.interpret = True
 del os.environ["TRITON_INTERPRET"]
 

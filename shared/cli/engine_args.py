@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pdserve.shared.cli.settings import Settings, check_model_path
+from pdserve.shared.cli.settings import Settings, chat_template_text, check_model_path
 from pydantic import Field, field_validator
 
 if TYPE_CHECKING:
@@ -20,6 +20,11 @@ class EngineOptions(Settings):
         description="a local GGUF file, HF checkpoint directory, or dummy:<shape | config.json>"
     )
     tokenizer: str | None = Field(None, description="tokenizer file or directory (default: the model's)")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template, or a file holding one, instead of the model's (the router and "
+        "every node need the same one)",
+    )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu, cuda or cuda:N")
     dtype: Dtype = Field(
         "auto", description="weights and KV dtype; auto: float32 on the CPU, bfloat16 on a GPU"
@@ -90,6 +95,7 @@ def engine_config(opts: EngineOptions) -> EngineConfig:
     return EngineConfig(
         model=check_model_path(opts.model),
         tokenizer=opts.tokenizer,
+        chat_template=chat_template_text(opts.chat_template),
         device=opts.device,
         dtype=opts.dtype,
         block_size=opts.block_size,

@@ -135,6 +135,21 @@ def read_secret(name: str, what: str, file_path: str | None, *, required: bool) 
     return value
 
 
+def chat_template_text(value: str | None) -> str | None:
+    """The `--chat-template` setting (router, nodes, generate, kvctl): a file holding a Jinja chat template,
+    or the template itself; None keeps the model's. SettingsError when it is neither."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise SettingsError(
+        f"--chat-template {value[:60]!r}: neither a file nor a Jinja template ({{{{ }}}}, {{% %}})"
+    )
+
+
 def check_model_path(model: str, flag: str = "--model") -> str:
     """The model argument, or SettingsError when it names nothing on disk (a hub id gets download advice)."""
     if model.startswith("dummy:") or os.path.exists(model):

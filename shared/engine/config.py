@@ -18,6 +18,8 @@ class EngineConfig:
     model: str
     """A .gguf file, an HF checkpoint directory, or `dummy:<named shape | config.json>`."""
     tokenizer: str | None = None
+    chat_template: str | None = None
+    """A Jinja chat template replacing the tokenizer's (its text: shared/cli loads `--chat-template`)."""
     device: str = "cpu"
     dtype: str = "auto"
     """float32 | bfloat16 | float16, or auto: float32 on the CPU, bfloat16 on a GPU."""

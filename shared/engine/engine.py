@@ -179,6 +179,8 @@ class LLMEngine:
         )
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
+        if cfg.chat_template is not None:  # before anything reads the tokenizer's fingerprint
+            self.tokenizer.chat_template = cfg.chat_template
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.num_blocks = cfg.num_kv_blocks or self._size_pool()
         per_block = kv_bytes_per_block(self.loaded, cfg)

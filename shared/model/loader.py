@@ -9,6 +9,7 @@ the tokenizer is loaded (and timed) apart from the weights, and `load_tokenizer`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import sys
@@ -27,6 +28,7 @@ from safetensors import SafetensorError
 from tqdm import tqdm
 
 DUMMY_PREFIX = "dummy:"
+log = logging.getLogger(__name__)
 _READ_ERRORS = (OSError, ValueError, KeyError, IndexError, RuntimeError, NotImplementedError, struct.error,
                 SafetensorError)  # fmt: skip
 
@@ -135,10 +137,15 @@ def _load_checkpoint(
         # threads under contention made the load many times slower than 1 thread
         torch.set_num_threads(1)
         try:
+            # a bar on a terminal only (disable=None: off when stderr is not a TTY, e.g. a node's log file),
+            # where one log line says the same
             with tqdm(
-                total=len(thunks), desc=f"loading {os.path.basename(path)}", unit="tensor", file=sys.stderr
-            ) as bar:
+                total=len(thunks), desc=f"loading {os.path.basename(path)}", unit="tensor", file=sys.stderr,
+                disable=None,
+            ) as bar:  # fmt: skip
+                start = time.perf_counter()
                 model.load_weights(_LazyWeights(thunks, bar))
+            log.info("loaded %d tensors of %s in %.1f s", len(thunks), path, time.perf_counter() - start)
         finally:
             torch.set_num_threads(threads)
     except _READ_ERRORS as e:

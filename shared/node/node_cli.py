@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.engine_args import EngineOptions, engine_config
 from pdserve.shared.cli.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
 from pdserve.shared.types import Role
-from pydantic import Field
+from pydantic import Field, field_validator
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.connector import ConnectorConfig
@@ -25,7 +26,7 @@ Connector = Literal["tcp", "ucx", "nccl", "cuda_ipc"]
 
 
 class NodeOptions(EngineOptions, SecretFiles):
-    node_id: str = Field(description="this node's id in the cluster (unique)")
+    node_id: str = Field(description="this node's id in the cluster (unique; letters, digits, '_', '.', '-')")
     host: str = Field("127.0.0.1", description="address of the internal HTTP API and the transfer listener")
     port: int = Field(ge=1, le=65535, description="port of the node's internal HTTP API")
     redis: str | None = Field(
@@ -59,6 +60,14 @@ class NodeOptions(EngineOptions, SecretFiles):
         ge=0,
         description="seconds between stats log lines (running, waiting, KV use, throughput); 0: off",
     )
+
+    @field_validator("node_id")
+    @classmethod
+    def _node_id(cls, value: str) -> str:
+        """Checked here, before the model loads, as the index checks it (block_index_types.NodeInfo)."""
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", value):
+            raise ValueError("use letters, digits, '_', '.', '-' only")
+        return value
 
 
 class PrefillOptions(NodeOptions):
