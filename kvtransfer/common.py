@@ -64,6 +64,30 @@ class OpenReply:
     def num_blocks(self) -> int:
         return self.num_held_blocks + len(self.dst_block_ids)
 
+    def columns(self, indices: tuple[int, ...], dst: tuple[BlockId, ...]) -> slice | list[int]:
+        """Where a frame's blocks (transfer blocks `indices`, going to D's blocks `dst`) sit among the
+        reserved ones (`dst_block_ids`): P checks its DATA against this before sending, D the DATA it got.
+        Raises ValueError naming the first block the reservation does not have there."""
+        n, reserved = len(indices), self.dst_block_ids
+        j0 = indices[0] - self.num_held_blocks if n else -1
+        # The usual frame names a run of consecutive blocks: one slice comparison checks it (reserved ids are
+        # distinct, so equal destinations pin every index), and its columns are a slice.
+        if j0 >= 0 and dst == reserved[j0 : j0 + n] and indices == tuple(range(indices[0], indices[0] + n)):
+            return slice(j0, j0 + n)
+        cols = []
+        for index, d in zip(indices, dst, strict=True):
+            j = index - self.num_held_blocks
+            if not 0 <= j < len(reserved) or reserved[j] != d:
+                raise ValueError(f"block {index} -> {d} is not in the reservation")
+            cols.append(j)
+        return cols
+
+
+def check_layers(layer_start: int, num_layers: int, layout: KVLayout) -> None:
+    """Raises ValueError unless layers [layer_start, layer_start + num_layers) are layers of the model."""
+    if not 0 <= layer_start < layer_start + num_layers <= layout.num_layers:
+        raise ValueError(f"layers {layer_start}+{num_layers} outside [0, {layout.num_layers})")
+
 
 @dataclass(frozen=True)
 class FrameBlocks:
