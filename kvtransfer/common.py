@@ -64,7 +64,7 @@ class OpenReply:
     def num_blocks(self) -> int:
         return self.num_held_blocks + len(self.dst_block_ids)
 
-    def columns(self, indices: tuple[int, ...], dst: tuple[BlockId, ...]) -> slice | list[int]:
+    def columns(self, indices: tuple[int, ...], dst: tuple[int, ...]) -> slice | list[int]:
         """Where a frame's blocks (transfer blocks `indices`, going to D's blocks `dst`) sit among the
         reserved ones (`dst_block_ids`): P checks its DATA against this before sending, D the DATA it got.
         Raises ValueError naming the first block the reservation does not have there."""
