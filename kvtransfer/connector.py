@@ -34,14 +34,14 @@ from pdserve.kvtransfer.common import (
 )
 from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
-_O = TypeVar("_O", "UcxOptions", "CudaIpcOptions")
+_O = TypeVar("_O", bound="ConnectorOptions")
 
 __all__ = [
     "ChecksumError",
     "ConnectionLost",
     "Connector",
     "ConnectorConfig",
-    "CudaIpcOptions",
+    "ConnectorOptions",
     "FrameBlocks",
     "HandshakeError",
     "KVLayout",
@@ -58,7 +58,6 @@ __all__ = [
     "TransferRefused",
     "TransferSession",
     "TransferStats",
-    "UcxOptions",
     "connector_kinds",
     "create_sender",
     "create_server",
@@ -141,45 +140,9 @@ class KVReceiverServer(Protocol):
         """Close the listener and every connection; open transfers are aborted (on_abort called)."""
 
 
-UCX_PROGRESS_MODES = ("auto", "thread", "thread-polling")
-
-
-@dataclass(frozen=True)
-class UcxOptions:
-    """The ucx connector's own settings."""
-
-    # D's standing receive per connection, on `ConnectorConfig.device`: payloads up to this size land in it
-    # through a receive D posted before they were sent.
-    window_bytes: int = 512 << 20
-    # How UCX progresses its requests (one UCX context per process: the first ucx transport's setting holds).
-    # "thread-polling": a progress thread busy-polls UCX (one core per node) and sees a payload land at once;
-    # "thread": it sleeps until UCX wakes it (slower to see a payload land: docs/kv_transfer_protocol.md);
-    # "auto": thread-polling on a GPU `device`, thread on host memory.
-    progress: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.window_bytes <= 0:
-            raise ValueError(f"UcxOptions.window_bytes must be > 0, got {self.window_bytes}")
-        if self.progress not in UCX_PROGRESS_MODES:
-            raise ValueError(f"UcxOptions.progress {self.progress!r} must be one of {UCX_PROGRESS_MODES}")
-
-
-@dataclass(frozen=True)
-class CudaIpcOptions:
-    """The cuda_ipc connector's own settings."""
-
-    # D's window per connection on `ConnectorConfig.device`: it bounds one frame's payload (P splits larger
-    # buffers by layers) and, with the frames in flight, how far P may run ahead of D.
-    window_bytes: int = 512 << 20
-
-    def __post_init__(self) -> None:
-        if self.window_bytes <= 0:
-            raise ValueError(f"CudaIpcOptions.window_bytes must be > 0, got {self.window_bytes}")
-
-
-ConnectorOptions = UcxOptions | CudaIpcOptions
-_OPTIONS: dict[str, type[ConnectorOptions]] = {"ucx": UcxOptions, "cuda_ipc": CudaIpcOptions}
-"""The options type of each connector kind that has settings of its own."""
+class ConnectorOptions:
+    """Base of a connector's own settings: a frozen dataclass in the connector's module (ucx.UcxOptions,
+    cuda_ipc.CudaIpcOptions), named by its `Connector.options`, so adding a connector never edits this one."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +170,8 @@ class ConnectorConfig:
     # (D then computes their prompts itself, or fails them: the decode node's kv_load_failure_policy). It
     # must exceed the longest one frame takes on the link (tcp: `max_payload_bytes` over its bandwidth).
     liveness_s: float = 5.0
-    # The connector's own settings (UcxOptions, CudaIpcOptions; None: its defaults; other kinds have none).
+    # The connector's own settings, of its `Connector.options` type (None: its defaults; a connector whose
+    # `options` is None has none).
     options: ConnectorOptions | None = None
 
     def __post_init__(self) -> None:
@@ -222,7 +186,8 @@ class ConnectorConfig:
                 raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
-        expected = _OPTIONS.get(self.kind)
+        # only a config that carries options imports its connector's module (a light one, never its library)
+        expected = _connector(self.kind).options if self.options is not None else None
         if self.options is not None and type(self.options) is not expected:
             wants = "none" if expected is None else expected.__name__
             raise ValueError(
@@ -251,7 +216,12 @@ class ConnectorConfig:
 
 
 class Connector(Protocol):
-    """One registered implementation: builds the two ends."""
+    """One registered implementation: builds the two ends. Its module is imported to read a config's
+    options or checksum default, so it imports an optional library only when it builds an end."""
+
+    @property
+    def options(self) -> type[ConnectorOptions] | None:
+        """The type of the connector's own settings (`ConnectorConfig.options`); None: it has none."""
 
     def default_checksum(self, config: ConnectorConfig) -> bool:
         """Whether frames are checksummed when `config.checksum` leaves it open."""
@@ -263,7 +233,7 @@ class Connector(Protocol):
     ) -> KVReceiverServer: ...
 
 
-# kind -> a Connector, or "module:attribute" imported on first use (so ucxx loads only when asked for)
+# kind -> a Connector, or "module:attribute" of one, imported on first use
 _REGISTRY: dict[str, Connector | str] = {
     "tcp": "pdserve.kvtransfer.tcp:CONNECTOR",
     "ucx": "pdserve.kvtransfer.ucx:CONNECTOR",

@@ -39,7 +39,6 @@ from pdserve.kvtransfer.connector import (
     TransferRefused,
     TransferSession,
     TransferStats,
-    UcxOptions,
     create_sender,
     create_server,
 )
@@ -58,13 +57,14 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
+from pdserve.kvtransfer.ucx import UcxOptions
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 UCX = importlib.util.find_spec("ucxx") is not None
 """The ucx connector runs over host memory too, but needs the [ucx] extra (`make test WITH_UCX=1`, CI)."""
 if UCX:
     import ucxx
-    from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport, progress_mode
+    from pdserve.kvtransfer.ucx_transport import RECORD, UcxChannel, UcxTransport, progress_mode
 needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test WITH_UCX=1)")
 
 T = TypeVar("T")
