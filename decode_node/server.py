@@ -132,11 +132,11 @@ class DecodeHandler(TransferHandler):
                 self.kv_lost(req.transfer_id, "KV transfer connection ended before OPEN was answered")
             )
             raise
-        res = entry.reservation.blocks
-        if entry.ended is not None or res is None:
+        blocks = entry.reservation.blocks
+        if entry.ended is not None or blocks is None:
             await entry.reservation.release()  # reserved while the request ended (fail() found none yet)
             raise OpenRefused(entry.ended or "the request ended on the decode node")
-        return OpenReply(len(res.held), tuple(res.dst))
+        return OpenReply(len(blocks.held), tuple(blocks.dst))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
