@@ -40,13 +40,10 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import OpenRefused, OpenReply, OpenRequest, TransferHandler
-from pdserve.shared.engine.engine import RequestOutput
 from pdserve.shared.engine.request import Request as EngineRequest
 from pdserve.shared.node.kv_fetch import PrefixFetcher
 from pdserve.shared.node.node_metrics import RequestTiming
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
-from pdserve.shared.node.node_protocol import TokenLogprob as WireLogprob
-from pdserve.shared.node.node_protocol import TopLogprob as WireTop
 from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.node.reservation import KVReservation, Reservations
 from pdserve.shared.types import FirstToken, NodeId, RequestId
@@ -67,7 +64,7 @@ class _Pending:
     # built with its prompt's block hashes when the request arrives, off the path from COMPLETE to the
     # first token (hashing a 4k-token prompt costs about half a millisecond)
     engine_request: EngineRequest | None = None
-    queue: asyncio.Queue[RequestOutput] | None = None
+    queue: asyncio.Queue[StepOutput] | None = None
     reservation: KVReservation = field(default_factory=KVReservation)
     ended: str | None = None
 
@@ -94,12 +91,11 @@ class DecodeHandler(TransferHandler):
             entry = self.pending[rid] = _Pending()
         return entry
 
-    def arrive(self, gen: NodeGenerateRequest, req: EngineRequest, q: asyncio.Queue[RequestOutput]) -> None:
+    def arrive(self, gen: NodeGenerateRequest, req: EngineRequest, q: asyncio.Queue[StepOutput]) -> None:
         """The router's request for a remotely prefilled prompt; its outputs go to `q`."""
         rid = RequestId(gen.request_id)
         if rid in self._ended:
-            n = len(gen.prompt_token_ids)
-            q.put_nowait(RequestOutput(rid, (), "", None, "error", n, 0, 0))
+            q.put_nowait(StepOutput.failed(rid, len(gen.prompt_token_ids)))
             log.warning("request %s arrived after its KV transfer had ended", rid)
             return
         entry = self._entry(rid)
@@ -210,7 +206,7 @@ class DecodeHandler(TransferHandler):
         except Exception as exc:  # the engine died: the stream ends with the error
             log.error("request %s could not be computed here: %r", rid, exc)
             assert entry.queue is not None
-            entry.queue.put_nowait(RequestOutput(rid, (), "", None, "error", len(gen.prompt_token_ids), 0, 0))
+            entry.queue.put_nowait(StepOutput.failed(rid, len(gen.prompt_token_ids)))
 
     def _tombstone(self, rid: RequestId, until: float) -> None:
         now = time.time()
@@ -233,40 +229,8 @@ class DecodeHandler(TransferHandler):
         await entry.reservation.release()
         if entry.queue is not None:
             n = len(entry.request.prompt_token_ids) if entry.request else 0
-            entry.queue.put_nowait(RequestOutput(rid, (), "", None, "error", n, 0, 0))
+            entry.queue.put_nowait(StepOutput.failed(rid, n))
         log.warning("request %s failed on the decode node: %s", rid, reason)
-
-
-def _wire_logprobs(rt: NodeRuntime, out: RequestOutput) -> tuple[WireLogprob, ...] | None:
-    if out.logprobs is None:
-        return None
-    tok = rt.engine.tokenizer
-
-    def piece(tid: int) -> tuple[str, tuple[int, ...]]:
-        text = tok.decode([tid], skip_special_tokens=False)
-        return text, tuple(text.encode("utf-8"))
-
-    result = []
-    for lp in out.logprobs:
-        text, raw = piece(lp.token_id)
-        top = tuple(WireTop(piece(t)[0], t, v, piece(t)[1]) for t, v in lp.top)
-        result.append(WireLogprob(lp.token_id, text, lp.logprob, raw, top))
-    return tuple(result)
-
-
-def to_step_output(rt: NodeRuntime, out: RequestOutput, error: str | None = None) -> StepOutput:
-    reason = out.finish_reason
-    return StepOutput(
-        request_id=out.request_id,
-        token_ids=out.token_ids,
-        text=out.text,
-        logprobs=_wire_logprobs(rt, out),
-        finish_reason=reason,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-        error=error if reason in ("error", "abort") else None,
-    )
 
 
 def add_decode_routes(
@@ -285,7 +249,7 @@ def add_decode_routes(
         rt.metrics.prompt_tokens.inc(len(gen.prompt_token_ids))
         if gen.prefill_node_id is None:
             engine_req = rt.engine.new_request(rid, gen.prompt_token_ids, gen.sampling, gen.cache_salt)
-            outputs: AsyncIterator[RequestOutput] = (
+            outputs: AsyncIterator[StepOutput] = (
                 rt.aengine.generate(engine_req)
                 if gen.fetch_from_url is None or fetcher is None
                 else _fetched_local(rt, fetcher, gen, engine_req)
@@ -301,7 +265,7 @@ def add_decode_routes(
 
 async def _fetched_local(
     rt: NodeRuntime, fetcher: PrefixFetcher, gen: NodeGenerateRequest, req: EngineRequest
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncIterator[StepOutput]:
     """A prompt computed here after fetching the prefix blocks a holder has beyond this node's own (the cost
     model's `local_fetch`): the fetch lands in reserved blocks, committed as cached, which the request's
     admission then matches like its own; the reservation is given back once the prefill ended (its first
@@ -322,8 +286,8 @@ async def _fetched_local(
 
 
 async def _remote_stream(
-    rt: NodeRuntime, handler: DecodeHandler, rid: RequestId, q: asyncio.Queue[RequestOutput]
-) -> AsyncIterator[RequestOutput]:
+    rt: NodeRuntime, handler: DecodeHandler, rid: RequestId, q: asyncio.Queue[StepOutput]
+) -> AsyncIterator[StepOutput]:
     try:
         async for out in rt.aengine.stream(rid, q):
             yield out
@@ -332,7 +296,7 @@ async def _remote_stream(
 
 
 async def _lines(
-    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[RequestOutput]
+    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[StepOutput]
 ) -> AsyncIterator[bytes]:
     t0 = time.monotonic()
     last = t0
@@ -348,16 +312,8 @@ async def _lines(
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                yield StepOutput(
-                    gen.request_id,
-                    (),
-                    "",
-                    None,
-                    "error",
-                    len(gen.prompt_token_ids),
-                    0,
-                    0,
-                    "deadline exceeded",
+                yield StepOutput.failed(
+                    gen.request_id, len(gen.prompt_token_ids), "deadline exceeded"
                 ).to_line()
                 return
             now = time.monotonic()
@@ -372,8 +328,7 @@ async def _lines(
                     m.inter_token(now - last, len(out.token_ids))
                 first, last = False, now
                 m.generation_tokens.inc(len(out.token_ids))
-            error = "engine or transfer failure" if out.finish_reason == "error" else None
-            yield to_step_output(rt, out, error).to_line()
+            yield out.to_line()
             if out.finished:
                 # A remotely prefilled request's queue and prefill time are the prefill node's to report.
                 scheduled = out.scheduled_time if gen.prefill_node_id is None else None
