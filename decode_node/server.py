@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pdserve.kvtransfer.connector import OpenRefused, OpenReply, OpenRequest, TransferHandler
+from pdserve.kvtransfer.connector import Open, OpenRefused, OpenReply, TransferHandler
 from pdserve.shared.engine.request import Request as EngineRequest
 from pdserve.shared.node.kv_fetch import PrefixFetcher
 from pdserve.shared.node.node_metrics import RequestTiming
@@ -104,8 +104,8 @@ class DecodeHandler(TransferHandler):
         if gen.prefill_node_id in self._silent:
             self._spawn(self.kv_lost(rid, f"prefill node {gen.prefill_node_id} went silent"))
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
-        self._silent.discard(req.peer)
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
+        self._silent.discard(peer)
         if req.transfer_id in self._ended:
             raise OpenRefused("the request already ended on the decode node")
         entry = self._entry(req.transfer_id)

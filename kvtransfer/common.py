@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pdserve.shared.types import BlockHash, BlockId, KVLayout, NodeId, RequestId
+from pdserve.shared.types import BlockId, KVLayout, NodeId, RequestId
 
 DTYPES: dict[str, torch.dtype] = {  # the torch dtype of each of KV_DTYPE_BYTES's names
     "float32": torch.float32,
@@ -30,19 +30,6 @@ class PeerIdentity:
     node_id: NodeId
     fingerprint: bytes
     layout: KVLayout
-
-
-@dataclass(frozen=True)
-class OpenRequest:
-    """An OPEN as D's handler gets it: from `peer`, P asks for `num_blocks` blocks (every block of the
-    prompt, a trailing partial one included) for `transfer_id`; `block_hashes` name its full blocks;
-    `deadline` in unix seconds."""
-
-    peer: NodeId
-    transfer_id: RequestId
-    block_hashes: tuple[BlockHash, ...]
-    num_blocks: int
-    deadline: float
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,13 @@ from pdserve.kvtransfer.common import (
     KVTransferError,
     OpenRefused,
     OpenReply,
-    OpenRequest,
     PeerIdentity,
     ProtocolError,
     TransferAborted,
     TransferRefused,
     TransferStats,
 )
+from pdserve.kvtransfer.messages import Open
 from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
 _O = TypeVar("_O", bound="ConnectorOptions")
@@ -48,9 +48,9 @@ __all__ = [
     "KVReceiverServer",
     "KVSender",
     "KVTransferError",
+    "Open",
     "OpenRefused",
     "OpenReply",
-    "OpenRequest",
     "PeerIdentity",
     "ProtocolError",
     "TransferAborted",
@@ -68,8 +68,9 @@ __all__ = [
 class TransferHandler(Protocol):
     """D's side, implemented by the decode node. Calls for one transfer never overlap."""
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
-        """Match the held prefix, reserve the rest; raise `OpenRefused(reason)` to refuse."""
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
+        """`peer` opens `req`: match the held prefix, reserve the rest; raise `OpenRefused(reason)` to
+        refuse."""
 
     async def on_data(
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor

@@ -152,7 +152,7 @@ async def _open_with_header_only(server: Any, cut: bool) -> tuple[Any, PairGroup
     conn = await SUITE.raw_sender(KIND, server)
     channel = conn.channel
     assert isinstance(channel, PairGroupChannel) and channel.has_group
-    await conn.send(Open("stuck", (), 2, time.time() + 30))
+    await conn.send(Open(RequestId("stuck"), (), 2, time.time() + 30))
     reply = (await conn.recv()).msg
     assert isinstance(reply, OpenOk)
     msg, payload = SUITE.data_frame("stuck", reply)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from pdserve.cli import default_model_path
 from pdserve.decode_node.server import DecodeHandler
-from pdserve.kvtransfer.connector import OpenRefused, OpenRequest
+from pdserve.kvtransfer.connector import Open, OpenRefused
 from pdserve.shared.engine.block_pool import PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
@@ -92,8 +92,8 @@ def arrive(rt: NodeRuntime, handler: DecodeHandler, rid: str) -> asyncio.Queue[A
     return q
 
 
-def open_req(rt: NodeRuntime, rid: str) -> OpenRequest:
-    return OpenRequest(P, RequestId(rid), hashes_of(rt, rid), 3, time.time() + 60)
+def open_req(rt: NodeRuntime, rid: str) -> Open:
+    return Open(RequestId(rid), hashes_of(rt, rid), 3, time.time() + 60)
 
 
 async def cancelled(aw: Awaitable[Any]) -> None:
@@ -108,7 +108,7 @@ async def d_open_cancelled_while_the_engine_reserves(rt: NodeRuntime) -> None:
     handler = DecodeHandler(rt, "fail")
     arrive(rt, handler, "d1")
     gate, held = await engine_held(rt)
-    task = asyncio.ensure_future(handler.on_open(open_req(rt, "d1")))
+    task = asyncio.ensure_future(handler.on_open(P, open_req(rt, "d1")))
     await turns()  # the OPEN's reservation is queued on the engine thread
     task.cancel()
     await cancelled(task)
@@ -118,7 +118,7 @@ async def d_open_cancelled_while_the_engine_reserves(rt: NodeRuntime) -> None:
 
 async def d_open_cancelled_before_the_request_arrived(rt: NodeRuntime) -> None:
     handler = DecodeHandler(rt, "fail")
-    task = asyncio.ensure_future(handler.on_open(open_req(rt, "d2")))
+    task = asyncio.ensure_future(handler.on_open(P, open_req(rt, "d2")))
     await turns()
     task.cancel()
     await cancelled(task)
@@ -127,7 +127,7 @@ async def d_open_cancelled_before_the_request_arrived(rt: NodeRuntime) -> None:
 async def d_open_answered_then_aborted_twice_and_failed(rt: NodeRuntime) -> None:
     handler = DecodeHandler(rt, "fail")
     arrive(rt, handler, "d3")
-    reply = await handler.on_open(open_req(rt, "d3"))
+    reply = await handler.on_open(P, open_req(rt, "d3"))
     assert reply.num_blocks == 3
     await handler.on_abort(RequestId("d3"), "P gave up")
     await handler.on_abort(RequestId("d3"), "P gave up again")
@@ -137,7 +137,7 @@ async def d_open_answered_then_aborted_twice_and_failed(rt: NodeRuntime) -> None
 async def d_open_answered_then_recomputed_is_released_before_compute(rt: NodeRuntime) -> None:
     handler = DecodeHandler(rt, "fail")
     arrive(rt, handler, "d4")
-    await handler.on_open(open_req(rt, "d4"))
+    await handler.on_open(P, open_req(rt, "d4"))
     await handler.on_peer_silent(P, "no byte for 5 s")
 
 
@@ -145,7 +145,7 @@ async def d_open_failed_while_the_request_ended_during_the_reservation(rt: NodeR
     handler = DecodeHandler(rt, "fail")
     arrive(rt, handler, "d5")
     gate, held = await engine_held(rt)
-    task = asyncio.ensure_future(handler.on_open(open_req(rt, "d5")))
+    task = asyncio.ensure_future(handler.on_open(P, open_req(rt, "d5")))
     await turns()
     await handler.fail(RequestId("d5"), "client went away")  # finds no reservation yet: the engine is held
     gate.set()
@@ -159,7 +159,7 @@ async def d_open_waiting_for_room_then_failed(rt: NodeRuntime) -> None:
     assert filler is not None
     handler = DecodeHandler(rt, "fail")
     arrive(rt, handler, "d6")
-    task = asyncio.ensure_future(handler.on_open(open_req(rt, "d6")))
+    task = asyncio.ensure_future(handler.on_open(P, open_req(rt, "d6")))
     await asyncio.sleep(0.1)  # a few admission polls find no room
     await handler.fail(RequestId("d6"), "deadline")
     with pytest.raises(OpenRefused):
@@ -173,9 +173,7 @@ async def fetch_open_cancelled_while_the_engine_reserves(rt: NodeRuntime) -> Non
     await turns()
     gate, held = await engine_held(rt)
     tid = RequestId("f1/fetch")
-    task = asyncio.ensure_future(
-        receiver.on_open(OpenRequest(P, tid, hashes_of(rt, "f1")[:2], 2, time.time() + 60))
-    )
+    task = asyncio.ensure_future(receiver.on_open(P, Open(tid, hashes_of(rt, "f1")[:2], 2, time.time() + 60)))
     await turns()
     task.cancel()
     await cancelled(task)
@@ -190,7 +188,7 @@ async def fetch_open_answered_then_aborted_twice(rt: NodeRuntime) -> None:
     fetch = asyncio.ensure_future(waiting_fetch(rt, receiver, "f2"))
     await turns()
     tid = RequestId("f2/fetch")
-    await receiver.on_open(OpenRequest(P, tid, hashes_of(rt, "f2")[:2], 2, time.time() + 60))
+    await receiver.on_open(P, Open(tid, hashes_of(rt, "f2")[:2], 2, time.time() + 60))
     await receiver.on_abort(tid, "holder gave up")
     await receiver.on_abort(tid, "holder gave up again")
     fetch.cancel()
@@ -202,7 +200,7 @@ async def fetch_open_answered_then_the_fetcher_stopped_waiting(rt: NodeRuntime) 
     fetch = asyncio.ensure_future(waiting_fetch(rt, receiver, "f3"))
     await turns()
     tid = RequestId("f3/fetch")
-    await receiver.on_open(OpenRequest(P, tid, hashes_of(rt, "f3")[:2], 2, time.time() + 60))
+    await receiver.on_open(P, Open(tid, hashes_of(rt, "f3")[:2], 2, time.time() + 60))
     fetch.cancel()
     await cancelled(fetch)
     await receiver.on_abort(tid, "the fetcher left")

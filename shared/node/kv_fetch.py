@@ -35,9 +35,9 @@ from pdserve.kvtransfer.connector import (
     FrameBlocks,
     KVSender,
     KVTransferError,
+    Open,
     OpenRefused,
     OpenReply,
-    OpenRequest,
     TransferHandler,
     TransferSession,
 )
@@ -136,7 +136,7 @@ class FetchReceiver(TransferHandler):
         self.pending: dict[RequestId, _Fetch] = {}
         self.reservations = Reservations(rt)
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
         f = self.pending.get(req.transfer_id)
         if f is None or f.ended or f.reservation.blocks is not None:
             raise OpenRefused("no prefix fetch is waiting for this transfer")
