@@ -6,6 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a subprocess
+
 SCRIPT = """
 import sys
 sys.modules["ucxx"] = None  # as without the [ucx] extra: `import ucxx` raises ModuleNotFoundError

@@ -28,6 +28,7 @@ from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_runtime import NodeRuntime, NodeSettings
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
+pytestmark = pytest.mark.slow
 BLOCKS = 12
 PROMPT = tuple(range(300, 345))  # 45 tokens: 3 blocks of 16, 2 of them full
 P = NodeId("prefill-0")
