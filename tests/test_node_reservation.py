@@ -168,13 +168,18 @@ async def d_open_waiting_for_room_then_failed(rt: NodeRuntime) -> None:
     await rt.aengine.call(lambda: rt.engine.release_remote(filler))
 
 
-async def fetch_open_cancelled_while_the_engine_reserves(rt: NodeRuntime) -> None:
+async def fetching(rt: NodeRuntime, rid: str) -> tuple[FetchReceiver, asyncio.Future[None], Open]:
+    """A fetch waiting on `receiver` (see waiting_fetch), and the OPEN its holder would send."""
     receiver = FetchReceiver(rt)
-    fetch = asyncio.ensure_future(waiting_fetch(rt, receiver, "f1"))
+    fetch = asyncio.ensure_future(waiting_fetch(rt, receiver, rid))
     await turns()
+    return receiver, fetch, Open(RequestId(f"{rid}/fetch"), hashes_of(rt, rid)[:2], 2, time.time() + 60)
+
+
+async def fetch_open_cancelled_while_the_engine_reserves(rt: NodeRuntime) -> None:
+    receiver, fetch, req = await fetching(rt, "f1")
     gate, held = await engine_held(rt)
-    tid = RequestId("f1/fetch")
-    task = asyncio.ensure_future(receiver.on_open(P, Open(tid, hashes_of(rt, "f1")[:2], 2, time.time() + 60)))
+    task = asyncio.ensure_future(receiver.on_open(P, req))
     await turns()
     task.cancel()
     await cancelled(task)
@@ -185,26 +190,20 @@ async def fetch_open_cancelled_while_the_engine_reserves(rt: NodeRuntime) -> Non
 
 
 async def fetch_open_answered_then_aborted_twice(rt: NodeRuntime) -> None:
-    receiver = FetchReceiver(rt)
-    fetch = asyncio.ensure_future(waiting_fetch(rt, receiver, "f2"))
-    await turns()
-    tid = RequestId("f2/fetch")
-    await receiver.on_open(P, Open(tid, hashes_of(rt, "f2")[:2], 2, time.time() + 60))
-    await receiver.on_abort(tid, "holder gave up")
-    await receiver.on_abort(tid, "holder gave up again")
+    receiver, fetch, req = await fetching(rt, "f2")
+    await receiver.on_open(P, req)
+    await receiver.on_abort(req.transfer_id, "holder gave up")
+    await receiver.on_abort(req.transfer_id, "holder gave up again")
     fetch.cancel()
     await cancelled(fetch)
 
 
 async def fetch_open_answered_then_the_fetcher_stopped_waiting(rt: NodeRuntime) -> None:
-    receiver = FetchReceiver(rt)
-    fetch = asyncio.ensure_future(waiting_fetch(rt, receiver, "f3"))
-    await turns()
-    tid = RequestId("f3/fetch")
-    await receiver.on_open(P, Open(tid, hashes_of(rt, "f3")[:2], 2, time.time() + 60))
+    receiver, fetch, req = await fetching(rt, "f3")
+    await receiver.on_open(P, req)
     fetch.cancel()
     await cancelled(fetch)
-    await receiver.on_abort(tid, "the fetcher left")
+    await receiver.on_abort(req.transfer_id, "the fetcher left")
 
 
 async def waiting_fetch(rt: NodeRuntime, receiver: FetchReceiver, rid: str) -> None:
