@@ -28,8 +28,8 @@ from pdserve.kvtransfer.connector import (
     ConnectorConfig,
     FrameBlocks,
     KVLayout,
+    Open,
     OpenReply,
-    OpenRequest,
     PeerIdentity,
     TransferAborted,
     create_sender,
@@ -87,7 +87,7 @@ class BenchHandler:
         self.die_on_data = die_on_data
         self.expected = pattern_cache(device)[:, :, torch.tensor(src_blocks(), device=device)]  # P's blocks
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
         ids = [self.free.pop() for _ in range(req.num_blocks)]
         self.reserved[req.transfer_id] = ids
         return OpenReply(0, tuple(BlockId(b) for b in ids))

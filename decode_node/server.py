@@ -13,11 +13,12 @@ default): the reservation is given back and D prefills the prompt itself, within
 the stream the router already reads; under "fail" the request ends with an error. Requests that name a
 prefill node D saw go silent are computed here at once, until that node opens a transfer again.
 
-Invariants: a reservation is ended exactly once (admitted, or released on abort, cut, deadline, client gone);
-the request's deadline is its only clock, owned by the `/internal/generate` stream (`_lines`) and by the
-OPEN's wait; a request that ended is tombstoned until its deadline, so a late OPEN for it is refused instead
-of reserving blocks nobody will use; every `/internal/generate` stream ends with exactly one line carrying
-finish_reason; a stream whose client goes away aborts its request, including one still waiting for its KV.
+Invariants: a reservation (a `KVReservation`, shared/node/reservation.py) is ended exactly once (taken by
+admission, or released on abort, cut, deadline, client gone); the request's deadline is its only clock, owned
+by the `/internal/generate` stream (`_lines`) and by the OPEN's wait; a request that ended is tombstoned until
+its deadline, so a late OPEN for it is refused instead of reserving blocks nobody will use; every
+`/internal/generate` stream ends with exactly one line carrying finish_reason; a stream whose client goes away
+aborts its request, including one still waiting for its KV.
 
 Why one module of about 400 lines: the reservation-ends-once and one-deadline invariants span the OPEN's
 admission, the generate stream and the recompute / local-fetch fallbacks; split apart, each piece would
@@ -31,23 +32,21 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pdserve.kvtransfer.connector import OpenRefused, OpenReply, OpenRequest, TransferHandler
-from pdserve.shared.engine.engine import RemoteReservation, RequestOutput
+from pdserve.kvtransfer.connector import Open, OpenRefused, OpenReply, TransferHandler
 from pdserve.shared.engine.request import Request as EngineRequest
 from pdserve.shared.node.kv_fetch import PrefixFetcher
 from pdserve.shared.node.node_metrics import RequestTiming
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
-from pdserve.shared.node.node_protocol import TokenLogprob as WireLogprob
-from pdserve.shared.node.node_protocol import TopLogprob as WireTop
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
+from pdserve.shared.node.reservation import KVReservation, Reservations
+from pdserve.shared.types import FirstToken, NodeId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,8 @@ class _Pending:
     # built with its prompt's block hashes when the request arrives, off the path from COMPLETE to the
     # first token (hashing a 4k-token prompt costs about half a millisecond)
     engine_request: EngineRequest | None = None
-    queue: asyncio.Queue[RequestOutput] | None = None
-    reservation: RemoteReservation | None = None
+    queue: asyncio.Queue[StepOutput] | None = None
+    reservation: KVReservation = field(default_factory=KVReservation)
     ended: str | None = None
 
 
@@ -84,6 +83,7 @@ class DecodeHandler(TransferHandler):
         self._ended: dict[RequestId, float] = {}  # tombstones: request id -> when to forget it
         self._ended_order: deque[RequestId] = deque()
         self._background: set[asyncio.Future[Any]] = set()
+        self.reservations = Reservations(rt)
 
     def _entry(self, rid: RequestId) -> _Pending:
         entry = self.pending.get(rid)
@@ -91,12 +91,11 @@ class DecodeHandler(TransferHandler):
             entry = self.pending[rid] = _Pending()
         return entry
 
-    def arrive(self, gen: NodeGenerateRequest, req: EngineRequest, q: asyncio.Queue[RequestOutput]) -> None:
+    def arrive(self, gen: NodeGenerateRequest, req: EngineRequest, q: asyncio.Queue[StepOutput]) -> None:
         """The router's request for a remotely prefilled prompt; its outputs go to `q`."""
         rid = RequestId(gen.request_id)
         if rid in self._ended:
-            n = len(gen.prompt_token_ids)
-            q.put_nowait(RequestOutput(rid, (), "", None, "error", n, 0, 0))
+            q.put_nowait(StepOutput.failed(rid, len(gen.prompt_token_ids)))
             log.warning("request %s arrived after its KV transfer had ended", rid)
             return
         entry = self._entry(rid)
@@ -105,20 +104,20 @@ class DecodeHandler(TransferHandler):
         if gen.prefill_node_id in self._silent:
             self._spawn(self.kv_lost(rid, f"prefill node {gen.prefill_node_id} went silent"))
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
-        self._silent.discard(req.peer)
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
+        self._silent.discard(peer)
         if req.transfer_id in self._ended:
             raise OpenRefused("the request already ended on the decode node")
         entry = self._entry(req.transfer_id)
-        if entry.reservation is not None:
+        if entry.reservation.blocks is not None:
             raise OpenRefused("transfer already open")
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 await entry.arrived.wait()  # the router's request, sent beside P's, may come second
                 async with self._admission:
                     while entry.ended is None:
-                        res = await self._reserve(req.block_hashes, req.num_blocks)
-                        if res is not None:
+                        res = await self.reservations.reserve(req.block_hashes, req.num_blocks, headroom=True)
+                        if res.blocks is not None:
                             entry.reservation = res
                             break
                         await asyncio.sleep(ADMISSION_POLL_S)
@@ -129,32 +128,11 @@ class DecodeHandler(TransferHandler):
                 self.kv_lost(req.transfer_id, "KV transfer connection ended before OPEN was answered")
             )
             raise
-        if entry.ended is not None or entry.reservation is None:
-            late = entry.reservation  # reserved while the request ended (fail() found none to give back)
-            if late is not None:
-                engine = self.rt.engine
-                await self.rt.aengine.call(lambda: engine.release_remote(late))
+        blocks = entry.reservation.blocks
+        if entry.ended is not None or blocks is None:
+            await entry.reservation.release()  # reserved while the request ended (fail() found none yet)
             raise OpenRefused(entry.ended or "the request ended on the decode node")
-        res = entry.reservation
-        return OpenReply(len(res.held), tuple(res.dst))
-
-    async def _reserve(self, hashes: Sequence[BlockHash], num_blocks: int) -> RemoteReservation | None:
-        engine = self.rt.engine
-        fut = asyncio.ensure_future(
-            self.rt.aengine.call(lambda: engine.reserve_remote(hashes, num_blocks, headroom=True))
-        )
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(self._release_orphan)  # the engine thread may still reserve: give it back
-            raise
-
-    def _release_orphan(self, fut: asyncio.Future[RemoteReservation | None]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        res = fut.result()
-        if res is not None:
-            self._spawn(self.rt.aengine.call(lambda: self.rt.engine.release_remote(res)))
+        return OpenReply(len(blocks.held), tuple(blocks.dst))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -165,7 +143,7 @@ class DecodeHandler(TransferHandler):
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
     ) -> None:
         entry = self.pending.get(transfer_id)
-        if entry is None or entry.ended or entry.reservation is None:
+        if entry is None or entry.ended or entry.reservation.blocks is None:
             raise RuntimeError(f"transfer {transfer_id} was aborted on the decode node")
         # The scatter is queued on the current stream, which the connector waits for before it reuses the
         # buffer; the reserved blocks are read by nobody else.
@@ -174,14 +152,16 @@ class DecodeHandler(TransferHandler):
 
     async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
         entry = self.pending.get(transfer_id)
-        if entry is None or entry.ended or entry.reservation is None:
+        res = None if entry is None or entry.ended else entry.reservation.blocks
+        if entry is None or res is None:
             raise RuntimeError(f"transfer {transfer_id} completed after it was aborted")
         if first_token is None:
             raise RuntimeError(f"transfer {transfer_id} completed without the first token")
-        req, q, res = entry.engine_request, entry.queue, entry.reservation
+        req, q = entry.engine_request, entry.queue
         assert req is not None and q is not None, "OPEN is answered only once the request arrived"
         engine = self.rt.engine
         out = await self.rt.aengine.call(lambda: engine.admit_remote(req, res, first_token))
+        entry.reservation.take()  # the engine holds its blocks now
         self.pending.pop(transfer_id, None)
         m = self.rt.metrics
         held_tokens = min(len(res.held) * engine.cfg.block_size, out.prompt_tokens)
@@ -217,9 +197,8 @@ class DecodeHandler(TransferHandler):
         self._tombstone(rid, gen.deadline)  # P's later OPEN for it is refused
         entry.ended = f"computed on the decode node: {reason}"
         entry.arrived.set()  # an OPEN still waiting for room gives up
-        res, engine = entry.reservation, self.rt.engine
-        if res is not None:
-            await self.rt.aengine.call(lambda: engine.release_remote(res))
+        engine = self.rt.engine
+        await entry.reservation.release()
         log.warning("request %s: %s; computing its prompt on the decode node", rid, reason)
         self.rt.metrics.transfers.labels(self.rt.connector_kind, "recomputed").inc()
         try:
@@ -227,7 +206,7 @@ class DecodeHandler(TransferHandler):
         except Exception as exc:  # the engine died: the stream ends with the error
             log.error("request %s could not be computed here: %r", rid, exc)
             assert entry.queue is not None
-            entry.queue.put_nowait(RequestOutput(rid, (), "", None, "error", len(gen.prompt_token_ids), 0, 0))
+            entry.queue.put_nowait(StepOutput.failed(rid, len(gen.prompt_token_ids)))
 
     def _tombstone(self, rid: RequestId, until: float) -> None:
         now = time.time()
@@ -247,45 +226,11 @@ class DecodeHandler(TransferHandler):
             return
         entry.ended = reason
         entry.arrived.set()  # wakes an OPEN waiting for the request
-        res = entry.reservation
-        if res is not None:
-            await self.rt.aengine.call(lambda: self.rt.engine.release_remote(res))
+        await entry.reservation.release()
         if entry.queue is not None:
             n = len(entry.request.prompt_token_ids) if entry.request else 0
-            entry.queue.put_nowait(RequestOutput(rid, (), "", None, "error", n, 0, 0))
+            entry.queue.put_nowait(StepOutput.failed(rid, n))
         log.warning("request %s failed on the decode node: %s", rid, reason)
-
-
-def _wire_logprobs(rt: NodeRuntime, out: RequestOutput) -> tuple[WireLogprob, ...] | None:
-    if out.logprobs is None:
-        return None
-    tok = rt.engine.tokenizer
-
-    def piece(tid: int) -> tuple[str, tuple[int, ...]]:
-        text = tok.decode([tid], skip_special_tokens=False)
-        return text, tuple(text.encode("utf-8"))
-
-    result = []
-    for lp in out.logprobs:
-        text, raw = piece(lp.token_id)
-        top = tuple(WireTop(piece(t)[0], t, v, piece(t)[1]) for t, v in lp.top)
-        result.append(WireLogprob(lp.token_id, text, lp.logprob, raw, top))
-    return tuple(result)
-
-
-def to_step_output(rt: NodeRuntime, out: RequestOutput, error: str | None = None) -> StepOutput:
-    reason = out.finish_reason
-    return StepOutput(
-        request_id=out.request_id,
-        token_ids=out.token_ids,
-        text=out.text,
-        logprobs=_wire_logprobs(rt, out),
-        finish_reason=reason,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-        error=error if reason in ("error", "abort") else None,
-    )
 
 
 def add_decode_routes(
@@ -304,7 +249,7 @@ def add_decode_routes(
         rt.metrics.prompt_tokens.inc(len(gen.prompt_token_ids))
         if gen.prefill_node_id is None:
             engine_req = rt.engine.new_request(rid, gen.prompt_token_ids, gen.sampling, gen.cache_salt)
-            outputs: AsyncIterator[RequestOutput] = (
+            outputs: AsyncIterator[StepOutput] = (
                 rt.aengine.generate(engine_req)
                 if gen.fetch_from_url is None or fetcher is None
                 else _fetched_local(rt, fetcher, gen, engine_req)
@@ -320,7 +265,7 @@ def add_decode_routes(
 
 async def _fetched_local(
     rt: NodeRuntime, fetcher: PrefixFetcher, gen: NodeGenerateRequest, req: EngineRequest
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncIterator[StepOutput]:
     """A prompt computed here after fetching the prefix blocks a holder has beyond this node's own (the cost
     model's `local_fetch`): the fetch lands in reserved blocks, committed as cached, which the request's
     admission then matches like its own; the reservation is given back once the prefill ended (its first
@@ -341,8 +286,8 @@ async def _fetched_local(
 
 
 async def _remote_stream(
-    rt: NodeRuntime, handler: DecodeHandler, rid: RequestId, q: asyncio.Queue[RequestOutput]
-) -> AsyncIterator[RequestOutput]:
+    rt: NodeRuntime, handler: DecodeHandler, rid: RequestId, q: asyncio.Queue[StepOutput]
+) -> AsyncIterator[StepOutput]:
     try:
         async for out in rt.aengine.stream(rid, q):
             yield out
@@ -351,7 +296,7 @@ async def _remote_stream(
 
 
 async def _lines(
-    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[RequestOutput]
+    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[StepOutput]
 ) -> AsyncIterator[bytes]:
     t0 = time.monotonic()
     last = t0
@@ -367,16 +312,8 @@ async def _lines(
             except StopAsyncIteration:
                 return
             except TimeoutError:
-                yield StepOutput(
-                    gen.request_id,
-                    (),
-                    "",
-                    None,
-                    "error",
-                    len(gen.prompt_token_ids),
-                    0,
-                    0,
-                    "deadline exceeded",
+                yield StepOutput.failed(
+                    gen.request_id, len(gen.prompt_token_ids), "deadline exceeded"
                 ).to_line()
                 return
             now = time.monotonic()
@@ -391,8 +328,7 @@ async def _lines(
                     m.inter_token(now - last, len(out.token_ids))
                 first, last = False, now
                 m.generation_tokens.inc(len(out.token_ids))
-            error = "engine or transfer failure" if out.finish_reason == "error" else None
-            yield to_step_output(rt, out, error).to_line()
+            yield out.to_line()
             if out.finished:
                 # A remotely prefilled request's queue and prefill time are the prefill node's to report.
                 scheduled = out.scheduled_time if gen.prefill_node_id is None else None

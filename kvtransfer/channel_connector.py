@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.kvtransfer.common import PeerIdentity
-from pdserve.kvtransfer.connector import ConnectorConfig, KVReceiverServer, KVSender, TransferHandler
+from pdserve.kvtransfer.connector import (
+    ConnectorConfig,
+    ConnectorOptions,
+    KVReceiverServer,
+    KVSender,
+    TransferHandler,
+)
 from pdserve.kvtransfer.receiver import ChannelServer
 from pdserve.kvtransfer.sender import ChannelSender
 from pdserve.kvtransfer.transport import Transport
@@ -20,9 +26,11 @@ class ChannelConnector:
         self,
         make_transport: Callable[[ConnectorConfig], Transport],
         checksum_default: bool | Callable[[ConnectorConfig], bool],
+        options: type[ConnectorOptions] | None = None,
     ) -> None:
         self.make_transport = make_transport
         self.checksum_default = checksum_default
+        self.options = options
 
     def default_checksum(self, config: ConnectorConfig) -> bool:
         if isinstance(self.checksum_default, bool):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from pdserve.shared.types import BlockHash, BlockId, KVLayout, NodeId, RequestId
+from pdserve.shared.types import BlockId, KVLayout, NodeId, RequestId
 
 DTYPES: dict[str, torch.dtype] = {  # the torch dtype of each of KV_DTYPE_BYTES's names
     "float32": torch.float32,
@@ -33,19 +33,6 @@ class PeerIdentity:
 
 
 @dataclass(frozen=True)
-class OpenRequest:
-    """An OPEN as D's handler gets it: from `peer`, P asks for `num_blocks` blocks (every block of the
-    prompt, a trailing partial one included) for `transfer_id`; `block_hashes` name its full blocks;
-    `deadline` in unix seconds."""
-
-    peer: NodeId
-    transfer_id: RequestId
-    block_hashes: tuple[BlockHash, ...]
-    num_blocks: int
-    deadline: float
-
-
-@dataclass(frozen=True)
 class OpenReply:
     """D's answer to OPEN: it holds the first `num_held_blocks` blocks; the rest go to `dst_block_ids`."""
 
@@ -63,6 +50,30 @@ class OpenReply:
     @property
     def num_blocks(self) -> int:
         return self.num_held_blocks + len(self.dst_block_ids)
+
+    def columns(self, indices: tuple[int, ...], dst: tuple[int, ...]) -> slice | list[int]:
+        """Where a frame's blocks (transfer blocks `indices`, going to D's blocks `dst`) sit among the
+        reserved ones (`dst_block_ids`): P checks its DATA against this before sending, D the DATA it got.
+        Raises ValueError naming the first block the reservation does not have there."""
+        n, reserved = len(indices), self.dst_block_ids
+        j0 = indices[0] - self.num_held_blocks if n else -1
+        # The usual frame names a run of consecutive blocks: one slice comparison checks it (reserved ids are
+        # distinct, so equal destinations pin every index), and its columns are a slice.
+        if j0 >= 0 and dst == reserved[j0 : j0 + n] and indices == tuple(range(indices[0], indices[0] + n)):
+            return slice(j0, j0 + n)
+        cols = []
+        for index, d in zip(indices, dst, strict=True):
+            j = index - self.num_held_blocks
+            if not 0 <= j < len(reserved) or reserved[j] != d:
+                raise ValueError(f"block {index} -> {d} is not in the reservation")
+            cols.append(j)
+        return cols
+
+
+def check_layers(layer_start: int, num_layers: int, layout: KVLayout) -> None:
+    """Raises ValueError unless layers [layer_start, layer_start + num_layers) are layers of the model."""
+    if not 0 <= layer_start < layer_start + num_layers <= layout.num_layers:
+        raise ValueError(f"layers {layer_start}+{num_layers} outside [0, {layout.num_layers})")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ on_abort is called, on every path (P abort, deadline, connection cut, bad frame,
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -25,32 +25,32 @@ from pdserve.kvtransfer.common import (
     KVTransferError,
     OpenRefused,
     OpenReply,
-    OpenRequest,
     PeerIdentity,
     ProtocolError,
     TransferAborted,
     TransferRefused,
     TransferStats,
 )
+from pdserve.kvtransfer.messages import Open
 from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
-_O = TypeVar("_O", "UcxOptions", "CudaIpcOptions")
+_O = TypeVar("_O", bound="ConnectorOptions")
 
 __all__ = [
     "ChecksumError",
     "ConnectionLost",
     "Connector",
     "ConnectorConfig",
-    "CudaIpcOptions",
+    "ConnectorOptions",
     "FrameBlocks",
     "HandshakeError",
     "KVLayout",
     "KVReceiverServer",
     "KVSender",
     "KVTransferError",
+    "Open",
     "OpenRefused",
     "OpenReply",
-    "OpenRequest",
     "PeerIdentity",
     "ProtocolError",
     "TransferAborted",
@@ -58,7 +58,6 @@ __all__ = [
     "TransferRefused",
     "TransferSession",
     "TransferStats",
-    "UcxOptions",
     "connector_kinds",
     "create_sender",
     "create_server",
@@ -69,8 +68,9 @@ __all__ = [
 class TransferHandler(Protocol):
     """D's side, implemented by the decode node. Calls for one transfer never overlap."""
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
-        """Match the held prefix, reserve the rest; raise `OpenRefused(reason)` to refuse."""
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
+        """`peer` opens `req`: match the held prefix, reserve the rest; raise `OpenRefused(reason)` to
+        refuse."""
 
     async def on_data(
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
@@ -141,45 +141,9 @@ class KVReceiverServer(Protocol):
         """Close the listener and every connection; open transfers are aborted (on_abort called)."""
 
 
-UCX_PROGRESS_MODES = ("auto", "thread", "thread-polling")
-
-
-@dataclass(frozen=True)
-class UcxOptions:
-    """The ucx connector's own settings."""
-
-    # D's standing receive per connection, on `ConnectorConfig.device`: payloads up to this size land in it
-    # through a receive D posted before they were sent.
-    window_bytes: int = 512 << 20
-    # How UCX progresses its requests (one UCX context per process: the first ucx transport's setting holds).
-    # "thread-polling": a progress thread busy-polls UCX (one core per node) and sees a payload land at once;
-    # "thread": it sleeps until UCX wakes it (slower to see a payload land: docs/kv_transfer_protocol.md);
-    # "auto": thread-polling on a GPU `device`, thread on host memory.
-    progress: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.window_bytes <= 0:
-            raise ValueError(f"UcxOptions.window_bytes must be > 0, got {self.window_bytes}")
-        if self.progress not in UCX_PROGRESS_MODES:
-            raise ValueError(f"UcxOptions.progress {self.progress!r} must be one of {UCX_PROGRESS_MODES}")
-
-
-@dataclass(frozen=True)
-class CudaIpcOptions:
-    """The cuda_ipc connector's own settings."""
-
-    # D's window per connection on `ConnectorConfig.device`: it bounds one frame's payload (P splits larger
-    # buffers by layers) and, with the frames in flight, how far P may run ahead of D.
-    window_bytes: int = 512 << 20
-
-    def __post_init__(self) -> None:
-        if self.window_bytes <= 0:
-            raise ValueError(f"CudaIpcOptions.window_bytes must be > 0, got {self.window_bytes}")
-
-
-ConnectorOptions = UcxOptions | CudaIpcOptions
-_OPTIONS: dict[str, type[ConnectorOptions]] = {"ucx": UcxOptions, "cuda_ipc": CudaIpcOptions}
-"""The options type of each connector kind that has settings of its own."""
+class ConnectorOptions:
+    """Base of a connector's own settings: a frozen dataclass in the connector's module (ucx.UcxOptions,
+    cuda_ipc.CudaIpcOptions), named by its `Connector.options`, so adding a connector never edits this one."""
 
 
 @dataclass(frozen=True)
@@ -207,7 +171,8 @@ class ConnectorConfig:
     # (D then computes their prompts itself, or fails them: the decode node's kv_load_failure_policy). It
     # must exceed the longest one frame takes on the link (tcp: `max_payload_bytes` over its bandwidth).
     liveness_s: float = 5.0
-    # The connector's own settings (UcxOptions, CudaIpcOptions; None: its defaults; other kinds have none).
+    # The connector's own settings, of its `Connector.options` type (None: its defaults; a connector whose
+    # `options` is None has none).
     options: ConnectorOptions | None = None
 
     def __post_init__(self) -> None:
@@ -222,7 +187,8 @@ class ConnectorConfig:
                 raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.max_payload_bytes <= 0:
             raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
-        expected = _OPTIONS.get(self.kind)
+        # only a config that carries options imports its connector's module (a light one, never its library)
+        expected = _connector(self.kind).options if self.options is not None else None
         if self.options is not None and type(self.options) is not expected:
             wants = "none" if expected is None else expected.__name__
             raise ValueError(
@@ -244,18 +210,19 @@ class ConnectorConfig:
 
     @property
     def frame_checksum(self) -> bool:
-        """Whether this end asks for checksummed frames (the `checksum` field, or the connector's default);
-        a built-in connector's default is known without importing it (nor its optional library)."""
+        """Whether this end asks for checksummed frames (the `checksum` field, or the connector's default)."""
         if self.checksum is not None:
             return self.checksum
-        entry = _REGISTRY[self.kind]
-        if isinstance(entry, _Deferred):
-            return entry.checksum if isinstance(entry.checksum, bool) else entry.checksum(self)
-        return entry.default_checksum(self)
+        return _connector(self.kind).default_checksum(self)
 
 
 class Connector(Protocol):
-    """One registered implementation: builds the two ends."""
+    """One registered implementation: builds the two ends. Its module is imported to read a config's
+    options or checksum default, so it imports an optional library only when it builds an end."""
+
+    @property
+    def options(self) -> type[ConnectorOptions] | None:
+        """The type of the connector's own settings (`ConnectorConfig.options`); None: it has none."""
 
     def default_checksum(self, config: ConnectorConfig) -> bool:
         """Whether frames are checksummed when `config.checksum` leaves it open."""
@@ -267,34 +234,16 @@ class Connector(Protocol):
     ) -> KVReceiverServer: ...
 
 
-def host_memory_checksum(config: ConnectorConfig) -> bool:
-    """On over host memory (TCP, shared memory); off when payloads are GPU memory (cuda_ipc over NVLink,
-    RDMA), whose links check integrity, and where a CRC would copy each payload to the host first."""
-    return torch.device(config.device).type != "cuda"
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """A built-in connector imported on first use (so ucxx loads only when a ucx end is built), with what a
-    config needs to know of it before then."""
-
-    target: str
-    """"module:attribute" of the Connector."""
-    checksum: bool | Callable[[ConnectorConfig], bool]
-    """Its default_checksum, the same rule the connector applies."""
-    extra: str = ""
-    """The pdserve extra that installs its library, when it needs one."""
-
-
-_REGISTRY: dict[str, Connector | _Deferred] = {
-    "tcp": _Deferred("pdserve.kvtransfer.tcp:CONNECTOR", True),
-    "ucx": _Deferred("pdserve.kvtransfer.ucx:CONNECTOR", host_memory_checksum, extra="ucx"),
-    "nccl": _Deferred("pdserve.kvtransfer.nccl:CONNECTOR", False),
-    "cuda_ipc": _Deferred("pdserve.kvtransfer.cuda_ipc:CONNECTOR", False),
+# kind -> a Connector, or "module:attribute" of one, imported on first use
+_REGISTRY: dict[str, Connector | str] = {
+    "tcp": "pdserve.kvtransfer.tcp:CONNECTOR",
+    "ucx": "pdserve.kvtransfer.ucx:CONNECTOR",
+    "nccl": "pdserve.kvtransfer.nccl:CONNECTOR",
+    "cuda_ipc": "pdserve.kvtransfer.cuda_ipc:CONNECTOR",
 }
 
 
-def register_connector(kind: str, connector: Connector) -> None:
+def register_connector(kind: str, connector: Connector | str) -> None:
     if kind in _REGISTRY:
         raise ValueError(f"connector kind {kind!r} is already registered")
     _REGISTRY[kind] = connector
@@ -306,18 +255,10 @@ def connector_kinds() -> list[str]:
 
 def _connector(kind: str) -> Connector:
     entry = _REGISTRY[kind]
-    if isinstance(entry, _Deferred):
-        module, _, attr = entry.target.partition(":")
-        try:
-            connector: Connector = getattr(importlib.import_module(module), attr)
-        except ModuleNotFoundError as exc:
-            if not entry.extra or (exc.name or "").startswith("pdserve"):
-                raise
-            raise KVTransferError(
-                f"the {kind} connector needs {exc.name}, which is not installed: "
-                f"pip install 'pdserve[{entry.extra}]' (in a checkout: make test-extras)"
-            ) from exc
-        _REGISTRY[kind] = entry = connector
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        _REGISTRY[kind] = entry
     return entry
 
 

@@ -40,11 +40,12 @@ import struct
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost, ProtocolError
-from pdserve.kvtransfer.connector import ConnectorConfig, CudaIpcOptions
+from pdserve.kvtransfer.connector import ConnectorConfig, ConnectorOptions
 from pdserve.kvtransfer.cuda_ipc_setup import WindowAccept, WindowOffer, recv_record, send_record
 from pdserve.kvtransfer.device_sync import on_device, on_stream, poll
 from pdserve.kvtransfer.doorbell import DOORBELL_BYTES, Doorbell, SharedFile, open_shared
@@ -58,6 +59,19 @@ COUNTER = struct.Struct("<q")
 SHM_BYTES = COUNTER.size + DOORBELL_BYTES  # the progress counter, then the ACK doorbell
 _LIVE: weakref.WeakSet[IpcChannel] = weakref.WeakSet()
 _DROPPING: set[asyncio.Task[None]] = set()  # P mappings waiting for their copies to end
+
+
+@dataclass(frozen=True)
+class CudaIpcOptions(ConnectorOptions):
+    """The cuda_ipc connector's own settings."""
+
+    # D's window per connection on `ConnectorConfig.device`: it bounds one frame's payload (P splits larger
+    # buffers by layers) and, with the frames in flight, how far P may run ahead of D.
+    window_bytes: int = 512 << 20
+
+    def __post_init__(self) -> None:
+        if self.window_bytes <= 0:
+            raise ValueError(f"CudaIpcOptions.window_bytes must be > 0, got {self.window_bytes}")
 
 
 def live_windows() -> int:
@@ -346,4 +360,4 @@ class IpcTransport(ControlTransport):
         super().__init__("cuda_ipc", lambda control, rank, host: IpcChannel(control, rank, config))
 
 
-CONNECTOR = ChannelConnector(IpcTransport, checksum_default=False)
+CONNECTOR = ChannelConnector(IpcTransport, checksum_default=False, options=CudaIpcOptions)

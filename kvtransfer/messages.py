@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pdserve.kvtransfer.common import ProtocolError
-from pdserve.shared.types import FirstToken, KVLayout
+from pdserve.shared.types import BlockHash, FirstToken, KVLayout, RequestId
 from pdserve.shared.wire import Codec, WireError
 
 PROTOCOL_VERSION = 6
@@ -60,11 +60,13 @@ class Error:
 
 @dataclass(frozen=True)
 class Open:
-    """P reserves `num_blocks` blocks on D for `transfer_id`; `block_hashes` name the prompt's full blocks."""
+    """P reserves `num_blocks` blocks on D for `transfer_id` (every block of the prompt, a trailing partial
+    one included); `block_hashes` name its full blocks; `deadline` in unix seconds. D's handler gets it as it
+    came (`TransferHandler.on_open`), once the receiver checked the deadline and the counts."""
 
     TYPE: ClassVar[int] = 5
-    transfer_id: str
-    block_hashes: tuple[bytes, ...]
+    transfer_id: RequestId
+    block_hashes: tuple[BlockHash, ...]
     num_blocks: int
     deadline: float
 

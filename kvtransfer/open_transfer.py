@@ -11,7 +11,7 @@ import asyncio
 
 import numpy as np
 import torch
-from pdserve.kvtransfer.common import KVLayout, OpenReply
+from pdserve.kvtransfer.common import KVLayout, OpenReply, check_layers
 from pdserve.kvtransfer.framing import FramedConnection
 from pdserve.kvtransfer.messages import Complete, Data
 from pdserve.shared.types import RequestId
@@ -49,29 +49,16 @@ class OpenTransfer:
         self, msg: Data, payload: torch.Tensor | None, layout: KVLayout
     ) -> tuple[torch.Tensor, Cols] | str:
         """(dst ids on the payload's device, reserved columns) of a valid DATA, or what is wrong with it."""
-        reply, n = self.reply, len(msg.block_indices)
+        n = len(msg.block_indices)
         if payload is None:
             return "DATA without payload"
         if n == 0 or not n == len(msg.src_blocks) == len(msg.dst_blocks):
             return f"DATA descriptor lists differ in length or are empty ({n}, {len(msg.dst_blocks)})"
-        if not 0 <= msg.layer_start < msg.layer_start + msg.num_layers <= layout.num_layers:
-            return f"DATA layers {msg.layer_start}+{msg.num_layers} outside [0, {layout.num_layers})"
-        if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
-            return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
-        reserved = reply.dst_block_ids
-        first = msg.block_indices[0]
-        j0 = first - reply.num_held_blocks
-        # The usual frame names a run of consecutive blocks: one slice comparison checks it (reserved ids are
-        # distinct, so equal destinations pin every index), and its ids and columns are slices.
-        if (
-            j0 >= 0
-            and msg.dst_blocks == reserved[j0 : j0 + n]
-            and msg.block_indices == tuple(range(first, first + n))
-        ):
-            return self.dst_ids(payload.device)[j0 : j0 + n], slice(j0, j0 + n)
-        for index, dst in zip(msg.block_indices, msg.dst_blocks, strict=True):
-            j = index - reply.num_held_blocks
-            if not 0 <= j < len(reserved) or reserved[j] != dst:
-                return f"DATA block {index} -> {dst} is not in the reservation"
-        cols = [i - reply.num_held_blocks for i in msg.block_indices]
+        try:
+            check_layers(msg.layer_start, msg.num_layers, layout)
+            if payload.numel() != msg.num_layers * n * layout.layer_block_bytes:
+                return f"DATA payload {payload.numel()} B != {msg.num_layers} layers x {n} blocks"
+            cols = self.reply.columns(msg.block_indices, msg.dst_blocks)
+        except ValueError as e:
+            return f"DATA {e}"
         return self.dst_ids(payload.device)[cols], cols

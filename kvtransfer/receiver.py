@@ -32,7 +32,6 @@ from pdserve.kvtransfer.common import (
     HandshakeError,
     OpenRefused,
     OpenReply,
-    OpenRequest,
     PeerIdentity,
     ProtocolError,
 )
@@ -43,7 +42,7 @@ from pdserve.kvtransfer.handshake import server_handshake
 from pdserve.kvtransfer.messages import Abort, Ack, Complete, Data, Error, Open, OpenOk, OpenRefusal, Ping
 from pdserve.kvtransfer.open_transfer import Cols, OpenTransfer
 from pdserve.kvtransfer.transport import Listener, Transport
-from pdserve.shared.types import BlockHash, NodeId, RequestId
+from pdserve.shared.types import NodeId, RequestId
 
 log = logging.getLogger("pdserve.kvtransfer")
 
@@ -201,7 +200,7 @@ class ChannelServer:
             await conn.send(msg)
 
     async def _open(self, conn: FramedConnection, peer_id: NodeId, msg: Open) -> None:
-        tid = RequestId(msg.transfer_id)
+        tid = msg.transfer_id
         refusal: str | None = None
         reply: OpenReply | None = None
         if msg.deadline <= time.time():
@@ -210,10 +209,7 @@ class ChannelServer:
             refusal = f"bad OPEN: num_blocks={msg.num_blocks}, {len(msg.block_hashes)} block hashes"
         else:
             try:
-                hashes = tuple(BlockHash(h) for h in msg.block_hashes)
-                reply = await self.handler.on_open(
-                    OpenRequest(peer_id, tid, hashes, msg.num_blocks, msg.deadline)
-                )
+                reply = await self.handler.on_open(peer_id, msg)
             except OpenRefused as e:
                 refusal = e.reason
             except asyncio.CancelledError:

@@ -30,6 +30,7 @@ from pdserve.kvtransfer.common import (
     TransferAborted,
     TransferRefused,
     TransferStats,
+    check_layers,
 )
 from pdserve.kvtransfer.connector import ConnectorConfig
 from pdserve.kvtransfer.device_sync import SPIN_S, stream_idle
@@ -237,17 +238,11 @@ class ChannelSession:
             raise ValueError(
                 f"buffer {tuple(buffer.shape)} {buffer.dtype} != [nl, *{expected}] {layout.dtype}"
             )
-        if not 0 <= layer_start < layer_start + buffer.shape[0] <= layout.num_layers:
-            raise ValueError(f"layers {layer_start}+{buffer.shape[0]} outside [0, {layout.num_layers})")
-        indices, dst, n, reserved = blocks.indices, blocks.dst, len(blocks), reply.dst_block_ids
-        j0 = indices[0] - reply.num_held_blocks if n else -1
-        # A run of consecutive blocks (the usual frame) is checked by one slice comparison, as on D.
-        if j0 < 0 or dst != reserved[j0 : j0 + n] or indices != tuple(range(indices[0], indices[0] + n)):
-            for index, d in zip(indices, dst, strict=True):
-                j = index - reply.num_held_blocks
-                if not 0 <= j < len(reserved) or reserved[j] != d:
-                    raise ValueError(f"block {index} -> {d} does not match the reservation {reply}")
-        return Data(self._transfer_id, layer_start, int(buffer.shape[0]), indices, blocks.src, dst)
+        check_layers(layer_start, int(buffer.shape[0]), layout)
+        reply.columns(blocks.indices, blocks.dst)
+        return Data(
+            self._transfer_id, layer_start, int(buffer.shape[0]), blocks.indices, blocks.src, blocks.dst
+        )
 
     def _on_deadline(self) -> None:
         """The request's deadline passed: a DATA frame still going out cuts the connection (a frame cut

@@ -1,4 +1,4 @@
-"""This process's UCX context and how the ucx connector awaits ucxx requests (kvtransfer/ucx.py's plumbing).
+"""This process's UCX context and how the ucx connector awaits ucxx requests (ucx_transport.py's plumbing).
 
 One UCX context per process, shared by every ucx transport and started on the event loop of its first user;
 requests complete through ucxx's Python futures, and a failed request's error stops at `ucx_request` with
@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Awaitable
 
 import torch
 import ucxx
-from pdserve.kvtransfer.connector import ConnectorConfig, UcxOptions
+from pdserve.kvtransfer.connector import ConnectorConfig
+from pdserve.kvtransfer.ucx import UcxOptions
 
 log = logging.getLogger("pdserve.kvtransfer")
 UCX_ERRORS = (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled)

@@ -34,9 +34,9 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
 )
 from pdserve.kvtransfer.device_sync import event_done
-from pdserve.shared.engine.engine import RequestOutput, StepObserver, StepSlice
+from pdserve.shared.engine.engine import StepObserver, StepSlice
 from pdserve.shared.node.kv_fetch import FetchedPrefix, PrefixFetcher
-from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
+from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult, StepOutput
 from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
 
@@ -169,7 +169,7 @@ class PrefillService:
         hashes = engine.prompt_hashes(engine_req)
         num_blocks = -(-len(req.prompt_token_ids) // engine.cfg.block_size)
         t0 = time.perf_counter()
-        last: RequestOutput | None = None
+        last: StepOutput | None = None
         job: _Job | None = None
         session: TransferSession | None = None
         fetched: FetchedPrefix | None = None
@@ -203,7 +203,9 @@ class PrefillService:
             lp = last.logprobs[0] if last.logprobs else None
             token = last.token_ids[0]
             stats = await session.complete(
-                FirstToken(token) if lp is None else FirstToken(token, lp.logprob, lp.top)
+                FirstToken(token)
+                if lp is None
+                else FirstToken(token, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
             )
             acked_at = time.monotonic()
             m = self.rt.metrics

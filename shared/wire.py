@@ -162,12 +162,22 @@ class JsonMessage:
 
 
 # ---- compiling a type into its checker and encoder -----------------------------------------------------
+def local(default: Any) -> Any:
+    """A message field that stays in the process that built it (a local clock reading): never encoded, its
+    default when decoded, and left out of equality, so a message equals its round trip."""
+    return dataclasses.field(default=default, compare=False, metadata={_LOCAL: True})
+
+
+_LOCAL = "pdserve.wire.local"
+
+
 def _hints(cls: type) -> list[tuple[str, object, bool]]:
-    """(name, annotation, required) of each dataclass field, in declaration order."""
+    """(name, annotation, required) of each dataclass field that travels, in declaration order."""
     hints = typing.get_type_hints(cls, include_extras=True)
     return [
         (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         for f in dataclasses.fields(cls)
+        if not f.metadata.get(_LOCAL)
     ]
 
 

@@ -15,9 +15,10 @@ import pytest
 import torch
 from pdserve.cli import default_model_path
 from pdserve.shared.engine.config import EngineConfig
-from pdserve.shared.engine.engine import LLMEngine, RequestOutput
+from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.node.node_protocol import StepOutput
 from pdserve.shared.types import RequestId
 
 pytestmark = pytest.mark.slow
@@ -60,7 +61,7 @@ def _run(
     ids = [RequestId(f"r{i}") for i in range(len(work))]
     for rid, (prompt, params) in zip(ids, work, strict=True):
         engine.add_request(engine.new_request(rid, prompt, params))
-    outs: dict[str, list[RequestOutput]] = {str(rid): [] for rid in ids}
+    outs: dict[str, list[StepOutput]] = {str(rid): [] for rid in ids}
     steps = 0
     while engine.has_unfinished():
         for o in engine.step():

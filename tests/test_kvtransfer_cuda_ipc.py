@@ -21,13 +21,12 @@ import torch
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.common import ProtocolError
 from pdserve.kvtransfer.connector import (
-    CudaIpcOptions,
     FrameBlocks,
     KVReceiverServer,
     TransferSession,
     create_sender,
 )
-from pdserve.kvtransfer.cuda_ipc import live_windows
+from pdserve.kvtransfer.cuda_ipc import CudaIpcOptions, live_windows
 from pdserve.kvtransfer.cuda_ipc_setup import (
     RECORD_LEN,
     SETUP_CODEC,

@@ -98,7 +98,7 @@ def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
                     blocks = FrameBlocks(tuple(order), ids, tuple(dst[i] for i in order))
                     # buf: [2, n, B, Hkv, D]
                     await session.send_layers(layer, blocks, src[layer][:, order].contiguous())
-            with pytest.raises(ValueError, match="does not match the reservation"):  # P checks first
+            with pytest.raises(ValueError, match="is not in the reservation"):  # P checks first
                 await session.send_layers(0, FrameBlocks((0,), (BlockId(0),), (dst[1],)), src[0][:, :1])
             await session.complete(FirstToken(1))
             for i, b in enumerate(dst):

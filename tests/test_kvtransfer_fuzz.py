@@ -43,7 +43,7 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.receiver import ChannelServer
 from pdserve.kvtransfer.tcp import TcpTransport
-from pdserve.shared.types import FirstToken, NodeId
+from pdserve.shared.types import FirstToken, NodeId, RequestId
 from pdserve.tests.test_kvtransfer_messages import EXAMPLES
 from pdserve.tests.test_kvtransfer_protocol import LAYOUT, PagedReceiver, config, identity
 
@@ -246,7 +246,7 @@ def test_the_receiver_survives_any_decoded_frame(frames: list[tuple[Message, int
         server._connections[conn.channel] = asyncio.get_running_loop().create_future()
         peer = NodeId("prefill-fuzz")
         for tid in ("t0", "t1"):
-            await server._dispatch(conn, peer, _frame(Open(tid, (), 3, 4e9), None))
+            await server._dispatch(conn, peer, _frame(Open(RequestId(tid), (), 3, 4e9), None))
         await asyncio.gather(*server._landings)
         assert server.open_transfer_ids() == {"t0", "t1"}
         for msg, nbytes in frames:

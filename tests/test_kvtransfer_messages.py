@@ -40,7 +40,7 @@ from pdserve.kvtransfer.messages import (
     decode_header,
     encode_header,
 )
-from pdserve.shared.types import FirstToken
+from pdserve.shared.types import BlockHash, FirstToken, RequestId
 
 LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start=3)
 ids = st.text(min_size=1, max_size=40)
@@ -51,7 +51,7 @@ EXAMPLES: list[Message] = [
     Auth(b"\x05" * 32),
     Ready(),
     Error("layout", "layout.block_size: local 16, peer 32"),
-    Open("req-1", (b"\x06" * 32, b"\x07" * 32), 3, 1.7e9 + 0.25),
+    Open(RequestId("req-1"), (BlockHash(b"\x06" * 32), BlockHash(b"\x07" * 32)), 3, 1.7e9 + 0.25),
     OpenOk("req-1", 2, (5, 9)),
     OpenRefusal("req-1", "need 3 blocks, 2 free"),
     Data("req-1", 4, 2, (2, 3), (11, 12), (5, 9)),
@@ -81,7 +81,7 @@ def test_data_round_trip(
 
 @given(tid=ids, hashes=st.lists(st.binary(min_size=32, max_size=32), max_size=20), deadline=st.floats(0, 2e9))
 def test_open_round_trip(tid: str, hashes: list[bytes], deadline: float) -> None:
-    msg = Open(tid, tuple(hashes), len(hashes) + 1, deadline)
+    msg = Open(RequestId(tid), tuple(BlockHash(h) for h in hashes), len(hashes) + 1, deadline)
     assert decode_header(Open.TYPE, encode_header(msg)) == msg
 
 

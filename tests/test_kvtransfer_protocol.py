@@ -33,13 +33,11 @@ from pdserve.kvtransfer.connector import (
     KVReceiverServer,
     OpenRefused,
     OpenReply,
-    OpenRequest,
     PeerIdentity,
     TransferAborted,
     TransferRefused,
     TransferSession,
     TransferStats,
-    UcxOptions,
     create_sender,
     create_server,
 )
@@ -58,13 +56,14 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.kvtransfer.transport import Transport, parse_address
+from pdserve.kvtransfer.ucx import UcxOptions
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 UCX = importlib.util.find_spec("ucxx") is not None
 """The ucx connector runs over host memory too, but needs the [ucx] extra (`make test-extras`, CI)."""
 if UCX:
     import ucxx
-    from pdserve.kvtransfer.ucx import RECORD, UcxChannel, UcxTransport, progress_mode
+    from pdserve.kvtransfer.ucx_transport import RECORD, UcxChannel, UcxTransport, progress_mode
 needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test-extras)")
 
 T = TypeVar("T")
@@ -125,7 +124,7 @@ class PagedReceiver:
         self.held[block_hash] = block
         return block
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
         hashes, num_blocks, transfer_id = req.block_hashes, req.num_blocks, req.transfer_id
         num_held = 0
         while num_held < len(hashes) and hashes[num_held] in self.held:
@@ -398,7 +397,7 @@ def test_open_refusal_reserves_nothing(kind: str) -> None:
             with pytest.raises(TransferRefused, match="deadline"):  # P does not even ask
                 await late.open(block_hashes(1), 1, time.time() - 1)
             conn = await raw_sender(kind, server)  # D checks it too
-            await conn.send(Open("late", (), 1, time.time() - 1))
+            await conn.send(Open(RequestId("late"), (), 1, time.time() - 1))
             refusal = (await conn.recv()).msg
             conn.channel.abort()
             assert isinstance(refusal, OpenRefusal) and "deadline" in refusal.reason
@@ -441,9 +440,9 @@ def test_connection_cut_midway_aborts_exactly_once(kind: str) -> None:
         conn = await raw_sender(kind, server)
         try:
             for tid in ("a", "b"):
-                await conn.send(Open(tid, (), 2, time.time() + 30))
+                await conn.send(Open(RequestId(tid), (), 2, time.time() + 30))
                 assert isinstance((await conn.recv()).msg, OpenOk)
-            await conn.send(Open("c", (), 1, time.time() + 30))
+            await conn.send(Open(RequestId("c"), (), 1, time.time() + 30))
             reply = (await conn.recv()).msg
             assert isinstance(reply, OpenOk)
             await conn.send(*data_frame("c", reply))
@@ -467,7 +466,7 @@ def test_corrupted_frame_aborts_that_transfer(kind: str, caplog: pytest.LogCaptu
         server = await started(kind, receiver)
         conn = await raw_sender(kind, server)
         try:
-            await conn.send(Open("bad", (), 2, time.time() + 30))
+            await conn.send(Open(RequestId("bad"), (), 2, time.time() + 30))
             reply = (await conn.recv()).msg
             assert isinstance(reply, OpenOk)
             prefix, header, payload = encode_frame(*data_frame("bad", reply), checksum=True)
@@ -479,7 +478,9 @@ def test_corrupted_frame_aborts_that_transfer(kind: str, caplog: pytest.LogCaptu
             assert isinstance(abort, Abort) and "checksum" in abort.reason
             assert receiver.aborts == [("bad", abort.reason)] and receiver.data_calls == 0
             assert "corrupted frame" in caplog.text
-            await conn.send(Open("next", (), 1, time.time() + 30))  # the connection itself survives
+            await conn.send(
+                Open(RequestId("next"), (), 1, time.time() + 30)
+            )  # the connection itself survives
             assert isinstance((await conn.recv()).msg, OpenOk)
             await conn.send(Abort("next", "done"))
             await until(lambda: len(receiver.aborts) == 2)

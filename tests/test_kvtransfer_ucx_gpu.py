@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, UcxOptions, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, create_sender
+from pdserve.kvtransfer.ucx import UcxOptions
 from pdserve.shared.types import BlockId, FirstToken, RequestId
 from pdserve.tests.test_kvtransfer_cuda_ipc import (
     BLOCKS,

@@ -18,7 +18,8 @@ from pdserve.shared.types import FinishReason, RequestId
 
 if TYPE_CHECKING:  # the engine (torch) loads in `run`: prompts are read and checked before it
     from pdserve.shared.engine.config import EngineConfig
-    from pdserve.shared.engine.engine import LLMEngine, RequestOutput
+    from pdserve.shared.engine.engine import LLMEngine
+    from pdserve.shared.node.node_protocol import StepOutput
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def generate(engine: LLMEngine, prompts: Sequence[tuple[Sequence[int], SamplingP
     ]
     for r in requests:
         engine.add_request(r)
-    collected: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+    collected: dict[str, list[StepOutput]] = {r.request_id: [] for r in requests}
     while engine.has_unfinished():
         for out in engine.step():
             collected[out.request_id].append(out)
@@ -131,7 +132,11 @@ def run(cfg: EngineConfig, prompts: Sequence[Prompt], as_json: bool) -> int:
                         "logprobs": None
                         if c.logprobs is None
                         else [
-                            {"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top}
+                            {
+                                "token_id": lp.token_id,
+                                "logprob": lp.logprob,
+                                "top": [(t.token_id, t.logprob) for t in lp.top],
+                            }
                             for lp in c.logprobs
                         ],
                         "load_seconds": round(load_s, 3),

@@ -16,8 +16,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from pdserve.shared.engine.engine import LLMEngine, RequestOutput
+from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.request import Request
+from pdserve.shared.node.node_protocol import StepOutput
 from pdserve.shared.types import RequestId
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,12 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[RequestId, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[RequestId, asyncio.Queue[StepOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self.step_listeners: list[Callable[[list[RequestOutput]], None]] = []
+        self.step_listeners: list[Callable[[list[StepOutput]], None]] = []
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -70,14 +71,14 @@ class AsyncEngine:
         self._inbox.put(run)
         return await fut
 
-    def open_stream(self, request_id: RequestId) -> asyncio.Queue[RequestOutput]:
+    def open_stream(self, request_id: RequestId) -> asyncio.Queue[StepOutput]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already streaming")
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._streams[request_id] = q
         return q
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request) -> AsyncIterator[StepOutput]:
         """Adds `request` and yields its outputs until it finishes; aborts it if the consumer stops."""
         q = self.open_stream(request.request_id)
         try:
@@ -88,9 +89,7 @@ class AsyncEngine:
         async for out in self.stream(request.request_id, q):
             yield out
 
-    async def stream(
-        self, request_id: RequestId, q: asyncio.Queue[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: RequestId, q: asyncio.Queue[StepOutput]) -> AsyncIterator[StepOutput]:
         finished = False
         try:
             while not finished:
@@ -135,7 +134,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[StepOutput]) -> None:
         if not outputs:
             return
         assert self._loop is not None
@@ -143,7 +142,7 @@ class AsyncEngine:
             listener(outputs)
         self._loop.call_soon_threadsafe(self._route, outputs)
 
-    def _route(self, outputs: list[RequestOutput]) -> None:
+    def _route(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
             q = self._streams.get(out.request_id)
             if q is not None:
@@ -157,7 +156,7 @@ class AsyncEngine:
             for rid in ids:
                 q = self._streams.get(rid)
                 if q is not None:
-                    q.put_nowait(RequestOutput(rid, (), "", None, "error", 0, 0, 0))
+                    q.put_nowait(StepOutput.failed(rid, 0))
 
         self._loop.call_soon_threadsafe(fail)
 

@@ -53,6 +53,7 @@ from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.node.node_protocol import StepOutput, TokenLogprob, TopLogprob
 from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
 log = logging.getLogger(__name__)
@@ -102,35 +103,6 @@ class EngineSnapshot:
     def kv_usage(self) -> float:
         """KV blocks in use or reserved over the pool, a float from 0 to 1."""
         return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks else 0.0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request. `text` is the new text since the previous output."""
-
-    request_id: RequestId
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    arrival_time: float = 0.0
-    """time.monotonic() when the request was built."""
-    scheduled_time: float | None = None
-    """time.monotonic() when this engine first computed it (None: not yet, or its prompt came remotely)."""
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -379,7 +351,7 @@ class LLMEngine:
         request: Request,
         reservation: RemoteReservation,
         first: FirstToken,
-    ) -> RequestOutput:
+    ) -> StepOutput:
         """Enters a request whose prompt KV has landed in `reservation` with the first token sampled where it
         was computed (its logprob is kept when the request asked for logprobs); returns that token's output
         (finished at once when it ends the request)."""
@@ -395,7 +367,7 @@ class LLMEngine:
             raise
         live = self._track(request)
         if first.logprob is not None:
-            live.logprobs.append(TokenLogprob(first.token_id, first.logprob, first.top))
+            live.logprobs.append(self._logprob(first.token_id, first.logprob, first.top))
         return self._emit(live)
 
     def release_remote(self, reservation: RemoteReservation) -> None:
@@ -411,7 +383,7 @@ class LLMEngine:
         self._live[request.request_id] = live
         return live
 
-    def abort(self, request_id: RequestId) -> RequestOutput | None:
+    def abort(self, request_id: RequestId) -> StepOutput | None:
         live = self._live.pop(request_id, None)
         self.scheduler.abort(request_id)
         if live is None:
@@ -440,7 +412,7 @@ class LLMEngine:
             if not request.block_ids:
                 self.pool.restore(request.block_hashes[: (request.num_tokens - 1) // bs])
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """Runs one step. Without overlap: schedule, compute, sample, and return its outputs. With overlap:
         launch the next step, then return the outputs of the one launched by the previous call."""
         prev, self._inflight = self._inflight, None
@@ -502,7 +474,7 @@ class LLMEngine:
         rows = {s.request.request_id: i for i, s in enumerate(sampling)}
         return _InFlight(out, sampling, self.sampler.launch(logits, states), rows)
 
-    def _apply(self, step: _InFlight) -> list[RequestOutput]:
+    def _apply(self, step: _InFlight) -> list[StepOutput]:
         """Waits for a launched step's tokens, applies them, and emits the outputs of its live requests."""
         result = step.sample.result()
         tokens: dict[RequestId, int] = {}
@@ -516,11 +488,25 @@ class LLMEngine:
             tokens[s.request.request_id] = tok
             emit.append(live)
             if lp is not None:
-                live.logprobs.append(TokenLogprob(tok, lp, top or ()))
+                live.logprobs.append(self._logprob(tok, lp, top or ()))
         self.scheduler.update(step.out, tokens)
         return [self._emit(live) for live in emit]
 
-    def _emit(self, live: _Live) -> RequestOutput:
+    def _logprob(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]]) -> TokenLogprob:
+        """A sampled token's logprob and its top alternatives, each token with its text and UTF-8 bytes."""
+
+        def piece(tid: int) -> tuple[str, tuple[int, ...]]:
+            text = self.tokenizer.decode([tid], skip_special_tokens=False)
+            return text, tuple(text.encode("utf-8"))
+
+        text, raw = piece(token_id)
+        alternatives = []
+        for tid, value in top:
+            top_text, top_raw = piece(tid)
+            alternatives.append(TopLogprob(top_text, tid, value, top_raw))
+        return TokenLogprob(token_id, text, logprob, raw, tuple(alternatives))
+
+    def _emit(self, live: _Live) -> StepOutput:
         request = live.request
         new = tuple(request.output_token_ids[live.emitted :])
         live.emitted = len(request.output_token_ids)
@@ -536,12 +522,12 @@ class LLMEngine:
 
     def _output(
         self, live: _Live, new: tuple[int, ...], text: str, reason: FinishReason | None
-    ) -> RequestOutput:
+    ) -> StepOutput:
         r = live.request
         lps = None
         if r.params.logprobs is not None:
             lps = tuple(live.logprobs[len(live.logprobs) - len(new) :]) if new else ()
-        return RequestOutput(
+        return StepOutput(
             r.request_id,
             new,
             text,
@@ -550,8 +536,8 @@ class LLMEngine:
             r.num_prompt_tokens,
             len(r.output_token_ids),
             r.num_cached_tokens,
-            r.arrival_time,
-            r.scheduled_time,
+            arrival_time=r.arrival_time,
+            scheduled_time=r.scheduled_time,
         )
 
     def drain_events(self) -> list[BlockEvent]:

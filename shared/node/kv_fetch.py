@@ -8,11 +8,12 @@ it still has (`hold_prefix`: fewer blocks than asked when the index was stale, n
 transfer carrying exactly those hashes, sends the blocks the fetcher's OPEN reply lacks, a frame per
 `layers_per_frame` layers gathered on its engine thread (`export_layer`), completes, and unpins.
 
-Invariants: the holder's pins are released on every path; a fetch reservation on the fetcher ends exactly
-once: released at once on abort, failure or cancellation, or committed on COMPLETE (`commit_fetched`) and
-released by the fetching request once its prefill has matched it (`PrefixFetcher.release`), its blocks then
-CACHED; an OPEN for a fetch nobody waits for is refused, and one reserved while the fetcher stopped waiting
-is given back. A short or failed fetch is never an error: the prefill computes what did not arrive.
+Invariants: the holder's pins are released on every path; a fetch reservation on the fetcher (a
+`KVReservation`, shared/node/reservation.py) ends exactly once: released at once on abort, failure or
+cancellation, or committed on COMPLETE (`commit_fetched`) and released by the fetching request once its
+prefill has matched it (`PrefixFetcher.release`), its blocks then CACHED; an OPEN for a fetch nobody waits for
+is refused, and one reserved while the fetcher stopped waiting is given back. A short or failed fetch is never
+an error: the prefill computes what did not arrive.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -34,9 +35,9 @@ from pdserve.kvtransfer.connector import (
     FrameBlocks,
     KVSender,
     KVTransferError,
+    Open,
     OpenRefused,
     OpenReply,
-    OpenRequest,
     TransferHandler,
     TransferSession,
 )
@@ -45,6 +46,7 @@ from pdserve.shared.engine.engine import RemoteReservation
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import ExportRequest, ExportResult
 from pdserve.shared.node.node_runtime import NodeRuntime
+from pdserve.shared.node.reservation import KVReservation, Reservations
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 log = logging.getLogger(__name__)
@@ -121,7 +123,7 @@ class PrefixExporter:
 @dataclass
 class _Fetch:
     hashes: tuple[BlockHash, ...]
-    reservation: RemoteReservation | None = None
+    reservation: KVReservation = field(default_factory=KVReservation)
     committed: bool = False
     ended: bool = False
 
@@ -132,45 +134,30 @@ class FetchReceiver(TransferHandler):
     def __init__(self, rt: NodeRuntime) -> None:
         self.rt = rt
         self.pending: dict[RequestId, _Fetch] = {}
-        self._background: set[asyncio.Future[Any]] = set()
+        self.reservations = Reservations(rt)
 
-    async def on_open(self, req: OpenRequest) -> OpenReply:
+    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
         f = self.pending.get(req.transfer_id)
-        if f is None or f.ended or f.reservation is not None:
+        if f is None or f.ended or f.reservation.blocks is not None:
             raise OpenRefused("no prefix fetch is waiting for this transfer")
         if req.num_blocks != len(req.block_hashes) or tuple(req.block_hashes) != f.hashes[: req.num_blocks]:
             raise OpenRefused("the holder offered blocks that were not asked for")
-        engine = self.rt.engine
-        fut = asyncio.ensure_future(
-            self.rt.aengine.call(lambda: engine.reserve_remote(req.block_hashes, req.num_blocks))
-        )
-        try:
-            res = await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(self._release_orphan)
-            raise
+        reservation = await self.reservations.reserve(req.block_hashes, req.num_blocks)
+        res = reservation.blocks
         if res is None:
             raise OpenRefused("no free KV blocks for the fetched prefix")
         if f.ended:  # the fetcher stopped waiting while the engine reserved
-            await self.rt.aengine.call(lambda: engine.release_remote(res))
+            await reservation.release()
             raise OpenRefused("the fetch ended on the fetching node")
-        f.reservation = res
+        f.reservation = reservation
         return OpenReply(len(res.held), tuple(res.dst))
-
-    def _release_orphan(self, fut: asyncio.Future[RemoteReservation | None]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        res = fut.result()
-        if res is not None:
-            task = asyncio.ensure_future(self.rt.aengine.call(lambda: self.rt.engine.release_remote(res)))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
 
     def _live(self, transfer_id: RequestId) -> tuple[_Fetch, RemoteReservation]:
         f = self.pending.get(transfer_id)
-        if f is None or f.ended or f.reservation is None:
+        res = None if f is None or f.ended else f.reservation.blocks
+        if f is None or res is None:
             raise RuntimeError(f"fetch {transfer_id} was aborted on the fetching node")
-        return f, f.reservation
+        return f, res
 
     async def on_data(
         self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
@@ -188,11 +175,9 @@ class FetchReceiver(TransferHandler):
 
     async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
         f = self.pending.get(transfer_id)
-        if f is None or f.reservation is None or f.committed:
+        if f is None or f.reservation.blocks is None or f.committed:
             return
-        res, f.reservation = f.reservation, None
-        engine = self.rt.engine
-        await self.rt.aengine.call(lambda: engine.release_remote(res))
+        await f.reservation.release()
         log.info("prefix fetch %s aborted: %s", transfer_id, reason)
 
     async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
@@ -209,7 +194,7 @@ class FetchedPrefix:
     asked_blocks: int
     holder_blocks: int
     landed: int
-    reservation: RemoteReservation | None
+    reservation: KVReservation
 
 
 class PrefixFetcher:
@@ -270,27 +255,23 @@ class PrefixFetcher:
                     log.warning("prefix fetch %s from %s: %s", tid, holder_url, result.error)
             except (httpx.HTTPError, TimeoutError, ValueError) as exc:
                 log.warning("prefix fetch %s from %s failed: %s", tid, holder_url, exc or type(exc).__name__)
-            res = f.reservation if f.committed else None
+            kept = f.reservation if f.committed else KVReservation()
+            res = kept.blocks
             landed = 0 if res is None else len(res.dst)
             have = local_blocks if res is None else max(local_blocks, len(res.held) + landed)
             m = self.rt.metrics
             m.fetched_blocks.inc(landed)
             m.fetch_miss_blocks.inc(len(hashes) - have)
             done = True
-            return FetchedPrefix(len(hashes), 0 if result is None else result.held_blocks, landed, res)
+            return FetchedPrefix(len(hashes), 0 if result is None else result.held_blocks, landed, kept)
         finally:
             self.receiver.pending.pop(tid, None)
             f.ended = True
-            res = f.reservation
-            if res is not None and not (done and f.committed):
-                engine = self.rt.engine
-                await asyncio.shield(self.rt.aengine.call(lambda: engine.release_remote(res)))
+            if not (done and f.committed):
+                await f.reservation.release()
 
     async def release(self, fetched: FetchedPrefix) -> None:
-        res = fetched.reservation
-        if res is not None:
-            engine = self.rt.engine
-            await asyncio.shield(self.rt.aengine.call(lambda: engine.release_remote(res)))
+        await fetched.reservation.release()
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import FINISH_REASONS, ROLES, FinishReason, NodeId, RequestId, Role
-from pdserve.shared.wire import Codec, JsonMessage, U32Ids
+from pdserve.shared.wire import Codec, JsonMessage, U32Ids, local
 
 PROTOCOL_VERSION = 2
 CODEC = Codec("node protocol", PROTOCOL_VERSION)
@@ -218,9 +218,16 @@ class TokenLogprob:
             object.__setattr__(self, "top", tuple(t._replace(logprob=_clamp(t.logprob)) for t in self.top))
 
 
+ENGINE_FAILURE = "engine or transfer failure"
+
+
 @dataclass(frozen=True)
 class StepOutput(_Message):
-    """Node -> router, one NDJSON line per engine step. Counts are cumulative for the request."""
+    """What one engine step produced for one request (the engine's output), and the node -> router NDJSON
+    line that carries it. `text` is the new text since the previous output; counts are cumulative for the
+    request. `arrival_time` and `scheduled_time` are the node's own time.monotonic() readings (when the
+    request was built; when this engine first computed it, None: not yet, or its prompt came remotely) and
+    never travel."""
 
     request_id: RequestId
     token_ids: tuple[int, ...]
@@ -231,6 +238,17 @@ class StepOutput(_Message):
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    arrival_time: float = local(0.0)
+    scheduled_time: float | None = local(None)
+
+    @classmethod
+    def failed(cls, request_id: RequestId, prompt_tokens: int, error: str = ENGINE_FAILURE) -> StepOutput:
+        """The last output of a request that ended in error, saying why."""
+        return cls(request_id, (), "", None, "error", prompt_tokens, 0, 0, error)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
