@@ -44,9 +44,10 @@ class BatchItem:
 
 
 def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
+    """Bytes of one block on this rank (its KV heads: all of them at TP=1)."""
     c = loaded.config
     elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    return c.num_layers * 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
+    return c.num_layers * 2 * cfg.block_size * loaded.model.tp.num_kv_heads * c.head_dim * elem
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -72,13 +73,15 @@ class ModelRunner:
         *,
         max_model_len: int | None = None,
         ops: AttentionOps | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """`max_model_len` defaults to the config's (capped by the model's); `ops` to `get_ops(device)`."""
+        """`max_model_len` defaults to the config's (capped by the model's); `ops` to `get_ops(device)`;
+        `device` to the config's (a tensor-parallel rank's is `cfg.rank_device(rank)`)."""
         c = loaded.config
         self.model = loaded.model
         self.config = c
         self.block_size = cfg.block_size
-        self.device = cfg.torch_device
+        self.device = device or cfg.torch_device
         self.ops: AttentionOps = ops or get_ops(self.device)
         self.num_blocks = num_blocks
         if self.device.type == "cuda":
@@ -87,9 +90,9 @@ class ModelRunner:
             # process owns one engine, so this is the engine's setting, made once at construction.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        # kv_cache: [L, 2, N, B, Hkv, D]
+        # kv_cache: [L, 2, N, B, Hkv, D], Hkv: this rank's KV heads
         self.kv_cache = _zeroed(
-            (c.num_layers, 2, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim),
+            (c.num_layers, 2, num_blocks, cfg.block_size, loaded.model.tp.num_kv_heads, c.head_dim),
             cfg.torch_dtype,
             self.device,
         )
