@@ -40,14 +40,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from pdserve.kernels.ops import get_ops
 from pdserve.shared.engine.block_hash import hash_seed, model_fingerprint
 from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
 from pdserve.shared.engine.config import EngineConfig
-from pdserve.shared.engine.cuda_graphs import plan_gpu_memory
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
 from pdserve.shared.engine.host_copy import HostTierCopier
-from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block, size_kv_pool
 from pdserve.shared.engine.parallel.ranks import start_ranks
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
@@ -166,34 +164,6 @@ class RemoteReservation:
     @property
     def block_ids(self) -> list[BlockId]:
         return [*self.held, *self.dst]
-
-
-def size_kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
-    """Blocks of this rank's KV pool: from `kv_cache_bytes` on the CPU, from free memory on a GPU (after the
-    weights, before the pool and the graphs: activations measured, capture reserved)."""
-    per_block = kv_bytes_per_block(loaded, cfg)
-    if cfg.torch_device.type == "cuda":
-        plan = plan_gpu_memory(
-            loaded.model,
-            get_ops(cfg.torch_device),
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            utilization=cfg.gpu_memory_utilization,
-            cuda_graphs=cfg.cuda_graphs,
-        )
-        n = max(2, plan.num_blocks(per_block))
-        log.info(
-            "KV pool: %d blocks = %d tokens (%.2f GiB); GPU %.1f GiB, used %.2f GiB, activations "
-            "%.2f GiB, graph reserve %.2f GiB, sampler reserve %.2f GiB",
-            n, n * cfg.block_size, n * per_block / 2**30, plan.total / 2**30, plan.used_before_kv / 2**30,
-            plan.activation_peak / 2**30, plan.graph_reserve / 2**30, plan.sampler_reserve / 2**30,
-        )  # fmt: skip
-        return n
-    n = max(2, cfg.kv_cache_bytes // per_block)
-    log.info("KV pool: %d blocks = %d tokens (%.2f GiB)", n, n * cfg.block_size, n * per_block / 2**30)
-    return n
 
 
 class LLMEngine:

@@ -30,8 +30,7 @@ log = logging.getLogger("pdserve.tp.worker")
 def serve(args: dict[str, Any]) -> None:
     from datetime import timedelta
 
-    from pdserve.shared.engine.engine import size_kv_pool
-    from pdserve.shared.engine.model_runner import ModelRunner
+    from pdserve.shared.engine.model_runner import ModelRunner, size_kv_pool
     from pdserve.shared.model.loader import load_model
 
     cfg = EngineConfig(**args["config"])
@@ -39,6 +38,8 @@ def serve(args: dict[str, Any]) -> None:
     torch.set_num_threads(int(args["threads"]))
     reader = StepReader(int(args["region_fd"]), int(args["bell_fd"]), int(args["capacity"]))
     device = cfg.rank_device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the memory plan and Triton's launches use the current device
     comm = DistCollectives(rank, cfg.tensor_parallel_size, device)
     loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype, tokenizer_path=cfg.tokenizer,
                         seed=cfg.seed, comm=comm)  # fmt: skip
