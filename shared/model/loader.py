@@ -72,10 +72,12 @@ def load_model(
     tokenizer_path: str | None = None,
     seed: int = 0,
     comm: Collectives | None = None,
+    progress: bool = True,
 ) -> LoadedModel:
     """Load weights and tokenizer. `seed` only matters for dummy weights. With `comm` (a tensor-parallel
-    group) the model holds rank `comm.rank`'s share; a split the model does not allow raises
-    ModelLoadError naming its heads and the size. Raises ModelLoadError."""
+    group) the model holds rank `comm.rank`'s share; a split the model does not allow raises ModelLoadError
+    naming its heads and the size. `progress`: a progress bar on stderr (a node's rank 0 draws the node's
+    one bar). Raises ModelLoadError."""
     start = time.perf_counter()
     comm = comm or SingleRank()
     if path.startswith(DUMMY_PREFIX):
@@ -84,7 +86,7 @@ def load_model(
         fill_dummy_weights(model, seed)
         identity = dummy_weights_identity(config, seed, device)
     else:
-        config, model, identity = _load_checkpoint(path, device, dtype, comm)
+        config, model, identity = _load_checkpoint(path, device, dtype, comm, progress)
     weights_s = time.perf_counter() - start
     start = time.perf_counter()
     tokenizer = load_tokenizer(path, tokenizer_path)
@@ -145,7 +147,7 @@ def _plan(path: str, config: ModelConfig, comm: Collectives) -> TPPlan:
 
 
 def _load_checkpoint(
-    path: str, device: torch.device, dtype: torch.dtype, comm: Collectives
+    path: str, device: torch.device, dtype: torch.dtype, comm: Collectives, progress: bool
 ) -> tuple[ModelConfig, LlamaModel, bytes]:
     try:
         if path.endswith(".gguf"):
@@ -164,9 +166,14 @@ def _load_checkpoint(
         # threads under contention made the load many times slower than 1 thread
         torch.set_num_threads(1)
         try:
-            with tqdm(
-                total=len(thunks), desc=f"loading {os.path.basename(path)}", unit="tensor", file=sys.stderr
-            ) as bar:
+            name = os.path.basename(path)
+            bar_args = {
+                "desc": f"loading {name}",
+                "unit": "tensor",
+                "file": sys.stderr,
+                "disable": not progress,
+            }
+            with tqdm(total=len(thunks), **bar_args) as bar:
                 model.load_weights(_LazyWeights(thunks, bar))
         finally:
             torch.set_num_threads(threads)
