@@ -230,3 +230,14 @@ def test_step_message_round_trip() -> None:
         assert list(b.token_ids[b.start : b.start + b.num_tokens]) == list(
             a.token_ids[a.start : a.start + a.num_tokens]
         )
+
+
+def test_a_node_refuses_tp_above_one_in_one_line(tmp_path: Path) -> None:
+    """Nodes serve at one rank until KV transfer maps heads across ranks."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(tmp_path), "--node-id", "d0",
+           "--port", "1", "-tp", "3"]  # fmt: skip
+    env = {**os.environ, "PDSERVE_AUTH_TOKEN": "t" * 16}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    lines = done.stderr.splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("pdserve: error: --tensor-parallel-size 3: nodes serve at 1 rank"), lines[0]
