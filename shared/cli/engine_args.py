@@ -52,6 +52,13 @@ class EngineOptions(Settings):
     max_num_batched_tokens: int = Field(2048, ge=1, description="chunked-prefill token budget per step")
     max_model_len: int | None = Field(None, ge=1, description="context length cap (default: the model's own)")
     seed: int = Field(0, description="seed of dummy weights")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks (one process each) that split the model's heads, MLP and vocabulary; the query "
+        "heads must divide by it, and the KV heads divide by it or it by them",
+        json_schema_extra={"aliases": ["-tp"]},
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
 
     @field_validator("block_size")
@@ -108,5 +115,6 @@ def engine_config(opts: EngineOptions) -> EngineConfig:
         max_model_len=opts.max_model_len,
         seed=opts.seed,
         cuda_graphs=opts.cuda_graphs,
+        tensor_parallel_size=opts.tensor_parallel_size,
         async_scheduling={"auto": None, "on": True, "off": False}[opts.async_scheduling],
     )

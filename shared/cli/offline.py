@@ -119,7 +119,10 @@ def run(cfg: EngineConfig, prompts: Sequence[Prompt], as_json: bool) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     load_s = time.perf_counter() - t0
-    completions = generate(engine, [(tokenize(engine, p), p.params) for p in prompts])
+    try:
+        completions = generate(engine, [(tokenize(engine, p), p.params) for p in prompts])
+    finally:
+        engine.close()  # the other tensor-parallel ranks stop on every path
     for c in completions:
         if as_json:
             print(

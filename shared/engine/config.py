@@ -37,6 +37,9 @@ class EngineConfig:
     seed: int = 0
     """Seed of dummy weights."""
     cuda_graphs: bool = True
+    tensor_parallel_size: int = 1
+    """Ranks (one process each) that split the model's heads, MLP and vocabulary; rank r of a CUDA engine
+    runs on GPU `index + r` (shared/engine/parallel/)."""
     async_scheduling: bool | None = None
     """Launch step n+1 before step n's tokens reach the host (vLLM's async scheduling): the host schedules,
     prepares and launches the next step, then reads, detokenizes and emits this one while the device
@@ -65,6 +68,13 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= block_size")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        if self.tensor_parallel_size > 1 and self.overlap:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} runs without async scheduling (the other "
+                "ranks read each step's tokens from the host): set async_scheduling off"
+            )
 
     @property
     def dtype_name(self) -> str:
@@ -89,3 +99,8 @@ class EngineConfig:
         """The device; a bare "cuda" means GPU 0 (the engine binds its threads to one GPU by index)."""
         device = torch.device(self.device)
         return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+    def rank_device(self, rank: int) -> torch.device:
+        """Tensor-parallel rank `rank`'s device: the CPU, or the GPU `rank` places after the configured."""
+        device = self.torch_device
+        return device if device.type == "cpu" else torch.device("cuda", (device.index or 0) + rank)

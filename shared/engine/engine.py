@@ -40,19 +40,19 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from pdserve.kernels.ops import get_ops
 from pdserve.shared.engine.block_hash import hash_seed, model_fingerprint
 from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
 from pdserve.shared.engine.config import EngineConfig
-from pdserve.shared.engine.cuda_graphs import plan_gpu_memory
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
 from pdserve.shared.engine.host_copy import HostTierCopier
-from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block
+from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block, size_kv_pool
+from pdserve.shared.engine.parallel.ranks import start_ranks
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.loader import LoadedModel, ModelLoadError, load_config, load_model
+from pdserve.shared.model.parallel import check_split
 from pdserve.shared.node.node_protocol import StepOutput, TokenLogprob, TopLogprob
 from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
@@ -140,21 +140,39 @@ class RemoteReservation:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        """`loaded`: a model already loaded (tests, benchmarks), at tensor-parallel size 1 only."""
         self.cfg = cfg
         self.bind_thread()
-        self.loaded = loaded or load_model(
-            cfg.model,
-            device=cfg.torch_device,
-            dtype=cfg.torch_dtype,
-            tokenizer_path=cfg.tokenizer,
-            seed=cfg.seed,
+        assert loaded is None or cfg.tensor_parallel_size == 1, (
+            "a tensor-parallel engine loads its own shares"
         )
-        mc = self.loaded.config
+        mc = loaded.config if loaded is not None else load_config(cfg.model)
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        try:
+            check_split(mc, cfg.tensor_parallel_size)  # before any rank starts
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot load model from {cfg.model}: {exc}") from exc
+        # rank 0 (this process) schedules, samples and owns the block pool; the others run its steps
+        self.ranks = start_ranks(cfg, self.max_model_len)
+        try:
+            self.loaded = loaded or load_model(
+                cfg.model,
+                device=cfg.torch_device,
+                dtype=cfg.torch_dtype,
+                tokenizer_path=cfg.tokenizer,
+                seed=cfg.seed,
+                comm=self.ranks.comm,
+            )
+            self.ranks.join()
+            self.num_blocks = self.ranks.agree_min(
+                cfg.num_kv_blocks or size_kv_pool(cfg, self.loaded, self.max_model_len)
+            )
+        except BaseException:
+            self.ranks.close()
+            raise
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:  # before anything reads the tokenizer's fingerprint
             self.tokenizer.chat_template = cfg.chat_template
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.num_blocks = cfg.num_kv_blocks or self._size_pool()
         per_block = kv_bytes_per_block(self.loaded, cfg)
         self.host_blocks = cfg.host_kv_cache_bytes // per_block
         self.pool = BlockPool(self.num_blocks, cfg.block_size, self.host_blocks)
@@ -181,36 +199,11 @@ class LLMEngine:
         if self.cfg.torch_device.type == "cuda":
             torch.cuda.set_device(self.cfg.torch_device)
 
-    def _size_pool(self) -> int:
-        cfg = self.cfg
-        per_block = kv_bytes_per_block(self.loaded, cfg)
-        if cfg.torch_device.type == "cuda":
-            # after the weights, before the pool and the graphs: measure activations, reserve for capture
-            plan = plan_gpu_memory(
-                self.loaded.model,
-                get_ops(cfg.torch_device),
-                block_size=cfg.block_size,
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                utilization=cfg.gpu_memory_utilization,
-                cuda_graphs=cfg.cuda_graphs,
-            )
-            n = max(2, plan.num_blocks(per_block))
-            log.info(
-                "KV pool: %d blocks = %d tokens (%.2f GiB); GPU %.1f GiB, used %.2f GiB, activations "
-                "%.2f GiB, graph reserve %.2f GiB, sampler reserve %.2f GiB",
-                n, n * cfg.block_size, n * per_block / 2**30, plan.total / 2**30, plan.used_before_kv / 2**30,
-                plan.activation_peak / 2**30, plan.graph_reserve / 2**30, plan.sampler_reserve / 2**30,
-            )  # fmt: skip
-            return n
-        n = max(2, cfg.kv_cache_bytes // per_block)
-        log.info("KV pool: %d blocks = %d tokens (%.2f GiB)", n, n * cfg.block_size, n * per_block / 2**30)
-        return n
-
     def close(self) -> None:
-        """Releases what the runner captured (CUDA graphs and their pool); the engine must not step after."""
+        """Releases what the runner captured (CUDA graphs and their pool) and stops the other tensor-parallel
+        ranks; the engine must not step after."""
         self.runner.close()
+        self.ranks.close()
 
     def hash_seed(self, cache_salt: str | None) -> BlockHash:
         seed = self._seeds.get(cache_salt)
@@ -341,10 +334,11 @@ class LLMEngine:
 
     @property
     def kv_layout(self) -> KVLayout:
-        """The KV cache's layout, which a node registers and the transfer handshake compares (tensor
-        parallelism: one rank)."""
-        c = self.loaded.config
-        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.dtype_name)
+        """The KV cache's layout, which a node registers and the transfer handshake compares: rank 0's (its
+        KV heads, of `tp_size` ranks)."""
+        c, tp = self.loaded.config, self.loaded.model.tp
+        return KVLayout(c.num_layers, tp.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.dtype_name,
+                        tp.size, 0, tp.kv_head_start)  # fmt: skip
 
     def admit_remote(
         self,
@@ -455,6 +449,7 @@ class LLMEngine:
             def hook(layer: int) -> None:
                 observer.on_layer(layer, slices)
 
+        self.ranks.publish(items)
         logits = self.runner.execute(
             items,
             hook,

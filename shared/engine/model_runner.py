@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, get_ops
 from pdserve.shared.engine.config import EngineConfig
-from pdserve.shared.engine.cuda_graphs import DecodeGraphs, bucket_sizes, prefill_buckets
+from pdserve.shared.engine.cuda_graphs import DecodeGraphs, bucket_sizes, plan_gpu_memory, prefill_buckets
 from pdserve.shared.engine.prefill_graphs import PrefillGraphs
 from pdserve.shared.model.loader import LoadedModel
 
@@ -44,9 +44,39 @@ class BatchItem:
 
 
 def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
+    """Bytes of one block on this rank (its KV heads: all of them at TP=1)."""
     c = loaded.config
     elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
-    return c.num_layers * 2 * cfg.block_size * c.num_kv_heads * c.head_dim * elem
+    return c.num_layers * 2 * cfg.block_size * loaded.model.tp.num_kv_heads * c.head_dim * elem
+
+
+def size_kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
+    """Blocks of this rank's KV pool: from `kv_cache_bytes` on the CPU, from free memory on a GPU (after the
+    weights, before the pool and the graphs: activations measured, capture reserved)."""
+    per_block = kv_bytes_per_block(loaded, cfg)
+    device = loaded.model.embed_weight.device  # this rank's
+    if device.type == "cuda":
+        plan = plan_gpu_memory(
+            loaded.model,
+            get_ops(device),
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            utilization=cfg.gpu_memory_utilization,
+            cuda_graphs=cfg.cuda_graphs,
+        )
+        n = max(2, plan.num_blocks(per_block))
+        log.info(
+            "KV pool: %d blocks = %d tokens (%.2f GiB); GPU %.1f GiB, used %.2f GiB, activations "
+            "%.2f GiB, graph reserve %.2f GiB, sampler reserve %.2f GiB",
+            n, n * cfg.block_size, n * per_block / 2**30, plan.total / 2**30, plan.used_before_kv / 2**30,
+            plan.activation_peak / 2**30, plan.graph_reserve / 2**30, plan.sampler_reserve / 2**30,
+        )  # fmt: skip
+        return n
+    n = max(2, cfg.kv_cache_bytes // per_block)
+    log.info("KV pool: %d blocks = %d tokens (%.2f GiB)", n, n * cfg.block_size, n * per_block / 2**30)
+    return n
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -72,13 +102,15 @@ class ModelRunner:
         *,
         max_model_len: int | None = None,
         ops: AttentionOps | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """`max_model_len` defaults to the config's (capped by the model's); `ops` to `get_ops(device)`."""
+        """`max_model_len` defaults to the config's (capped by the model's); `ops` to `get_ops(device)`;
+        `device` to the config's (a tensor-parallel rank's is `cfg.rank_device(rank)`)."""
         c = loaded.config
         self.model = loaded.model
         self.config = c
         self.block_size = cfg.block_size
-        self.device = cfg.torch_device
+        self.device = device or cfg.torch_device
         self.ops: AttentionOps = ops or get_ops(self.device)
         self.num_blocks = num_blocks
         if self.device.type == "cuda":
@@ -87,9 +119,9 @@ class ModelRunner:
             # process owns one engine, so this is the engine's setting, made once at construction.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        # kv_cache: [L, 2, N, B, Hkv, D]
+        # kv_cache: [L, 2, N, B, Hkv, D], Hkv: this rank's KV heads
         self.kv_cache = _zeroed(
-            (c.num_layers, 2, num_blocks, cfg.block_size, c.num_kv_heads, c.head_dim),
+            (c.num_layers, 2, num_blocks, cfg.block_size, loaded.model.tp.num_kv_heads, c.head_dim),
             cfg.torch_dtype,
             self.device,
         )

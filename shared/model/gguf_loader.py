@@ -4,8 +4,10 @@ The header (metadata and tensor table) is gguf_header.py's. Weights are zero-cop
 dequantized only when the model asks (so at most one fp32 tensor exists beside the model):
 F32/F16/BF16/Q8_0/Q4_0/Q4_1 in torch, bit-identical to `gguf.quants`, any other type through
 `gguf.quants.dequantize`. llama.cpp stores Llama's Q/K rows permuted for its interleaved RoPE;
-`_unpermute` restores the Hugging Face order. The identity is SHA-256 over the bytes before the tensor
-data (header, metadata, tensor table) and the file size: no pass over the weights."""
+`_unpermute` restores the Hugging Face order. A tensor-parallel rank dequantizes a whole tensor and keeps its
+slice (one whole tensor at a time: slicing the quantized blocks first, per type, is left for later). The
+identity is SHA-256 over the bytes before the tensor data (header, metadata, tensor table) and the file
+size: no pass over the weights."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from gguf.quants import dequantize
 from pdserve.shared.model.gguf_header import GGUFHeader, GGUFTensor, parse_header
 from pdserve.shared.model.model import rope_inv_freq
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
+from pdserve.shared.model.parallel import RowSlice, narrow
 
-WeightThunks = dict[str, Callable[[], torch.Tensor]]
+WeightThunks = dict[str, Callable[[RowSlice | None], torch.Tensor]]
 Q = GGMLQuantizationType
 
 _GLOBAL_NAMES = {
@@ -78,11 +81,11 @@ def read_gguf(path: str) -> tuple[ModelConfig, WeightThunks, bytes]:
     return config, thunks, identity.digest()
 
 
-def _thunk(buf: mmap.mmap, t: GGUFTensor, unpermute_heads: int) -> Callable[[], torch.Tensor]:
-    def load() -> torch.Tensor:
+def _thunk(buf: mmap.mmap, t: GGUFTensor, unpermute_heads: int) -> Callable[[RowSlice | None], torch.Tensor]:
+    def load(part: RowSlice | None) -> torch.Tensor:
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=t.start)
         w = dequantize_tensor(raw, t.qtype, t.shape)
-        return _unpermute(w, unpermute_heads) if unpermute_heads else w
+        return narrow(_unpermute(w, unpermute_heads) if unpermute_heads else w, part)
 
     return load
 
@@ -165,7 +168,7 @@ def _rope_scaling(
         return None
     scaling = _LLAMA3_DEFAULTS
     expected = rope_inv_freq(head_dim, theta, None) / rope_inv_freq(head_dim, theta, scaling)  # [D/2]
-    got = _thunk(buf, freqs, 0)().float()
+    got = _thunk(buf, freqs, 0)(None).float()
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-3):
         raise ValueError(
             "GGUF rope_freqs.weight is not the Llama 3.1 scaling (factor 8, low 1, high 4, 8192)"

@@ -1,8 +1,9 @@
 """Reading a Hugging Face checkpoint directory: config.json and *.safetensors (single or sharded).
 
 Tensors are memory-mapped by `safetensors.safe_open` and materialized one at a time when the model asks
-for them. The identity is SHA-256 over each shard's name, size and safetensors header (the JSON table
-of names, dtypes, shapes and offsets): no pass over the weights.
+for them; a tensor-parallel rank reads only its rows or columns (`get_slice`: just those bytes of the
+map). The identity is SHA-256 over each shard's name, size and safetensors header (the JSON table of names,
+dtypes, shapes and offsets): no pass over the weights.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 
 import torch
 from pdserve.shared.model.model_config import ModelConfig
+from pdserve.shared.model.parallel import RowSlice
 from safetensors import safe_open
 
-WeightThunks = dict[str, Callable[[], torch.Tensor]]
+WeightThunks = dict[str, Callable[[RowSlice | None], torch.Tensor]]
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -79,5 +81,13 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, WeightThunks, bytes]:
     return config, thunks, identity
 
 
-def _thunk(handle: Any, name: str) -> Callable[[], torch.Tensor]:
-    return lambda: handle.get_tensor(name)
+def _thunk(handle: Any, name: str) -> Callable[[RowSlice | None], torch.Tensor]:
+    def read(part: RowSlice | None) -> torch.Tensor:
+        if part is None:
+            return handle.get_tensor(name)
+        rows = handle.get_slice(name)
+        index = slice(part.start, part.stop)
+        tensor: torch.Tensor = rows[index] if part.dim == 0 else rows[:, index]
+        return tensor
+
+    return read

@@ -1,7 +1,8 @@
 """The model-loading entry point: a path (GGUF file, HF directory, `dummy:<shape or config.json>`) becomes
 a `LoadedModel` (config, model on its device, tokenizer, weights identity).
 
-Invariants: weights stream into the model one tensor at a time (never a second full copy); every
+Invariants: weights stream into the model one tensor at a time (never a second full copy), and a
+tensor-parallel rank keeps only its share of each (shared/model/parallel.py); every
 failure to read a checkpoint surfaces as one `ModelLoadError` line naming the path and the problem;
 the tokenizer is loaded (and timed) apart from the weights, and `load_tokenizer` alone never reads them.
 """
@@ -14,15 +15,15 @@ import os
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 from pdserve.shared.model.dummy_weights import dummy_weights_identity, fill_dummy_weights
-from pdserve.shared.model.gguf_loader import read_gguf
-from pdserve.shared.model.hf_loader import read_hf_dir
+from pdserve.shared.model.gguf_loader import WeightThunks, read_gguf
+from pdserve.shared.model.hf_loader import read_hf_config, read_hf_dir
 from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.shared.model.parallel import Collectives, RowSlice, SingleRank, TPPlan, plan
 from pdserve.shared.model.tokenizer import Tokenizer
 from safetensors import SafetensorError
 from tqdm import tqdm
@@ -48,23 +49,21 @@ class LoadedModel:
     tokenizer_load_s: float = 0.0
 
 
-class _LazyWeights(Mapping[str, torch.Tensor]):
-    """HF-named weights materialized on access, with a progress bar on stderr."""
+class _LazyWeights:
+    """A `WeightSource` over a reader's thunks (each reads one tensor, or a rank's part of it), with a
+    progress bar on stderr."""
 
-    def __init__(self, thunks: dict[str, Callable[[], torch.Tensor]], bar: tqdm) -> None:
+    def __init__(self, thunks: WeightThunks, bar: tqdm) -> None:
         self._thunks = thunks
         self._bar = bar
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._thunks[name]()
+    def names(self) -> frozenset[str]:
+        return frozenset(self._thunks)
+
+    def read(self, name: str, part: RowSlice | None) -> torch.Tensor:
+        tensor = self._thunks[name](part)
         self._bar.update(1)
         return tensor
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._thunks)
-
-    def __len__(self) -> int:
-        return len(self._thunks)
 
 
 def load_model(
@@ -74,21 +73,46 @@ def load_model(
     dtype: torch.dtype,
     tokenizer_path: str | None = None,
     seed: int = 0,
+    comm: Collectives | None = None,
+    progress: bool = True,
 ) -> LoadedModel:
-    """Load weights and tokenizer. `seed` only matters for dummy weights. Raises ModelLoadError."""
+    """Load weights and tokenizer. `seed` only matters for dummy weights. With `comm` (a tensor-parallel
+    group) the model holds rank `comm.rank`'s share; a split the model does not allow raises ModelLoadError
+    naming its heads and the size. `progress`: a progress bar on stderr (a node's rank 0 draws the node's
+    one bar). Raises ModelLoadError."""
     start = time.perf_counter()
+    comm = comm or SingleRank()
     if path.startswith(DUMMY_PREFIX):
         config = _dummy_config(path)
-        model = LlamaModel(config, device, dtype)
+        model = LlamaModel(config, device, dtype, _plan(path, config, comm), comm)
         fill_dummy_weights(model, seed)
         identity = dummy_weights_identity(config, seed, device)
     else:
-        config, model, identity = _load_checkpoint(path, device, dtype)
+        config, model, identity = _load_checkpoint(path, device, dtype, comm, progress)
     weights_s = time.perf_counter() - start
     start = time.perf_counter()
     tokenizer = load_tokenizer(path, tokenizer_path)
     tokenizer_s = time.perf_counter() - start
     return LoadedModel(config, model, tokenizer, identity, path, weights_s, tokenizer_s)
+
+
+def load_config(path: str) -> ModelConfig:
+    """The model's architecture alone (a GGUF or safetensors header, a config.json): no weights are read.
+    Raises ModelLoadError."""
+    if path.startswith(DUMMY_PREFIX):
+        return _dummy_config(path)
+    try:
+        if path.endswith(".gguf"):
+            _check_file(path)
+            return read_gguf(path)[0]
+        if os.path.isdir(path):
+            return read_hf_config(path)
+    except _READ_ERRORS as e:
+        raise ModelLoadError(f"cannot load model from {path}: {_one_line(e)}") from e
+    raise ModelLoadError(
+        f"cannot load model from {path}: not a .gguf file, an HF directory, or "
+        f"dummy:<shape>|<config.json> (named shapes: {sorted(NAMED_SHAPES)})"
+    )
 
 
 def load_tokenizer(path: str, tokenizer_path: str | None = None) -> Tokenizer:
@@ -117,8 +141,15 @@ def load_tokenizer(path: str, tokenizer_path: str | None = None) -> Tokenizer:
     )
 
 
+def _plan(path: str, config: ModelConfig, comm: Collectives) -> TPPlan:
+    try:
+        return plan(config, comm.rank, comm.size)
+    except ValueError as e:
+        raise ModelLoadError(f"cannot load model from {path}: {e}") from e
+
+
 def _load_checkpoint(
-    path: str, device: torch.device, dtype: torch.dtype
+    path: str, device: torch.device, dtype: torch.dtype, comm: Collectives, progress: bool
 ) -> tuple[ModelConfig, LlamaModel, bytes]:
     try:
         if path.endswith(".gguf"):
@@ -131,17 +162,17 @@ def _load_checkpoint(
                 f"cannot load model from {path}: not a .gguf file, an HF directory, or "
                 f"dummy:<shape>|<config.json> (named shapes: {sorted(NAMED_SHAPES)})"
             )
-        model = LlamaModel(config, device, dtype)
+        model = LlamaModel(config, device, dtype, _plan(path, config, comm), comm)
         threads = torch.get_num_threads()
         # dequantizing and copying are small memory-bound ops: on a shared 2-core CI machine, 2 OpenMP
         # threads under contention made the load many times slower than 1 thread
         torch.set_num_threads(1)
         try:
-            # a bar on a terminal only (disable=None: off when stderr is not a TTY, e.g. a node's log file),
-            # where one log line says the same
+            # a bar on rank 0's terminal only (disable=None: off when stderr is not a TTY, e.g. a node's log
+            # file), where one log line says the same
             with tqdm(
                 total=len(thunks), desc=f"loading {os.path.basename(path)}", unit="tensor", file=sys.stderr,
-                disable=None,
+                disable=None if progress else True,
             ) as bar:  # fmt: skip
                 start = time.perf_counter()
                 model.load_weights(_LazyWeights(thunks, bar))

@@ -12,18 +12,24 @@ residual stream, so the stream is updated in place and only the last add is a se
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
 once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
 until then the handles are the parameters and the product is `F.linear`.
+Tensor parallelism (shared/model/parallel.py): a model holds one rank's share (`tp`): its query and KV
+heads, its slice of the MLP and of the vocabulary. QKV and gate/up are column-parallel (this rank's rows),
+O and down row-parallel (this rank's columns, partial sums all-reduced through `comm`; a bias is added on
+rank 0 only, so the sum holds it once); the embedding all-reduces each rank's rows, and `compute_logits`
+gathers the vocabulary slices on rank 0. Every rank runs the same collectives in the same order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
+from pdserve.shared.model.parallel import Collectives, RowSlice, SingleRank, TPPlan, WeightSource, plan
 from torch import nn
 
 
@@ -64,17 +70,21 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, tp: TPPlan, comm: Collectives, device: torch.device, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        hq, d, e, f = cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+        # per rank: Hq, Hkv and F are this rank's shares
+        hq, d, e, f = tp.num_heads, cfg.head_dim, cfg.hidden_size, tp.intermediate_size
         self.num_heads, self.head_dim = hq, d
+        self.comm = comm
         self.scale = d**-0.5
         self.input_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
-        self.qkv_weight = _param((cfg.qkv_size, e), device, dtype)  # rows: q | k | v
-        self.qkv_bias = _param((cfg.qkv_size,), device, dtype) if cfg.attention_bias else None
+        self.qkv_weight = _param((tp.qkv_size, e), device, dtype)  # rows: q | k | v
+        self.qkv_bias = _param((tp.qkv_size,), device, dtype) if cfg.attention_bias else None
         self.o_weight = _param((e, hq * d), device, dtype)
-        # Llama's attention_bias covers o_proj too; Qwen2's covers only q/k/v
-        has_o_bias = cfg.attention_bias and cfg.architecture != "qwen2"
+        # Llama's attention_bias covers o_proj too; Qwen2's covers only q/k/v. Added once, on rank 0.
+        has_o_bias = cfg.attention_bias and cfg.architecture != "qwen2" and tp.rank == 0
         self.o_bias = _param((e,), device, dtype) if has_o_bias else None
         self.post_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
         self.gate_up_weight = _param((2 * f, e), device, dtype)  # rows: gate | up
@@ -115,24 +125,37 @@ class DecoderLayer(nn.Module):
             attn = ops.decode_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         else:
             attn = ops.prefill_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
-        o = linear(attn.reshape(n_tokens, hq * d), self.o_w, self.o_bias)  # o: [T, E]
+        o = self.comm.all_reduce(linear(attn.reshape(n_tokens, hq * d), self.o_w, self.o_bias))  # o: [T, E]
         normed, residual = ops.add_rms_norm(o, residual, self.post_norm.weight, self.post_norm.eps)
         gate_up = linear(normed, self.gate_up_w, None)  # gate_up: [T, 2F]
-        return linear(ops.silu_mul(gate_up), self.down_w, None), residual  # [T, E], [T, E]
+        down = self.comm.all_reduce(linear(ops.silu_mul(gate_up), self.down_w, None))  # down: [T, E]
+        return down, residual  # [T, E], [T, E]
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPPlan | None = None,
+        comm: Collectives | None = None,
+    ) -> None:
+        """`tp` and `comm` default to the whole model on one rank."""
         super().__init__()
         self.config = cfg
-        self.embed_weight = _param((cfg.vocab_size, cfg.hidden_size), device, dtype)
-        self.decoder_layers = [DecoderLayer(cfg, device, dtype) for _ in range(cfg.num_layers)]
+        self.tp = tp = tp or plan(cfg, 0, 1)
+        self.comm = comm = comm or SingleRank()
+        assert (comm.rank, comm.size) == (tp.rank, tp.size), (comm.rank, comm.size, tp)
+        # embed_weight, lm_head_weight: [V / N rounded up, E] this rank's vocabulary rows
+        self.embed_weight = _param((tp.vocab_rows, cfg.hidden_size), device, dtype)
+        self.decoder_layers = [DecoderLayer(cfg, tp, comm, device, dtype) for _ in range(cfg.num_layers)]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; `decoder_layers` keeps their type
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head_weight = (
             self.embed_weight
             if cfg.tie_word_embeddings
-            else _param((cfg.vocab_size, cfg.hidden_size), device, dtype)
+            else _param((tp.vocab_rows, cfg.hidden_size), device, dtype)
         )
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [D/2]
         self.rope = RopeTables.from_inv_freq(inv_freq, cfg.max_position_embeddings, device)  # [P, D/2] fp32
@@ -169,9 +192,9 @@ class LlamaModel(nn.Module):
         assert kv_cache.dim() == 6 and kv_cache.shape[0] == cfg.num_layers and kv_cache.shape[1] == 2, (
             kv_cache.shape
         )
-        assert kv_cache.shape[4:] == (cfg.num_kv_heads, cfg.head_dim), kv_cache.shape
+        assert kv_cache.shape[4:] == (self.tp.num_kv_heads, cfg.head_dim), kv_cache.shape
         assert meta.rope is self.rope, "the step's metadata must carry this model's RoPE tables (model.rope)"
-        h = F.embedding(input_ids, self.embed_weight)  # h: [T, E] residual stream
+        h = self._embed(input_ids)  # h: [T, E] residual stream
         delta: torch.Tensor | None = None  # [T, E] the last layer's MLP output, not yet in h
         for i, layer in enumerate(self.decoder_layers):
             delta, h = layer(delta, h, kv_cache[i], meta, ops)
@@ -179,59 +202,86 @@ class LlamaModel(nn.Module):
                 layer_hook(i)
         return h if delta is None else h.add_(delta)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] -> [T, E]. Split vocabulary: each rank looks up the ids in its rows (zeros for the
+        others) and the all-reduce adds the one non-zero row per token (exact: x + 0 = x)."""
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed_weight)
+        local = input_ids - self.tp.vocab_start  # [T]
+        mine = (local >= 0) & (local < self.tp.vocab_rows)  # [T] bool
+        h = F.embedding(local.clamp(0, self.tp.vocab_rows - 1), self.embed_weight) * mine.unsqueeze(1)
+        return self.comm.all_reduce(h)  # [T, E]
+
     def compute_logits(self, hidden: torch.Tensor, ops: AttentionOps | None = None) -> torch.Tensor:
-        """hidden: [S, E] rows of `forward`'s output -> logits [S, V] float32. With `ops`, the final norm is
-        the fused kernel (one launch instead of four inside a decode step)."""
+        """hidden: [S, E] rows of `forward`'s output -> logits [S, V] float32 (on ranks other than 0: this
+        rank's vocabulary columns, which they discard). With `ops`, the final norm is the fused kernel (one
+        launch instead of four inside a decode step)."""
         normed = self.norm(hidden) if ops is None else ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return self.linear.linear(normed, self.lm_head_w, None).float()  # [S, V]
+        local = self.linear.linear(normed, self.lm_head_w, None)  # [S, V / N]
+        return self.comm.gather_logits(local)[:, : self.config.vocab_size].float()  # [S, V]
 
     @torch.no_grad()
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused parameters.
+    def load_weights(self, weights: WeightSource) -> None:
+        """Copy HF-named tensors (`model.layers.0.self_attn.q_proj.weight`, ...) into the fused parameters,
+        reading only this rank's part of each (`self.tp`).
 
-        Each source tensor is copied once, converted to the model's dtype and device on the way. Raises
+        Each source tensor is read once, converted to the model's dtype and device on the way. Raises
         ValueError naming a missing, unexpected or misshapen tensor.
         """
-        cfg = self.config
+        cfg, tp = self.config, self.tp
+        names = weights.names()
         used: set[str] = set()
 
-        def take(name: str, dst: torch.Tensor) -> None:
-            src = weights.get(name)
-            if src is None:
+        def take(name: str, dst: torch.Tensor, part: RowSlice | None = None) -> None:
+            if name not in names:
                 raise ValueError(f"weight {name!r} is missing")
+            src = weights.read(name, part)
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+                what = "" if part is None else f" (rows {part.start}:{part.stop} of dim {part.dim})"
+                raise ValueError(
+                    f"weight {name!r}{what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+                )
             dst.copy_(src)
             used.add(name)
 
-        take("model.embed_tokens.weight", self.embed_weight)
+        vocab = tp.vocab()
+        n_vocab = vocab.stop - vocab.start
+        self.embed_weight[n_vocab:].zero_()  # padding rows of the last rank
+        take("model.embed_tokens.weight", self.embed_weight[:n_vocab], vocab if tp.size > 1 else None)
         take("model.norm.weight", self.norm.weight)
         if not cfg.tie_word_embeddings:
-            take("lm_head.weight", self.lm_head_weight)
-        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            self.lm_head_weight[n_vocab:].zero_()
+            take("lm_head.weight", self.lm_head_weight[:n_vocab], vocab if tp.size > 1 else None)
+        q_rows, kv_rows = tp.num_heads * cfg.head_dim, tp.num_kv_heads * cfg.head_dim
+        whole = tp.size == 1
         qkv_split = (
-            ("q_proj", 0, q_rows),
-            ("k_proj", q_rows, kv_rows),
-            ("v_proj", q_rows + kv_rows, kv_rows),
+            ("q_proj", 0, q_rows, None if whole else tp.q_rows()),
+            ("k_proj", q_rows, kv_rows, None if whole else tp.kv_rows()),
+            ("v_proj", q_rows + kv_rows, kv_rows, None if whole else tp.kv_rows()),
         )
+        f = tp.intermediate_size
         for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             take(p + "input_layernorm.weight", layer.input_norm.weight)
             take(p + "post_attention_layernorm.weight", layer.post_norm.weight)
-            for proj, start, rows in qkv_split:
-                take(f"{p}self_attn.{proj}.weight", layer.qkv_weight[start : start + rows])
+            for proj, start, rows, part in qkv_split:
+                take(f"{p}self_attn.{proj}.weight", layer.qkv_weight[start : start + rows], part)
                 if layer.qkv_bias is not None:
-                    take(f"{p}self_attn.{proj}.bias", layer.qkv_bias[start : start + rows])
-            take(p + "self_attn.o_proj.weight", layer.o_weight)
+                    bias_part = None if part is None else RowSlice(0, part.start, part.stop)
+                    take(f"{p}self_attn.{proj}.bias", layer.qkv_bias[start : start + rows], bias_part)
+            take(p + "self_attn.o_proj.weight", layer.o_weight, None if whole else tp.o_cols())
             if layer.o_bias is not None:
                 take(p + "self_attn.o_proj.bias", layer.o_bias)
-            take(p + "mlp.gate_proj.weight", layer.gate_up_weight[: cfg.intermediate_size])
-            take(p + "mlp.up_proj.weight", layer.gate_up_weight[cfg.intermediate_size :])
-            take(p + "mlp.down_proj.weight", layer.down_weight)
+            elif p + "self_attn.o_proj.bias" in names and tp.rank > 0:
+                used.add(p + "self_attn.o_proj.bias")  # rank 0 adds it
+            ffn = None if whole else tp.ffn_rows()
+            take(p + "mlp.gate_proj.weight", layer.gate_up_weight[:f], ffn)
+            take(p + "mlp.up_proj.weight", layer.gate_up_weight[f:], ffn)
+            take(p + "mlp.down_proj.weight", layer.down_weight, None if whole else tp.ffn_cols())
         # a tied checkpoint may still carry lm_head; rotary buffers are recomputed here
         ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         unexpected = sorted(
-            n for n in weights if n not in used and n not in ignorable and "rotary_emb" not in n
+            n for n in names if n not in used and n not in ignorable and "rotary_emb" not in n
         )
         if unexpected:
             raise ValueError(f"unexpected weights {unexpected[:5]} ({len(unexpected)} in all)")

@@ -1,0 +1,193 @@
+"""Rank 0's side of the tensor-parallel group: it starts one process per other rank, broadcasts every
+step's batch to them, watches them, and stops them.
+
+Invariants: the worker processes are children of rank 0, started before it loads its own share (they load
+in parallel) and ended on every path: `close` (idempotent) shuts the step channel, so each worker reads end
+of file and exits, and kills any that has not within `_EXIT_WAIT_S`; if rank 0 dies, the same end of file
+(or a failed collective) ends them. A worker that exits while the group is open takes the engine down: the
+watchdog thread records which one, kills the others at once, and the next collective or broadcast on rank 0
+raises `RankFailure` naming it. At size 1 (`SoloRank`) there is nothing to start, broadcast or watch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.model_runner import BatchItem
+from pdserve.shared.engine.parallel.dist import COLLECTIVE_TIMEOUT_S, DistCollectives, RankFailure
+from pdserve.shared.engine.parallel.step_channel import StepWriter, capacity_bytes
+from pdserve.shared.model.parallel import Collectives, SingleRank
+
+log = logging.getLogger(__name__)
+
+_EXIT_WAIT_S = 5.0
+_POLL_S = 0.05
+_WHY_WAIT_S = 1.0
+
+
+class Ranks(Protocol):
+    """What the engine (rank 0) does with its group."""
+
+    comm: Collectives
+
+    def join(self) -> None:
+        """Waits for every rank to have loaded its share, then joins the group (rank 0 has loaded its own)."""
+
+    def agree_min(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+
+    def publish(self, items: Sequence[BatchItem]) -> None:
+        """Sends a step's batch to the other ranks (before rank 0 runs it)."""
+
+    def close(self) -> None:
+        """Stops the other ranks; idempotent."""
+
+
+class SoloRank:
+    """A group of one."""
+
+    def __init__(self) -> None:
+        self.comm: Collectives = SingleRank()
+
+    def join(self) -> None:
+        return None
+
+    def agree_min(self, value: int) -> int:
+        return value
+
+    def publish(self, items: Sequence[BatchItem]) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def start_ranks(cfg: EngineConfig, max_model_len: int) -> Ranks:
+    """The engine's group: `SoloRank` at size 1, else the worker processes, started (they load their shares
+    while rank 0 loads its own; `join` waits for them)."""
+    if cfg.tensor_parallel_size == 1:
+        return SoloRank()
+    return TPRanks(cfg, max_model_len)
+
+
+class TPRanks:
+    def __init__(self, cfg: EngineConfig, max_model_len: int) -> None:
+        self.size = size = cfg.tensor_parallel_size
+        self._failure: str | None = None
+        self._closing = False
+        self._stop_r, self._stop_w = os.pipe()
+        self.dist = DistCollectives(0, size, cfg.torch_device, self._why)
+        self.comm: Collectives = self.dist
+        store = self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            size,
+            is_master=True,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        blocks_per_seq = -(-max_model_len // cfg.block_size)
+        self.channel = StepWriter(
+            capacity_bytes(cfg.max_num_seqs, cfg.max_num_batched_tokens, blocks_per_seq), size - 1
+        )
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(1, size):
+                region_fd, bell_fd = self.channel.fds(rank - 1)
+                args = {
+                    "config": dataclasses.asdict(cfg),
+                    "rank": rank,
+                    "store_port": store.port,
+                    "region_fd": region_fd,
+                    "bell_fd": bell_fd,
+                    "capacity": self.channel.capacity,
+                    "threads": torch.get_num_threads(),
+                }
+                cmd = [sys.executable, "-m", "pdserve.shared.engine.parallel.worker", json.dumps(args)]
+                proc = subprocess.Popen(cmd, pass_fds=(region_fd, bell_fd), stdin=subprocess.DEVNULL)
+                self.procs.append(proc)
+            self.channel.started()
+            threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor parallel: %d ranks, workers %s", size, [p.pid for p in self.procs])
+
+    def join(self) -> None:
+        loaded = [loaded_key(rank) for rank in range(1, self.size)]
+        while not self.store.check(loaded):  # loading has no timeout: a worker that dies ends the wait
+            if self._failure is not None:
+                raise RankFailure(f"tensor parallel: {self._failure} while loading; the engine is down")
+            time.sleep(_POLL_S)
+        self.dist.join(self.store)
+
+    def agree_min(self, value: int) -> int:
+        return self.dist.agree_min(value)
+
+    def publish(self, items: Sequence[BatchItem]) -> None:
+        self.channel.publish(items)
+
+    def _why(self) -> str | None:
+        """The watchdog's account of a failed collective: a rank that exited (it notices within moments)."""
+        deadline = time.monotonic() + _WHY_WAIT_S
+        while self._failure is None and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        return self._failure
+
+    def _watch(self) -> None:
+        pidfds = {os.pidfd_open(p.pid): (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        try:
+            ready, _, _ = select.select([*pidfds, self._stop_r], [], [])
+            for fd in ready:
+                if fd in pidfds and not self._closing:
+                    rank, proc = pidfds[fd]
+                    self._failure = f"rank {rank} (pid {proc.pid}) exited with code {proc.wait()}"
+                    log.error(
+                        "tensor parallel: %s; stopping the other ranks, the engine is down", self._failure
+                    )
+                    self._kill_all()
+                    return
+        finally:
+            for fd in [*pidfds, self._stop_r]:
+                os.close(fd)
+
+    def _kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self.channel.close()
+        os.close(self._stop_w)
+        if self._failure is None:  # with a peer gone, the group's teardown can hang: the exit does it
+            self.dist.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor parallel: worker pid %d did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+
+
+def loaded_key(rank: int) -> str:
+    """The store key a worker sets once its share is loaded."""
+    return f"pdserve-tp/loaded/{rank}"

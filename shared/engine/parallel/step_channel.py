@@ -1,0 +1,150 @@
+"""The per-step broadcast from rank 0 to the other ranks: one packed message of the step's batch in a
+shared memory region, and one byte down a pipe per worker ("doorbell") to say it is there.
+
+Why shared memory and a doorbell rather than a torch.distributed broadcast: a worker waits for the next
+step for as long as the engine is idle (hours on a quiet node), which a collective cannot do under a
+timeout; the message's size varies with the batch (its block tables), which a broadcast's receivers must
+know beforehand (a second broadcast, or a fixed maximum of ~100 KiB every step); and a pipe's end of file
+tells a worker at once that rank 0 is gone. The region is a memfd, passed to the workers as a file
+descriptor, so nothing is left in /dev/shm on any exit.
+
+Message (int32, little-endian): [VERSION, n_items, n_tokens, n_table], then per item (start, num_tokens,
+sample, n_blocks), then the items' new token ids, then their block ids. Sampling parameters do not travel:
+only rank 0 samples, over the logits gathered from every rank.
+Invariants: rank 0 writes step n+1's message only after step n's collectives, and a worker copies a message
+out before its first collective of that step, so the one region is never read while it is rewritten; an
+item never reads the previous step's tokens on the device (`prev_row`): the workers would not have them.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from array import array
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+from pdserve.shared.engine.model_runner import BatchItem
+from pdserve.shared.engine.parallel.dist import RankFailure
+
+VERSION = 1
+_HEADER = 4
+_PER_ITEM = 4
+
+
+def capacity_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> int:
+    """The largest message a step of this engine can need."""
+    ints = (
+        _HEADER + max_num_seqs * (_PER_ITEM + max_blocks_per_seq) + max(max_num_batched_tokens, max_num_seqs)
+    )
+    return 4 * ints
+
+
+def pack(items: Sequence[BatchItem]) -> array[int]:
+    head, tokens, table = array("i"), array("i"), array("i")
+    for it in items:
+        assert it.prev_row < 0, "a tensor-parallel step's tokens are on the host (no async scheduling)"
+        head.extend((it.start, it.num_tokens, int(it.sample), len(it.block_ids)))
+        tokens.extend(it.token_ids[it.start : it.start + it.num_tokens])
+        table.extend(it.block_ids)
+    msg = array("i", (VERSION, len(items), len(tokens), len(table)))
+    msg.extend(head)
+    msg.extend(tokens)
+    msg.extend(table)
+    return msg
+
+
+def unpack(buf: bytes | memoryview) -> list[BatchItem]:
+    header = array("i", bytes(buf[: 4 * _HEADER]))
+    version, n_items, n_tokens, n_table = header
+    assert version == VERSION, f"step message version {version}, this rank reads {VERSION}"
+    body = array("i", bytes(buf[4 * _HEADER : 4 * (_HEADER + _PER_ITEM * n_items + n_tokens + n_table)]))
+    tok_at, table_at = _PER_ITEM * n_items, _PER_ITEM * n_items + n_tokens
+    items = []
+    for i in range(n_items):
+        start, num, sample, n_blocks = body[_PER_ITEM * i : _PER_ITEM * (i + 1)]
+        new = body[tok_at : tok_at + num].tolist()
+        blocks = body[table_at : table_at + n_blocks].tolist()
+        tok_at, table_at = tok_at + num, table_at + n_blocks
+        items.append(BatchItem(_Tail(start, new), start, num, blocks, bool(sample)))
+    return items
+
+
+class _Tail(Sequence[int]):
+    """A sequence's token ids from position `start` on: all a worker is sent (its earlier tokens' KV is in
+    the cache already)."""
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self._start, self._tokens = start, tokens
+
+    def __len__(self) -> int:
+        return self._start + len(self._tokens)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            assert start >= self._start and step == 1, f"tokens before {self._start} were not sent"
+            return self._tokens[start - self._start : stop - self._start]
+        assert index >= self._start, f"token {index} is before {self._start}: not sent"
+        return self._tokens[index - self._start]
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("a worker holds only the step's new tokens")
+
+
+class StepWriter:
+    """Rank 0's end: the region and one doorbell per worker. `fds(i)` are what worker i inherits."""
+
+    def __init__(self, capacity: int, workers: int) -> None:
+        self.capacity = capacity
+        self.region_fd = os.memfd_create("pdserve-tp-step")
+        os.ftruncate(self.region_fd, capacity)
+        self.region = mmap.mmap(self.region_fd, capacity)
+        self.bells = [os.pipe() for _ in range(workers)]  # (read end: the worker's, write end: ours)
+
+    def fds(self, worker: int) -> tuple[int, int]:
+        """(region fd, doorbell read end) of worker `worker` (0-based among the workers)."""
+        return self.region_fd, self.bells[worker][0]
+
+    def started(self) -> None:
+        """The workers hold their ends: ours of them are closed, so a worker's exit breaks its pipe."""
+        for read_end, _ in self.bells:
+            os.close(read_end)
+        os.close(self.region_fd)
+
+    def publish(self, items: Sequence[BatchItem]) -> None:
+        data = pack(items).tobytes()
+        if len(data) > self.capacity:
+            raise ValueError(f"a step message of {len(data)} bytes exceeds the region's {self.capacity}")
+        self.region[: len(data)] = data
+        for rank, (_, write_end) in enumerate(self.bells, start=1):
+            try:
+                os.write(write_end, b"\x01")
+            except BrokenPipeError as exc:
+                raise RankFailure(f"tensor-parallel rank {rank} is gone; the engine is down") from exc
+
+    def close(self) -> None:
+        """Closes the doorbells: every worker reads end of file and exits. Idempotent."""
+        bells, self.bells = self.bells, []
+        for _, write_end in bells:
+            os.close(write_end)
+
+
+class StepReader:
+    """A worker's end."""
+
+    def __init__(self, region_fd: int, bell_fd: int, capacity: int) -> None:
+        self.region = mmap.mmap(region_fd, capacity, prot=mmap.PROT_READ)
+        os.close(region_fd)
+        self.bell = bell_fd
+
+    def receive(self) -> list[BatchItem] | None:
+        """The next step's batch, waiting as long as it takes; None once rank 0 has closed the channel
+        (shut down or died)."""
+        if not os.read(self.bell, 1):
+            return None
+        return unpack(memoryview(self.region))
