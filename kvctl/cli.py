@@ -160,7 +160,7 @@ _command(kvctl, "nodes", Common, "Live nodes: role, epoch, load, KV use, blocks,
 _command(kvctl, "blocks", Blocks, "Block records per node (hashes with --node).")(
     lambda opts, _: lambda index: commands.blocks(index, opts.node, opts.limit)
 )
-_command(kvctl, "stats", Common, "Prefix hits local/transferred/miss in tokens, per node and overall.")(
+_command(kvctl, "stats", Common, "Prefix hits local/remote/miss in tokens, per node and overall.")(
     lambda opts, _: commands.stats
 )
 
