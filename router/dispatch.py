@@ -11,6 +11,9 @@ placement avoids it); a choice that has streamed a token migrates (router/migrat
 elsewhere from its prompt and the tokens already streamed, at most `migration_limit` times) when its node
 became unreachable or failed it, else ends with the error. Routing: router/routing.py. A choice ends
 with a domain error (router/errors.py), which the request handler maps to the client's OpenAI error.
+Each attempt holds its booking in the in-flight ledger in a `with` block, so the ledger gets it back on
+every path; what the nodes report (prefix hits, prefill times, the first token) is emitted to the telemetry
+sink (router/telemetry.py), which counts and learns from it.
 Why one module of about 400 lines: the abort-every-touched-node invariant holds across placement, re-placement
 and migration only if one class owns the choice's whole life.
 """

@@ -1,4 +1,5 @@
-"""Choosing nodes for one prompt: live nodes from the index, block hashes, prefix lookup, policy.choose.
+"""Placing one prompt: live nodes from the index, block hashes, prefix lookup, the one decision
+(router/placement.py `select`), and its booking in the in-flight ledger (router/admission.py).
 
 Invariants: the nodes come from router/membership.py's view (at most about `node_list_ttl_s` old; kept,
 checked by the nodes' health, while Redis is away or comes back empty); while Redis is unreachable the
@@ -7,7 +8,8 @@ choice is load-only (no prefix hits), as DESIGN.md's failure model asks. A node 
 or tokenizer is not the router's (router/model_check.py).
 Block size, model fingerprint and context limit (max_model_len) come from the nodes' registrations (the
 index refuses nodes that disagree), never from the router's own config, which nothing here rewrites.
-Refusals are domain errors (router/errors.py); the request handler maps them to OpenAI errors.
+Refusals are domain errors (router/errors.py); the request handler maps them to OpenAI errors. What was
+decided is emitted to the telemetry sink (router/telemetry.py), never counted here.
 """
 
 from __future__ import annotations
