@@ -46,7 +46,7 @@ from pdserve.shared.node.node_metrics import RequestTiming
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
 from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.node.reservation import KVReservation, Reservations
-from pdserve.shared.types import FirstToken, NodeId, RequestId
+from pdserve.shared.types import FirstToken, KVSource, NodeId, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +165,8 @@ class DecodeHandler(TransferHandler):
         self.pending.pop(transfer_id, None)
         m = self.rt.metrics
         held_tokens = min(len(res.held) * engine.cfg.block_size, out.prompt_tokens)
-        m.prefix_hit_tokens.labels("local").inc(held_tokens)
-        m.prefix_hit_tokens.labels("transferred").inc(out.prompt_tokens - held_tokens)
+        m.prefix_hit_tokens.labels(KVSource.LOCAL).inc(held_tokens)
+        m.prefix_hit_tokens.labels(KVSource.TRANSFERRED).inc(out.prompt_tokens - held_tokens)
         q.put_nowait(out)
         if entry.ended is not None and not out.finished:  # the client left while it was being admitted
             await self.rt.aengine.abort(transfer_id)
@@ -319,8 +319,8 @@ async def _lines(
             now = time.monotonic()
             if out.token_ids:
                 if first and gen.prefill_node_id is None:
-                    m.prefix_hit_tokens.labels("local").inc(out.cached_tokens)
-                    m.prefix_hit_tokens.labels("miss").inc(out.prompt_tokens - out.cached_tokens)
+                    m.prefix_hit_tokens.labels(KVSource.LOCAL).inc(out.cached_tokens)
+                    m.prefix_hit_tokens.labels(KVSource.MISS).inc(out.prompt_tokens - out.cached_tokens)
                 if first:
                     m.first_token(now - t0)
                     first_at = now

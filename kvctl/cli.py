@@ -23,7 +23,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"]}
 _COMMANDS = {
     "nodes": "Live nodes: role, epoch, load, KV use, blocks, heartbeat.",
     "blocks": "Block records per node (hashes with --node).",
-    "stats": "Prefix hits local/transferred/miss in tokens, per node and overall.",
+    "stats": "Prefix hits local/remote/miss in tokens, per node and overall.",
     "drain": "Stop new work on a node; it finishes, then leaves.",
     "undrain": "Give a drained node new work again.",
     "diff": "Index records against the blocks each node holds (--repair fixes them).",

@@ -175,12 +175,17 @@ async def where(index: BlockIndex, tokens: Sequence[int], cache_salt: str | None
 
 
 async def stats(index: BlockIndex) -> dict[str, Any]:
+    """Prompt tokens per prefilling node by where their KV came from, as the nodes reported them to the
+    router for the requests it placed. `hit_rate` is vLLM's (the node's own cache: the node's
+    vllm:prefix_cache_hits over vllm:prefix_cache_queries); `reuse_rate` adds what was fetched from others."""
     per_node = await index.stats()
     overall = sum(per_node.values(), HitStats())
 
     def row(s: HitStats) -> dict[str, Any]:
-        hit = (s.local_tokens + s.remote_tokens) / s.total_tokens if s.total_tokens else 0.0
-        return asdict(s) | {"total_tokens": s.total_tokens, "hit_rate": hit}
+        total = s.total_tokens
+        hit = s.local_tokens / total if total else 0.0
+        reuse = (s.local_tokens + s.remote_tokens) / total if total else 0.0
+        return asdict(s) | {"total_tokens": total, "hit_rate": hit, "reuse_rate": reuse}
 
     return {"nodes": {n: row(s) for n, s in per_node.items()}, "overall": row(overall)}
 

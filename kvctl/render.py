@@ -77,8 +77,9 @@ def _where(result: dict[str, Any]) -> str:
 def _stats(result: dict[str, Any]) -> str:
     per_node = [*result["nodes"].items(), ("(all)", result["overall"])]
     rows = [[n, s["local_tokens"], s["remote_tokens"], s["miss_tokens"], s["total_tokens"],
-             f"{100 * s['hit_rate']:.1f}%"] for n, s in per_node]  # fmt: skip
-    return table(["NODE", "LOCAL", "REMOTE", "MISS", "TOTAL", "HIT"], rows)
+             f"{100 * s['hit_rate']:.1f}%", f"{100 * s['reuse_rate']:.1f}%"]
+            for n, s in per_node]  # fmt: skip
+    return table(["NODE", "LOCAL", "REMOTE", "MISS", "TOTAL", "HIT", "REUSE"], rows)
 
 
 def _action(result: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ from pdserve.shared.engine.engine import StepObserver, StepSlice
 from pdserve.shared.node.kv_fetch import FetchedPrefix, PrefixFetcher
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult, StepOutput
 from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, KVSource, RequestId
 
 log = logging.getLogger(__name__)
 
@@ -217,9 +217,9 @@ class PrefillService:
             m.prefill_done(last.arrival_time, scheduled, prefilled_at, len(req.prompt_token_ids))
             bs = engine.cfg.block_size
             remote = 0 if fetched is None else min(fetched.landed * bs, last.cached_tokens)
-            m.prefix_hit_tokens.labels("local").inc(last.cached_tokens - remote)
-            m.prefix_hit_tokens.labels("remote").inc(remote)
-            m.prefix_hit_tokens.labels("miss").inc(len(req.prompt_token_ids) - last.cached_tokens)
+            m.prefix_hit_tokens.labels(KVSource.LOCAL).inc(last.cached_tokens - remote)
+            m.prefix_hit_tokens.labels(KVSource.REMOTE).inc(remote)
+            m.prefix_hit_tokens.labels(KVSource.MISS).inc(len(req.prompt_token_ids) - last.cached_tokens)
             log.info(
                 "prefill %s: %d tokens, %d cached here (%d fetched), %d held on D, %d blocks sent in %.3fs",
                 rid,

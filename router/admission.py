@@ -1,20 +1,24 @@
-"""The router's own count of the work it placed on each node, and the admission gate in front of placement.
+"""The one in-flight ledger of the router: the work it placed on each node and has not seen end, and the
+admission gate in front of placement that reads it.
 
 Heartbeat loads are up to a second old, so a burst placed within that second would see one snapshot and herd
-onto one node. Each placement therefore takes a `Lease` at once: one request and its prompt tokens on the
-prefilling node (given back when that node's part ends) and one request on the decoding node (given back
-when the choice ends on any path). The policy sees, per node, the larger of the heartbeat's figure and this
-router's count.
+onto one node. Each placed choice therefore books its predicted load at once (`InFlight.book`): one request
+on the decoding node until the choice ends on any path; one request on the prefill node (P/D) and the prompt
+tokens the decision predicts the prefilling node (P, or D when it prefills) computes, until that node's part
+ends (`Booking.prefill_done`: P's reply, or the first token). Both readers use the same counts: the policy
+sees, per node, the larger of the heartbeat's load and this router's; the cost model's queue depths are this
+router's counts alone (fresher than heartbeats, whose stale queues made its estimates err).
 
 Admission: with `AdmissionConfig.max_requests_per_node` set, a node holding that many of this router's
 requests takes no more. A request that finds every node of a needed role at the limit waits, first come
-first served, for a lease to end; at most `max_queued` requests wait, and none past its deadline. Beyond the
-queue it is refused with 429 and Retry-After before anything was sent to a node or streamed to the client:
-an admitted request never fails for load.
+first served, for a booking to end; at most `max_queued` requests wait, and none past its deadline. Beyond
+the queue it is refused with 429 and Retry-After before anything was sent to a node or streamed to the
+client: an admitted request never fails for load.
 
-Invariants: a Lease gives back exactly what it took, once (`release` is idempotent, and `prefill_done` gives
-back the prefill part once); counts never go negative; waiters are woken in arrival order, one per lease
-that ends.
+Invariants: a Booking gives back exactly what it took, once (`release` and `prefill_done` are idempotent;
+`release` includes `prefill_done`); counts never go negative and a node with nothing booked has no entry;
+waiters are woken in arrival order, one per booking that ends. `InFlight` is the seam a ledger shared by
+several routers (in Redis) implements; `Ledger` is this process's own.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import Protocol
 
 from pdserve.router.errors import NoRoom, QueueFull
 from pdserve.router.policy import NodeView
@@ -43,53 +49,100 @@ class AdmissionConfig:
             raise ValueError(f"admission limits must be >= 0 (retry_after_s >= 1), got {self}")
 
 
-@dataclass
-class _Count:
+@dataclass(frozen=True)
+class Load:
+    """What is booked on one node: requests, and prompt tokens predicted to be computed there, not yet."""
+
     requests: int = 0
     prefill_tokens: int = 0
 
 
-@dataclass(eq=False)
-class Lease:
-    """What one choice holds on its nodes until it ends: one request on each of `nodes`, and one request and
-    `tokens` prompt tokens on `prefill` until its part ends."""
+class Booking(Protocol):
+    """One choice's booked load; the holder gives it back (a context manager: `release` on exit)."""
 
+    def prefill_done(self) -> None:
+        """The prefilling node's part is over: its tokens (and P's request) are no longer this choice's."""
+
+    def release(self) -> None:
+        """Everything the booking holds is given back (idempotent)."""
+
+    def __enter__(self) -> Booking: ...
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+class InFlight(Protocol):
+    """The in-flight ledger as placement, admission and the cost model's inputs read it."""
+
+    @property
+    def queued(self) -> int:
+        """Placements waiting for room."""
+
+    def load(self, node_id: NodeId) -> Load: ...
+
+    def view(self, node: NodeView) -> NodeView:
+        """The node as the policy should see it: the heartbeat's load, or the booked one if larger."""
+
+    def full(self, node_id: NodeId) -> bool: ...
+
+    def book(self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int) -> Booking:
+        """One request on `decode`; and one request on `prefill` (P/D) with `prefill_tokens` on the
+        prefilling node (`prefill`, or `decode` when it prefills) until `prefill_done`."""
+
+    async def wait_for_room(self, deadline: float) -> None:
+        """Waits for some booking to end; QueueFull when the queue is full, NoRoom at the deadline."""
+
+
+@dataclass(eq=False)
+class _Booking:
     _ledger: Ledger
-    _nodes: tuple[NodeId, ...]
+    _decode: NodeId
     _prefill: NodeId | None
+    _prefilling: NodeId
     _tokens: int
+    _prefilling_live: bool = field(default=True, init=False)
     _live: bool = field(default=True, init=False)
 
     def prefill_done(self) -> None:
-        """The prefilling node's part is over: neither its request nor its tokens are this choice's."""
-        if self._prefill is not None:
-            prefill, self._prefill = self._prefill, None
-            self._ledger._add_tokens(prefill, -self._tokens)
-            self._ledger._end((prefill,))
+        if self._prefilling_live:
+            self._prefilling_live = False
+            self._ledger._add(self._prefilling, 0, -self._tokens)
+            if self._prefill is not None:
+                self._ledger._end(self._prefill)
 
     def release(self) -> None:
         if self._live:
             self._live = False
             self.prefill_done()
-            self._ledger._end(self._nodes)
+            self._ledger._end(self._decode)
+
+    def __enter__(self) -> _Booking:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
 
 
 class Ledger:
+    """This router's own in-flight ledger (`InFlight`), in process memory."""
+
     def __init__(self, config: AdmissionConfig) -> None:
         self.config = config
-        self._counts: dict[NodeId, _Count] = {}
+        self._counts: dict[NodeId, Load] = {}
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def queued(self) -> int:
         return len(self._waiters)
 
-    def requests(self, node_id: NodeId) -> int:
-        count = self._counts.get(node_id)
-        return 0 if count is None else count.requests
+    def load(self, node_id: NodeId) -> Load:
+        return self._counts.get(node_id, Load())
 
     def view(self, node: NodeView) -> NodeView:
-        """The node as the policy should see it: the heartbeat's load, or this router's own if larger."""
         count = self._counts.get(node.node_id)
         if count is None:
             return node
@@ -100,19 +153,18 @@ class Ledger:
 
     def full(self, node_id: NodeId) -> bool:
         limit = self.config.max_requests_per_node
-        return limit > 0 and self.requests(node_id) >= limit
+        return limit > 0 and self.load(node_id).requests >= limit
 
-    def take(self, nodes: tuple[NodeId, ...], prefill: NodeId | None, prompt_tokens: int) -> Lease:
-        """A lease of one request on each of `nodes` (the decoding node) and, on `prefill`, one request and
-        `prompt_tokens` until its part ends."""
-        for node_id in (*nodes, *((prefill,) if prefill is not None else ())):
-            self._counts.setdefault(node_id, _Count()).requests += 1
+    def book(self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int) -> Booking:
+        assert prefill_tokens >= 0, f"prefill_tokens={prefill_tokens} must be >= 0"
+        self._add(decode, 1, 0)
         if prefill is not None:
-            self._add_tokens(prefill, prompt_tokens)
-        return Lease(self, nodes, prefill, prompt_tokens)
+            self._add(prefill, 1, 0)
+        prefilling = decode if prefill is None else prefill
+        self._add(prefilling, 0, prefill_tokens)
+        return _Booking(self, decode, prefill, prefilling, prefill_tokens)
 
     async def wait_for_room(self, deadline: float) -> None:
-        """Waits for some lease to end; QueueFull when the queue is full, NoRoom at the deadline."""
         if len(self._waiters) >= self.config.max_queued:
             raise QueueFull(
                 f"every node is at its limit of {self.config.max_requests_per_node} requests and "
@@ -132,23 +184,19 @@ class Ledger:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
-    def _add_tokens(self, node_id: NodeId, tokens: int) -> None:
-        count = self._counts.setdefault(node_id, _Count())
-        count.prefill_tokens += tokens
-        self._forget_if_idle(node_id, count)
+    def _add(self, node_id: NodeId, requests: int, tokens: int) -> None:
+        old = self._counts.get(node_id, Load())
+        count = Load(old.requests + requests, old.prefill_tokens + tokens)
+        assert count.requests >= 0 and count.prefill_tokens >= 0, f"{node_id}: negative in-flight count"
+        if count.requests or count.prefill_tokens:
+            self._counts[node_id] = count
+        else:
+            self._counts.pop(node_id, None)
 
-    def _end(self, nodes: tuple[NodeId, ...]) -> None:
-        for node_id in nodes:
-            count = self._counts[node_id]
-            count.requests -= 1
-            self._forget_if_idle(node_id, count)
+    def _end(self, node_id: NodeId) -> None:
+        self._add(node_id, -1, 0)
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 break
-
-    def _forget_if_idle(self, node_id: NodeId, count: _Count) -> None:
-        assert count.requests >= 0 and count.prefill_tokens >= 0, f"{node_id}: negative in-flight count"
-        if not count.requests and not count.prefill_tokens:
-            del self._counts[node_id]

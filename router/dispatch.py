@@ -11,6 +11,9 @@ placement avoids it); a choice that has streamed a token migrates (router/migrat
 elsewhere from its prompt and the tokens already streamed, at most `migration_limit` times) when its node
 became unreachable or failed it, else ends with the error. Routing: router/routing.py. A choice ends
 with a domain error (router/errors.py), which the request handler maps to the client's OpenAI error.
+Each attempt holds its booking in the in-flight ledger in a `with` block, so the ledger gets it back on
+every path; what the nodes report (prefix hits, prefill times, the first token) is emitted to the telemetry
+sink (router/telemetry.py), which counts and learns from it.
 Why one module of about 400 lines: the abort-every-touched-node invariant holds across placement, re-placement
 and migration only if one class owns the choice's whole life.
 """
@@ -18,17 +21,14 @@ and migration only if one class owns the choice's whole life.
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import time
 import weakref
 from collections.abc import Awaitable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from pdserve.router.admission import Lease
+from pdserve.router.admission import Booking
 from pdserve.router.background import Background
-from pdserve.router.cost_model import CostModel
 from pdserve.router.errors import (
     DeadlineExceeded,
     Internal,
@@ -41,25 +41,30 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Continuation
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
 from pdserve.router.routing import Placement, Route
+from pdserve.router.telemetry import (
+    ChoiceFinished,
+    FirstToken,
+    PrefillDone,
+    PrefixHits,
+    StaleDecision,
+    Telemetry,
+)
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index_types import NodeInfo
-from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, PrefillResult, StepOutput
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.types import NodeId, RequestId
 
-log = logging.getLogger(__name__)
 _PREFILL_GRACE_S = 1.0
 _MAX_REROUTES = 2
 
 
 class Rerouter(Protocol):
-    """What RequestRun needs of the router to place a choice again when a node turns it away, and the
-    cost model that learns from each choice's measured times."""
+    """What RequestRun needs of the router: placing a choice again when a node turns it away, and the
+    telemetry sink it reports each choice's outcomes to."""
 
-    cost: CostModel
+    telemetry: Telemetry
 
     def refused(self, node_id: NodeId) -> None: ...
-
-    def fetched(self, node_id: NodeId, remote_tokens: int, miss_tokens: int) -> None: ...
 
     def place(
         self, prompt: Sequence[int], cache_salt: str | None, deadline: float
@@ -73,8 +78,8 @@ class ChoiceJob:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     route: Route
-    lease: Lease
-    """What the choice holds on its nodes in the router's in-flight count; released when it ends."""
+    booking: Booking
+    """The choice's load in the router's in-flight ledger; given back when it ends (on any path)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class RequestRun:
         clients: NodeClients,
         metrics: RouterMetrics,
         background: Background,
-        rerouter: Rerouter | None = None,
+        rerouter: Rerouter,
         migration_limit: int = 0,
     ) -> None:
         assert [job.index for job in jobs] == list(range(len(jobs))), "choices are indexed by position"
@@ -142,6 +147,7 @@ class RequestRun:
         # a response the client dropped before it started streaming never runs start() or cancel()
         weakref.finalize(self, RequestRun._release_jobs, jobs)
         self._rerouter = rerouter
+        self._telemetry = rerouter.telemetry
         self._migration_limit = migration_limit
         self._streamed = {job.index: Continuation(job.prompt_token_ids, job.sampling) for job in jobs}
         self._started: set[int] = set()
@@ -198,9 +204,7 @@ class RequestRun:
     @staticmethod
     def _release_jobs(jobs: list[ChoiceJob]) -> None:
         for job in jobs:
-            job.lease.release()
-            if job.route.hold is not None:
-                job.route.hold.release()
+            job.booking.release()
 
     async def _abort(self, client: NodeClient, request_id: RequestId) -> None:
         try:
@@ -237,7 +241,6 @@ class RequestRun:
                     err = exc.error if isinstance(exc, _StepFailed) else _node_error(exc, self.deadline)
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
-                assert self._rerouter is not None
                 if exc.status == 503:
                     self._rerouter.refused(exc.node_id)
                 self._metrics.aborts.labels(reason=reason).inc()
@@ -252,7 +255,7 @@ class RequestRun:
                     prompt_token_ids=tuple(prompt),
                     sampling=sampling,
                     route=placement.route,
-                    lease=placement.leases[0],
+                    booking=placement.bookings[0],
                 )
                 self._jobs[job.index] = job
 
@@ -262,7 +265,6 @@ class RequestRun:
         return (
             failed
             and job.index in self._started
-            and self._rerouter is not None
             and self._streamed[job.index].eligible(self._migration_limit)
             and time.time() < self.deadline
         )
@@ -270,7 +272,6 @@ class RequestRun:
     def _may_reroute(self, job: ChoiceJob, exc: NodeError, attempt: int) -> bool:
         return (
             (exc.status == 503 or exc.unreachable or exc.retryable)
-            and self._rerouter is not None
             and job.index not in self._started
             and attempt < _MAX_REROUTES
             and time.time() < self.deadline
@@ -291,19 +292,21 @@ class RequestRun:
             gauge.inc()
         for node_id in opened:
             self._metrics.node_requests.labels(node_id=node_id).inc()
+        error: str | None = None
         try:
-            await self._run_nodes(job, decode, prefill)
-        except NodeError:
+            with job.booking:
+                await self._run_nodes(job, decode, prefill)
+        except NodeError as exc:
+            error = str(exc)
             raise
         except Exception as exc:
             # A bug must fail the request with its cause, never leave the client waiting for the deadline.
             err = Internal(f"router error in {job.request_id}: {exc!r}")
+            error = err.message
             await self._queue.put(ChoiceEvent(job.index, None, err))
             raise
         finally:
-            job.lease.release()
-            if route.hold is not None:
-                route.hold.release()
+            self._telemetry.emit(ChoiceFinished(job.request_id, error))
             for gauge in gauges:
                 gauge.dec()
             if self._open.get(job.request_id):
@@ -332,14 +335,14 @@ class RequestRun:
         try:
             done, _ = await asyncio.wait({pump, pre_task}, return_when=asyncio.FIRST_COMPLETED)
             if pre_task in done:
-                job.lease.prefill_done()
+                job.booking.prefill_done()
                 self._closed(job.request_id, prefill.node_id)
                 failure = pre_task.exception()
                 result = None if failure is not None else pre_task.result()
                 if result is not None and result.error is None:
-                    self._check_hits(job, prefill.node_id, result.cached_tokens)
-                    self._count_fetch(job, result.fetched_tokens)
-                    self._learn_prefill(job, result)
+                    self._prefilled(job, result.cached_tokens, result.fetched_tokens)
+                    n, bs = len(job.prompt_token_ids), route.decode.block_size
+                    self._telemetry.emit(PrefillDone(n, bs, result))
                 # Once D streams it has the KV and the first token: P's part is over whatever its reply (P may
                 # have died after its transfer completed). Before that, P's failure ends this attempt (the
                 # decode side is aborted in finally), unless D took the transfer: D then computes the prompt
@@ -359,7 +362,7 @@ class RequestRun:
             except NodeError as exc:
                 raise (exc if exc.unreachable else await _blame(exc, pre_task)) from None
             # The decode node finished, so the prefill node's part is over; give its reply a moment to land.
-            job.lease.prefill_done()
+            job.booking.prefill_done()
             await asyncio.wait({pre_task}, timeout=_PREFILL_GRACE_S)
             if pre_task.done() and not pre_task.cancelled() and pre_task.exception() is None:
                 self._closed(job.request_id, prefill.node_id)
@@ -367,70 +370,40 @@ class RequestRun:
             for task in (pump, pre_task):
                 task.cancel()
 
-    def _learn_ttft(self, job: ChoiceJob) -> None:
-        """The choice's first token: its time from the choice's start beside the cost model's estimate."""
+    def _first_token(self, job: ChoiceJob) -> None:
+        """The choice's first token: its prefilling node's part is over; its time from the choice's start
+        goes beside the cost model's estimate."""
+        job.booking.prefill_done()
         route, start = job.route, self._choice_start.get(job.index)
-        if route.hold is not None:
-            route.hold.release()
-        if route.estimate is None or route.inputs is None or start is None:
-            return
-        actual = time.perf_counter() - start
-        self._metrics.cost_actual_ttft.labels(option=route.estimate.option).observe(actual)
-        if actual > 0:
-            self._metrics.cost_estimate_ratio.labels(option=route.estimate.option).observe(
-                route.estimate.ttft_s / actual
-            )
-        if self._rerouter is not None:
-            self._rerouter.cost.observe_ttft(route.estimate, route.inputs, actual)
-        log.debug("cost model ttft %s", json.dumps({"estimate": asdict(route.estimate),
-                  "inputs": asdict(route.inputs), "actual_s": actual}))  # fmt: skip
+        if route.estimate is not None and route.inputs is not None and start is not None:
+            self._telemetry.emit(FirstToken(route.estimate, route.inputs, time.perf_counter() - start))
 
-    def _learn_prefill(self, job: ChoiceJob, result: PrefillResult) -> None:
-        if self._rerouter is None:
-            return
-        cost, blocks = self._rerouter.cost, result.fetched_tokens // job.route.decode.block_size
-        cost.observe_prefill(len(job.prompt_token_ids), result.computed_tokens, result.compute_seconds)
-        sent, tail = result.transferred_blocks, result.transfer_tail_seconds
-        cost.observe_moves(blocks, result.fetch_seconds, sent, tail)
-        log.debug("cost model prefill %s", json.dumps({"prompt_tokens": len(job.prompt_token_ids),
-                  "computed_tokens": result.computed_tokens, "compute_s": result.compute_seconds,
-                  "fetched_blocks": blocks, "fetch_s": result.fetch_seconds, "sent_blocks": sent,
-                  "tail_s": tail}))  # fmt: skip
-
-    def _count_fetch(self, job: ChoiceJob, fetched_tokens: int) -> None:
-        """The "remote" prefix hits are what the prefill node really fetched; what the route planned to fetch
-        and did not come (a stale holder) was computed: a miss (routing counted neither)."""
-        route = job.route
-        if route.fetch_from is None:
-            return
-        planned = route.planned_fetch_tokens(len(job.prompt_token_ids))
-        hits, missed = self._metrics.prefix_hit_tokens, max(0, planned - fetched_tokens)
-        hits.labels(kind="remote").inc(fetched_tokens)
-        hits.labels(kind="miss").inc(missed)
-        if self._rerouter is not None:
-            prefilling = route.decode if route.prefill is None else route.prefill
-            self._rerouter.fetched(prefilling.node_id, fetched_tokens, missed)
-
-    def _check_hits(self, job: ChoiceJob, node_id: NodeId, cached_tokens: int) -> None:
-        """Counts a decision made on index records the prefilling node turned out not to hold."""
-        if cached_tokens < job.route.expected_cached_tokens(len(job.prompt_token_ids)):
-            self._metrics.stale_decisions.labels(node_id=node_id).inc()
+    def _prefilled(self, job: ChoiceJob, cached_tokens: int, fetched_tokens: int) -> None:
+        """What the prefilling node reported of the prompt: `cached_tokens` it did not compute, of them
+        `fetched_tokens` fetched from the route's holder. A planned fetch that did not come was computed: a
+        miss. A decision made on index records the node turned out not to hold is a stale decision."""
+        route, n = job.route, len(job.prompt_token_ids)
+        node_id = route.prefilling.node_id
+        if cached_tokens < route.expected_cached_tokens(n):
+            self._telemetry.emit(StaleDecision(node_id))
+        hits = PrefixHits(node_id, cached_tokens - fetched_tokens, fetched_tokens, n - cached_tokens)
+        self._telemetry.emit(hits)
 
     async def _pump(
         self, job: ChoiceJob, client: NodeClient, node: NodeInfo, req: NodeGenerateRequest
     ) -> None:
         first, timed = True, False
         async for step in client.generate(req):
-            if first and req.prefill_node_id is None:
-                self._check_hits(job, client.node_id, step.cached_tokens)
-                if job.route.fetch_from is not None:  # local_fetch: what D found cached beyond its own came
-                    n = len(job.prompt_token_ids)
-                    beyond = step.cached_tokens - job.route.expected_cached_tokens(n)
-                    self._count_fetch(job, max(0, min(beyond, job.route.planned_fetch_tokens(n))))
+            if first and req.prefill_node_id is None:  # D prefilled (local, local_fetch, single)
+                # D does not report what it fetched: what it found cached beyond its own came (local_fetch)
+                n, route = len(job.prompt_token_ids), job.route
+                beyond = step.cached_tokens - route.expected_cached_tokens(n)
+                fetched = max(0, min(beyond, route.planned_fetch_tokens(n)))
+                self._prefilled(job, step.cached_tokens, fetched)
             first = False
             if step.token_ids and not timed:
                 timed = True
-                self._learn_ttft(job)
+                self._first_token(job)
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
             if step.finish_reason in ("abort", "error"):  # the choice may go on elsewhere (_run_choice)

@@ -252,7 +252,9 @@ class RequestHandler:
                     index = p * spec.n + j
                     sampling = spec.sampling_for(max_tokens, j)
                     job_id = RequestId(f"{base}-{index}")
-                    jobs.append(ChoiceJob(index, job_id, ids, sampling, placement.route, placement.leases[j]))
+                    jobs.append(
+                        ChoiceJob(index, job_id, ids, sampling, placement.route, placement.bookings[j])
+                    )
         except BaseException:
             for placement in placements:
                 placement.release()

@@ -3,16 +3,17 @@
 Each RouterMetrics owns its own CollectorRegistry, so several routers (or tests) in one process never
 collide. Latencies are seconds as measured by the router (TTFT from the request's arrival to its first
 token leaving a node; inter-token latency per token, a step's gap divided by the tokens it carried).
-Prefix hits are in tokens: local (the prefilling node holds them; the index's word at routing time),
-remote (fetched from another node: what the prefill node reported as really fetched), miss (computed,
-including blocks a fetch was planned for that did not come). Each decision's score (token equivalents,
-see router/policy.py) and its estimate of the prompt tokens the prefilling node computes are histograms
-labelled by decision kind and prefilling node.
+Prefix hits are in tokens, by source (shared/types.py `KVSource`), as the prefilling node reported them for
+each request the router placed and sent (a refused request counts nothing): local (its own cache), remote
+(fetched from another node), miss (computed, including blocks a planned fetch did not bring). Each
+decision's score (token equivalents, see router/policy.py) and its estimate of the prompt tokens the
+prefilling node computes are histograms labelled by decision kind and prefilling node.
 """
 
 from __future__ import annotations
 
 from pdserve.shared.metrics import MetricsRegistry
+from pdserve.shared.types import KVSource
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -21,7 +22,6 @@ _RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 DECISION_KINDS = ("pd", "local", "single")
-HIT_KINDS = ("local", "remote", "miss")
 
 
 class RouterMetrics(MetricsRegistry):
@@ -85,7 +85,7 @@ class RouterMetrics(MetricsRegistry):
         )
         self.prefix_hit_tokens = counter(
             "pdserve_router_prefix_hit_tokens",
-            "Prompt tokens by where their KV was expected at routing time.",
+            "Prompt tokens of placed requests by where their KV came from, as the prefilling node reported.",
             ["kind"],
         )
         self.decision_score = hist(
@@ -148,5 +148,5 @@ class RouterMetrics(MetricsRegistry):
         )  # fmt: skip
         for kind in DECISION_KINDS:
             self.decisions.labels(kind=kind)
-        for kind in HIT_KINDS:
-            self.prefix_hit_tokens.labels(kind=kind)
+        for source in (KVSource.LOCAL, KVSource.REMOTE, KVSource.MISS):
+            self.prefix_hit_tokens.labels(kind=source)

@@ -7,6 +7,7 @@ and a request id is not a node id. All are plain values at run time.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from enum import StrEnum
 from typing import Literal, NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -27,6 +28,21 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 """Why a request ended: a stop condition, max_tokens or the context, an abort (client gone, cancelled), or a
 failure (engine, transfer, deadline)."""
 FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "abort", "error")
+
+
+class KVSource(StrEnum):
+    """Where a prompt token's KV came from for one request: the one vocabulary (the `kind` label) of every
+    prefix-hit count, the router's, the prefill node's and the decode node's. Counts are in tokens."""
+
+    LOCAL = "local"
+    """The node's own prefix cache (any tier): a hit in vLLM's sense (`vllm:prefix_cache_hits`)."""
+    REMOTE = "remote"
+    """Fetched for this request from another node that held it (shared/node/kv_fetch.py)."""
+    TRANSFERRED = "transferred"
+    """Sent by the prefill node that computed (or held) it: the decode node's side of a P/D request."""
+    MISS = "miss"
+    """Computed by the node."""
+
 
 KV_DTYPE_BYTES: dict[str, int] = {
     "float32": 4,

@@ -5,8 +5,8 @@ prefix fetched, a slow link making P compute)."""
 from __future__ import annotations
 
 import pytest
+from pdserve.router.admission import AdmissionConfig, Ledger, Load
 from pdserve.router.cost_model import CostModel, Inputs, Rates, bucket
-from pdserve.router.routing import PrefillHold
 from pdserve.shared.types import NodeId
 
 BS = 16
@@ -130,22 +130,21 @@ def test_a_prefill_is_a_fixed_cost_plus_a_cost_per_token_fitted_per_bucket() -> 
     assert local.ttft_s == pytest.approx(model.overhead("local") + 0.030 + (100 + 80) * 2e-5)
 
 
-def test_queue_depths_are_the_routers_own_prefill_holds() -> None:
-    """The cost model's queues count the tokens this router placed on a node until their first token:
-    holds add up per node and each goes exactly once."""
-    counts: dict[NodeId, int] = {}
+def test_queue_depths_are_the_ledgers_booked_prefill_tokens() -> None:
+    """The cost model's queues are the tokens this router booked on a prefilling node (P, or D prefilling
+    itself) until their first token: bookings add up per node and each gives its tokens back exactly once."""
+    ledger = Ledger(AdmissionConfig())
     a, b = NodeId("p0"), NodeId("d0")
-    holds = []
-    for node, tokens in ((a, 4096), (a, 128), (b, 300)):
-        counts[node] = counts.get(node, 0) + tokens
-        holds.append(PrefillHold(counts, node, tokens))
-    assert counts == {a: 4224, b: 300}
-    holds[0].release()
-    holds[0].release()
-    assert counts == {a: 128, b: 300}
-    for hold in holds:
-        hold.release()
-    assert counts == {}
+    bookings = [ledger.book(b, a, 4096), ledger.book(b, a, 128), ledger.book(b, None, 300)]
+    assert (ledger.load(a).prefill_tokens, ledger.load(b).prefill_tokens) == (4224, 300)
+    bookings[0].prefill_done()
+    bookings[0].release()
+    bookings[0].release()
+    assert (ledger.load(a).prefill_tokens, ledger.load(b).prefill_tokens) == (128, 300)
+    for booking in bookings:
+        with booking:
+            pass
+    assert ledger.load(a) == ledger.load(b) == Load()
 
 
 def test_an_option_never_observed_is_tried_once_and_then_its_measure_decides() -> None:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
+from pdserve.shared.types import KVSource
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     kvctl,
@@ -129,6 +130,66 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(live:
         assert added(f"{name}_count") == 1, f"{name}: one decision for the holder"
     stats = kvctl(live.redis_url, "stats")
     assert stats["nodes"][holder]["local_tokens"] >= 256
+    live.wait_clean()
+
+
+def router_hits(live: LiveCluster) -> dict[str, float]:
+    text = httpx.get(f"{live.base}/metrics", timeout=10).text
+    return {k: sample(text, "pdserve_router_prefix_hit_tokens_total", {"kind": k}) for k in KVSource}
+
+
+def test_a_rejected_prompt_counts_no_prefix_hits_or_misses(live: LiveCluster) -> None:
+    """Issue 31 point 5: a prompt the router refuses (400: longer than the context) was never placed, so
+    neither the router's hit counters nor the index's statistics (kvctl stats) count it."""
+    before, stats_before = router_hits(live), kvctl_main(live.redis_url, "stats")["overall"]
+    body = {"model": MODEL, "prompt": [1000 + i % 1000 for i in range(9000)], "max_tokens": 4}
+    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    time.sleep(0.5)  # what the router records in the index is written in the background
+    assert router_hits(live) == before
+    assert kvctl_main(live.redis_url, "stats")["overall"]["total_tokens"] == stats_before["total_tokens"]
+
+
+def test_kvctl_stats_hit_rate_is_the_prefill_nodes(live: LiveCluster) -> None:
+    """Issue 31 point 5: over a shared-prefix workload (and a refused prompt among it), kvctl stats' tokens
+    per prefill node are the node's own vllm:prefix_cache_queries and hits, so their hit rates agree."""
+
+    def nodes() -> dict[str, tuple[float, float]]:
+        return {
+            n: (
+                live.metric(n, "vllm:prefix_cache_hits_total"),
+                live.metric(n, "vllm:prefix_cache_queries_total"),
+            )
+            for n in PREFILL
+        }
+
+    def index() -> dict[str, tuple[int, int]]:
+        rows = kvctl_main(live.redis_url, "stats")["nodes"]
+        return {
+            n: (rows.get(n, {}).get("local_tokens", 0), rows.get(n, {}).get("total_tokens", 0))
+            for n in PREFILL
+        }
+
+    node_before, index_before = nodes(), index()
+    for i, question in enumerate(("who repairs the premises?", "when is rent due?", "who holds the keys?")):
+        complete(live, f"{PREFIX} Question {i}: {question}")
+        if i == 1:
+            body = {"model": MODEL, "prompt": [1000 + j % 1000 for j in range(9000)], "max_tokens": 4}
+            assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=60).status_code == 400
+    node_after = nodes()
+    deadline = time.monotonic() + 10
+    while True:
+        index_after = index()
+        added = {n: [a - b for a, b in zip(index_after[n], index_before[n], strict=True)] for n in PREFILL}
+        on_nodes = {n: [a - b for a, b in zip(node_after[n], node_before[n], strict=True)] for n in PREFILL}
+        if added == on_nodes or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert added == on_nodes, f"kvctl stats (hits, queries) {added}, the nodes' vllm counters {on_nodes}"
+    hits = sum(h for h, _ in added.values())
+    queries = sum(q for _, q in added.values())
+    assert queries > 0 and hits / queries > 0.5, f"a shared prefix: {hits} of {queries} tokens cached"
     live.wait_clean()
 
 

@@ -121,7 +121,7 @@ def test_nodes_blocks_stats(cluster: Cluster, capsys: Any) -> None:
     assert {h.hex() for h in chain[:3]} <= set(blocks["nodes"]["p0"]["hashes"])
     rc, stats, _ = kvctl(capsys, server, "stats")
     assert stats["nodes"]["p0"] == {"local_tokens": 48, "remote_tokens": 16, "miss_tokens": 36,
-                                    "total_tokens": 100, "hit_rate": 0.64}  # fmt: skip
+                                    "total_tokens": 100, "hit_rate": 0.48, "reuse_rate": 0.64}  # fmt: skip
     assert stats["overall"]["total_tokens"] == 100
     assert main(["nodes", "--redis", server.url]) == 0
     table = capsys.readouterr().out

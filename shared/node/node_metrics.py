@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pdserve.shared.engine.engine import EngineSnapshot
 from pdserve.shared.metrics import MetricsRegistry
-from pdserve.shared.types import FinishReason, Role
+from pdserve.shared.types import FinishReason, KVSource, Role
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -182,7 +182,7 @@ class _VllmEngineView(Collector):
             (CounterMetricFamily, "prefix_cache_queries", "Prefix cache queries, in tokens.",
              sum(hits.values())),
             (CounterMetricFamily, "prefix_cache_hits", "Prefix cache hits, in tokens.",
-             hits.get("local", 0.0)),
+             hits.get(KVSource.LOCAL, 0.0)),
             (CounterMetricFamily, "prompt_tokens", "Number of prefill tokens processed.",
              _value(m.prompt_tokens)),
             (CounterMetricFamily, "generation_tokens", "Number of generation tokens processed.",
