@@ -274,19 +274,26 @@ class RequestHandler:
 
     async def _tokenize(self, spec: GenerationSpec) -> tuple[list[tuple[int, ...]], list[str]]:
         """Token ids of each prompt, and the text `echo` puts in front of each prompt's choices."""
-        tokenizer = self.tokenizer
+        tokenizer, how = self.tokenizer, spec.tokenize
         t0 = time.perf_counter()
         if spec.kind == "chat":
             try:
-                ids = await asyncio.to_thread(tokenizer.apply_chat_template, list(spec.messages), True)
+                ids = await asyncio.to_thread(
+                    tokenizer.apply_chat_template, list(spec.messages), how.add_generation_prompt,
+                    how.continue_final_message, how.add_special_tokens,
+                )  # fmt: skip
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param="messages") from exc
             prompts = [tuple(ids)]
         else:
             prompts = [
-                p if isinstance(p, tuple) else tuple(await asyncio.to_thread(tokenizer.encode, p, True))
+                p
+                if isinstance(p, tuple)
+                else tuple(await asyncio.to_thread(tokenizer.encode, p, how.add_special_tokens))
                 for p in spec.prompts
             ]
+        if how.truncate_prompt_tokens is not None:
+            prompts = [ids[-how.truncate_prompt_tokens :] for ids in prompts]
         self.metrics.tokenize.observe(time.perf_counter() - t0)
         if any(not ids for ids in prompts):
             raise OpenAIError(400, "the prompt encodes to no tokens", param="prompt")
