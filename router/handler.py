@@ -255,7 +255,8 @@ class RequestHandler:
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         run = RequestRun(jobs, salt, deadline, self.clients, self.metrics, self.background, self.router,
                          config.migration_limit)  # fmt: skip
-        head = ResponseHead(spec.kind, base, int(time.time()), spec.model,
+        # an alias is served under the first served name, which every response carries (as vLLM's do)
+        head = ResponseHead(spec.kind, base, int(time.time()), config.served_model_name,
                             f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
         choices = {job.index: ChoiceState(offset=len(echo[job.index // spec.n])) for job in jobs}
         return ServedRequest(spec, head, [len(ids) for ids in prompts], echo, run, arrival, choices)

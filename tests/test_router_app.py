@@ -599,6 +599,28 @@ def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster) -> None:
     assert gen.prompt_token_ids == tuple(ids[-4:]) and r.json()["usage"]["prompt_tokens"] == 4
 
 
+def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    """`--served-model-name a,b`: b is an alias; responses carry a, as vLLM's do (docs/operations.md, API)."""
+    cluster.set_nodes(["s0"])
+    config = RouterConfig(model_path=MODEL, served_model_name="smol", served_model_aliases=("alias",),
+                          redis=cluster.redis,
+                          node_list_ttl_s=0.05)  # fmt: skip
+    router = Server(create_app(config, tokenizer, BlockIndex(cluster.redis)))
+    try:
+        models = httpx.get(router.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["smol", "alias"]
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+            r = httpx.post(router.url + path, json={**body, "model": "alias"}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "smol"
+        stream = {**CHAT, "model": "alias", "stream": True}
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=stream, timeout=30) as r:
+            chunks = sse_events(r)[:-1]
+        assert chunks and {c["model"] for c in chunks} == {"smol"}
+    finally:
+        router.stop()
+
+
 def _health_counts(**ready: int) -> dict[str, dict[str, int]]:
     counts = {role: {"ready": 0, "draining": 0, "down": 0} for role in ("prefill", "decode", "single")}
     for role, n in ready.items():
