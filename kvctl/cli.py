@@ -43,8 +43,8 @@ class Common(SecretFiles):
 
 
 class Blocks(Common):
-    node: str | None = Field(None, description="list this node's block hashes")
-    limit: int = Field(20, ge=0, description="hashes to list per node")
+    node: str | None = Field(None, description="only this node (default: every live node)")
+    limit: int = Field(20, ge=0, description="hashes to list per node (0: counts only)")
 
 
 class PromptOptions(Common):
@@ -157,9 +157,9 @@ def kvctl() -> None:
 _command(kvctl, "nodes", Common, "Live nodes: role, epoch, load, KV use, blocks, heartbeat.")(
     lambda opts, _: commands.nodes
 )
-_command(kvctl, "blocks", Blocks, "Block records per node (hashes with --node).")(
-    lambda opts, _: lambda index: commands.blocks(index, opts.node, opts.limit)
-)
+_command(
+    kvctl, "blocks", Blocks, "Block records per node: counts on device and host, and up to --limit hashes."
+)(lambda opts, _: lambda index: commands.blocks(index, opts.node, opts.limit))
 _command(kvctl, "stats", Common, "Prefix hits local/transferred/miss in tokens, per node and overall.")(
     lambda opts, _: commands.stats
 )
