@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pdserve.router.admission import Ledger
@@ -101,7 +102,7 @@ class RequestHandler:
         self.config = config
         self.tokenizer = tokenizer
         self.index = index
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.served_model_name)
         self.background = Background()
         self.clients = NodeClients(
             config.node_connect_timeout_s, config.max_connections_per_node, config.node_token
@@ -140,18 +141,24 @@ class RequestHandler:
         """OpenAIError 401 unless the API keys accept `authorization`."""
         self.tenants.authenticate(authorization)
 
-    def models(self, authorization: str | None) -> dict[str, Any]:
+    async def models(self, authorization: str | None) -> dict[str, Any]:
         self.authenticate(authorization)
-        return models_response(self.config.served_model_names, self._started)
+        return models_response(self.config.served_model_names, self._started, await self._max_model_len())
 
-    def model(self, model_id: str, authorization: str | None) -> dict[str, Any]:
+    async def model(self, model_id: str, authorization: str | None) -> dict[str, Any]:
         self.authenticate(authorization)
         if model_id not in self._served:
             raise OpenAIError(
                 404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
             )
-        model: dict[str, Any] = models_response([model_id], self._started)["data"][0]
+        cards = models_response([model_id], self._started, await self._max_model_len())
+        model: dict[str, Any] = cards["data"][0]
         return model
+
+    async def _max_model_len(self) -> int | None:
+        """The context length a request can count on: the smallest the nodes in view registered (None when
+        the router sees no node)."""
+        return min((s.info.max_model_len for s in await self.membership.nodes()), default=None)
 
     def metrics_page(self, authorization: str | None) -> bytes:
         if self.config.metrics_auth:
@@ -229,8 +236,7 @@ class RequestHandler:
                               f"{config.max_n}", param="n")  # fmt: skip
         prompts, echo = await self._tokenize(spec)
         salt = cache_salt(tenant, spec.cache_salt)
-        timeout = min(spec.timeout_s or config.default_deadline_s, config.max_deadline_s)
-        deadline = time.time() + timeout
+        deadline = time.time() + self._timeout(spec)
         placed = await asyncio.gather(
             *(self.router.place(ids, salt, deadline, spec.n) for ids in prompts), return_exceptions=True
         )
@@ -260,6 +266,10 @@ class RequestHandler:
                             f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
         choices = {job.index: ChoiceState(offset=len(echo[job.index // spec.n])) for job in jobs}
         return ServedRequest(spec, head, [len(ids) for ids in prompts], echo, run, arrival, choices)
+
+    def _timeout(self, spec: GenerationSpec) -> float:
+        """Seconds the request may take: its `timeout`, else the router's default, at most the cap."""
+        return min(spec.timeout_s or self.config.default_deadline_s, self.config.max_deadline_s)
 
     async def _read_json(self, incoming: Incoming) -> Any:
         limit = self.config.max_request_bytes
@@ -314,7 +324,12 @@ class RequestHandler:
             remaining = run.deadline - time.time()
             if remaining <= 0:
                 run.cancel("deadline")
-                raise DeadlineExceeded(f"the request did not finish before its deadline ({run.deadline:.3f})")
+                at = datetime.fromtimestamp(run.deadline, UTC).isoformat(timespec="milliseconds")
+                raise DeadlineExceeded(
+                    f"the request did not finish within its deadline of {self._timeout(req.spec):g} s "
+                    f"({at.replace('+00:00', 'Z')}); a larger `timeout` (at most "
+                    f"{self.config.max_deadline_s:g} s) gives it longer"
+                )
             event = await run.next_event(min(poll, remaining))
             if time.monotonic() - checked >= poll:
                 checked = time.monotonic()

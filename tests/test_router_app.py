@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -454,7 +455,11 @@ def test_deadline_is_one_and_enforced(cluster: Cluster) -> None:
     n_gen = len(cluster.nodes.generate)
     t0 = time.time()
     r = cluster.post("/v1/chat/completions", {**CHAT, "max_tokens": 50, "stop": ["SLOW"], "timeout": 0.5})
-    assert error_of(r, 504)["code"] == "deadline_exceeded" and time.time() - t0 < 3
+    err = error_of(r, 504)
+    assert err["code"] == "deadline_exceeded" and time.time() - t0 < 3
+    # the timeout in seconds and the moment in ISO 8601 UTC, not a raw epoch
+    iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    assert re.match(rf"the request did not finish within its deadline of 0\.5 s \({iso}\); ", err["message"])
     ((_, req),) = cluster.nodes.generate[n_gen:]
     assert abs(req.deadline - (t0 + 0.5)) < 0.5
     wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
@@ -619,6 +624,34 @@ def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokeni
         assert chunks and {c["model"] for c in chunks} == {"smol"}
     finally:
         router.stop()
+
+
+def test_models_carry_the_context_length_the_nodes_registered(cluster: Cluster) -> None:
+    """vLLM's model cards carry max_model_len: here the smallest the live nodes registered."""
+    cluster.set_nodes(["p0", "d0"])
+    models = httpx.get(cluster.router + "/v1/models", timeout=10).json()
+    validate(models, "ListModelsResponse")
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("smol", MAX_MODEL_LEN)]
+    model = httpx.get(cluster.router + "/v1/models/smol", timeout=10).json()
+    validate(model, "Model")
+    assert model["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_request_series_carry_the_model_name_as_the_nodes_do(cluster: Cluster) -> None:
+    """The router's request series are labelled like the nodes' vllm:* ones (model_name: the served name)."""
+    cluster.set_nodes(["s0"])
+    assert cluster.post("/v1/chat/completions", CHAT).status_code == 200
+    text = httpx.get(cluster.router + "/metrics", timeout=10).text
+    for series in (
+        'pdserve_router_requests_total{endpoint="chat",model_name="smol",status="200"}',
+        'pdserve_router_time_to_first_token_seconds_count{model_name="smol"}',
+        'pdserve_router_inter_token_latency_seconds_count{model_name="smol"}',
+        'pdserve_router_e2e_request_latency_seconds_count{model_name="smol"}',
+        'pdserve_router_prompt_tokens_total{model_name="smol"}',
+        'pdserve_router_generation_tokens_total{model_name="smol"}',
+        'pdserve_router_requests_in_flight{model_name="smol"} 0.0',
+    ):
+        assert series in text, series
 
 
 def _health_counts(**ready: int) -> dict[str, dict[str, int]]:
