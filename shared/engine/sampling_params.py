@@ -48,8 +48,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
-    """EOS and stop_token_ids cannot be sampled until this many output tokens exist (stop strings still end
-    the text); 0 disables. Counted from the first output token, which a prefill node samples."""
+    """EOS and stop_token_ids cannot be sampled, and stop strings are not searched, until this many output
+    tokens exist (vLLM's semantics); 0 disables. Counted from the first output token, which P samples."""
     logprobs: int | None = None
     """None: no logprobs; N in 0..20: the sampled token's logprob plus the N most likely."""
     include_stop_str_in_output: bool = False
