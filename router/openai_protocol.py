@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
 Prompt = str | tuple[int, ...]
 ChatMessages = tuple[dict[str, str], ...]
+_MESSAGE_REFUSED = {
+    "tool_calls": "tool calling is not available yet",
+    "function_call": "tool calling is not available yet",
+    "audio": "input and output are text only",
+}
+"""Message fields refused when set (a null or empty value asks for nothing). `name` and `tool_call_id` reach
+the chat template; other message fields are ignored like unknown body fields."""
+_MESSAGE_PASSED = ("name", "tool_call_id")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MAX_LOGPROBS = 20
 MAX_JSON_DEPTH = 32
@@ -422,6 +430,12 @@ def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
             raise OpenAIError(
                 400, f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}", param="messages"
             )
+        for field, why in _MESSAGE_REFUSED.items():
+            if msg.get(field):
+                raise OpenAIError(
+                    400, f"`{field}` in a message is not supported by this server: {why}",
+                    param=f"messages[{i}].{field}",
+                )  # fmt: skip
         content = msg.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -442,7 +456,8 @@ def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
                 f"messages[{i}].content must be a string or text parts, got {content!r}"[:200],
                 param=f"messages[{i}].content",
             )
-        out.append({"role": _ROLES[role], "content": content})
+        passed = {k: msg[k] for k in _MESSAGE_PASSED if isinstance(msg.get(k), str)}
+        out.append({"role": _ROLES[role], "content": content, **passed})
     return tuple(out)
 
 

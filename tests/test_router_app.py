@@ -586,6 +586,28 @@ def test_chat_template_options_shape_the_prompt(cluster: Cluster, tokenizer: Tok
     assert err["message"] == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
 
 
+def test_message_fields_are_honoured_or_refused(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    """A message's `name` reaches the chat template; tool calls and audio in a message are refused by name."""
+    cluster.set_nodes(["s0"])
+    n_gen = len(cluster.nodes.generate)
+    named = [{"role": "user", "content": "Hi", "name": "ada"}]
+    assert cluster.post("/v1/chat/completions", {**CHAT, "messages": named}).status_code == 200
+    ((_, gen),) = cluster.nodes.generate[n_gen:]
+    assert gen.prompt_token_ids == tuple(tokenizer.apply_chat_template(named))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message, field in (
+        ({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"),
+        (
+            {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+            "function_call",
+        ),
+        ({"role": "assistant", "content": "x", "audio": {"id": "a1"}}, "audio"),
+    ):
+        body = {**CHAT, "messages": [{"role": "user", "content": "Hi"}, message]}
+        err = error_of(cluster.post("/v1/chat/completions", body), 400)
+        assert err["param"] == f"messages[1].{field}" and f"`{field}`" in err["message"], err
+
+
 def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster) -> None:
     cluster.set_nodes(["p0", "d0"])
     n_gen, n_pre = len(cluster.nodes.generate), len(cluster.nodes.prefill)
