@@ -30,6 +30,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost_model import CostModel
 from pdserve.router.dispatch import ChoiceEvent, ChoiceJob, RequestRun
 from pdserve.router.errors import ClientGone, DeadlineExceeded, RouterError, to_openai
+from pdserve.router.json_body import parse_json_body
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
@@ -41,7 +42,6 @@ from pdserve.router.openai_protocol import (
     check_token_ids,
     parse_chat,
     parse_completion,
-    parse_json_body,
 )
 from pdserve.router.policy import NodeView, NoNodeAvailable, choose
 from pdserve.router.request_log import REQUEST_ID
