@@ -309,8 +309,11 @@ class RequestHandler:
         if any(not ids for ids in prompts):
             raise OpenAIError(400, "the prompt encodes to no tokens", param="prompt")
         echo = [""] * len(prompts)
-        if spec.echo:
-            echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in spec.prompts]
+        if spec.echo:  # the prompt the model saw: a truncated one is decoded from what was kept
+            echo = [
+                p if isinstance(p, str) and how.truncate_prompt_tokens is None else tokenizer.decode(ids)
+                for p, ids in zip(spec.prompts, prompts, strict=True)
+            ]
         return prompts, echo
 
     async def _events(self, req: ServedRequest, incoming: Incoming) -> AsyncIterator[ChoiceEvent]:

@@ -608,7 +608,7 @@ def test_message_fields_are_honoured_or_refused(cluster: Cluster, tokenizer: Tok
         assert err["param"] == f"messages[1].{field}" and f"`{field}`" in err["message"], err
 
 
-def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster) -> None:
+def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster, tokenizer: Tokenizer) -> None:
     cluster.set_nodes(["p0", "d0"])
     n_gen, n_pre = len(cluster.nodes.generate), len(cluster.nodes.prefill)
     r = cluster.post("/v1/chat/completions", {**CHAT, "min_tokens": 2})
@@ -624,6 +624,11 @@ def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster) -> None:
     assert r.status_code == 200, r.text
     ((_, gen),) = cluster.nodes.generate[n_gen:]
     assert gen.prompt_token_ids == tuple(ids[-4:]) and r.json()["usage"]["prompt_tokens"] == 4
+    text = "one two three four five six seven"
+    asked = {**COMPLETION, "prompt": text, "truncate_prompt_tokens": 3, "echo": True}
+    r = cluster.post("/v1/completions", asked)  # echo repeats the prompt the model saw
+    kept = tokenizer.decode(tokenizer.encode(text, True)[-3:])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == kept + " w1000 w1001", r.text
 
 
 def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokenizer: Tokenizer) -> None:
