@@ -8,7 +8,7 @@ load from other processes on the machine falls on both alike. Each request strea
 every request yields exactly --max-tokens tokens); the client records the time to the first and to the
 second content chunk and to [DONE]. Prompts are distinct token-id lists (random ids, fixed seed), so no
 request reuses a cached prefix. Prints a markdown table of medians (and p90) with the P/D / single ratio.
-Target (DESIGN.md): P/D time to first and second token within 5 % of a single node's.
+Target: P/D time to first and second token within 5 % of a single node's.
 """
 
 from __future__ import annotations

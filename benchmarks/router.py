@@ -7,7 +7,7 @@ It starts redis-server on a free port, registers fake nodes through BlockIndex.r
   beside a Redis PING round trip (the floor of any lookup) and the real SmolLM2 tokenizer on real text;
 - Redis's own time per lookup (INFO commandstats: usec_per_call of evalsha);
 - routing decisions per second for 1k-token prompts with concurrent asyncio tasks (tokenization excluded).
-Targets (DESIGN.md): p99 <= 5 ms for 8k tokens; >= 2,000 decisions/s.
+Targets: p99 <= 5 ms for 8k tokens; >= 2,000 decisions/s.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ class Common(SecretFiles):
 
 
 class Blocks(Common):
-    node: str | None = Field(None, description="list this node's block hashes")
-    limit: int = Field(20, ge=0, description="hashes to list per node")
+    node: str | None = Field(None, description="only this node (default: every live node)")
+    limit: int = Field(20, ge=0, description="hashes to list per node (0: counts only)")
 
 
 class PromptOptions(Common):

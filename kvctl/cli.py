@@ -22,7 +22,7 @@ import click
 _CONTEXT = {"help_option_names": ["-h", "--help"]}
 _COMMANDS = {
     "nodes": "Live nodes: role, epoch, load, KV use, blocks, heartbeat.",
-    "blocks": "Block records per node (hashes with --node).",
+    "blocks": "Block records per node: counts on device and host, and up to --limit hashes.",
     "stats": "Prefix hits local/remote/miss in tokens, per node and overall.",
     "drain": "Stop new work on a node; it finishes, then leaves.",
     "undrain": "Give a drained node new work again.",

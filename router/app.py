@@ -115,11 +115,11 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        return handler.models(request.headers.get("authorization"))
+        return await handler.models(request.headers.get("authorization"))
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
-        return handler.model(model_id, request.headers.get("authorization"))
+        return await handler.model(model_id, request.headers.get("authorization"))
 
     @app.get("/health")
     async def health() -> Response:

@@ -1,7 +1,7 @@
 """The one placement cost model: for one prompt and the nodes the policy picked, the estimated time to first
 token of each way to prefill it, and the cheapest. Pure Python over plain data; no I/O.
 
-Options (DESIGN.md, "Where a prefill happens"):
+Options (docs/architecture.md, "Design in brief"; three of them the first plan's, local_fetch added):
 - `local`: the decode node prefills the tokens it does not hold itself (no transfer);
 - `local_fetch`: the decode node first fetches the prefix blocks a holder has beyond its own, then computes
   the rest itself (one move of the prefix, straight to the node that needs it; docs/architecture.md);

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pdserve.router.admission import Ledger
@@ -30,6 +31,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.cost_model import CostModel
 from pdserve.router.dispatch import ChoiceEvent, ChoiceJob, RequestRun
 from pdserve.router.errors import ClientGone, DeadlineExceeded, RouterError, to_openai
+from pdserve.router.json_body import parse_json_body
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
@@ -41,7 +43,6 @@ from pdserve.router.openai_protocol import (
     check_token_ids,
     parse_chat,
     parse_completion,
-    parse_json_body,
 )
 from pdserve.router.policy import NodeView, NoNodeAvailable, choose
 from pdserve.router.request_log import REQUEST_ID
@@ -102,7 +103,7 @@ class RequestHandler:
         self.config = config
         self.tokenizer = tokenizer
         self.index = index
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.served_model_name)
         self.background = Background()
         self.clients = NodeClients(
             config.node_connect_timeout_s, config.max_connections_per_node, config.node_token
@@ -141,18 +142,24 @@ class RequestHandler:
         """OpenAIError 401 unless the API keys accept `authorization`."""
         self.tenants.authenticate(authorization)
 
-    def models(self, authorization: str | None) -> dict[str, Any]:
+    async def models(self, authorization: str | None) -> dict[str, Any]:
         self.authenticate(authorization)
-        return models_response(self.config.served_model_names, self._started)
+        return models_response(self.config.served_model_names, self._started, await self._max_model_len())
 
-    def model(self, model_id: str, authorization: str | None) -> dict[str, Any]:
+    async def model(self, model_id: str, authorization: str | None) -> dict[str, Any]:
         self.authenticate(authorization)
         if model_id not in self._served:
             raise OpenAIError(
                 404, f"The model {model_id!r} does not exist", param="model", code="model_not_found"
             )
-        model: dict[str, Any] = models_response([model_id], self._started)["data"][0]
+        cards = models_response([model_id], self._started, await self._max_model_len())
+        model: dict[str, Any] = cards["data"][0]
         return model
+
+    async def _max_model_len(self) -> int | None:
+        """The context length a request can count on: the smallest the nodes in view registered (None when
+        the router sees no node)."""
+        return min((s.info.max_model_len for s in await self.membership.nodes()), default=None)
 
     def metrics_page(self, authorization: str | None) -> bytes:
         if not self.config.metrics_public:
@@ -234,8 +241,7 @@ class RequestHandler:
             for ids in prompts:
                 check_length(spec, len(ids), context)
         salt = cache_salt(tenant, spec.cache_salt)
-        timeout = min(spec.timeout_s or config.default_deadline_s, config.max_deadline_s)
-        deadline = time.time() + timeout
+        deadline = time.time() + self._timeout(spec)
         placed = await asyncio.gather(
             *(self.router.place(ids, salt, deadline, spec.n) for ids in prompts), return_exceptions=True
         )
@@ -262,10 +268,15 @@ class RequestHandler:
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         run = RequestRun(jobs, salt, deadline, self.clients, self.metrics, self.background, self.router,
                          config.migration_limit)  # fmt: skip
-        head = ResponseHead(spec.kind, base, int(time.time()), spec.model,
+        # an alias is served under the first served name, which every response carries (as vLLM's do)
+        head = ResponseHead(spec.kind, base, int(time.time()), config.served_model_name,
                             f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
         choices = {job.index: ChoiceState(offset=len(echo[job.index // spec.n])) for job in jobs}
         return ServedRequest(spec, head, [len(ids) for ids in prompts], echo, run, arrival, choices)
+
+    def _timeout(self, spec: GenerationSpec) -> float:
+        """Seconds the request may take: its `timeout`, else the router's default, at most the cap."""
+        return min(spec.timeout_s or self.config.default_deadline_s, self.config.max_deadline_s)
 
     async def _context_limit(self) -> int | None:
         """The largest context (max_model_len) of the nodes the router knows: no prompt longer fits on any
@@ -297,25 +308,35 @@ class RequestHandler:
 
     async def _tokenize(self, spec: GenerationSpec) -> tuple[list[tuple[int, ...]], list[str]]:
         """Token ids of each prompt, and the text `echo` puts in front of each prompt's choices."""
-        tokenizer = self.tokenizer
+        tokenizer, how = self.tokenizer, spec.tokenize
         t0 = time.perf_counter()
         if spec.kind == "chat":
             try:
-                ids = await asyncio.to_thread(tokenizer.apply_chat_template, list(spec.messages), True)
+                ids = await asyncio.to_thread(
+                    tokenizer.apply_chat_template, list(spec.messages), how.add_generation_prompt,
+                    how.continue_final_message, how.add_special_tokens,
+                )  # fmt: skip
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param="messages") from exc
             prompts = [tuple(ids)]
         else:
             prompts = [
-                p if isinstance(p, tuple) else tuple(await asyncio.to_thread(tokenizer.encode, p, True))
+                p
+                if isinstance(p, tuple)
+                else tuple(await asyncio.to_thread(tokenizer.encode, p, how.add_special_tokens))
                 for p in spec.prompts
             ]
+        if how.truncate_prompt_tokens is not None:
+            prompts = [ids[-how.truncate_prompt_tokens :] for ids in prompts]
         self.metrics.tokenize.observe(time.perf_counter() - t0)
         if any(not ids for ids in prompts):
             raise OpenAIError(400, "the prompt encodes to no tokens", param="prompt")
         echo = [""] * len(prompts)
-        if spec.echo:
-            echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in spec.prompts]
+        if spec.echo:  # the prompt the model saw: a truncated one is decoded from what was kept
+            echo = [
+                p if isinstance(p, str) and how.truncate_prompt_tokens is None else tokenizer.decode(ids)
+                for p, ids in zip(spec.prompts, prompts, strict=True)
+            ]
         return prompts, echo
 
     async def _events(self, req: ServedRequest, incoming: Incoming) -> AsyncIterator[ChoiceEvent]:
@@ -329,7 +350,12 @@ class RequestHandler:
             remaining = run.deadline - time.time()
             if remaining <= 0:
                 run.cancel("deadline")
-                raise DeadlineExceeded(f"the request did not finish before its deadline ({run.deadline:.3f})")
+                at = datetime.fromtimestamp(run.deadline, UTC).isoformat(timespec="milliseconds")
+                raise DeadlineExceeded(
+                    f"the request did not finish within its deadline of {self._timeout(req.spec):g} s "
+                    f"({at.replace('+00:00', 'Z')}); a larger `timeout` (at most "
+                    f"{self.config.max_deadline_s:g} s) gives it longer"
+                )
             event = await run.next_event(min(poll, remaining))
             if time.monotonic() - checked >= poll:
                 checked = time.monotonic()

@@ -8,12 +8,15 @@ each request the router placed and sent (a refused request counts nothing): loca
 (fetched from another node), miss (computed, including blocks a planned fetch did not bring). Each
 decision's score (token equivalents, see router/policy.py) and its estimate of the prompt tokens the
 prefilling node computes are histograms labelled by decision kind and prefilling node.
+The request series (latencies, tokens, requests) carry a `model_name` label, the router's first served
+name, as the nodes' vllm:* series do.
 """
 
 from __future__ import annotations
 
 from pdserve.shared.metrics import MetricsRegistry
 from pdserve.shared.types import KVSource
+from prometheus_client import Counter
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -24,27 +27,42 @@ _ROUTING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0
 DECISION_KINDS = ("pd", "local", "single")
 
 
-class RouterMetrics(MetricsRegistry):
-    """The router's series."""
+class ModelLabelled:
+    """A labelled counter whose `model_name` label is fixed: `labels(endpoint=..., status=...)`."""
 
-    def __init__(self) -> None:
+    def __init__(self, counter: Counter, model_name: str) -> None:
+        self._counter = counter
+        self._model_name = model_name
+
+    def labels(self, **labels: str) -> Counter:
+        return self._counter.labels(model_name=self._model_name, **labels)
+
+
+class RouterMetrics(MetricsRegistry):
+    """The router's series; model_name labels the request series."""
+
+    def __init__(self, model_name: str = "") -> None:
         super().__init__()
         hist, counter, gauge = self.histogram, self.counter, self.gauge
+        model = {"model_name": model_name}
         self.ttft = hist(
             "pdserve_router_time_to_first_token_seconds",
             "Request arrival to its first generated token.",
             _LATENCY_BUCKETS,
-        )
+            list(model),
+        ).labels(**model)
         self.itl = hist(
             "pdserve_router_inter_token_latency_seconds",
             "Gap between generated tokens of one choice.",
             _ITL_BUCKETS,
-        )
+            list(model),
+        ).labels(**model)
         self.e2e = hist(
             "pdserve_router_e2e_request_latency_seconds",
             "Request arrival to its last token.",
             _LATENCY_BUCKETS,
-        )
+            list(model),
+        ).labels(**model)
         self.tokenize = hist(
             "pdserve_router_tokenize_seconds", "Time to tokenize one prompt.", _ROUTING_BUCKETS
         )
@@ -53,10 +71,12 @@ class RouterMetrics(MetricsRegistry):
             "Block hashing + index lookup + policy choice for one prompt.",
             _ROUTING_BUCKETS,
         )
-        self.prompt_tokens = counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests.")
+        self.prompt_tokens = counter(
+            "pdserve_router_prompt_tokens", "Prompt tokens of served requests.", list(model)
+        ).labels(**model)
         self.generation_tokens = counter(
-            "pdserve_router_generation_tokens", "Generated tokens streamed back."
-        )
+            "pdserve_router_generation_tokens", "Generated tokens streamed back.", list(model)
+        ).labels(**model)
         self.decisions = counter("pdserve_router_decisions", "Routing decisions by kind.", ["kind"])
         self.cost_decisions = counter(
             "pdserve_router_cost_model_decisions",
@@ -100,12 +120,17 @@ class RouterMetrics(MetricsRegistry):
             _TOKEN_BUCKETS,
             ["kind", "node_id"],
         )
-        self.requests = counter(
-            "pdserve_router_requests",
-            "Finished HTTP requests by endpoint and status.",
-            ["endpoint", "status"],
+        self.requests = ModelLabelled(
+            counter(
+                "pdserve_router_requests",
+                "Finished HTTP requests by endpoint and status.",
+                ["endpoint", "model_name", "status"],
+            ),
+            model_name,
         )
-        self.in_flight = gauge("pdserve_router_requests_in_flight", "Client requests being served.")
+        self.in_flight = gauge(
+            "pdserve_router_requests_in_flight", "Client requests being served.", list(model)
+        ).labels(**model)
         self.node_in_flight = gauge(
             "pdserve_router_node_requests_in_flight",
             "Node requests (generate or prefill) open per node.",

@@ -60,8 +60,10 @@ class Continuation:
 
     def migrate(self) -> tuple[tuple[int, ...], SamplingParams]:
         """The next attempt's prompt and sampling: the prompt plus every streamed token, what remains to
-        generate. Call only when eligible."""
+        generate (and what remains of min_tokens). Call only when eligible."""
         self.migrations += 1
         self._base = len(self.streamed)
         remaining = self.sampling.max_tokens - self._base
-        return (*self.prompt, *self.streamed), dataclasses.replace(self.sampling, max_tokens=remaining)
+        min_tokens = max(0, self.sampling.min_tokens - self._base)
+        sampling = dataclasses.replace(self.sampling, max_tokens=remaining, min_tokens=min_tokens)
+        return (*self.prompt, *self.streamed), sampling

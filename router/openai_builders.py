@@ -62,11 +62,14 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int) -> dic
     }
 
 
-def models_response(names: Sequence[str], created: int) -> dict[str, Any]:
+def models_response(names: Sequence[str], created: int, max_model_len: int | None) -> dict[str, Any]:
+    """The model cards; max_model_len (vLLM's extra field, prompt + output tokens) only when known."""
+    extra = {} if max_model_len is None else {"max_model_len": max_model_len}
     return {
         "object": "list",
         "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "pdserve"} for name in names
+            {"id": name, "object": "model", "created": created, "owned_by": "pdserve", **extra}
+            for name in names
         ],
     }
 

@@ -1,33 +1,41 @@
 """OpenAI request parsing and validation: a request body in, a GenerationSpec or an OpenAIError out.
 
 Invariants: a GenerationSpec is fully validated (its SamplingParams template was built, so every sampling
-field is in range); unknown body fields are tolerated as OpenAI does; every refusal is an OpenAIError
-carrying the HTTP status and OpenAI's ErrorResponse body, naming the bad parameter. A body reaches the
-models only as strict JSON (no NaN or Infinity) nested at most MAX_JSON_DEPTH deep whose every string is
-Unicode text (no lone surrogate), so nothing downstream (tokenizer, block hash, node messages) sees a value
-JSON's grammar allows but UTF-8 cannot carry. Every list a client sends is bounded (stop strings, stop
-token ids, logprobs; prompts and n by RouterConfig.max_n, prompt tokens by the context). Response and
-chunk objects are built in router/openai_builders.py.
+field is in range); every field the body models accept is honoured, a known field this server does not carry
+out is refused naming it (router/openai_options.py), and unknown fields are ignored, as vLLM does, and logged;
+every refusal is an OpenAIError carrying the HTTP status and OpenAI's ErrorResponse body, naming the bad
+parameter. Bodies arrive as strict JSON (router/json_body.py). Every list a client sends is bounded (stop
+strings, stop token ids, logprobs; prompts and n by RouterConfig.max_n, prompt tokens by the context).
+Response and chunk objects are built in router/openai_builders.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.router import openai_options
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
 Prompt = str | tuple[int, ...]
 ChatMessages = tuple[dict[str, str], ...]
+_MESSAGE_REFUSED = {
+    "tool_calls": "tool calling is not available yet",
+    "function_call": "tool calling is not available yet",
+    "audio": "input and output are text only",
+}
+"""Message fields refused when set (a null or empty value asks for nothing). `name` and `tool_call_id` reach
+the chat template; other message fields are ignored like unknown body fields."""
+_MESSAGE_PASSED = ("name", "tool_call_id")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MAX_LOGPROBS = 20
-MAX_JSON_DEPTH = 32
-"""Nesting of a request body (the object itself is 1); OpenAI's own bodies need under 10."""
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 64
@@ -71,18 +79,22 @@ class _Body(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Any] | None = None
     user: str | None = None
-    # Extensions (vLLM's names): sampling knobs, the tenant's cache salt, a per-request deadline in seconds.
+    """An end-user id for OpenAI's abuse monitoring: accepted, and used for nothing here."""
+    # Extensions (vLLM's names): sampling knobs, the tenant's cache salt, a per-request deadline in seconds,
+    # and how the prompt is tokenized.
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     timeout: float | None = Field(default=None, gt=0.0)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
 
 
 class CompletionBody(_Body):
@@ -91,7 +103,6 @@ class CompletionBody(_Body):
     logprobs: int | None = Field(default=None, ge=0, le=_MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
 
 
 class ChatBody(_Body):
@@ -100,9 +111,23 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """How the router turns the prompt into token ids (vLLM's fields and defaults)."""
+
+    add_special_tokens: bool
+    """Add the tokenizer's own special tokens (BOS): completions default true, chat false (its template
+    writes them)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last this many prompt tokens (left truncation); None keeps all."""
+    add_generation_prompt: bool = True
+    """Chat: end the template with the assistant's header, so the model answers in a new message."""
+    continue_final_message: bool = False
+    """Chat: leave the final message open (no end-of-turn), so the model continues it."""
 
 
 @dataclass(frozen=True)
@@ -123,69 +148,12 @@ class GenerationSpec:
     """Template: max_tokens and seed are replaced per node request (see `sampling_for`)."""
     cache_salt: str | None
     timeout_s: float | None
+    tokenize: Tokenize
 
     def sampling_for(self, max_tokens: int, choice: int) -> SamplingParams:
         """Sampling of choice `choice` (0..n-1): seeded requests fan out with seeds seed + choice."""
         seed = None if self.sampling.seed is None else self.sampling.seed + choice
         return dataclasses.replace(self.sampling, max_tokens=max_tokens, seed=seed)
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """The request body as JSON; OpenAIError 400 when it is not strict JSON in UTF-8 (NaN and Infinity are
-    refused), nests deeper than MAX_JSON_DEPTH, or holds a lone surrogate escape such as "\\ud800"."""
-    try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
-    except RecursionError as exc:  # the parser's own stack ran out: far deeper than MAX_JSON_DEPTH
-        raise OpenAIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from exc
-    except ValueError as exc:
-        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}") from exc
-    _check_tree(body)
-    return body
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number; send finite numbers")
-
-
-_NESTED = frozenset((str, list, dict))
-"""What json.loads builds that _check_tree looks into (the rest are numbers, booleans and null)."""
-
-
-def _check_tree(body: Any) -> None:
-    """Depth and text of every value, iteratively (a recursive walk is what a deep body attacks). A list of
-    scalars only (a token-id prompt: 16k ints) is passed over in one C-level pass of its item types."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
-    while stack:
-        node, path, depth = stack.pop()
-        if isinstance(node, str):
-            _check_text(node, path)
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise OpenAIError(
-                400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels (at {path})", param=path
-            )
-        if isinstance(node, dict):
-            for key, value in node.items():
-                _check_text(key, f"{path}.{key!a}".lstrip("."))
-                if isinstance(value, str | list | dict):
-                    stack.append((value, f"{path}.{key}".lstrip("."), depth + 1))
-        elif not _NESTED.isdisjoint(set(map(type, node))):
-            for i, value in enumerate(node):
-                if isinstance(value, str | list | dict):
-                    stack.append((value, f"{path}[{i}]", depth + 1))
-
-
-def _check_text(text: str, path: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = text[exc.start : exc.end]
-        raise OpenAIError(
-            400,
-            f"{path or 'the body'}: the string holds a lone surrogate {bad!a} at character {exc.start}; "
-            "send Unicode text (a surrogate escape such as \\ud83d must be followed by its low half)",
-            param=path or None,
-        ) from exc
 
 
 def check_token_ids(spec: GenerationSpec, vocab_size: int) -> None:
@@ -210,32 +178,40 @@ def parse_completion(body: dict[str, Any]) -> GenerationSpec:
     req = _validate(CompletionBody, body)
     if req.best_of is not None and req.best_of != req.n:
         raise OpenAIError(
-            400, f"best_of={req.best_of} is not supported unless equal to n={req.n}", param="best_of"
+            400,
+            f"`best_of` is not supported by this server unless equal to n (best_of={req.best_of}, n={req.n})",
+            param="best_of",
         )
-    if req.suffix:
-        raise OpenAIError(400, "suffix is not supported by this model", param="suffix")
     if req.echo and req.logprobs is not None:
         raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
     prompts = _parse_prompt(req.prompt)
-    return _spec("completion", req, prompts, (), req.max_tokens, req.logprobs, req.echo)
+    tokenize = Tokenize(_default(req.add_special_tokens, True), req.truncate_prompt_tokens)
+    return _spec("completion", req, prompts, (), req.max_tokens, req.logprobs, req.echo, tokenize)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
     req = _validate(ChatBody, body)
-    if req.tools:
-        raise OpenAIError(400, "tools are not supported by this server", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise OpenAIError(400, f"tool_choice {req.tool_choice!r} is not supported", param="tool_choice")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
+    if req.continue_final_message and req.add_generation_prompt:
+        # vLLM's check and message: both asked explicitly. Continuing alone implies no generation prompt.
         raise OpenAIError(
-            400, f"response_format type {fmt!r} is not supported; use 'text'", param="response_format"
-        )
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )  # fmt: skip
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _spec("chat", req, (), _parse_messages(req.messages), max_tokens, logprobs, False)
+    tokenize = Tokenize(
+        add_special_tokens=_default(req.add_special_tokens, False),
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        add_generation_prompt=_default(req.add_generation_prompt, not req.continue_final_message),
+        continue_final_message=req.continue_final_message,
+    )
+    return _spec("chat", req, (), _parse_messages(req.messages), max_tokens, logprobs, False, tokenize)
+
+
+def _default(value: bool | None, default: bool) -> bool:
+    return default if value is None else value
 
 
 def _spec(
@@ -246,12 +222,23 @@ def _spec(
     max_tokens: int | None,
     logprobs: int | None,
     echo: bool,
+    tokenize: Tokenize,
 ) -> GenerationSpec:
-    if req.logit_bias:
-        raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise OpenAIError(
+            400, f"min_tokens={req.min_tokens} must be less than or equal to max_tokens={max_tokens}",
+            param="min_tokens",
+        )  # fmt: skip
     if req.stream_options is not None and not req.stream:
         raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    include_usage = (req.stream_options or {}).get("include_usage", False)
+    stream_options = req.stream_options or {}
+    for name in _STREAM_OPTIONS_REFUSED:
+        if stream_options.get(name):
+            raise OpenAIError(
+                400, f"stream_options.{name} is not supported by this server; only include_usage is",
+                param="stream_options",
+            )  # fmt: skip
+    include_usage = stream_options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise OpenAIError(
             400, f"include_usage must be a boolean, got {include_usage!r}", param="stream_options"
@@ -281,6 +268,7 @@ def _spec(
             stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
@@ -301,6 +289,7 @@ def _spec(
         sampling=sampling,
         cache_salt=req.cache_salt,
         timeout_s=req.timeout,
+        tokenize=tokenize,
     )
     try:
         spec.sampling_for(1, spec.n - 1)  # the last choice's seed must be valid too
@@ -310,19 +299,32 @@ def _spec(
     return spec
 
 
+_STREAM_OPTIONS_REFUSED = ("continuous_usage_stats", "include_obfuscation")
+"""vLLM's usage on every chunk, OpenAI's obfuscation padding: refused when true (false asks for nothing)."""
+
+
 def _validate(model: type[CompletionBody] | type[ChatBody], body: Any) -> Any:
     if not isinstance(body, dict):
         raise OpenAIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     # OpenAI's schemas make most fields nullable, null meaning the default: a null field is an absent one.
     body = {k: v for k, v in body.items() if v is not None}
+    refused = openai_options.refusal(
+        body, openai_options.CHAT if model is ChatBody else openai_options.COMPLETION
+    )
+    if refused is not None:
+        raise OpenAIError(400, refused[1], param=refused[0])
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = [p for p in err["loc"] if isinstance(p, int) or str(p).isidentifier()]
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
         got = repr(err.get("input"))[:80]
         raise OpenAIError(400, f"{param}: {err['msg']} (got {got})", param=param) from exc
+    if req.model_extra:
+        log.warning("ignored unknown request field(s) %s (docs/operations.md, Request options)",
+                    ", ".join(sorted(req.model_extra)))  # fmt: skip
+    return req
 
 
 def _is_ids(value: Any) -> bool:
@@ -364,6 +366,12 @@ def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
             raise OpenAIError(
                 400, f"messages[{i}].role {role!r} is not one of {sorted(_ROLES)}", param="messages"
             )
+        for field, why in _MESSAGE_REFUSED.items():
+            if msg.get(field):
+                raise OpenAIError(
+                    400, f"`{field}` in a message is not supported by this server: {why}",
+                    param=f"messages[{i}].{field}",
+                )  # fmt: skip
         content = msg.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -384,7 +392,8 @@ def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
                 f"messages[{i}].content must be a string or text parts, got {content!r}"[:200],
                 param=f"messages[{i}].content",
             )
-        out.append({"role": _ROLES[role], "content": content})
+        passed = {k: msg[k] for k in _MESSAGE_PASSED if isinstance(msg.get(k), str)}
+        out.append({"role": _ROLES[role], "content": content, **passed})
     return tuple(out)
 
 

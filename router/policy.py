@@ -1,10 +1,12 @@
 """Routing policy: which node prefills a prompt and which decodes it. Pure Python over plain data, no I/O.
 
 Score (lower is better), in *token equivalents*: the prefill work one prompt token costs is 1.
-- The prefix: hits(N) = the leading prompt blocks node N holds (from the index lookup). No node fetches
-  blocks from another (no fetch path exists), so a block the prefilling node lacks costs its block_size
-  tokens of compute: tokens_to_compute(P) = max(1, prompt_tokens - hits(P) * block_size). A fetch path,
-  when one exists, enters here as a per-block cost below block_size and a "remote" hit in the metrics.
+- The prefix: hits(N) = the leading prompt blocks node N holds (from the index lookup). The score counts a
+  block the prefilling node lacks as its block_size tokens of compute: tokens_to_compute(P) =
+  max(1, prompt_tokens - hits(P) * block_size). A fetch path exists but is not scored here: once the
+  pair is chosen, router/routing.py has the prefilling node fetch the leading blocks another node holds
+  beyond its own (shared/node/kv_fetch.py), and with `--cost-model` router/cost_model.py weighs fetching
+  against computing.
 - Prefill node P:  queued_prefill_tokens(P) * queue_token_weight + tokens_to_compute(P)
   (work queued ahead of this request delays it as much as its own compute does.)
 - Decode node D:   blocks_to_transfer(D) * transfer_block_cost + running(D) * decode_running_cost

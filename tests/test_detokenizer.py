@@ -159,3 +159,13 @@ def test_smollm2_tokenizer_from_gguf() -> None:
     plain = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(), (tok.eos_token_id,))
     joined = "".join(plain.add([i]) for i in [*ids, tok.eos_token_id]) + plain.flush()
     assert joined == tok.decode(ids, skip_special_tokens=True) and plain.finished
+
+
+def test_stop_strings_count_only_after_min_tokens() -> None:
+    """vLLM's min_tokens: a stop string inside the first min_tokens output tokens does not end the text."""
+    text = "END stop here. END of text"
+    assert run(text, stop=["END"])[1].text == ""
+    held = len(TOK.encode("END stop").ids)
+    deltas, detok = run(text, stop=["END"], min_tokens=held)
+    assert "".join(deltas) == "END stop here. " and detok.finished and detok.stop_reason == "END"
+    assert run("END", stop=["END"], min_tokens=5)[1].text == "END"  # ended by length before min_tokens

@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pdserve.launch import free_port
-from pdserve.router.openai_protocol import MAX_JSON_DEPTH, MAX_STOP_STRINGS
+from pdserve.router.json_body import MAX_JSON_DEPTH
+from pdserve.router.openai_protocol import MAX_STOP_STRINGS
 from pdserve.shared.node.node_auth import bearer
 from pdserve.tests.cluster_fixture import (
     LiveCluster,

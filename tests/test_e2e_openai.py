@@ -15,9 +15,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from pdserve.shared.model.loader import load_tokenizer
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     generate_offline,
+    model_path,
     openai_schema,
     served_model_name,
     up_config,
@@ -199,6 +201,52 @@ BAD_REQUESTS = [
         "prompt",
     ),
 ]
+
+
+def test_min_tokens_holds_back_a_stop_token_from_prefill_to_decode(live: LiveCluster) -> None:
+    """The first token is sampled on P, the rest on D: min_tokens must hold a stop token back on both."""
+    tokenizer = load_tokenizer(model_path())
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
+    first = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    (stop_id,) = tokenizer.encode(first, False)
+    body |= {"max_tokens": 6, "stop_token_ids": [stop_id]}
+    stopped = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["text"] == ""
+    for stream in (False, True):
+        asked = body | {"min_tokens": 3, "stream": stream}
+        if stream:
+            chunks = sse(live, "/v1/completions", asked)
+            for chunk in chunks:
+                schema.validate(chunk, "CreateCompletionResponse", streamed_completion=True)
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            r = httpx.post(f"{live.base}/v1/completions", json=asked, timeout=120)
+            assert r.status_code == 200, r.text
+            schema.validate(r.json(), "CreateCompletionResponse")
+            assert r.json()["usage"]["completion_tokens"] >= 3
+            text = r.json()["choices"][0]["text"]
+        ids = tokenizer.encode(text, False)
+        assert len(ids) >= 3 and stop_id not in ids[:3], (text, ids)
+    live.wait_clean()
+
+
+def test_chat_options_through_the_openai_client(client: openai.OpenAI) -> None:
+    turns: Any = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue is a"},
+    ]
+    cont = client.chat.completions.create(
+        model=MODEL, messages=turns, max_tokens=4, temperature=0, extra_body={"continue_final_message": True}
+    )
+    schema.validate(cont.model_dump(mode="json", exclude_unset=True), "CreateChatCompletionResponse")
+    fresh = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=4, temperature=0)
+    assert cont.usage is not None and fresh.usage is not None
+    assert cont.usage.prompt_tokens < fresh.usage.prompt_tokens  # no end-of-turn, no new assistant header
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(
+            model=MODEL, messages=turns, max_tokens=4, extra_body={"guided_json": {"type": "object"}}
+        )
+    assert "`guided_json` is not supported by this server" in str(exc.value)
 
 
 @pytest.mark.parametrize(

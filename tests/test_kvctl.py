@@ -119,6 +119,12 @@ def test_nodes_blocks_stats(cluster: Cluster, capsys: Any) -> None:
     rc, blocks, _ = kvctl(capsys, server, "blocks", "--node", "p0", "--limit", "100")
     assert rc == 0 and blocks["nodes"]["p0"]["count"] == 8 and blocks["nodes"]["p0"]["host"] == 1
     assert {h.hex() for h in chain[:3]} <= set(blocks["nodes"]["p0"]["hashes"])
+    # Without --node every live node is listed with up to --limit of its hashes, as `blocks --help` says.
+    rc, every, _ = kvctl(capsys, server, "blocks", "--limit", "2")
+    assert rc == 0 and sorted(every["nodes"]) == ["d0", "p0"] and len(every["nodes"]["p0"]["hashes"]) == 2
+    assert main(["blocks", "--help"]) == 0
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "hashes with --node" not in usage and "--node TEXT only this node" in usage, usage
     rc, stats, _ = kvctl(capsys, server, "stats")
     assert stats["nodes"]["p0"] == {"local_tokens": 48, "remote_tokens": 16, "miss_tokens": 36,
                                     "total_tokens": 100, "hit_rate": 0.48, "reuse_rate": 0.64}  # fmt: skip

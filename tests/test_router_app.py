@@ -13,6 +13,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -454,10 +455,230 @@ def test_deadline_is_one_and_enforced(cluster: Cluster) -> None:
     n_gen = len(cluster.nodes.generate)
     t0 = time.time()
     r = cluster.post("/v1/chat/completions", {**CHAT, "max_tokens": 50, "stop": ["SLOW"], "timeout": 0.5})
-    assert error_of(r, 504)["code"] == "deadline_exceeded" and time.time() - t0 < 3
+    err = error_of(r, 504)
+    assert err["code"] == "deadline_exceeded" and time.time() - t0 < 3
+    # the timeout in seconds and the moment in ISO 8601 UTC, not a raw epoch
+    iso = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    assert re.match(rf"the request did not finish within its deadline of 0\.5 s \({iso}\); ", err["message"])
     ((_, req),) = cluster.nodes.generate[n_gen:]
     assert abs(req.deadline - (t0 + 0.5)) < 0.5
     wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
+
+
+# Every known request option (OpenAI's or vLLM's) is honoured or refused with a 400 naming it; unknown extras
+# are ignored (docs/operations.md, "Request options").
+REFUSED_BOTH: list[tuple[str, Any]] = [
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", 'root ::= "a"'),
+    ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " "),
+    ("structured_outputs", {"json": {"type": "object"}}),
+    ("structural_tag", "{}"),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("prompt_logprobs", 1),
+    ("logit_bias", {"1": 5}),
+    ("use_beam_search", True),
+    ("length_penalty", 0.5),
+    ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["x"]),
+    ("logits_processors", ["x"]),
+    ("priority", 1),
+    ("request_id", "abc"),
+    ("return_tokens_as_token_ids", True),
+    ("return_token_ids", True),
+    ("spaces_between_special_tokens", False),
+    ("kv_transfer_params", {"do_remote_decode": True}),
+    ("vllm_xargs", {"a": 1}),
+    ("regex", "a+"),
+    ("ebnf", 'root ::= "a"'),
+    ("json_schema", {"type": "object"}),
+]
+REFUSED_CHAT: list[tuple[str, Any]] = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", {"name": "f"}),
+    ("audio", {"voice": "alloy", "format": "mp3"}),
+    ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "low"),
+    ("verbosity", "low"),
+    ("web_search_options", {}),
+    ("store", True),
+    ("metadata", {"k": "v"}),
+    ("service_tier", "flex"),
+    ("prompt_cache_key", "k"),
+    ("prompt_cache_retention", "24h"),
+    ("chat_template", "{{ messages }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("documents", [{"title": "t", "text": "x"}]),
+    ("mm_processor_kwargs", {"a": 1}),
+    ("echo", True),
+    ("include_reasoning", False),
+]
+REFUSED_COMPLETION: list[tuple[str, Any]] = [("suffix", "end"), ("best_of", 3), ("prompt_embeds", "AAAA")]
+COMPLETION = {"model": "smol", "prompt": "Hello there", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [("/v1/chat/completions", f, v) for f, v in REFUSED_BOTH + REFUSED_CHAT]
+    + [("/v1/completions", f, v) for f, v in REFUSED_BOTH + REFUSED_COMPLETION],
+)
+def test_known_unsupported_options_are_400_naming_them(
+    cluster: Cluster, path: str, field: str, value: Any
+) -> None:
+    cluster.set_nodes(["s0"])
+    body = CHAT if path == "/v1/chat/completions" else COMPLETION
+    err = error_of(cluster.post(path, {**body, field: value}), 400)
+    assert err["param"] == field and f"`{field}`" in err["message"], err
+
+
+def test_options_that_ask_for_nothing_and_unknown_extras_are_accepted(cluster: Cluster) -> None:
+    cluster.set_nodes(["s0"])
+    plain = cluster.post("/v1/chat/completions", CHAT)
+    assert plain.status_code == 200, plain.text
+    no_ops = {
+        "store": False, "modalities": ["text"], "service_tier": "auto", "use_beam_search": False,
+        "echo": False, "priority": 0, "spaces_between_special_tokens": True, "include_reasoning": True,
+        "parallel_tool_calls": True, "response_format": {"type": "text"}, "tool_choice": "none",
+        "length_penalty": 1.0, "return_token_ids": False, "return_tokens_as_token_ids": False,
+    }  # fmt: skip
+    unknown = {"frobnicate": 1, "x_vendor_option": {"a": [1, 2]}}
+    for extra in (no_ops, unknown):
+        r = cluster.post("/v1/chat/completions", {**CHAT, **extra})
+        assert r.status_code == 200, r.text
+        validate(r.json(), "CreateChatCompletionResponse")
+        assert r.json()["choices"] == plain.json()["choices"]
+    r = cluster.post("/v1/completions", {**COMPLETION, **unknown})
+    assert r.status_code == 200, r.text
+
+
+def test_stream_options_beyond_include_usage_are_refused(cluster: Cluster) -> None:
+    cluster.set_nodes(["s0"])
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    err = error_of(cluster.post("/v1/chat/completions", body), 400)
+    assert "continuous_usage_stats" in err["message"] and err["param"] == "stream_options"
+
+
+TURNS = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+
+
+def test_chat_template_options_shape_the_prompt(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    cluster.set_nodes(["s0"])
+    n_gen = len(cluster.nodes.generate)
+    asked = [
+        {"add_generation_prompt": False},
+        {"continue_final_message": True, "add_generation_prompt": False},
+        {"continue_final_message": True},  # add_generation_prompt left at its default
+    ]
+    for options in asked:
+        r = cluster.post("/v1/chat/completions", {**CHAT, "messages": TURNS, **options})
+        assert r.status_code == 200, r.text
+    sent = [tokenizer.decode(req.prompt_token_ids, False) for _, req in cluster.nodes.generate[n_gen:]]
+    assert sent[0] == tokenizer.render_chat(TURNS, False) and sent[0].endswith("<|im_end|>\n")
+    assert sent[1] == sent[2] and sent[1].endswith("<|im_start|>assistant\nThe answer is")
+    both = {**CHAT, "messages": TURNS, "continue_final_message": True, "add_generation_prompt": True}
+    err = error_of(cluster.post("/v1/chat/completions", both), 400)
+    assert err["message"] == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+
+
+def test_message_fields_are_honoured_or_refused(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    """A message's `name` reaches the chat template; tool calls and audio in a message are refused by name."""
+    cluster.set_nodes(["s0"])
+    n_gen = len(cluster.nodes.generate)
+    named = [{"role": "user", "content": "Hi", "name": "ada"}]
+    assert cluster.post("/v1/chat/completions", {**CHAT, "messages": named}).status_code == 200
+    ((_, gen),) = cluster.nodes.generate[n_gen:]
+    assert gen.prompt_token_ids == tuple(tokenizer.apply_chat_template(named))
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message, field in (
+        ({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"),
+        (
+            {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+            "function_call",
+        ),
+        ({"role": "assistant", "content": "x", "audio": {"id": "a1"}}, "audio"),
+    ):
+        body = {**CHAT, "messages": [{"role": "user", "content": "Hi"}, message]}
+        err = error_of(cluster.post("/v1/chat/completions", body), 400)
+        assert err["param"] == f"messages[1].{field}" and f"`{field}`" in err["message"], err
+
+
+def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    cluster.set_nodes(["p0", "d0"])
+    n_gen, n_pre = len(cluster.nodes.generate), len(cluster.nodes.prefill)
+    r = cluster.post("/v1/chat/completions", {**CHAT, "min_tokens": 2})
+    assert r.status_code == 200, r.text
+    ((_, gen),), ((_, pre),) = cluster.nodes.generate[n_gen:], cluster.nodes.prefill[n_pre:]
+    assert gen.sampling.min_tokens == 2 and pre.sampling.min_tokens == 2  # P samples the first token
+    err = error_of(cluster.post("/v1/completions", {**COMPLETION, "min_tokens": 3}), 400)
+    assert err["param"] == "min_tokens" and "max_tokens" in err["message"]
+    cluster.set_nodes(["s0"])
+    n_gen = len(cluster.nodes.generate)
+    ids = list(range(100, 110))
+    r = cluster.post("/v1/completions", {**COMPLETION, "prompt": ids, "truncate_prompt_tokens": 4})
+    assert r.status_code == 200, r.text
+    ((_, gen),) = cluster.nodes.generate[n_gen:]
+    assert gen.prompt_token_ids == tuple(ids[-4:]) and r.json()["usage"]["prompt_tokens"] == 4
+    text = "one two three four five six seven"
+    asked = {**COMPLETION, "prompt": text, "truncate_prompt_tokens": 3, "echo": True}
+    r = cluster.post("/v1/completions", asked)  # echo repeats the prompt the model saw
+    kept = tokenizer.decode(tokenizer.encode(text, True)[-3:])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == kept + " w1000 w1001", r.text
+
+
+def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokenizer: Tokenizer) -> None:
+    """`--served-model-name a,b`: b is an alias; responses carry a, as vLLM's do (docs/operations.md, API)."""
+    cluster.set_nodes(["s0"])
+    config = RouterConfig(model_path=MODEL, served_model_name="smol", served_model_aliases=("alias",),
+                          redis=cluster.redis,
+                          node_list_ttl_s=0.05)  # fmt: skip
+    router = Server(create_app(config, tokenizer, BlockIndex(cluster.redis)))
+    try:
+        models = httpx.get(router.url + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["smol", "alias"]
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+            r = httpx.post(router.url + path, json={**body, "model": "alias"}, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "smol"
+        stream = {**CHAT, "model": "alias", "stream": True}
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=stream, timeout=30) as r:
+            chunks = sse_events(r)[:-1]
+        assert chunks and {c["model"] for c in chunks} == {"smol"}
+    finally:
+        router.stop()
+
+
+def test_models_carry_the_context_length_the_nodes_registered(cluster: Cluster) -> None:
+    """vLLM's model cards carry max_model_len: here the smallest the live nodes registered."""
+    cluster.set_nodes(["p0", "d0"])
+    models = httpx.get(cluster.router + "/v1/models", timeout=10).json()
+    validate(models, "ListModelsResponse")
+    assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("smol", MAX_MODEL_LEN)]
+    model = httpx.get(cluster.router + "/v1/models/smol", timeout=10).json()
+    validate(model, "Model")
+    assert model["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_request_series_carry_the_model_name_as_the_nodes_do(cluster: Cluster) -> None:
+    """The router's request series are labelled like the nodes' vllm:* ones (model_name: the served name)."""
+    cluster.set_nodes(["s0"])
+    assert cluster.post("/v1/chat/completions", CHAT).status_code == 200
+    text = httpx.get(cluster.router + "/metrics", timeout=10).text
+    for series in (
+        'pdserve_router_requests_total{endpoint="chat",model_name="smol",status="200"}',
+        'pdserve_router_time_to_first_token_seconds_count{model_name="smol"}',
+        'pdserve_router_inter_token_latency_seconds_count{model_name="smol"}',
+        'pdserve_router_e2e_request_latency_seconds_count{model_name="smol"}',
+        'pdserve_router_prompt_tokens_total{model_name="smol"}',
+        'pdserve_router_generation_tokens_total{model_name="smol"}',
+        'pdserve_router_requests_in_flight{model_name="smol"} 0.0',
+    ):
+        assert series in text, series
 
 
 def _health_counts(**ready: int) -> dict[str, dict[str, int]]:

@@ -93,7 +93,7 @@ def test_refusals_without_a_web_framework(redis_url: str, tokenizer: Tokenizer) 
         assert no_nodes["code"] == "no_nodes" and no_nodes["type"] == "server_error"
         health = await handler.health()
         assert health.status == 503 and health.body is not None and health.body["status"] == "unavailable"
-        assert b"pdserve_router_requests_in_flight 0.0" in handler.metrics_page(None)
+        assert b'pdserve_router_requests_in_flight{model_name="smol"} 0.0' in handler.metrics_page(None)
 
     _run(redis_url, tokenizer, "h-refusals", scenario)
 
@@ -114,7 +114,7 @@ def test_node_outcomes_reach_the_client_through_the_one_mapping(redis_url: str, 
         assert too_long["code"] == "context_length_exceeded" and "256 tokens" in too_long["message"]
         gone = _error(await handler.generate("completions", _post(prompt)), 503)
         assert gone["code"] in ("node_unavailable", "no_nodes"), gone
-        assert b"pdserve_router_requests_in_flight 0.0" in handler.metrics_page(None)
+        assert b'pdserve_router_requests_in_flight{model_name="smol"} 0.0' in handler.metrics_page(None)
 
     _run(redis_url, tokenizer, "h-nodes", scenario)
 
@@ -124,7 +124,7 @@ def test_api_keys_are_checked_before_the_body(redis_url: str, tokenizer: Tokeniz
         body = {"model": "smol", "prompt": "hi"}
         assert _error(await handler.generate("completions", _post(body)), 401)
         assert _error(await handler.generate("completions", _post(b"{", "Bearer k1")), 400)
-        assert handler.models("Bearer k1")["data"][0]["id"] == "smol"
+        assert (await handler.models("Bearer k1"))["data"][0]["id"] == "smol"
 
     _run(redis_url, tokenizer, "h-keys", scenario, api_keys=("k1",))
 

@@ -30,3 +30,11 @@ def test_penalties_on_output_tokens_are_not_migrated() -> None:
     assert not Continuation((1,), SamplingParams(max_tokens=4, frequency_penalty=0.5)).eligible(3)
     assert not Continuation((1,), SamplingParams(max_tokens=4, presence_penalty=0.5)).eligible(3)
     assert not Continuation((1,), SamplingParams(max_tokens=4)).eligible(0)
+
+
+def test_a_migration_keeps_what_remains_of_min_tokens() -> None:
+    cont = Continuation((1, 2), SamplingParams(max_tokens=10, min_tokens=5))
+    cont.record(step((7, 8), 2, 2, 0))
+    assert cont.migrate()[1].min_tokens == 3  # two of the five were streamed before the node failed
+    cont.record(step((9, 9, 9, 9), 4, 4, 0))
+    assert cont.migrate()[1].min_tokens == 0

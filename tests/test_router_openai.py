@@ -192,5 +192,6 @@ def test_completion_response_and_chunks_match_schemas() -> None:
 
 
 def test_models_and_errors_match_schemas() -> None:
-    validate(models_response(["SmolLM2"], 1700000000), "ListModelsResponse")
+    validate(models_response(["SmolLM2"], 1700000000, 8192), "ListModelsResponse")
+    validate(models_response(["SmolLM2"], 1700000000, None), "ListModelsResponse")
     validate(OpenAIError(503, "no serving node", "server_error", code="no_nodes").body(), "ErrorResponse")

@@ -184,3 +184,20 @@ def test_sampling_params_round_trip_and_refuse_unknown_keys() -> None:
         SamplingParams.from_dict({"topp": 0.5})
     with pytest.raises(ValueError, match="stop='ab'"):
         SamplingParams.from_dict({"stop": "ab"})
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached() -> None:
+    logits = torch.zeros(4, 100)
+    logits[:, 7] = 5.0  # the EOS below: the argmax
+    logits[:, 9] = 4.0  # a stop token id: next
+    logits[:, 3] = 3.0
+    prompt = (1, 2)
+    states = [
+        state(len(prompt), prompt, (), temperature=0.0, min_tokens=2, stop_token_ids=(9,), logprobs=1),
+        state(len(prompt) + 1, prompt, (3,), temperature=0.7, seed=1, min_tokens=2, stop_token_ids=(9,)),
+        state(len(prompt) + 2, prompt, (3, 3), temperature=0.0, min_tokens=2),  # reached: EOS may come
+        state(len(prompt), prompt, (), temperature=0.0),  # no min_tokens
+    ]
+    out = Sampler(eos_token_ids=frozenset({7})).sample(logits, states)
+    assert out.token_ids[0] == 3 and out.token_ids[1] not in (7, 9) and out.token_ids[2:] == (7, 7)
+    assert out.top_logprobs[0] is not None and out.top_logprobs[0][0][0] == 7  # logprobs see EOS still

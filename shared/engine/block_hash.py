@@ -1,4 +1,4 @@
-"""The block-hash contract (DESIGN.md contract 1; byte encoding and test vectors in docs/block_hash.md).
+"""The block-hash contract (contract 1 in docs/architecture.md; encoding, test vectors: docs/block_hash.md).
 
 Invariants:
 - Every hash is 32 bytes of SHA-256 over an encoding fixed by docs/block_hash.md; changing a byte of it

@@ -8,7 +8,8 @@ Invariants:
   without the bound a run of invalid bytes would grow the window, and each decode, without limit); a suffix
   that is a proper prefix of a stop string is held until it is ruled out (not needed when
   include_stop_str_in_output).
-- A stop string ends the request at its first occurrence; the text ends before it (or after it with
+- A stop string ends the request at its first occurrence that ends after the first params.min_tokens output
+  tokens (vLLM's rule: text within them is not searched); the text ends before it (or after it with
   include_stop_str_in_output) and later tokens add nothing. A stop token (params.stop_token_ids, or an EOS
   id unless ignore_eos) ends it too; its own text is dropped unless include_stop_str_in_output.
 Decoding uses only `tokenizer.decode(ids, skip_special_tokens=...)`, over a window that starts with the
@@ -48,6 +49,7 @@ class IncrementalDetokenizer:
         self._searched = 0  # chars of _decoded already searched for stop strings
         self._end: int | None = None  # length of the final text once a stop string was found
         self._emitted = 0
+        self._read_tokens = 0  # output tokens read; stop strings count once it passes params.min_tokens
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._max_stop = max((len(s) for s in params.stop), default=0)
         self.stop_reason: int | str | None = None
@@ -65,6 +67,7 @@ class IncrementalDetokenizer:
         for token in token_ids:
             if self.finished:
                 break
+            self._read_tokens += 1
             if token in self._stop_ids:
                 self.finished = True
                 self.stop_reason = token if token in self._params.stop_token_ids else None
@@ -109,6 +112,9 @@ class IncrementalDetokenizer:
 
     def _search_stop(self) -> None:
         if self._end is not None or not self._max_stop:
+            return
+        if self._read_tokens <= self._params.min_tokens:
+            self._searched = len(self._decoded)
             return
         start = max(0, self._searched - self._max_stop + 1)
         self._searched = len(self._decoded)

@@ -184,7 +184,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.loaded, cfg, self.num_blocks, max_model_len=self.max_model_len)
         self.tier = HostTierCopier(self.runner.kv_cache, self.host_blocks) if self.host_blocks else None
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.fingerprint = model_fingerprint(
             mc.to_dict(), self.loaded.weights_identity, cfg.dtype_name, cfg.block_size
         )

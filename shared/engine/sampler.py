@@ -8,10 +8,12 @@ Invariants:
   differences between device kinds). A request without a seed gets a key drawn from
   the sampler's own RNG, so only seeded requests are reproducible.
 - Processing order: penalties (repetition over prompt + output, frequency/presence over output) ->
-  temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after penalties.
-- Logprobs (OpenAI-like): log-softmax of the logits after penalties and before temperature and truncation,
-  so they describe the model's distribution for the context, are finite for every token, and do not
-  change with temperature/top-k/top-p; the sampled token's logprob comes from the same distribution.
+  min_tokens (EOS and stop token ids at -inf while fewer than min_tokens output tokens exist) ->
+  temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after min_tokens.
+- Logprobs (OpenAI-like): log-softmax of the logits after penalties and before min_tokens, temperature and
+  truncation, so they describe the model's distribution for the context, are finite for every token, and
+  do not change with min_tokens/temperature/top-k/top-p; the sampled token's logprob comes from the same
+  distribution.
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ def row_uniform(key: int) -> float:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
-        """seed: of the RNG that gives unseeded requests their keys (None: from the OS)."""
+    def __init__(self, seed: int | None = None, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        """seed: of the RNG that gives unseeded requests their keys (None: from the OS). eos_token_ids: the
+        model's end tokens, held back (with each request's stop_token_ids) until its min_tokens."""
         self._rng = random.Random(seed)
+        self._eos = eos_token_ids
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
         """logits: [S, V] float32, one row per state, in the order of states."""
@@ -86,18 +90,19 @@ class Sampler:
         if num == 0:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=dev), [], [], None)
         logits = self._apply_penalties(logits, states)  # [S, V]
+        scores = self._hold_stops(logits, states)  # [S, V]: what is drawn from; logprobs read `logits`
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_EPS]
         rand = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_EPS]
         if not rand:
-            tokens = logits.argmax(dim=-1)  # [S]
+            tokens = scores.argmax(dim=-1)  # [S]
         elif not greedy:
-            tokens = self._draw(logits, states)
+            tokens = self._draw(scores, states)
         else:
             tokens = torch.empty(num, dtype=torch.int64, device=dev)
             idx = torch.tensor(greedy, device=dev)
-            tokens[idx] = logits[idx].argmax(dim=-1)
+            tokens[idx] = scores[idx].argmax(dim=-1)
             idx = torch.tensor(rand, device=dev)
-            tokens[idx] = self._draw(logits[idx], [states[i] for i in rand])
+            tokens[idx] = self._draw(scores[idx], [states[i] for i in rand])
         want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         counts = [states[i].params.logprobs or 0 for i in want]
         lps = None
@@ -132,6 +137,23 @@ class Sampler:
         rep = col("repetition_penalty")
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - col("frequency_penalty") * counts - col("presence_penalty") * (counts > 0).float()
+        logits[rows] = sub
+        return logits
+
+    def _hold_stops(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """logits [S, V] with the stop tokens (EOS and stop_token_ids) of each row still short of its
+        min_tokens at -inf; the same tensor when no row is."""
+        vocab = logits.shape[1]
+        rows, held = [], []
+        for i, s in enumerate(states):
+            if s.position - len(s.prompt_token_ids) < s.params.min_tokens:
+                rows.append(i)
+                held.append([t for t in self._eos.union(s.params.stop_token_ids) if t < vocab])
+        if not rows:
+            return logits
+        logits = logits.clone()
+        sub = logits[rows]  # [H, V]
+        sub.view(-1)[_flat_index(held, vocab, logits.device)] = float("-inf")
         logits[rows] = sub
         return logits
 

@@ -47,6 +47,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """EOS and stop_token_ids cannot be sampled, and stop strings are not searched, until this many output
+    tokens exist (vLLM's semantics); 0 disables. Counted from the first output token, which P samples."""
     logprobs: int | None = None
     """None: no logprobs; N in 0..20: the sampled token's logprob plus the N most likely."""
     include_stop_str_in_output: bool = False
@@ -60,6 +63,7 @@ class SamplingParams:
         self._check_num("temperature", self.temperature, lambda v: v >= 0.0, ">= 0")
         self._check_num("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
         self._check_int("top_k", self.top_k, 0, None, ">= 0 (0 disables)")
+        self._check_int("min_tokens", self.min_tokens, 0, None, ">= 0 (0 disables)")
         self._check_num("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
         if self.seed is not None:
             self._check_int("seed", self.seed, _SEED_MIN, _SEED_MAX, "None or an int in [-2**63, 2**64)")

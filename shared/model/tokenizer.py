@@ -125,8 +125,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages`, as text. ValueError if there is no template."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        """The chat template applied to `messages`, as text; continue_final_message leaves the last message
+        open (its end-of-turn cut) for the model to continue. ValueError if there is no template, or if the
+        final message cannot be continued."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template; use a completion request")
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -137,14 +144,22 @@ class Tokenizer:
             conversations=[messages],
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             **template_tokens,
         )
         return str(result[0][0])
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        """Token ids of the rendered template; add_special_tokens adds the tokenizer's own (BOS) on top of the
+        template's, which already holds them for most models."""
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @classmethod
     def byte_level(cls, vocab_size: int, eos_token_ids: Iterable[int], bos_token_id: int | None) -> Tokenizer:
