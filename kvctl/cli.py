@@ -34,6 +34,11 @@ _CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 class Common(SecretFiles):
     redis: str = Field("redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL of the index")
+    auth_token_file: str | None = Field(
+        None,
+        description="file holding the cluster's credential, the nodes' KV-transfer token (else "
+        "PDSERVE_AUTH_TOKEN is read): it verifies the nodes' records and signs calls to nodes",
+    )
     cluster: str = Field("default", description="cluster name (key prefix) in Redis")
     tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
     json_output: bool = Field(
@@ -58,32 +63,22 @@ class PromptOptions(Common):
     messages: str | None = Field(None, description="chat messages as JSON (chat template applied)")
 
 
-_TOKEN_FILE = Field(
-    None,
-    description="file holding the cluster's credential, the nodes' KV-transfer token, that node actions "
-    "need (else PDSERVE_AUTH_TOKEN is read)",
-)
-
-
 class Evict(PromptOptions):
     node: str = Field(description="node id")
     all: bool = Field(False, description="every cached-free block of the node (instead of a prompt's)")
     index_only: bool = Field(False, description="drop the index records only (repair)")
-    auth_token_file: str | None = _TOKEN_FILE
 
 
 class NodeAction(Common):
     url: str | None = Field(None, description="the node's HTTP URL (default: from its registration)")
-    auth_token_file: str | None = _TOKEN_FILE
 
 
 class Diff(Common):
     node: str | None = Field(None, description="compare this node only (default: every live node)")
     repair: bool = Field(False, description="let each node fix the records that disagree with its blocks")
-    auth_token_file: str | None = _TOKEN_FILE
 
 
-def _token(opts: Evict | NodeAction | Diff) -> str:
+def _token(opts: Common) -> str:
     token = read_secret("auth_token", "the cluster's KV-transfer token", opts.auth_token_file, required=True)
     assert token is not None
     return token
@@ -116,6 +111,7 @@ def _prompt(opts: PromptOptions, allow_all: bool = False) -> tuple[str | None, l
 async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
     from pdserve.shared.index.block_index import BlockIndex
     from pdserve.shared.index.block_index_types import RedisConfig
+    from pdserve.shared.node.node_sign import ClusterKeys
 
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
     try:
@@ -125,7 +121,7 @@ async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
         )  # fmt: skip
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    async with BlockIndex(config) as index:
+    async with BlockIndex(config, ClusterKeys(_token(opts))) as index:
         await index.ping()
         result: dict[str, Any] = await action(index)
         return result

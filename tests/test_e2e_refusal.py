@@ -19,8 +19,8 @@ import httpx
 import pytest
 from pdserve.launch import Cluster, free_port, start_redis
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
+from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import NodeId, RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
@@ -65,7 +65,7 @@ def test_transfer_handshake_with_another_token_fails_cleanly(live: LiveCluster) 
     )  # fmt: skip
     url = f"{live.nodes['prefill-0'].url}/internal/prefill"
     t0 = time.monotonic()
-    r = httpx.post(url, content=pre.to_json(), headers=bearer("token-a"), timeout=90)
+    r = httpx.post(url, content=pre.to_json(), auth=signed("token-a"), timeout=90)
     took = time.monotonic() - t0
     result = PrefillResult.from_json(r.content)
     assert result.error is not None and ("handshake" in result.error or "auth" in result.error), r.text
