@@ -110,6 +110,15 @@ async def _register(redis: RedisConfig, node: str, fingerprint: str) -> None:
         prover.epochs[node] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
 
 
+async def _in_view(handler: RequestHandler, node: str) -> None:
+    """Waits until the router's view holds `node` (listed, and its URL answered the challenge)."""
+    for _ in range(600):
+        if node in [s.info.node_id for s in await handler.membership.nodes()]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{node} never entered the router's view")
+
+
 def _run(redis_url: str, tokenizer: Tokenizer, cluster: str, scenario: Any, **kw: Any) -> None:
     redis = RedisConfig(url=redis_url, cluster=cluster, heartbeat_ttl_s=120)
     config = RouterConfig(model_path=model_path(), served_model_name="smol", redis=redis,
@@ -150,11 +159,11 @@ def test_node_outcomes_reach_the_client_through_the_one_mapping(redis_url: str, 
 
     async def scenario(handler: RequestHandler, redis: RedisConfig) -> None:
         await _register(redis, "s-other", "cd" * 32)
-        await asyncio.sleep(0.1)  # past the node-list TTL
+        await _in_view(handler, "s-other")
         mismatch = _error(await handler.generate("completions", _post(prompt)), 503)
         assert mismatch["code"] == "model_mismatch" and "s-other" in mismatch["message"]
         await _register(redis, "s-gone", ours)
-        await asyncio.sleep(0.1)
+        await _in_view(handler, "s-gone")
         too_long = _error(await handler.generate("completions", _post({**prompt, "max_tokens": 300})), 400)
         assert too_long["code"] == "context_length_exceeded" and "256 tokens" in too_long["message"]
         gone = _error(await handler.generate("completions", _post(prompt)), 503)
