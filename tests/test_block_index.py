@@ -13,12 +13,14 @@ from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+import redis.asyncio
+import redis.exceptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdserve import redis_launch as block_index_server
 from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
-from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored
+from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import (
     BlocksDigest,
@@ -526,3 +528,70 @@ def test_a_cancelled_call_is_never_left_running(redis_server: LocalRedis) -> Non
             await index.close()
 
     run(scenario())
+
+
+def test_records_that_do_not_verify_are_listed_as_invalid_never_raised(redis_server: LocalRedis) -> None:
+    """Issue 32: a copy of a node's record under another id, a malformed record, an unsigned drain flag and a
+    forged load: `listing()` keeps the signed node, lists the rest as invalid, and raises for none."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            epoch = await index.register(node("d0", "decode"), IDLE)
+            r, p = index._redis, index.config.prefix
+            real = await r.hgetall(f"{p}node:d0")
+            copy = {**real, b"info": real[b"info"].replace(b'"d0"', b'"d9"')}
+            await r.hset(f"{p}node:d9", mapping=copy)
+            await r.hset(f"{p}node:bad", mapping={"info": "{", "epoch": "1", "load": "", "sig": "zz"})
+            for rogue, e in (("d9", epoch), ("bad", 1)):
+                await r.sadd(f"{p}nodes", rogue)
+                await r.set(f"{p}alive:{rogue}", e)
+            await r.hset(f"{p}node:d0", "draining", "1")  # unsigned: never read
+            listing = await index.listing()
+            assert [(s.info.node_id, s.draining) for s in listing.live] == [("d0", False)]
+            assert [(bad.node_id, "signature" in bad.reason or "missing" in bad.reason)
+                    for bad in listing.invalid] == [("bad", True), ("d9", True)]  # fmt: skip
+            await r.hset(f"{p}node:d0", "load", DRAINING.to_json())  # a forged load: invalid until a beat
+            assert [bad.node_id for bad in (await index.listing()).invalid] == ["bad", "d0", "d9"]
+            await index.heartbeat(node("d0", "decode"), IDLE, epoch)  # the node's next beat restores it
+            assert [s.draining for s in await index.nodes()] == [False]
+            other = BlockIndex(index.config, ClusterKeys("another-token"))
+            assert [bad.node_id for bad in (await other.listing()).invalid] == ["bad", "d0", "d9"]
+            await other.close()
+
+    run(body())
+
+
+def test_the_documented_least_privilege_acl_user_runs_the_index(redis_server: LocalRedis) -> None:
+    """docs/deploy.md's ACL user (its command list read from the doc) is enough for everything the nodes,
+    routers and kvctl do, and is refused outside the cluster's keys."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "deploy.md")) as f:
+        doc = f.read()
+    acl = doc.split("ACL SETUSER ", 1)[1].split("\n```", 1)[0].replace("\\\n", " ").split()
+    cluster = f"acl{next(_clusters)}"
+    rules = [
+        r.replace("{default}", "{" + cluster + "}").replace("${PDSERVE_REDIS_PASSWORD}", "pw") for r in acl
+    ]
+
+    async def body() -> None:
+        admin = redis.asyncio.Redis.from_url(redis_server.url)
+        await admin.execute_command("ACL", "SETUSER", *rules)
+        config = RedisConfig(url=redis_server.url, cluster=cluster, username="pdserve", password="pw")
+        async with BlockIndex(config, KEYS) as index:
+            chain = hashes(4)
+            epoch = await index.register(node("p0"), IDLE)
+            await index.publish(NodeId("p0"), epoch, [BlockStored(tuple(chain), None)])
+            await index.publish(NodeId("p0"), epoch, [BlockTiered(tuple(chain[:1]), "host")])
+            await index.heartbeat(node("p0"), IDLE, epoch)
+            assert await index.lookup(chain) == {"p0": 4}
+            assert (await index.blocks())[NodeId("p0")].count == 4
+            assert await index.resync(NodeId("p0"), epoch, chain[:2], chain[:1]) == 2
+            assert (await index.digest(NodeId("p0"), epoch)).count == 2
+            await index.record_hits(NodeId("p0"), 1, 2, 3)
+            assert (await index.stats())[NodeId("p0")].total_tokens == 6
+            assert await index.evict_records(NodeId("p0")) == 2
+            assert await index.deregister(NodeId("p0"))
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await index._redis.get("not-the-cluster's-key")
+        await admin.aclose()
+
+    run(body())
