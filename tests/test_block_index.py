@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import redis.asyncio
@@ -538,9 +538,10 @@ def test_records_that_do_not_verify_are_listed_as_invalid_never_raised(redis_ser
         async with make_index(redis_server) as index:
             epoch = await index.register(node("d0", "decode"), IDLE)
             r, p = index._redis, index.config.prefix
-            real = await r.hgetall(f"{p}node:d0")
+            real = cast(dict[bytes, bytes], await r.hgetall(f"{p}node:d0"))
             copy = {**real, b"info": real[b"info"].replace(b'"d0"', b'"d9"')}
-            await r.hset(f"{p}node:d9", mapping=copy)
+            for field_name, value in copy.items():
+                await r.hset(f"{p}node:d9", field_name, value)
             await r.hset(f"{p}node:bad", mapping={"info": "{", "epoch": "1", "load": "", "sig": "zz"})
             for rogue, e in (("d9", epoch), ("bad", 1)):
                 await r.sadd(f"{p}nodes", rogue)
