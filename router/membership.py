@@ -9,8 +9,10 @@ Invariants:
   router's challenge for its (node id, epoch) (once per epoch, before any work goes there). The rest are
   skipped, counted (`pdserve_router_invalid_node_records_total`) and logged once per node id and epoch; no
   record, however malformed, stops a refresh.
-- While Redis answers, the view is exactly the proven nodes it lists: a node whose entry expired or was
-  deleted leaves at the next refresh, whatever its URL answers.
+- While Redis answers, the view is the proven nodes it lists: a node whose entry expired or was deleted
+  leaves at the next refresh, whatever its URL answers. The one exception is an index that lost its data
+  (the node's epoch counter is gone too: Redis restarted empty or failed over): such a node stays while it
+  answers a fresh challenge at every refresh (it holds the credential), until it registers again.
 - While Redis cannot be reached, the last view is kept and each node stays only while it answers its own
   health (its breaker is opened when it does not); a seed URL's node joins once it answers the challenge.
 - A node dropped from the view has its breaker forgotten, so no probe outlives it.
@@ -119,8 +121,7 @@ class Membership:
         for bad in listing.invalid:
             self._invalid(bad.node_id, bad.epoch, bad.reason)
         listed = {s.info.node_id: s for s in listing.live}
-        for node_id in [n for n in self._view if n not in listed]:
-            self._drop(node_id, "it is no longer in the index")
+        await self._unlisted([s for n, s in self._view.items() if n not in listed])
         await self._prove(listing.live)
         for status in listing.live:
             node_id = status.info.node_id
@@ -131,7 +132,25 @@ class Membership:
             if status.load is not None:
                 stale = status.blocks_indexed - status.load.blocks_held
                 self._metrics.index_stale_blocks.labels(node_id=node_id).set(stale)
-        self._proven = {p for p in self._proven if p[0] in listed}
+        self._proven = {p for p in self._proven if p[0] in self._view}
+
+    async def _unlisted(self, statuses: list[NodeStatus]) -> None:
+        """Drops the nodes the index no longer lists, but for those of an index that lost its data which
+        answer the challenge for their epoch again."""
+        if not statuses:
+            return
+        try:
+            lost = await self._index.lost([s.info.node_id for s in statuses])
+        except IndexUnavailable:
+            return  # Redis went away since the listing: decided at the next refresh
+        kept = [s for s, gone in zip(statuses, lost, strict=True) if gone]
+        proofs = await asyncio.gather(
+            *(self._clients.get(s.info.node_id, s.info.http_url).prove(s.info.epoch) for s in kept)
+        )
+        still = {s.info.node_id for s, ok in zip(kept, proofs, strict=True) if ok}
+        for status in statuses:
+            if status.info.node_id not in still:
+                self._drop(status.info.node_id, "it is no longer in the index")
 
     async def _without_index(self) -> None:
         await self._add_seeds()

@@ -225,6 +225,16 @@ class BlockIndex:
         )  # fmt: skip
         self._check(reply, info.node_id, epoch)
 
+    async def lost(self, node_ids: Sequence[NodeId]) -> list[bool]:
+        """For each node, whether the index has no trace of it at all (not even its epoch counter, which
+        deregistration and expiry keep): Redis lost its data (restarted empty, failed over), as opposed to
+        the node having left."""
+        if not node_ids:
+            return []
+        async with self._guard("lost"):
+            counters = await self._redis.mget([f"{self._p}epoch:{n}" for n in node_ids])
+        return [c is None for c in counters]
+
     async def deregister(self, node_id: NodeId) -> bool:
         """Remove a node and its records; returns whether it was registered."""
         return bool(await self._call(self._deregister, "deregister", node_id))
