@@ -224,7 +224,16 @@ class Cluster:
 
         self.nodes.live = set(node_ids)
         asyncio.run(go())
-        time.sleep(0.1)  # past the router's node-list TTL
+        self.wait_view(len(node_ids))
+
+    def wait_view(self, count: int) -> None:
+        """Until the router's view holds `count` nodes (listed, and each URL answered its challenge)."""
+        for _ in range(600):
+            health = httpx.get(self.router + "/health", timeout=10).json()
+            if sum(sum(c.values()) for c in health["nodes"].values()) == count:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the router's view never held {count} nodes: {health}")
 
     async def drain(self, nid: str) -> None:
         """What the node does when drained: a signed heartbeat whose load says so."""
