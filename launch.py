@@ -384,7 +384,7 @@ def run_up(cfg: UpConfig, environ: Mapping[str, str]) -> int:
             f"with the cluster)\n{cluster.table()}\n"
             f"pdserve up: kvctl finds this cluster through {written}: run `kvctl nodes` (or "
             f"`kvctl nodes --cluster {cfg.name}` while several clusters run); it holds the Redis password "
-            "and names the credential's file, which drain/undrain/evict/diff need"
+            "and names the credential's file, which every kvctl command needs"
         )
         if cfg.demo:
             answer = demo_request(base)

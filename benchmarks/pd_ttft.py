@@ -25,8 +25,8 @@ import time
 import httpx
 from pdserve.redis_launch import free_port
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
+from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import NodeId, RequestId
 
 
@@ -118,7 +118,7 @@ async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, 
 async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str,
                   token: str) -> tuple[list[float], list[float], list[list[Position]]]:  # fmt: skip
     ttft, t2, outs = [], [], []
-    async with httpx.AsyncClient(timeout=300, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=300, auth=signed(token)) as client:
         await one(client, d_url, p, f"{tag}-warm", prompts[0][::-1], max_tokens)
         for i, prompt in enumerate(prompts):
             a, b, toks = await one(client, d_url, p, f"{tag}-{i}", prompt, max_tokens)
@@ -129,7 +129,7 @@ async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]
 
 
 def audit(url: str, token: str) -> dict[str, int]:
-    return dict(httpx.get(f"{url}/internal/audit", headers=bearer(token), timeout=10).json())
+    return dict(httpx.get(f"{url}/internal/audit", auth=signed(token), timeout=10).json())
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -37,8 +37,8 @@ from pdserve.shared.engine.model_runner import kv_bytes_per_block
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import RedisConfig
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
+from pdserve.shared.node.node_sign import ClusterKeys, signed
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 BS = 16
@@ -112,7 +112,7 @@ async def nodes_phase(
     p2 = ("prefill-1", urls["prefill-1"], d_addr)
     d = urls["decode-0"]
     out: dict[str, Any] = {}
-    async with httpx.AsyncClient(timeout=600, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=600, auth=signed(token)) as client:
         await request(client, d, p1, [t + 1 for t in prompt[:512]])  # warm-up (kernels, connections)
         await request(client, d, p2, [t + 2 for t in prompt[:512]], (urls["prefill-0"], 512 // BS))
         cold, fetched, fetched_blocks = [], [], []
@@ -215,7 +215,7 @@ async def router_phase(
     seed = prefix + [rng.randrange(1, 30000) for _ in range(16)]
     urls = {n: cluster.urls[n] for n in ("prefill-0", "prefill-1", "decode-0")}
     token = cluster.auth_token
-    index = BlockIndex(RedisConfig(url=redis_url))
+    index = BlockIndex(RedisConfig(url=redis_url), ClusterKeys(token))
     out: dict[str, Any] = {"cold": [], "held": [], "held_option": [], "cold_option": [], "cold_text": [],
                            "held_text": [], "held_estimate": []}  # fmt: skip
     try:
@@ -227,7 +227,7 @@ async def router_phase(
         d_addr = next(s.info.transfer_addr for s in await index.nodes() if s.info.node_id == "decode-0")
         p1 = ("prefill-0", urls["prefill-0"], d_addr)
         p2 = ("prefill-1", urls["prefill-1"], d_addr)
-        async with httpx.AsyncClient(timeout=600, headers=bearer(token)) as client:
+        async with httpx.AsyncClient(timeout=600, auth=signed(token)) as client:
             model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
             for warm in range(3):  # kernels, connections, and the cost model's first observations
                 await routed(client, base, model, [t + warm + 1 for t in prompt[:2048]])

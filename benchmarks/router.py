@@ -27,6 +27,7 @@ from pdserve.shared.engine.block_pool import BlockStored
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, KVLayout, NodeId, Role
 
 BLOCK = 16
@@ -81,17 +82,18 @@ async def redis_per_lookup(index: BlockIndex, cpu_before: float) -> tuple[float,
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     with LocalRedis() as server:
-        index = BlockIndex(RedisConfig(url=server.url, heartbeat_ttl_s=3600, records_ttl_s=7200))
+        index = BlockIndex(
+            RedisConfig(url=server.url, heartbeat_ttl_s=3600, records_ttl_s=7200), ClusterKeys("bench")
+        )
         registered: list[tuple[NodeId, int]] = []
         for i in range(args.nodes):
             role: Role = "prefill" if i % 2 == 0 else "decode"
             node = NodeId(f"{role}-{i}")
             url, addr = f"http://127.0.0.1:{20000 + i}", f"tcp://127.0.0.1:{21000 + i}"  # never contacted
             info = NodeInfo(node, role, url, addr, FINGERPRINT.hex(), LAYOUT, 1, 200_000, CRED, 8192)
-            epoch = await index.register(info)
             load = NodeLoad(rng.randint(0, 8), rng.randint(0, 4), rng.randint(0, 50_000), 200_000, 0,
                             queued_prefill_tokens=rng.randint(0, 4096))  # fmt: skip
-            await index.heartbeat(node, load)
+            epoch = await index.register(info, load)
             registered.append((node, epoch))
         fill_s = await fill(index, registered, args.blocks, 10_000)
         statuses = await index.nodes()

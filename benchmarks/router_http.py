@@ -40,12 +40,20 @@ from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.node.node_auth import credential_digest
-from pdserve.shared.node.node_protocol import PROTOCOL_VERSION, NodeGenerateRequest, StepOutput
+from pdserve.shared.node.node_protocol import (
+    PROTOCOL_VERSION,
+    ChallengeReply,
+    ChallengeRequest,
+    NodeGenerateRequest,
+    StepOutput,
+)
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVLayout, NodeId, RequestId
 
 TOKEN = "echo-node"
 JSON = {"content-type": "application/json"}
 CRED = credential_digest(TOKEN)
+KEYS = ClusterKeys(TOKEN)
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
 
@@ -65,15 +73,16 @@ def echo_node(port: int, redis_url: str, prompt_tokens: int, model: str) -> None
 
     app = FastAPI()
     node = NodeId("echo-0")
+    epochs: list[int] = []
 
     async def register() -> None:
-        index = BlockIndex(RedisConfig(url=redis_url, heartbeat_ttl_s=3600, records_ttl_s=7200))
+        index = BlockIndex(RedisConfig(url=redis_url, heartbeat_ttl_s=3600, records_ttl_s=7200), KEYS)
         info = NodeInfo(
             node, "single", f"http://127.0.0.1:{port}", "", fingerprint(model), LAYOUT, PROTOCOL_VERSION,
             100_000, CRED, max(8192, prompt_tokens + 64),
         )  # fmt: skip
-        epoch = await index.register(info)
-        await index.heartbeat(node, NodeLoad(0, 0, 0, 100_000, 0))
+        epoch = await index.register(info, NodeLoad(0, 0, 0, 100_000, 0))
+        epochs.append(epoch)
         if prompt_tokens:  # the long prompt's prefix is held here: the router's lookup walks all of it
             seed = hash_seed(bytes.fromhex(info.model_fingerprint), None)
             hashes = hash_blocks(long_prompt(prompt_tokens), LAYOUT.block_size, seed)
@@ -90,6 +99,16 @@ def echo_node(port: int, redis_url: str, prompt_tokens: int, model: str) -> None
             yield line
 
         return StreamingResponse(body(), media_type="application/x-ndjson")
+
+    @app.post("/internal/challenge")
+    async def challenge(request: Request) -> StreamingResponse:
+        nonce = ChallengeRequest.from_json(await request.body()).nonce
+        reply = ChallengeReply(node, epochs[-1], KEYS.challenge_answer(nonce, node, epochs[-1]))
+
+        async def body() -> AsyncIterator[bytes]:
+            yield reply.to_json()
+
+        return StreamingResponse(body(), media_type="application/json")
 
     @app.post("/internal/abort")
     async def abort() -> dict[str, bool]:
@@ -192,7 +211,9 @@ def main() -> int:
                 )
             )
             router = [sys.executable, "-m", "pdserve.router", "--model", model, "--redis", redis.url]
-            env = os.environ | {"PDSERVE_AUTH_TOKEN": TOKEN}  # the echo node checks no credential
+            env = os.environ | {
+                "PDSERVE_AUTH_TOKEN": TOKEN
+            }  # the echo node answers challenges, checks no signature
             procs.append(subprocess.Popen([*router, "--port", str(router_port)], env=env))
             base = f"http://127.0.0.1:{router_port}"
             deadline = time.monotonic() + 120

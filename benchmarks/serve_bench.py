@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import httpx
 from pdserve.cli import default_model_path
 from pdserve.launch import MODULES, Cluster, free_port, start_redis
-from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_sign import signed
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spy.wait(timeout=60)
             print(cost_model_table(httpx.get(f"{base}/metrics", timeout=30).text), flush=True)
         for name, url in nodes:
-            a = httpx.get(f"{url}/internal/audit", headers=bearer(cluster.auth_token), timeout=30).json()
+            a = httpx.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=30).json()
             clean = a["in_use"] == a["reserved"] == a.get("pinned", 0) == a["live_requests"] == 0
             print(f"audit {name}: in_use {a['in_use']} reserved {a['reserved']} "
                   f"live {a['live_requests']} free+cached {a['free'] + a['cached']}/{a['num_blocks']} "

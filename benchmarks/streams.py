@@ -37,7 +37,7 @@ import time
 
 import httpx
 from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
-from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_sign import signed
 
 
 def cpu_seconds(pid: int) -> float:
@@ -110,7 +110,7 @@ def _shared(got: str, want: str) -> float:
 
 def audits(cluster: Cluster, nodes: dict[str, str]) -> dict[str, dict[str, int]]:
     return {
-        name: httpx.get(f"{url}/internal/audit", headers=bearer(cluster.auth_token), timeout=120).json()
+        name: httpx.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=120).json()
         for name, url in nodes.items()
     }
 

@@ -37,6 +37,12 @@ class Common(SecretFiles):
         description="the `pdserve up` cluster to use (by its --name) or, with --redis, the cluster name (key "
         "prefix) in Redis (default: the only running `pdserve up`; with --redis, 'default')",
     )
+    auth_token_file: str | None = Field(
+        None,
+        description="file holding the cluster's credential, the nodes' KV-transfer token (else "
+        "PDSERVE_AUTH_TOKEN is read, else the file the `pdserve up` cluster file names): it verifies the "
+        "nodes' records and signs calls to nodes",
+    )
     tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
     json_output: bool = Field(
         False, description="print JSON instead of a table", json_schema_extra={"flag": "--json"}
@@ -63,29 +69,19 @@ class PromptOptions(Common):
     )
 
 
-_TOKEN_FILE = Field(
-    None,
-    description="file holding the cluster's credential, the nodes' KV-transfer token, that node actions "
-    "need (else PDSERVE_AUTH_TOKEN is read)",
-)
-
-
 class Evict(PromptOptions):
     node: str = Field(description="node id")
     all: bool = Field(False, description="every cached-free block of the node (instead of a prompt's)")
     index_only: bool = Field(False, description="drop the index records only (repair)")
-    auth_token_file: str | None = _TOKEN_FILE
 
 
 class NodeAction(Common):
     url: str | None = Field(None, description="the node's HTTP URL (default: from its registration)")
-    auth_token_file: str | None = _TOKEN_FILE
 
 
 class Diff(Common):
     node: str | None = Field(None, description="compare this node only (default: every live node)")
     repair: bool = Field(False, description="let each node fix the records that disagree with its blocks")
-    auth_token_file: str | None = _TOKEN_FILE
 
 
 def _commands() -> ModuleType:
@@ -109,7 +105,7 @@ def _up_cluster(opts: Common) -> cluster_file.ClusterFile | None:
     return found
 
 
-def _token(opts: Evict | NodeAction | Diff) -> str:
+def _token(opts: Common) -> str:
     """The credential: --auth-token-file or PDSERVE_AUTH_TOKEN, else the file the cluster file names."""
     what = "the cluster's KV-transfer token"
     token = read_secret("auth_token", what, opts.auth_token_file, required=False)
@@ -147,6 +143,7 @@ def _prompt(opts: PromptOptions, allow_all: bool = False) -> tuple[str | None, l
 async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
     from pdserve.shared.index.block_index import BlockIndex
     from pdserve.shared.index.block_index_types import RedisConfig
+    from pdserve.shared.node.node_sign import ClusterKeys
 
     up = _up_cluster(opts)
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
@@ -161,7 +158,7 @@ async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
         )  # fmt: skip
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-    async with BlockIndex(config) as index:
+    async with BlockIndex(config, ClusterKeys(_token(opts))) as index:
         await index.ping()
         result: dict[str, Any] = await action(index)
         return result

@@ -2,9 +2,11 @@
 render.py makes the tables).
 
 Invariants: a command reads the index through `BlockIndex` only and reaches nodes only through their
-registered `http_url` (or, for undrain, the URL the `pdserve up` cluster file names); block hashes of a
-prompt use the cluster's recorded fingerprint and block size, so they are the hashes the router computes
-for the same tokens and salt. Failures raise `KvctlError`
+registered `http_url` (or, for undrain, the URL the `pdserve up` cluster file names), signing each call
+with the cluster's credential (never sending it); only records whose signature verifies count as nodes, the
+others are listed as `invalid` by `nodes` and `blocks`; block hashes of a prompt use the cluster's recorded
+fingerprint and block size, so they are the hashes the router computes for the same tokens and salt.
+Failures raise `KvctlError`
 (one line naming the bad value) or the block index's own errors; cli.py turns them into exit code 1.
 """
 
@@ -21,7 +23,7 @@ from pdserve.router.cost_model import CostModel, Inputs, Rates
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import HitStats, NodeStatus
-from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import BlockHash, NodeId
 from pdserve.shared.wire import WireError
 
@@ -104,18 +106,21 @@ async def live_node(index: BlockIndex, node_id: str) -> NodeStatus:
 
 
 async def nodes(index: BlockIndex) -> dict[str, Any]:
-    return {"nodes": [s.to_dict() for s in await index.nodes()]}
+    listing = await index.listing()
+    return {"nodes": [s.to_dict() for s in listing.live], "invalid": [r.to_dict() for r in listing.invalid]}
 
 
 async def blocks(index: BlockIndex, node_id: str | None, limit: int) -> dict[str, Any]:
     if node_id is not None:
         await live_node(index, node_id)
     found = await index.blocks(NodeId(node_id) if node_id else None, limit)
+    invalid = (await index.listing()).invalid
     return {
         "nodes": {
             n: {"count": b.count, "host": b.host, "hashes": [h.hex() for h in b.hashes]}
             for n, b in found.items()
-        }
+        },
+        "invalid": [r.to_dict() for r in invalid],
     }
 
 
@@ -198,7 +203,7 @@ async def diff(
     cannot be asked gets an `error` row; `clean` is whether every node answered with no disagreement."""
     statuses = [await live_node(index, node_id)] if node_id is not None else await index.nodes()
     rows: dict[str, Any] = {}
-    async with httpx.AsyncClient(timeout=timeout_s, headers=bearer(token)) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
         for status in statuses:
             url = status.info.http_url.rstrip("/") + "/internal/index-diff"
             try:
@@ -217,10 +222,10 @@ async def diff(
 async def _post(
     node_id: str, base_url: str, path: str, body: dict[str, Any], timeout_s: float, token: str
 ) -> Any:
-    """POST to a node's internal API with the cluster's credential (`token`)."""
+    """POST to a node's internal API, signed with the cluster's credential (`token`)."""
     url = base_url.rstrip("/") + path
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, headers=bearer(token)) as client:
+        async with httpx.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
             reply = await client.post(url, json=body)
             reply.raise_for_status()
     except httpx.HTTPStatusError as exc:
@@ -234,9 +239,9 @@ async def _post(
 async def drain(
     index: BlockIndex, node_id: str, timeout_s: float, token: str, url: str | None = None
 ) -> dict[str, Any]:
-    """Mark the node draining in the index (no new work), then ask it to finish its work and deregister."""
+    """Ask the node to drain: it marks itself draining in the index at once (a signed heartbeat; the router
+    gives it no new work), finishes its work and deregisters."""
     status = await live_node(index, node_id)
-    await index.set_draining(status.info.node_id)
     reply = await _post(node_id, url or status.info.http_url, "/internal/drain", {}, timeout_s, token)
     return {"node_id": node_id, "draining": True, "node_reply": reply}
 

@@ -45,16 +45,21 @@ def _nodes(result: dict[str, Any]) -> str:
         "HEARTBEAT",
         "HTTP",
     ]
-    return table(headers, rows) if rows else "no live nodes"
+    return "\n".join([table(headers, rows) if rows else "no live nodes", *_invalid(result)])
+
+
+def _invalid(result: dict[str, Any]) -> list[str]:
+    """One line per record the index holds that does not verify (never used by the router)."""
+    return [f"INVALID {r['node_id']!r} epoch {r['epoch']}: {r['reason']}" for r in result.get("invalid", [])]
 
 
 def _blocks(result: dict[str, Any]) -> str:
     if not result["nodes"]:
-        return "no live nodes"
+        return "\n".join(["no live nodes", *_invalid(result)])
     rows = [[n, b["count"], b["count"] - b["host"], b["host"]] for n, b in result["nodes"].items()]
     lines = [table(["NODE", "RECORDS", "DEVICE", "HOST"], rows)]
     lines += [f"{n} {h}" for n, b in result["nodes"].items() for h in b["hashes"]]
-    return "\n".join(lines)
+    return "\n".join([*lines, *_invalid(result)])
 
 
 def _where(result: dict[str, Any]) -> str:

@@ -174,7 +174,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_public=opts.metrics_public,
-        node_token=token,
+        node_token=token or "",  # required=True: never empty here
         rate_limit=RateLimit(opts.rate_limit, opts.rate_limit_burst) if opts.rate_limit else None,
     )
 
@@ -200,7 +200,9 @@ def run(opts: RouterOptions) -> int:
         raise StartupError(str(exc)) from exc
     if template is not None:  # the nodes are given the same one (their tokenizer fingerprints must agree)
         tokenizer.chat_template = template
-    app = create_app(config, tokenizer, BlockIndex(config.redis))
+    from pdserve.shared.node.node_sign import ClusterKeys
+
+    app = create_app(config, tokenizer, BlockIndex(config.redis, ClusterKeys(config.node_token)))
     log.info(
         "router for %s (model %s) starting on http://%s:%d; index: Redis at %s, cluster %r; nodes seen: %s",
         ", ".join(config.served_model_names), config.model_path, config.host, config.port,
@@ -225,8 +227,9 @@ def run(opts: RouterOptions) -> int:
 async def _nodes_seen(config: RouterConfig) -> str:
     from pdserve.shared.index.block_index import BlockIndex
     from pdserve.shared.index.block_index_types import IndexUnavailable
+    from pdserve.shared.node.node_sign import ClusterKeys
 
-    async with BlockIndex(config.redis) as index:
+    async with BlockIndex(config.redis, ClusterKeys(config.node_token)) as index:
         try:
             nodes = await index.nodes()
         except IndexUnavailable as exc:

@@ -74,9 +74,9 @@ class RouterConfig:
     api_keys: tuple[str, ...] = ()
     """Accepted bearer keys (`Authorization: Bearer <key>` only); empty accepts any client. A key's digest is
     its tenant's cache salt, which a client's `cache_salt` narrows but never replaces (router/tenants.py)."""
-    node_token: str | None = None
-    """The cluster's credential (the KV-transfer token), sent to every node as `Authorization: Bearer`; None
-    only in front of nodes that ask for none."""
+    node_token: str = ""
+    """The cluster's credential (the KV-transfer token), required: it signs every call to a node and verifies
+    every node record the router reads (shared/node/node_sign.py); it is never sent."""
     rate_limit: RateLimit | None = None
     """Each API key's token bucket (requests per second, burst); over it a request gets 429 with
     Retry-After. None: unlimited. Applies to /v1/completions and /v1/chat/completions when api_keys is set."""
@@ -89,6 +89,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is empty")
+        if not self.node_token:
+            raise ValueError("node_token is empty: give the cluster's KV-transfer token (PDSERVE_AUTH_TOKEN)")
         if not self.served_model_name or not all(self.served_model_aliases):
             raise ValueError("served_model_name and every alias must be non-empty")
         if not 0 <= self.port < 65536:

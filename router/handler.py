@@ -51,7 +51,7 @@ from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.model.tokenizer import Tokenizer
-from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import ROLES, RequestId
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class RequestHandler:
         self.metrics = RouterMetrics(config.served_model_name)
         self.background = Background()
         self.clients = NodeClients(
-            config.node_connect_timeout_s, config.max_connections_per_node, config.node_token
+            config.node_connect_timeout_s, config.max_connections_per_node, ClusterKeys(config.node_token)
         )
         self.breakers = Breakers(config.breaker, self.clients.probe, self.metrics)
         self.clients.on_down = self.breakers.trip
@@ -121,7 +121,6 @@ class RequestHandler:
         self.tenants = Tenants(config.api_keys, config.rate_limit)
         self._served = set(config.served_model_names)
         self._started = int(time.time())
-        self._credential = None if config.node_token is None else credential_digest(config.node_token)
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -169,9 +168,10 @@ class RequestHandler:
     async def health(self) -> Reply:
         """Ready (200) only while the policy can place a request on the nodes the router would use now: a
         prefill and decode pair, a single node, or a decode node prefilling locally; else 503. Draining
-        nodes, nodes whose breaker is open (`down`) and nodes that registered another credential than this
-        router's token (they would answer it 401) cannot serve. The body counts the router's view of the
-        nodes by role and says whether the index answers (without it the router serves on from its view)."""
+        nodes and nodes whose breaker is open (`down`) cannot serve; a node whose record is not signed with
+        this router's credential is never in the view (router/membership.py). The body counts the router's
+        view of the nodes by role and says whether the index answers (without it the router serves on from
+        its view)."""
         now = time.monotonic()
         router = self.router
         statuses = await self.membership.nodes()
@@ -181,19 +181,12 @@ class RequestHandler:
             counts[s.info.role]["ready" if ready else "down" if down else "draining"] += 1
         body: dict[str, Any] = {"nodes": counts, "index": "ok" if router.index_ok else "unavailable"}
         usable = [s for s in statuses if router.usable(s, now)]
-        trusted = [s for s in usable if self._credential in (None, s.info.credential_digest)]
-        views = [NodeView.from_status(s) for s in trusted]
-        block_size = trusted[0].info.block_size if trusted else 1
+        views = [NodeView.from_status(s) for s in usable]
+        block_size = usable[0].info.block_size if usable else 1
         try:
             decision = choose(0, 1, {}, views, self.config.policy, block_size=block_size)
         except NoNodeAvailable as exc:
-            reason = str(exc)
-            if len(trusted) < len(usable):
-                reason += (
-                    f"; {len(usable) - len(trusted)} live node(s) hold another credential than this "
-                    "router's (PDSERVE_AUTH_TOKEN or --auth-token-file)"
-                )
-            return Reply(503, {"status": "unavailable", **body, "reason": reason})
+            return Reply(503, {"status": "unavailable", **body, "reason": str(exc)})
         return Reply(200, {"status": "ok", "mode": decision.mode, **body})
 
     async def generate(self, endpoint: Endpoint, incoming: Incoming) -> Reply:

@@ -1,16 +1,21 @@
-"""The router's view of the cluster's nodes: what the Redis index lists, kept while Redis is away or comes
-back empty, and found from a seed list of node URLs when the router starts during an outage.
+"""The router's view of the cluster's nodes: what the Redis index lists with a valid signature and a proven
+URL, kept while Redis is away, and found from a seed list of node URLs when the router starts during an
+outage.
 
 Invariants:
 - The view is refreshed every `ttl_s` by one task (`run`); requests read it without waiting on Redis.
-- A node the index lists is in the view as the index says (epoch, load, draining).
-- A node in the view that the index no longer lists (Redis restarted empty or failed over, the node's
-  registration lost), every node while Redis cannot be reached, and a node found through a seed URL, stay in
-  the view only while they answer their own health (as themselves, not draining); one that does not is
-  dropped when Redis is up (it is gone by both accounts) and its breaker opened when Redis is down.
+- Redis decides which nodes are listed, never what they are: a record enters the view only if its signature
+  verifies with the cluster's credential (shared/index/block_index.py) and its `http_url` answered the
+  router's challenge for its (node id, epoch) (once per epoch, before any work goes there). The rest are
+  skipped, counted (`pdserve_router_invalid_node_records_total`) and logged once per node id and epoch; no
+  record, however malformed, stops a refresh.
+- While Redis answers, the view is the proven nodes it lists: a node whose entry expired or was deleted
+  leaves at the next refresh, whatever its URL answers. The one exception is an index that lost its data
+  (the node's epoch counter is gone too: Redis restarted empty or failed over): such a node stays while it
+  answers a fresh challenge at every refresh (it holds the credential), until it registers again.
+- While Redis cannot be reached, the last view is kept and each node stays only while it answers its own
+  health (its breaker is opened when it does not); a seed URL's node joins once it answers the challenge.
 - A node dropped from the view has its breaker forgotten, so no probe outlives it.
-- Seed URLs are asked for their node's registration (`GET /internal/registration`, the cluster's credential)
-  only while no node of that id is in the view.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ from pdserve.shared.index.block_index_types import IndexUnavailable, NodeStatus
 from pdserve.shared.types import NodeId
 
 log = logging.getLogger(__name__)
+_MAX_REPORTED = 10_000
+
+
+def _proof(status: NodeStatus) -> tuple[NodeId, int, str]:
+    return status.info.node_id, status.info.epoch, status.info.http_url
 
 
 class Membership:
@@ -52,8 +62,10 @@ class Membership:
         self._seeds = tuple(u.rstrip("/") for u in seeds)
         self._seed_ids: dict[str, NodeId] = {}
         self._view: dict[NodeId, NodeStatus] = {}
-        self._listed: set[NodeId] = set()
-        """Nodes the index listed at the last refresh that reached Redis."""
+        self._proven: set[tuple[NodeId, int, str]] = set()
+        """(node id, epoch, http url) whose URL answered the challenge."""
+        self._reported: set[tuple[str, str]] = set()
+        """(node id, epoch) of invalid records already counted and logged."""
         self._index_ok = True
         self._refreshed_at = float("-inf")
         self._lock = asyncio.Lock()
@@ -67,10 +79,6 @@ class Membership:
         """A call to Redis on the request path failed: route load-only until the next refresh reaches it."""
         self._index_ok = False
         self._metrics.index_unavailable.inc()
-
-    def unlisted(self) -> list[NodeId]:
-        """Nodes in the view that the index does not list now (kept on their own health)."""
-        return sorted(set(self._view) - self._listed)
 
     async def nodes(self) -> list[NodeStatus]:
         """The view, sorted by node id (built first if no refresh has run yet)."""
@@ -99,36 +107,82 @@ class Membership:
 
     async def _refresh(self) -> None:
         try:
-            listed = await self._index.nodes()
+            listing = await self._index.listing()
         except IndexUnavailable as exc:
             if self._index_ok:
                 n = len(self._view)
                 log.warning("Redis unreachable (%s): serving from the last view of %d nodes", exc, n)
             self.index_failed()
-            listed = None
-        if listed is not None:
-            if not self._index_ok:
-                log.info("Redis answers again: it lists %d nodes", len(listed))
-            self._index_ok = True
-            self._listed = {s.info.node_id for s in listed}
-            for status in listed:
-                self._view[status.info.node_id] = status
-                if status.load is not None:
-                    stale = status.blocks_indexed - status.load.blocks_held
-                    self._metrics.index_stale_blocks.labels(node_id=status.info.node_id).set(stale)
-        await self._add_seeds()
-        unconfirmed = [s for n, s in self._view.items() if n not in self._listed or listed is None]
-        healths = await asyncio.gather(*(self._health(s) for s in unconfirmed))
-        for status, draining in zip(unconfirmed, healths, strict=True):
+            await self._without_index()
+            return
+        if not self._index_ok:
+            log.info("Redis answers again: it lists %d nodes", len(listing.live))
+        self._index_ok = True
+        for bad in listing.invalid:
+            self._invalid(bad.node_id, bad.epoch, bad.reason)
+        listed = {s.info.node_id: s for s in listing.live}
+        await self._unlisted([s for n, s in self._view.items() if n not in listed])
+        await self._prove(listing.live)
+        for status in listing.live:
             node_id = status.info.node_id
-            if draining is None and listed is not None:
-                self._drop(node_id, "it is not in the index and does not answer its health")
-            elif draining is None:
-                self._breakers.trip(node_id, status.info.http_url, "health while Redis is away")
-            elif draining and node_id not in self._listed:
-                self._drop(node_id, "it left the index draining")
+            if _proof(status) not in self._proven:
+                self._drop(node_id, "its URL has not answered the challenge for its epoch")
+                continue
+            self._view[node_id] = status
+            if status.load is not None:
+                stale = status.blocks_indexed - status.load.blocks_held
+                self._metrics.index_stale_blocks.labels(node_id=node_id).set(stale)
+        self._proven = {p for p in self._proven if p[0] in self._view}
+
+    async def _unlisted(self, statuses: list[NodeStatus]) -> None:
+        """Drops the nodes the index no longer lists, but for those of an index that lost its data which
+        answer the challenge for their epoch again."""
+        if not statuses:
+            return
+        try:
+            lost = await self._index.lost([s.info.node_id for s in statuses])
+        except IndexUnavailable:
+            return  # Redis went away since the listing: decided at the next refresh
+        kept = [s for s, gone in zip(statuses, lost, strict=True) if gone]
+        proofs = await asyncio.gather(
+            *(self._clients.get(s.info.node_id, s.info.http_url).prove(s.info.epoch) for s in kept)
+        )
+        still = {s.info.node_id for s, ok in zip(kept, proofs, strict=True) if ok}
+        for status in statuses:
+            if status.info.node_id not in still:
+                self._drop(status.info.node_id, "it is no longer in the index")
+
+    async def _without_index(self) -> None:
+        await self._add_seeds()
+        statuses = list(self._view.values())
+        healths = await asyncio.gather(*(self._health(s) for s in statuses))
+        for status, draining in zip(statuses, healths, strict=True):
+            if draining is None:
+                self._breakers.trip(status.info.node_id, status.info.http_url, "health while Redis is away")
             elif status.draining != draining:
-                self._view[node_id] = dataclasses.replace(status, draining=draining)
+                self._view[status.info.node_id] = dataclasses.replace(status, draining=draining)
+
+    async def _prove(self, statuses: Sequence[NodeStatus]) -> None:
+        """Challenges each node's URL not yet proven for its epoch (concurrently)."""
+        todo = [s for s in statuses if _proof(s) not in self._proven]
+        answers = await asyncio.gather(
+            *(self._clients.get(s.info.node_id, s.info.http_url).prove(s.info.epoch) for s in todo)
+        )
+        for status, ok in zip(todo, answers, strict=True):
+            if ok:
+                self._proven.add(_proof(status))
+            else:
+                why = f"{status.info.http_url} did not answer the challenge as this node (no credential?)"
+                self._invalid(status.info.node_id, str(status.info.epoch), why)
+
+    def _invalid(self, node_id: str, epoch: str, reason: str) -> None:
+        if (node_id, epoch) in self._reported:
+            return
+        if len(self._reported) >= _MAX_REPORTED:  # a flood of bad records: log anew rather than grow
+            self._reported.clear()
+        self._reported.add((node_id, epoch))
+        self._metrics.invalid_node_records.inc()
+        log.warning("ignoring node record %r epoch %s in the index: %s", node_id[:64], epoch[:20], reason)
 
     async def _health(self, status: NodeStatus) -> bool | None:
         return await self._clients.get(status.info.node_id, status.info.http_url).health()
@@ -143,8 +197,9 @@ class Membership:
     async def _add_seeds(self) -> None:
         missing = [u for u in self._seeds if self._seed_ids.get(u) not in self._view]
         found = await asyncio.gather(*(self._registration(u) for u in missing))
+        await self._prove([s for s in found if s is not None])
         for url, status in zip(missing, found, strict=True):
-            if status is None:
+            if status is None or _proof(status) not in self._proven:
                 continue
             node_id = status.info.node_id
             self._seed_ids[url] = node_id

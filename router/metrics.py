@@ -165,6 +165,12 @@ class RouterMetrics(MetricsRegistry):
             "heartbeat (positive: records of evicted blocks; negative: blocks the index does not know).",
             ["node_id"],
         )
+        self.invalid_node_records = counter(
+            "pdserve_router_invalid_node_records",
+            "Node records in the index the router ignored, once per node id and epoch: malformed, unsigned "
+            "or signed without the cluster's credential (a rogue or broken writer to Redis), or whose URL "
+            "failed the router's challenge.",
+        )
         self.stale_decisions = counter(
             "pdserve_router_stale_decisions",
             "Routing decisions that counted on prefix blocks the node turned out not to hold (the index "

@@ -1,8 +1,9 @@
 """HTTP clients of the nodes' internal API (shared/node/node_protocol.py), one connection pool per node.
 
 Invariants: one NodeClient per (node id, http url); a node that re-registers at a new URL gets a new
-client and the old pool is closed. Every call carries the cluster's credential (when the router has one)
-and is bounded by the request's deadline (absolute unix seconds). Every failure (unreachable, non-2xx,
+client and the old pool is closed. Every call is signed with a key derived from the cluster's credential
+(shared/node/node_sign.py; the token itself never travels) and is bounded by the request's deadline
+(absolute unix seconds). Every failure (unreachable, non-2xx,
 malformed message, stream cut before finish_reason) is raised as NodeError naming the node; callers never
 see httpx exceptions. A transport failure (refused, reset, cut mid-stream; `NodeError.unreachable`) is also
 reported to `on_down` at once, which opens the node's circuit breaker (router/breaker.py). A read timeout is
@@ -13,26 +14,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
 from pdserve.shared.index.block_index_types import NodeInfo
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import (
     CLIENT_KEEPALIVE_S,
     AbortRequest,
+    ChallengeReply,
+    ChallengeRequest,
     NodeGenerateRequest,
     PrefillRequest,
     PrefillResult,
     StepOutput,
 )
+from pdserve.shared.node.node_sign import ClusterKeys, SignedRequests
 from pdserve.shared.types import NodeId, RequestId
 
 _JSON = {"content-type": "application/json"}
 _ABORT_TIMEOUT_S = 5.0
 _INFO_TIMEOUT_S = 10.0
 _HEALTH_TIMEOUT_S = 1.0
+_CHALLENGE_TIMEOUT_S = 2.0
 _DRAIN_S = 0.5
 _DOWN = (httpx.NetworkError, httpx.RemoteProtocolError)
 """Refused, reset or cut connections: the node (or the way to it) is gone."""
@@ -78,16 +84,17 @@ class NodeClient:
         http_url: str,
         connect_timeout_s: float,
         max_connections: int,
-        token: str | None,
+        keys: ClusterKeys,
         on_down: OnDown | None = None,
     ) -> None:
         self.node_id = node_id
         self.http_url = http_url
+        self._keys = keys
         self._connect_timeout_s = connect_timeout_s
         self._on_down = on_down
         self._http = httpx.AsyncClient(
             base_url=http_url,
-            headers=None if token is None else bearer(token),
+            auth=SignedRequests(keys),
             limits=httpx.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_connections,
@@ -121,6 +128,28 @@ class NodeClient:
         except (httpx.HTTPError, ValueError, AttributeError):
             pass
         return None
+
+    async def prove(self, epoch: int) -> bool:
+        """Whether whoever serves http_url answers a fresh challenge as this node at `epoch`, i.e. holds the
+        cluster's credential (a copied record pointing elsewhere fails). Never raises."""
+        nonce = secrets.token_hex(16)
+        try:
+            resp = await self._http.post(
+                "/internal/challenge",
+                content=ChallengeRequest(nonce).to_json(),
+                headers=_JSON,
+                timeout=httpx.Timeout(_CHALLENGE_TIMEOUT_S, connect=self._connect_timeout_s),
+            )
+            reply = ChallengeReply.from_json(resp.content) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return False
+        expected = self._keys.challenge_answer(nonce, self.node_id, epoch)
+        return (
+            reply is not None
+            and reply.node_id == self.node_id
+            and reply.epoch == epoch
+            and hmac.compare_digest(reply.answer.encode(), expected.encode())
+        )
 
     async def generate(self, request: NodeGenerateRequest) -> AsyncIterator[StepOutput]:
         """The node's step outputs for `request`, ending with the one that carries finish_reason."""
@@ -189,16 +218,16 @@ class NodeClients:
     told of every transport failure (router/breaker.py's trip)."""
 
     def __init__(
-        self, connect_timeout_s: float, max_connections: int, token: str | None, on_down: OnDown | None = None
+        self, connect_timeout_s: float, max_connections: int, keys: ClusterKeys, on_down: OnDown | None = None
     ) -> None:
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
-        self._token = token
+        self._keys = keys
         self.on_down = on_down
         self._clients: dict[NodeId, NodeClient] = {}
         self._retired: list[NodeClient] = []
         self._seed_http = httpx.AsyncClient(
-            headers=None if token is None else bearer(token),
+            auth=SignedRequests(keys),
             timeout=httpx.Timeout(_HEALTH_TIMEOUT_S, connect=min(connect_timeout_s, _HEALTH_TIMEOUT_S)),
         )
 
@@ -210,7 +239,7 @@ class NodeClients:
             # In-flight streams may still use the old pool; it is closed with the others at shutdown.
             self._retired.append(client)
         client = NodeClient(
-            node_id, http_url, self._connect_timeout_s, self._max_connections, self._token, self._down
+            node_id, http_url, self._connect_timeout_s, self._max_connections, self._keys, self._down
         )
         self._clients[node_id] = client
         return client

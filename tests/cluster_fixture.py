@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 from pdserve.launch import MODULES, Cluster, UpConfig, free_port, start_cluster
-from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_sign import signed
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -117,7 +117,7 @@ class LiveCluster:
         """The node's pool audit; it answers between engine steps, so a long prefill step delays it."""
         proc = self.nodes[node]
         token = proc.auth_token or self.auth_token
-        reply = httpx.get(f"{proc.url}/internal/audit", headers=bearer(token), timeout=timeout_s)
+        reply = httpx.get(f"{proc.url}/internal/audit", auth=signed(token), timeout=timeout_s)
         reply.raise_for_status()
         audit: dict[str, int] = reply.json()
         return audit
@@ -201,12 +201,12 @@ def run_cli(module: str, *args: str, timeout_s: float = 300.0) -> subprocess.Com
 
 _TOKENS: dict[str, str] = {}
 """The credential of each live cluster, by its Redis URL."""
-_NODE_ACTIONS = ("drain", "undrain", "evict", "diff")
 
 
 def _credential(redis_url: str, args: tuple[str, ...]) -> list[str]:
-    """--auth-token-file for kvctl's node actions on a live cluster (as an operator holds the token)."""
-    if args and args[0] in _NODE_ACTIONS and redis_url in _TOKENS:
+    """--auth-token-file for kvctl on a live cluster (as an operator holds the token: every command verifies
+    the nodes' records with it)."""
+    if redis_url in _TOKENS:
         return ["--auth-token-file", secret_file(_TOKENS[redis_url])]
     return []
 

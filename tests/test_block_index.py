@@ -10,15 +10,17 @@ import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
+import redis.asyncio
+import redis.exceptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdserve import redis_launch as block_index_server
 from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
-from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored
+from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import (
     BlocksDigest,
@@ -32,11 +34,15 @@ from pdserve.shared.index.block_index_types import (
     StaleEpoch,
 )
 from pdserve.shared.node.node_auth import credential_digest
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, BlockId, KVLayout, NodeId, Role
 
 T = TypeVar("T")
 FP = "ab" * 32
 CRED = credential_digest("test-cluster-token")
+KEYS = ClusterKeys("test-cluster-token")
+IDLE = NodeLoad(0, 0, 0, 10, 0)
+DRAINING = NodeLoad(0, 0, 0, 10, 0, draining=True)
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 _clusters = itertools.count()
 
@@ -56,7 +62,7 @@ def redis_server() -> Iterator[LocalRedis]:
 
 def make_index(server: LocalRedis, **kw: Any) -> BlockIndex:
     """A client on a fresh cluster name, so tests share the server but no keys."""
-    return BlockIndex(RedisConfig(url=server.url, cluster=f"t{next(_clusters)}", **kw))
+    return BlockIndex(RedisConfig(url=server.url, cluster=f"t{next(_clusters)}", **kw), KEYS)
 
 
 def node(
@@ -79,16 +85,16 @@ def test_register_gives_new_epochs_and_drops_old_records(redis_server: LocalRedi
     async def body() -> None:
         async with make_index(redis_server) as index:
             chain = hashes(8)
-            first = await index.register(node("p0"))
+            first = await index.register(node("p0"), IDLE)
             await index.publish(NodeId("p0"), first, [BlockStored(tuple(chain), None)])
             assert await index.lookup(chain) == {"p0": 8}
-            second = await index.register(node("p0"))  # the node restarted: its old cache is gone
+            second = await index.register(node("p0"), IDLE)  # the node restarted: its old cache is gone
             assert second == first + 1
             assert await index.lookup(chain) == {}
             with pytest.raises(StaleEpoch, match=f"epoch {first} is stale, the current epoch is {second}"):
                 await index.publish(NodeId("p0"), first, [BlockStored(tuple(chain), None)])
             with pytest.raises(StaleEpoch):
-                await index.heartbeat(NodeId("p0"), NodeLoad(0, 0, 0, 10, 0), epoch=first)
+                await index.heartbeat(node("p0"), NodeLoad(0, 0, 0, 10, 0), first)
             [status] = await index.nodes()
             assert status.info.epoch == second and status.blocks_indexed == 0
             assert await index._redis.exists(f"{index.config.prefix}blk:p0:{first}") == 0
@@ -111,9 +117,9 @@ def test_incompatible_node_is_refused_naming_the_field(
 ) -> None:
     async def body() -> None:
         async with make_index(redis_server) as index:
-            await index.register(node("p0"))
+            await index.register(node("p0"), IDLE)
             with pytest.raises(IncompatibleNode) as err:
-                await index.register(other)
+                await index.register(other, IDLE)
             assert f"{field} is {mine} on the node but {recorded}" in str(err.value)
             assert [s.info.node_id for s in await index.nodes()] == ["p0"]
 
@@ -123,10 +129,10 @@ def test_incompatible_node_is_refused_naming_the_field(
 def test_node_with_another_credential_is_refused_without_showing_the_token(redis_server: LocalRedis) -> None:
     async def body() -> None:
         async with make_index(redis_server) as index:
-            await index.register(node("p0"))
+            await index.register(node("p0"), IDLE)
             other = credential_digest("another-token")
             with pytest.raises(IncompatibleNode) as err:
-                await index.register(node("d0", "decode", credential=other))
+                await index.register(node("d0", "decode", credential=other), IDLE)
             message = str(err.value)
             assert "credential mismatch" in message and other[:12] in message and CRED[:12] in message
             assert other not in message and "another-token" not in message
@@ -137,12 +143,12 @@ def test_node_with_another_credential_is_refused_without_showing_the_token(redis
 
 def test_registering_again_gives_a_newer_epoch_and_keeps_draining(redis_server: LocalRedis) -> None:
     """What a node does when Redis restarted empty: its epoch counter is gone, so the node names the epoch
-    it had; a draining node registers as draining in the same step."""
+    it had; a draining node registers as draining in the same step (its first, signed heartbeat)."""
 
     async def body() -> None:
         async with make_index(redis_server) as index:
-            assert await index.register(node("d0", "decode"), after_epoch=7) == 8
-            assert await index.register(node("d0", "decode"), draining=True, after_epoch=3) == 9
+            assert await index.register(node("d0", "decode"), IDLE, after_epoch=7) == 8
+            assert await index.register(node("d0", "decode"), DRAINING, after_epoch=3) == 9
             (status,) = await index.nodes()
             assert status.draining and status.info.epoch == 9
 
@@ -152,12 +158,12 @@ def test_registering_again_gives_a_newer_epoch_and_keeps_draining(redis_server: 
 def test_a_node_with_another_tokenizer_is_refused(redis_server: LocalRedis) -> None:
     async def body() -> None:
         async with make_index(redis_server) as index:
-            await index.register(dataclasses.replace(node("p0"), tokenizer_fingerprint="11" * 32))
+            await index.register(dataclasses.replace(node("p0"), tokenizer_fingerprint="11" * 32), IDLE)
             with pytest.raises(IncompatibleNode) as err:
-                await index.register(dataclasses.replace(node("p1"), tokenizer_fingerprint="22" * 32))
+                await index.register(dataclasses.replace(node("p1"), tokenizer_fingerprint="22" * 32), IDLE)
             assert f"tokenizer_fingerprint is {'22' * 32} on the node but {'11' * 32}" in str(err.value)
             await index.register(
-                node("p2")
+                node("p2"), IDLE
             )  # a node that predates tokenizer fingerprints is not compared on it
             assert [s.info.node_id for s in await index.nodes()] == ["p0", "p2"]
 
@@ -167,11 +173,11 @@ def test_a_node_with_another_tokenizer_is_refused(redis_server: LocalRedis) -> N
 def test_cluster_record_is_rebound_once_no_node_is_live(redis_server: LocalRedis) -> None:
     async def body() -> None:
         async with make_index(redis_server, heartbeat_ttl_s=0.2) as index:
-            await index.register(node("p0"))
+            await index.register(node("p0"), IDLE)
             with pytest.raises(IncompatibleNode):
-                await index.register(node("p1", head_dim=128))
+                await index.register(node("p1", head_dim=128), IDLE)
             await asyncio.sleep(0.3)
-            await index.register(node("p1", head_dim=128))
+            await index.register(node("p1", head_dim=128), IDLE)
             assert (await index.cluster_record())["kv_layout.head_dim"] == "128"
 
     run(body())
@@ -181,18 +187,18 @@ def test_heartbeat_expiry_makes_a_node_stop_counting(redis_server: LocalRedis) -
     async def body() -> None:
         async with make_index(redis_server, heartbeat_ttl_s=0.3) as index:
             chain = hashes(4)
-            epochs = {n: await index.register(node(n)) for n in ("a", "b")}
+            epochs = {n: await index.register(node(n), IDLE) for n in ("a", "b")}
             for n, e in epochs.items():
                 await index.publish(NodeId(n), e, [BlockStored(tuple(chain), None)])
             load = NodeLoad(running=2, waiting=1, kv_used_blocks=5, kv_total_blocks=100, blocks_held=4)
             for _ in range(3):  # b keeps beating, a goes silent
                 await asyncio.sleep(0.15)
-                await index.heartbeat(NodeId("b"), load)
+                await index.heartbeat(node("b"), load, epochs["b"])
             assert await index.lookup(chain) == {"b": 4}
             [status] = await index.nodes()
             assert status.info.node_id == "b" and status.load == load and status.heartbeat_age_s < 0.2
             await index.heartbeat(
-                NodeId("a"), load
+                node("a"), load, epochs["a"]
             )  # a came back without restarting: its records count again
             assert await index.lookup(chain) == {"a": 4, "b": 4}
 
@@ -204,7 +210,7 @@ def test_lookup_longest_contiguous_prefix_per_node(redis_server: LocalRedis) -> 
         async with make_index(redis_server) as index:
             chain = hashes(3000)  # longer than the script's largest chunk (1024)
             roles: dict[str, Role] = {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"}
-            e = {n: await index.register(node(n, role)) for n, role in roles.items()}
+            e = {n: await index.register(node(n, role), IDLE) for n, role in roles.items()}
             await index.publish(NodeId("p0"), e["p0"], [BlockStored(tuple(chain), None)])
             # a hole at block 5, held again after it: only blocks 0..4 count
             await index.publish(NodeId("p1"), e["p1"], [BlockStored(tuple(chain[:5] + chain[6:40]), None)])
@@ -231,7 +237,7 @@ def test_lookup_is_one_evalsha_whatever_the_prompt_length(redis_server: LocalRed
         async with make_index(redis_server) as index:
             chain = hashes(512)
             for n in ("p0", "p1", "d0"):
-                epoch = await index.register(node(n))
+                epoch = await index.register(node(n), IDLE)
                 await index.publish(NodeId(n), epoch, [BlockStored(tuple(chain[:300]), None)])
             await index.lookup(chain)  # loads the script
             await index._redis.config_resetstat()
@@ -250,7 +256,7 @@ def test_block_pool_events_feed_the_index(redis_server: LocalRedis) -> None:
 
     async def body() -> None:
         async with make_index(redis_server) as index:
-            epoch = await index.register(node("p0"))
+            epoch = await index.register(node("p0"), IDLE)
             pool = BlockPool(num_blocks=6, block_size=4)
             seed = hash_seed(bytes.fromhex(FP), None)
             tokens_a, tokens_b = list(range(16)), list(range(100, 116))
@@ -280,7 +286,7 @@ def test_a_pool_with_a_host_tier_feeds_the_index_its_tiers(redis_server: LocalRe
 
     async def body() -> None:
         async with make_index(redis_server) as index:
-            epoch = await index.register(node("p9"))
+            epoch = await index.register(node("p9"), IDLE)
             pool = BlockPool(num_blocks=4, block_size=4, host_blocks=3)
             seed = hash_seed(bytes.fromhex(FP), None)
             chains = [hash_blocks(list(range(k, k + 16)), 4, seed) for k in (0, 100, 200)]
@@ -319,7 +325,7 @@ def test_lookup_matches_a_reference_walk(redis_server: LocalRedis, held: list[se
             chain = hashes(40)
             expected = {}
             for i, blocks in enumerate(held):
-                epoch = await index.register(node(f"n{i}"))
+                epoch = await index.register(node(f"n{i}"), IDLE)
                 stored = tuple(chain[b] for b in sorted(blocks))
                 await index.publish(NodeId(f"n{i}"), epoch, [BlockStored(stored, None)] if stored else [])
                 run_length = next(k for k in range(41) if k == 40 or k not in blocks)
@@ -334,12 +340,12 @@ def test_draining_deregister_resync_and_evict_records(redis_server: LocalRedis) 
     async def body() -> None:
         async with make_index(redis_server) as index:
             chain = hashes(10)
-            epoch = await index.register(node("d0", "decode"))
+            epoch = await index.register(node("d0", "decode"), IDLE)
             await index.publish(NodeId("d0"), epoch, [BlockStored(tuple(chain), None)])
-            await index.set_draining(NodeId("d0"))
+            await index.heartbeat(node("d0", "decode"), DRAINING, epoch)  # the node's own, signed
             assert [s.draining for s in await index.nodes()] == [True]
             with pytest.raises(NodeNotRegistered, match="'ghost'"):
-                await index.set_draining(NodeId("ghost"))
+                await index.heartbeat(node("ghost"), IDLE, 1)
             assert await index.evict_records(NodeId("d0"), chain[3:4]) == 1
             assert await index.lookup(chain) == {"d0": 3}
             assert await index.resync(NodeId("d0"), epoch, chain[:7]) == 7
@@ -349,7 +355,7 @@ def test_draining_deregister_resync_and_evict_records(redis_server: LocalRedis) 
             assert await index.deregister(NodeId("d0")) is True
             assert await index.nodes() == [] and await index.deregister(NodeId("d0")) is False
             with pytest.raises(NodeNotRegistered):
-                await index.heartbeat(NodeId("d0"), NodeLoad(0, 0, 0, 1, 0))
+                await index.heartbeat(node("d0", "decode"), NodeLoad(0, 0, 0, 1, 0), epoch)
             with pytest.raises(NodeNotRegistered):
                 await index.publish(NodeId("d0"), epoch, [])
 
@@ -371,12 +377,12 @@ def test_hit_stats_accumulate_per_node(redis_server: LocalRedis) -> None:
 
 def test_auth_wrong_or_missing_password_fails_clearly() -> None:
     async def body(server: LocalRedis) -> None:
-        async with BlockIndex(RedisConfig(url=server.url, password="s3cret")) as index:
-            assert await index.register(node("p0")) == 1
-        async with BlockIndex(RedisConfig(url=f"redis://:s3cret@127.0.0.1:{server.port}/0")) as index:
+        async with BlockIndex(RedisConfig(url=server.url, password="s3cret"), KEYS) as index:
+            assert await index.register(node("p0"), IDLE) == 1
+        async with BlockIndex(RedisConfig(url=f"redis://:s3cret@127.0.0.1:{server.port}/0"), KEYS) as index:
             assert [s.info.node_id for s in await index.nodes()] == ["p0"]
         for password in ("wrong", None):
-            async with BlockIndex(RedisConfig(url=server.url, password=password)) as index:
+            async with BlockIndex(RedisConfig(url=server.url, password=password), KEYS) as index:
                 with pytest.raises(
                     IndexAuthError, match=f"Redis at redis://127.0.0.1:{server.port}/0 refused"
                 ):
@@ -418,7 +424,7 @@ def test_local_redis_moves_to_a_fresh_port_when_its_free_port_is_taken(
 
 def test_unreachable_redis_raises_index_unavailable_fast() -> None:
     async def body() -> None:
-        async with BlockIndex(RedisConfig(host="127.0.0.1", port=free_port())) as index:
+        async with BlockIndex(RedisConfig(host="127.0.0.1", port=free_port()), KEYS) as index:
             started = time.monotonic()
             with pytest.raises(IndexUnavailable, match="is unreachable during lookup"):
                 await index.lookup(hashes(2))
@@ -445,11 +451,13 @@ def test_tls_with_the_servers_ca_works_and_without_it_fails(tmp_path: Any) -> No
     subprocess.run(openssl, check=True, capture_output=True)
 
     async def body(url: str, port: int) -> None:
-        async with BlockIndex(RedisConfig(url=url, tls_ca_file=str(cert))) as index:
-            assert await index.register(node("p0")) == 1
-        async with BlockIndex(RedisConfig(port=port, tls=True, tls_ca_file=str(cert))) as index:
+        async with BlockIndex(RedisConfig(url=url, tls_ca_file=str(cert)), KEYS) as index:
+            assert await index.register(node("p0"), IDLE) == 1
+        async with BlockIndex(RedisConfig(port=port, tls=True, tls_ca_file=str(cert)), KEYS) as index:
             assert [s.info.node_id for s in await index.nodes()] == ["p0"]
-        async with BlockIndex(RedisConfig(url=url)) as index:  # system CAs only: the self-signed cert fails
+        async with BlockIndex(
+            RedisConfig(url=url), KEYS
+        ) as index:  # system CAs only: the self-signed cert fails
             with pytest.raises(IndexUnavailable, match="certificate verify failed"):
                 await index.nodes()
 
@@ -473,7 +481,7 @@ def test_digest_follows_every_write_of_the_records(redis_server: LocalRedis, ops
     async def body() -> None:
         async with make_index(redis_server) as index:
             nid = NodeId("n0")
-            epoch = await index.register(node("n0"))
+            epoch = await index.register(node("n0"), IDLE)
             truth: set[BlockHash] = set()
             for op, chosen in ops:
                 if op == "S":
@@ -520,3 +528,71 @@ def test_a_cancelled_call_is_never_left_running(redis_server: LocalRedis) -> Non
             await index.close()
 
     run(scenario())
+
+
+def test_records_that_do_not_verify_are_listed_as_invalid_never_raised(redis_server: LocalRedis) -> None:
+    """Issue 32: a copy of a node's record under another id, a malformed record, an unsigned drain flag and a
+    forged load: `listing()` keeps the signed node, lists the rest as invalid, and raises for none."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            epoch = await index.register(node("d0", "decode"), IDLE)
+            r, p = index._redis, index.config.prefix
+            real = cast(dict[bytes, bytes], await r.hgetall(f"{p}node:d0"))
+            copy = {**real, b"info": real[b"info"].replace(b'"d0"', b'"d9"')}
+            for field_name, value in copy.items():
+                await r.hset(f"{p}node:d9", field_name, value)
+            await r.hset(f"{p}node:bad", mapping={"info": "{", "epoch": "1", "load": "", "sig": "zz"})
+            for rogue, e in (("d9", epoch), ("bad", 1)):
+                await r.sadd(f"{p}nodes", rogue)
+                await r.set(f"{p}alive:{rogue}", e)
+            await r.hset(f"{p}node:d0", "draining", "1")  # unsigned: never read
+            listing = await index.listing()
+            assert [(s.info.node_id, s.draining) for s in listing.live] == [("d0", False)]
+            assert [(bad.node_id, "signature" in bad.reason or "missing" in bad.reason)
+                    for bad in listing.invalid] == [("bad", True), ("d9", True)]  # fmt: skip
+            await r.hset(f"{p}node:d0", "load", DRAINING.to_json())  # a forged load: invalid until a beat
+            assert [bad.node_id for bad in (await index.listing()).invalid] == ["bad", "d0", "d9"]
+            await index.heartbeat(node("d0", "decode"), IDLE, epoch)  # the node's next beat restores it
+            assert [s.draining for s in await index.nodes()] == [False]
+            other = BlockIndex(index.config, ClusterKeys("another-token"))
+            assert [bad.node_id for bad in (await other.listing()).invalid] == ["bad", "d0", "d9"]
+            await other.close()
+
+    run(body())
+
+
+def test_the_documented_least_privilege_acl_user_runs_the_index(redis_server: LocalRedis) -> None:
+    """docs/deploy.md's ACL user (its command list read from the doc) is enough for everything the nodes,
+    routers and kvctl do, and is refused outside the cluster's keys."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "deploy.md")) as f:
+        doc = f.read()
+    acl = doc.split("ACL SETUSER ", 1)[1].split("\n```", 1)[0].replace("\\\n", " ").split()
+    cluster = f"acl{next(_clusters)}"
+    rules = [
+        r.replace("{default}", "{" + cluster + "}").replace("${PDSERVE_REDIS_PASSWORD}", "pw") for r in acl
+    ]
+
+    async def body() -> None:
+        admin = redis.asyncio.Redis.from_url(redis_server.url)
+        await admin.execute_command("ACL", "SETUSER", *rules)
+        config = RedisConfig(url=redis_server.url, cluster=cluster, username="pdserve", password="pw")
+        async with BlockIndex(config, KEYS) as index:
+            chain = hashes(4)
+            epoch = await index.register(node("p0"), IDLE)
+            await index.publish(NodeId("p0"), epoch, [BlockStored(tuple(chain), None)])
+            await index.publish(NodeId("p0"), epoch, [BlockTiered(tuple(chain[:1]), "host")])
+            await index.heartbeat(node("p0"), IDLE, epoch)
+            assert await index.lookup(chain) == {"p0": 4}
+            assert (await index.blocks())[NodeId("p0")].count == 4
+            assert await index.resync(NodeId("p0"), epoch, chain[:2], chain[:1]) == 2
+            assert (await index.digest(NodeId("p0"), epoch)).count == 2
+            await index.record_hits(NodeId("p0"), 1, 2, 3)
+            assert (await index.stats())[NodeId("p0")].total_tokens == 6
+            assert await index.evict_records(NodeId("p0")) == 2
+            assert await index.deregister(NodeId("p0"))
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                await index._redis.get("not-the-cluster's-key")
+        await admin.aclose()
+
+    run(body())

@@ -22,6 +22,7 @@ from pdserve.shared.engine.block_pool import BlockEvent, BlockRemoved, BlockStor
 from pdserve.shared.index.block_digest import MISMATCHES_TO_COMPARE, SETTLE_S
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import RedisConfig
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, NodeId
 from pdserve.tests.chaos_faults import small_cluster
 from pdserve.tests.chaos_load import metric_of
@@ -65,7 +66,7 @@ def lie(live: LiveCluster, node: str, events: list[BlockEvent]) -> None:
     current = epoch(live, node)
 
     async def go() -> None:
-        async with BlockIndex(RedisConfig(url=live.redis_url)) as index:
+        async with BlockIndex(RedisConfig(url=live.redis_url), ClusterKeys(live.auth_token)) as index:
             await index.publish(NodeId(node), current, events)
 
     asyncio.run(go())
@@ -118,7 +119,7 @@ def test_decisions_on_stale_records_are_counted(live: LiveCluster) -> None:
     tokens = tokenize(None, "Tell me a long story about the sea. " * 8, None)
 
     async def hashes() -> list[BlockHash]:
-        async with BlockIndex(RedisConfig(url=live.redis_url)) as index:
+        async with BlockIndex(RedisConfig(url=live.redis_url), ClusterKeys(live.auth_token)) as index:
             return (await prompt_hashes(index, tokens, None))[1]
 
     unseen = asyncio.run(hashes())

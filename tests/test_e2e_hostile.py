@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from pdserve.launch import free_port
 from pdserve.router.json_body import MAX_JSON_DEPTH
 from pdserve.router.openai_protocol import MAX_STOP_STRINGS
-from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.node.node_sign import signed
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     kvctl,
@@ -381,14 +381,16 @@ def test_node_routes_refuse_a_caller_without_the_cluster_credential(live: tuple[
     cluster, _ = live
     url = next(iter(cluster.nodes.values())).url
     evict_all = json.dumps({"all": True}).encode()
-    for headers in ({}, bearer("not-the-token"), {"authorization": cluster.auth_token}):
+    bearer = {"authorization": f"Bearer {cluster.auth_token}"}  # the token itself is no credential now
+    raw = {"authorization": cluster.auth_token}
+    for headers, auth in (({}, None), ({}, signed("not-the-token")), (raw, None), (bearer, None)):
         for method, path in NODE_ROUTES:
-            r = httpx.request(method, url + path, content=evict_all, headers=headers, timeout=10)
+            r = httpx.request(method, url + path, content=evict_all, headers=headers, auth=auth, timeout=10)
             assert r.status_code == 401, (method, path, headers, r.text)
             assert "cluster's KV-transfer token" in r.json()["error"]
     assert httpx.get(f"{url}/internal/health", timeout=10).json()["draining"] is False  # no drain ran
     assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
-    info = httpx.get(f"{url}/internal/info", headers=bearer(cluster.auth_token), timeout=10)
+    info = httpx.get(f"{url}/internal/info", auth=signed(cluster.auth_token), timeout=10)
     assert info.status_code == 200, info.text
     assert post(cluster.base, "/v1/completions", CMPL).status_code == 200  # the router holds the credential
 

@@ -10,6 +10,7 @@ naming the field. The processes are built by hand with `Cluster.spawn` and the c
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -19,9 +20,11 @@ import httpx
 import pytest
 from pdserve.launch import Cluster, free_port, start_redis
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_auth import bearer
+from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import NodeStatus, RedisConfig
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
-from pdserve.shared.types import NodeId, RequestId
+from pdserve.shared.node.node_sign import ClusterKeys, signed
+from pdserve.shared.types import RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     NodeProc,
@@ -58,14 +61,22 @@ def live() -> Iterator[LiveCluster]:
 
 def test_transfer_handshake_with_another_token_fails_cleanly(live: LiveCluster) -> None:
     """The prefill node asked directly, as the router would: its transfer to D fails the HMAC challenge."""
-    (decode,) = [n["info"] for n in kvctl(live.redis_url, "nodes", "--cluster", "isolated")["nodes"]]
+
+    async def isolated() -> list[
+        NodeStatus
+    ]:  # its records are signed with token B, as an operator of it reads
+        config = RedisConfig(url=live.redis_url, cluster="isolated")
+        async with BlockIndex(config, ClusterKeys("token-b")) as index:
+            return await index.nodes()
+
+    (decode,) = [s.info for s in asyncio.run(isolated())]
     pre = PrefillRequest(
         RequestId(f"mismatch-{os.getpid()}"), (1, 2, 3, 4, 5), SamplingParams(max_tokens=4), None,
-        time.time() + 60, NodeId(decode["node_id"]), decode["transfer_addr"],
+        time.time() + 60, decode.node_id, decode.transfer_addr,
     )  # fmt: skip
     url = f"{live.nodes['prefill-0'].url}/internal/prefill"
     t0 = time.monotonic()
-    r = httpx.post(url, content=pre.to_json(), headers=bearer("token-a"), timeout=90)
+    r = httpx.post(url, content=pre.to_json(), auth=signed("token-a"), timeout=90)
     took = time.monotonic() - t0
     result = PrefillResult.from_json(r.content)
     assert result.error is not None and ("handshake" in result.error or "auth" in result.error), r.text

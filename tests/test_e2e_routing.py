@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVSource
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
@@ -203,7 +203,8 @@ def test_node_keeps_an_idle_connection_longer_than_the_routers_pool(live: LiveCl
         for i in range(2):
             if i:
                 time.sleep(CLIENT_KEEPALIVE_S + 1.0)  # a 5 s server keep-alive closes the connection here
-            conn.request("GET", "/internal/info", headers=bearer(live.auth_token))
+            signature = ClusterKeys(live.auth_token).sign_request("GET", b"/internal/info", b"")
+            conn.request("GET", "/internal/info", headers={"authorization": signature})
             reply = conn.getresponse()
             assert reply.status == 200
             reply.read()

@@ -21,6 +21,7 @@ from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
+from pdserve.shared.node.node_sign import SCHEME, ClusterKeys
 from pdserve.shared.types import BlockHash, KVLayout, NodeId
 
 FP = "cd" * 32
@@ -80,12 +81,12 @@ def cluster() -> Iterator[Cluster]:
     thread.start()
 
     async def setup(url: str) -> None:
-        async with BlockIndex(RedisConfig(url=url, heartbeat_ttl_s=600, records_ttl_s=600)) as index:
+        config = RedisConfig(url=url, heartbeat_ttl_s=600, records_ttl_s=600)
+        async with BlockIndex(config, ClusterKeys(TOKEN)) as index:
             for name, role in (("p0", "prefill"), ("d0", "decode")):
                 info = NodeInfo(NodeId(name), role, fake.url, "127.0.0.1:1", FP, LAYOUT, 1, 1000, "ef" * 32,  # type: ignore[arg-type]
                                 8192)  # fmt: skip
-                epoch = await index.register(info)
-                await index.heartbeat(NodeId(name), NodeLoad(1, 0, 30, 1000, 8))
+                epoch = await index.register(info, NodeLoad(1, 0, 30, 1000, 8))
                 if name == "p0":
                     stored = (*chain[:3], *(BlockHash(os.urandom(32)) for _ in range(5)))
                     await index.publish(NodeId(name), epoch, [BlockStored(stored, None)])
@@ -167,9 +168,10 @@ def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
     assert rc == 0 and out["index_records_removed"] == 0 and len(fake.posts) == 2
     rc, out, _ = kvctl(capsys, server, "drain", "d0")
     assert rc == 0 and out["node_reply"] == {"ok": True, "path": "/internal/drain"}
-    assert fake.auth[-3:] == [f"Bearer {TOKEN}"] * 3
-    _, nodes, _ = kvctl(capsys, server, "nodes")
-    assert [n["draining"] for n in nodes["nodes"]] == [True, False]
+    assert all(a is not None and a.startswith(SCHEME) and TOKEN not in a for a in fake.auth[-3:])
+    assert len(set(fake.auth)) == len(fake.auth)  # a fresh nonce each
+    _, nodes, _ = kvctl(capsys, server, "nodes")  # kvctl writes no drain flag: the node signs its own
+    assert [n["draining"] for n in nodes["nodes"]] == [False, False] and nodes["invalid"] == []
 
 
 def test_failures_are_one_line_and_exit_1(cluster: Cluster, capsys: Any) -> None:

@@ -26,6 +26,7 @@ from pdserve.shared.model.loader import LoadedModel, load_model
 from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixFetcher
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_runtime import NodeRuntime, NodeSettings
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 
 pytestmark = pytest.mark.slow
@@ -43,7 +44,7 @@ def loaded() -> LoadedModel:
 @contextlib.asynccontextmanager
 async def node(loaded: LoadedModel) -> AsyncIterator[NodeRuntime]:
     engine = LLMEngine(EngineConfig(model=loaded.source, num_kv_blocks=BLOCKS), loaded)
-    rt = NodeRuntime(NodeSettings("decode-0", "decode"), engine)
+    rt = NodeRuntime(NodeSettings("decode-0", "decode"), engine, ClusterKeys("test-token"))
     rt.aengine.start()
     try:
         yield rt

@@ -29,8 +29,8 @@ import pytest
 from pdserve.kvctl.commands import tokenize
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, PrefillResult, StepOutput
+from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import NodeId, RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
@@ -117,7 +117,7 @@ def wait_where(live: LiveCluster, prompt: str, want: dict[str, int], timeout_s: 
 
 def evict(live: LiveCluster, node: str, hashes: list[bytes] | None) -> None:
     body: dict[str, Any] = {"all": True} if hashes is None else {"block_hashes": [h.hex() for h in hashes]}
-    r = httpx.post(f"{live.nodes[node].url}/internal/evict", json=body, headers=bearer(live.auth_token))
+    r = httpx.post(f"{live.nodes[node].url}/internal/evict", json=body, auth=signed(live.auth_token))
     r.raise_for_status()
 
 
@@ -133,12 +133,12 @@ def placed_on(live: LiveCluster, node: str, prompt_ids: list[int], holder: str, 
         rid, tuple(prompt_ids), sampling, None, deadline, NodeId(DECODE), statuses[DECODE]["transfer_addr"],
         statuses[holder]["http_url"], blocks,
     )  # fmt: skip
-    headers = bearer(live.auth_token)
+    auth = signed(live.auth_token)
     steps: list[StepOutput] = []
 
     def stream() -> None:
         with httpx.stream(
-            "POST", f"{live.nodes[DECODE].url}/internal/generate", content=gen.to_json(), headers=headers,
+            "POST", f"{live.nodes[DECODE].url}/internal/generate", content=gen.to_json(), auth=auth,
             timeout=600,
         ) as r:  # fmt: skip
             for line in r.iter_lines():
@@ -147,9 +147,7 @@ def placed_on(live: LiveCluster, node: str, prompt_ids: list[int], holder: str, 
 
     reader = threading.Thread(target=stream)
     reader.start()
-    r = httpx.post(
-        f"{live.nodes[node].url}/internal/prefill", content=pre.to_json(), headers=headers, timeout=600
-    )
+    r = httpx.post(f"{live.nodes[node].url}/internal/prefill", content=pre.to_json(), auth=auth, timeout=600)
     reader.join(600)
     result = PrefillResult.from_json(r.content)
     assert result.error is None, result.error
@@ -282,7 +280,7 @@ def test_the_decode_node_fetches_a_prefix_and_computes_the_rest_itself(
     steps: list[StepOutput] = []
     with httpx.stream(
         "POST", f"{live.nodes[DECODE].url}/internal/generate", content=gen.to_json(),
-        headers=bearer(live.auth_token), timeout=600,
+        auth=signed(live.auth_token), timeout=600,
     ) as r:  # fmt: skip
         assert r.status_code == 200
         steps += [StepOutput.from_line(line) for line in r.iter_lines() if line.strip()]

@@ -17,7 +17,7 @@ import re
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -38,6 +38,8 @@ from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.node.node_auth import credential_digest
 from pdserve.shared.node.node_protocol import (
     AbortRequest,
+    ChallengeReply,
+    ChallengeRequest,
     NodeGenerateRequest,
     PrefillRequest,
     PrefillResult,
@@ -45,6 +47,7 @@ from pdserve.shared.node.node_protocol import (
     TokenLogprob,
     TopLogprob,
 )
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVLayout, NodeId, Role
 
 pytestmark = pytest.mark.slow
@@ -75,6 +78,8 @@ def _fingerprint() -> str:
 
 
 FINGERPRINT = _fingerprint()
+TOKEN = "router-token"
+KEYS = ClusterKeys(TOKEN)
 
 
 class FakeNodes:
@@ -87,8 +92,11 @@ class FakeNodes:
         self.prefilled: set[str] = set()
         self.live: set[str] = set()
         """Nodes that answer their health (the router keeps them while Redis is away)."""
+        self.epochs: dict[str, int] = {}
+        """Each node's registered epoch, which its answer to the router's challenge names."""
         self.app = FastAPI()
         self.app.add_api_route("/{node}/internal/health", self.health, methods=["GET"])
+        self.app.add_api_route("/{node}/internal/challenge", self.challenge, methods=["POST"])
         self.app.add_api_route("/{node}/internal/generate", self.gen, methods=["POST"])
         self.app.add_api_route("/{node}/internal/prefill", self.pre, methods=["POST"])
         self.app.add_api_route("/{node}/internal/abort", self.abort, methods=["POST"])
@@ -100,6 +108,12 @@ class FakeNodes:
         if node not in self.live:
             return Response(b"{}", status_code=404, media_type="application/json")
         return Response(json.dumps({"ok": True, "node_id": node, "draining": False}).encode())
+
+    async def challenge(self, node: str, body: dict[str, Any]) -> Response:
+        nonce = ChallengeRequest.from_json(json.dumps(body)).nonce
+        epoch = self.epochs.get(node, 0)
+        reply = ChallengeReply(NodeId(node), epoch, KEYS.challenge_answer(nonce, node, epoch))
+        return Response(reply.to_json(), media_type="application/json")
 
     async def pre(self, node: str, body: dict[str, Any]) -> Response:
         req = PrefillRequest.from_json(json.dumps(body))
@@ -183,12 +197,13 @@ class Cluster:
     nodes: FakeNodes
     node_url: str
     redis: RedisConfig
+    infos: dict[str, NodeInfo] = field(default_factory=dict)
 
     def set_nodes(self, node_ids: list[str]) -> None:
         """Make exactly node_ids live in the index (roles from their first letter: p, d, s)."""
 
         async def go() -> None:
-            async with BlockIndex(self.redis) as index:
+            async with BlockIndex(self.redis, KEYS) as index:
                 for status in await index.nodes():
                     await index.deregister(status.info.node_id)
                 for nid in node_ids:
@@ -202,15 +217,30 @@ class Cluster:
                         LAYOUT,
                         1,
                         1000,
-                        FINGERPRINT,  # a credential digest: these nodes ask the router for none
+                        credential_digest(TOKEN),
                         MAX_MODEL_LEN,
                     )
-                    epoch = await index.register(info)
-                    await index.heartbeat(NodeId(nid), NodeLoad(0, 0, 0, 1000, 0), epoch)
+                    self.infos[nid] = info
+                    self.nodes.epochs[nid] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
 
         self.nodes.live = set(node_ids)
         asyncio.run(go())
-        time.sleep(0.1)  # past the router's node-list TTL
+        self.wait_view(len(node_ids))
+
+    def wait_view(self, count: int) -> None:
+        """Until the router's view holds `count` nodes (listed, and each URL answered its challenge)."""
+        for _ in range(600):
+            health = httpx.get(self.router + "/health", timeout=10).json()
+            if sum(sum(c.values()) for c in health["nodes"].values()) == count:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the router's view never held {count} nodes: {health}")
+
+    async def drain(self, nid: str) -> None:
+        """What the node does when drained: a signed heartbeat whose load says so."""
+        async with BlockIndex(self.redis, KEYS) as index:
+            load = NodeLoad(0, 0, 0, 1000, 0, draining=True)
+            await index.heartbeat(self.infos[nid], load, self.nodes.epochs[nid])
 
     def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
         return httpx.post(self.router + path, json=body, timeout=30, **kw)
@@ -233,8 +263,9 @@ def cluster(redis_url: str, tokenizer: Tokenizer) -> Iterator[Cluster]:
         node_list_ttl_s=0.05,
         disconnect_poll_s=0.05,
         max_request_bytes=16384,
+        node_token=TOKEN,
     )
-    router = Server(create_app(config, tokenizer, BlockIndex(redis)))
+    router = Server(create_app(config, tokenizer, BlockIndex(redis, KEYS)))
     yield Cluster(router.url, nodes, node_server.url, redis)
     router.stop()
     node_server.stop()
@@ -595,7 +626,7 @@ def test_message_fields_are_honoured_or_refused(cluster: Cluster, tokenizer: Tok
     ((_, gen),) = cluster.nodes.generate[n_gen:]
     assert gen.prompt_token_ids == tuple(tokenizer.apply_chat_template(named))
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    for message, field in (
+    for message, name in (
         ({"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"),
         (
             {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
@@ -605,7 +636,7 @@ def test_message_fields_are_honoured_or_refused(cluster: Cluster, tokenizer: Tok
     ):
         body = {**CHAT, "messages": [{"role": "user", "content": "Hi"}, message]}
         err = error_of(cluster.post("/v1/chat/completions", body), 400)
-        assert err["param"] == f"messages[1].{field}" and f"`{field}`" in err["message"], err
+        assert err["param"] == f"messages[1].{name}" and f"`{name}`" in err["message"], err
 
 
 def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster, tokenizer: Tokenizer) -> None:
@@ -637,7 +668,7 @@ def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokeni
     config = RouterConfig(model_path=MODEL, served_model_name="smol", served_model_aliases=("alias",),
                           redis=cluster.redis,
                           node_list_ttl_s=0.05)  # fmt: skip
-    router = Server(create_app(config, tokenizer, BlockIndex(cluster.redis)))
+    router = Server(create_app(config, tokenizer, BlockIndex(cluster.redis, KEYS)))
     try:
         models = httpx.get(router.url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["smol", "alias"]
@@ -716,7 +747,7 @@ def test_health_is_503_unless_a_node_pair_can_serve(cluster: Cluster) -> None:
             "index": "ok",
         },
     )
-    asyncio.run(_set_draining(cluster.redis, "d0"))
+    asyncio.run(cluster.drain("d0"))
     time.sleep(0.1)  # past the router's node-list TTL
     status, body = health()
     assert (status, body["nodes"]["decode"]) == (503, {"ready": 0, "draining": 1, "down": 0})
@@ -726,31 +757,26 @@ def test_health_is_503_unless_a_node_pair_can_serve(cluster: Cluster) -> None:
     )  # fmt: skip
 
 
-async def _set_draining(redis: RedisConfig, node_id: str) -> None:
-    async with BlockIndex(redis) as index:
-        await index.set_draining(NodeId(node_id))
-
-
-def test_health_counts_no_node_holding_another_credential(redis_url: str, tokenizer: Tokenizer) -> None:
-    """A router whose token differs from the nodes' would get 401 from each of them: it is not ready."""
+def test_health_counts_no_node_signed_with_another_credential(redis_url: str, tokenizer: Tokenizer) -> None:
+    """A node whose record is signed with another token than the router's is not in its view at all (it
+    would take the router's work without holding its credential): the router is not ready, and counts it."""
     redis = RedisConfig(url=redis_url, cluster="credential")
-    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, node_token="router-token")
+    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, node_token=TOKEN)
 
-    async def health_with(token: str) -> httpx.Response:
-        """/health of a fresh router (its first call reads the index) after s0 registered with `token`."""
-        async with BlockIndex(redis) as index:
+    async def go() -> tuple[httpx.Response, str]:
+        """/health of a fresh router (its first call reads the index) after s0 signed with another token."""
+        async with BlockIndex(redis, ClusterKeys("node-token")) as index:
             info = NodeInfo(NodeId("s0"), "single", "http://127.0.0.1:1", "127.0.0.1:2", FINGERPRINT, LAYOUT,
-                            1, 1000, credential_digest(token), MAX_MODEL_LEN)  # fmt: skip
-            await index.heartbeat(NodeId("s0"), NodeLoad(0, 0, 0, 1000, 0), await index.register(info))
-        app = create_app(config, tokenizer, BlockIndex(redis))
+                            1, 1000, credential_digest("node-token"), MAX_MODEL_LEN)  # fmt: skip
+            await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
+        app = create_app(config, tokenizer, BlockIndex(redis, KEYS))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
-            return await client.get("/health")
+            return await client.get("/health"), (await client.get("/metrics")).text
 
-    other = asyncio.run(health_with("node-token"))
-    assert other.status_code == 503 and "another credential" in other.json()["reason"], other.text
-    assert other.json()["nodes"]["single"] == {"ready": 1, "draining": 0, "down": 0}
-    same = asyncio.run(health_with("router-token"))
-    assert same.status_code == 200, same.text
+    health, metrics = asyncio.run(go())
+    assert health.status_code == 503, health.text
+    assert health.json()["nodes"]["single"] == {"ready": 0, "draining": 0, "down": 0}
+    assert "pdserve_router_invalid_node_records_total 1.0" in metrics
 
 
 def test_redis_down_routes_load_only(cluster: Cluster, redis_server: LocalRedis) -> None:
@@ -768,8 +794,10 @@ def test_redis_down_routes_load_only(cluster: Cluster, redis_server: LocalRedis)
 
 def test_api_keys_gate_requests_and_salt_the_tenant(redis_url: str, tokenizer: Tokenizer) -> None:
     redis = RedisConfig(url=redis_url, cluster="keys")
-    config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, api_keys=("k1",))
-    app = create_app(config, tokenizer, BlockIndex(redis))
+    config = RouterConfig(
+        model_path=MODEL, served_model_name="smol", redis=redis, api_keys=("k1",), node_token=TOKEN
+    )
+    app = create_app(config, tokenizer, BlockIndex(redis, KEYS))
 
     async def go() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:

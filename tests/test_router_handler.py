@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.redis_launch import LocalRedis
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import _OPENAI, QueueFull, RouterError, to_openai
 from pdserve.router.handler import Incoming, Reply, RequestHandler
@@ -21,10 +23,15 @@ from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConf
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.model.loader import load_tokenizer
 from pdserve.shared.model.tokenizer import Tokenizer
+from pdserve.shared.node.node_protocol import ChallengeReply, ChallengeRequest
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVLayout, NodeId
 from pdserve.tests.cluster_fixture import model_path
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+
+TOKEN = "handler-token"
+KEYS = ClusterKeys(TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +61,71 @@ def _error(reply: Reply, status: int) -> dict[str, Any]:
     return error
 
 
+class _Prover(ThreadingHTTPServer):
+    """Answers the router's challenge as the node registered at its URL, and cuts every other call (a node
+    that proved itself, then died)."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[str, int] = {}
+        super().__init__(("127.0.0.1", 0), _ProverHandler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class _ProverHandler(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        server = self.server
+        assert isinstance(server, _Prover)
+        node = self.path.split("/")[1]
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if not self.path.endswith("/internal/challenge"):
+            self.close_connection = True
+            return
+        nonce = ChallengeRequest.from_json(body).nonce
+        epoch = server.epochs[node]
+        reply = ChallengeReply(NodeId(node), epoch, KEYS.challenge_answer(nonce, node, epoch)).to_json()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+_PROVER: list[_Prover] = []
+
+
 async def _register(redis: RedisConfig, node: str, fingerprint: str) -> None:
-    async with BlockIndex(redis) as index:
+    if not _PROVER:
+        _PROVER.append(_Prover())
+    prover = _PROVER[0]
+    async with BlockIndex(redis, KEYS) as index:
         for status in await index.nodes():
             await index.deregister(status.info.node_id)
-        url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        url = f"http://127.0.0.1:{prover.server_address[1]}/{node}"
         info = NodeInfo(
             NodeId(node), "single", url, "127.0.0.1:1", fingerprint, LAYOUT, 1, 1000, "ab" * 32, 256
         )
-        await index.heartbeat(info.node_id, NodeLoad(0, 0, 0, 1000, 0), await index.register(info))
+        prover.epochs[node] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
+
+
+async def _in_view(handler: RequestHandler, node: str) -> None:
+    """Waits until the router's view holds `node` (listed, and its URL answered the challenge)."""
+    for _ in range(600):
+        if node in [s.info.node_id for s in await handler.membership.nodes()]:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{node} never entered the router's view")
 
 
 def _run(redis_url: str, tokenizer: Tokenizer, cluster: str, scenario: Any, **kw: Any) -> None:
     redis = RedisConfig(url=redis_url, cluster=cluster, heartbeat_ttl_s=120)
     config = RouterConfig(model_path=model_path(), served_model_name="smol", redis=redis,
-                          node_list_ttl_s=0.05, max_request_bytes=4096, **kw)  # fmt: skip
+                          node_list_ttl_s=0.05, max_request_bytes=4096, node_token=TOKEN, **kw)  # fmt: skip
 
     async def go() -> None:
-        handler = RequestHandler(config, tokenizer, BlockIndex(redis))
+        handler = RequestHandler(config, tokenizer, BlockIndex(redis, KEYS))
         await handler.start()
         try:
             await scenario(handler, redis)
@@ -105,11 +159,11 @@ def test_node_outcomes_reach_the_client_through_the_one_mapping(redis_url: str, 
 
     async def scenario(handler: RequestHandler, redis: RedisConfig) -> None:
         await _register(redis, "s-other", "cd" * 32)
-        await asyncio.sleep(0.1)  # past the node-list TTL
+        await _in_view(handler, "s-other")
         mismatch = _error(await handler.generate("completions", _post(prompt)), 503)
         assert mismatch["code"] == "model_mismatch" and "s-other" in mismatch["message"]
         await _register(redis, "s-gone", ours)
-        await asyncio.sleep(0.1)
+        await _in_view(handler, "s-gone")
         too_long = _error(await handler.generate("completions", _post({**prompt, "max_tokens": 300})), 400)
         assert too_long["code"] == "context_length_exceeded" and "256 tokens" in too_long["message"]
         gone = _error(await handler.generate("completions", _post(prompt)), 503)

@@ -25,8 +25,8 @@ import pytest
 from pdserve.launch import Cluster, free_port, start_redis
 from pdserve.redis_launch import LocalRedis
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
+from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import RequestId
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
@@ -274,7 +274,7 @@ def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: 
     gen = NodeGenerateRequest(RequestId(f"drain-{os.getpid()}"), tuple(range(100, 140)), params, None,
                               time.time() + 300)  # fmt: skip
     url = f"{node.url}/internal/generate"
-    with httpx.stream("POST", url, content=gen.to_json(), headers=bearer(TOKEN), timeout=300) as r:
+    with httpx.stream("POST", url, content=gen.to_json(), auth=signed(TOKEN), timeout=300) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines)  # its first step

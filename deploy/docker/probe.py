@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """`pdserve-probe health | drain`: the container's health check and a node's pre-stop drain.
 
-Standard library only, so it starts in milliseconds beside a loaded engine. Which component runs, and on
+Standard library only for `health`, so it starts in milliseconds beside a loaded engine; `drain` signs its
+calls to the node with pdserve's own signing module (shared/node/node_sign.py). Which component runs, and on
 which address, is read from the container's main process (PID 1's command line: `pdserve router ...`
 or, after its exec, `python -m pdserve.prefill_node ...`), then from PDSERVE_HOST / PDSERVE_PORT, unless
 --role, --host and --port say it. `drain` tells a node to take no new work (POST /internal/drain, unless
@@ -34,7 +35,7 @@ DEFAULT_PORTS = {"router": 8000, "node": 8100}
 class Target:
     role: str  # "router" or "node"
     base: str  # http://host:port
-    token: str | None  # the node-route credential, sent as a bearer token
+    token: str | None  # the cluster's credential: node calls are signed with a key derived from it
 
 
 def _main_argv() -> list[str]:
@@ -74,10 +75,15 @@ def target(args: argparse.Namespace, env: Mapping[str, str]) -> Target:
 
 
 def _call(t: Target, method: str, path: str, timeout_s: float) -> tuple[int, dict[str, object]]:
-    req = urllib.request.Request(t.base + path, method=method, data=b"{}" if method == "POST" else None)
+    body = b"{}" if method == "POST" else None
+    req = urllib.request.Request(t.base + path, method=method, data=body)
     req.add_header("Content-Type", "application/json")
-    if t.token and t.role == "node":
-        req.add_header("Authorization", f"Bearer {t.token}")
+    if t.token and t.role == "node" and path != "/internal/health":
+        # Imported here: only a drain signs (with a key derived from the token, which never travels); the
+        # health check stays on the standard library.
+        from pdserve.shared.node.node_sign import ClusterKeys
+
+        req.add_header("Authorization", ClusterKeys(t.token).sign_request(method, path.encode(), body or b""))
     with urllib.request.urlopen(req, timeout=timeout_s) as reply:
         body = reply.read()
         return reply.status, json.loads(body) if body else {}

@@ -8,6 +8,11 @@ Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts kee
   the field and both values (for the credential, a prefix of each digest).
 - `lookup` is one EVALSHA whatever the prompt length, and reads only.
 - The index is an estimate for routing: a block it lists may have been evicted; the transfer verifies.
+- Redis is not trusted with what a node is: a node's heartbeat writes its load (drain flag included) with a
+  signature over (node id, registration JSON, epoch, load JSON) made with the cluster's record key, and
+  `listing()` returns as live only records whose signature verifies; the rest, malformed ones included, are
+  listed as invalid (never raised: one bad record never hides the others). A registration is not live
+  until its first signed heartbeat.
 - A node's records list the blocks it holds in any tier; `blkhost:<id>:<epoch>` lists those of them that
   sit in its host-memory tier (BlockTiered events), kept beside the records with the same TTL.
 Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
@@ -34,15 +39,19 @@ from pdserve.shared.index.block_index_types import (
     IncompatibleNode,
     IndexAuthError,
     IndexUnavailable,
+    InvalidRecord,
     NodeBlocks,
     NodeInfo,
+    NodeListing,
     NodeLoad,
     NodeNotRegistered,
     NodeStatus,
+    RecordKey,
     RedisConfig,
     StaleEpoch,
 )
 from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, NodeId
+from pdserve.shared.wire import WireError
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -97,11 +106,22 @@ def _event_args(events: Sequence[BlockEvent]) -> list[bytes | str | int]:
     return args
 
 
-class BlockIndex:
-    """Async client of one cluster's block index. One per process; safe to share between tasks."""
+def _stored(info: NodeInfo) -> bytes:
+    """The registration JSON Redis stores (the epoch lives in its own field)."""
+    return dataclasses.replace(info, epoch=0).to_json()
 
-    def __init__(self, config: RedisConfig) -> None:
+
+def _signed_parts(node_id: bytes, info_json: bytes, epoch: bytes, load_json: bytes) -> list[bytes]:
+    return [node_id, info_json, epoch, load_json]
+
+
+class BlockIndex:
+    """Async client of one cluster's block index. One per process; safe to share between tasks. `key` signs
+    this process's heartbeats and verifies every record it reads."""
+
+    def __init__(self, config: RedisConfig, key: RecordKey) -> None:
         self.config = config
+        self._key = key
         self._redis = connect(config)
         self._p = config.prefix
         self._nodes_key = self._p + "nodes"
@@ -110,7 +130,7 @@ class BlockIndex:
         reg = self._redis.register_script
         self._register, self._heartbeat = reg(lua.REGISTER), reg(lua.HEARTBEAT)
         self._publish, self._lookup, self._nodes = reg(lua.PUBLISH), reg(lua.LOOKUP), reg(lua.NODES)
-        self._deregister, self._draining = reg(lua.DEREGISTER), reg(lua.SET_DRAINING)
+        self._deregister = reg(lua.DEREGISTER)
         self._evict = reg(lua.EVICT_RECORDS)
         self._digest, self._rebuild = reg(lua.DIGEST), reg(lua.REBUILD_DIGEST)
 
@@ -164,19 +184,17 @@ class BlockIndex:
         async with self._guard("ping"):
             await self._redis.ping()
 
-    async def register(self, info: NodeInfo, draining: bool = False, after_epoch: int = 0) -> int:
-        """Register (or re-register) a node; returns its new epoch, above `after_epoch` (the node's previous
-        one: Redis may have lost the counter). `draining` is set in the same step, so a draining node that
-        registers again never looks ready. Refuses an incompatible node (IncompatibleNode)."""
-        stored = dataclasses.replace(info, epoch=0).to_json()  # the epoch lives in its own field
+    async def register(self, info: NodeInfo, load: NodeLoad, after_epoch: int = 0) -> int:
+        """Register (or re-register) a node and send its first signed heartbeat with `load` (its drain flag
+        included, so a draining node that registers again never looks ready); returns its new epoch, above
+        `after_epoch` (the node's previous one: Redis may have lost the counter). Refuses an incompatible
+        node (IncompatibleNode)."""
         reply = await self._call(
             self._register,
             "register",
             info.node_id,
-            stored,
-            self._hb_ms,
+            _stored(info),
             self._records_ms,
-            int(draining),
             after_epoch,
             *_layout_pairs(info),
         )
@@ -192,44 +210,80 @@ class BlockIndex:
                 f"node {info.node_id!r} refused by cluster {self.config.cluster!r}: {field} is {mine} on the "
                 f"node but {recorded} on the live nodes already registered"
             )
-        return int(reply[1])
+        epoch = int(reply[1])
+        await self.heartbeat(info, load, epoch)
+        return epoch
 
-    async def heartbeat(self, node_id: NodeId, load: NodeLoad, epoch: int | None = None) -> None:
-        """Refresh the node's TTL and load. With epoch, refuse (StaleEpoch) if the node restarted since."""
+    async def heartbeat(self, info: NodeInfo, load: NodeLoad, epoch: int) -> None:
+        """Refresh the node's TTL and write its signed load; StaleEpoch if the node registered again since,
+        NodeNotRegistered if the index lost it."""
+        load_json = load.to_json()
+        parts = _signed_parts(info.node_id.encode(), _stored(info), str(epoch).encode(), load_json)
         reply = await self._call(
-            self._heartbeat, "heartbeat", node_id, load.to_json(), self._hb_ms, self._records_ms,
-            "" if epoch is None else epoch,
+            self._heartbeat, "heartbeat", info.node_id, load_json, self._hb_ms, self._records_ms, epoch,
+            self._key.sign_record(parts),
         )  # fmt: skip
-        self._check(reply, node_id, epoch)
+        self._check(reply, info.node_id, epoch)
 
-    async def set_draining(self, node_id: NodeId, draining: bool = True) -> None:
-        """Mark a node draining (the router gives it no new work), or clear the mark (undrain)."""
-        if not await self._call(self._draining, "set_draining", node_id, int(draining)):
-            raise NodeNotRegistered(f"node {node_id!r} is not registered in cluster {self.config.cluster!r}")
+    async def lost(self, node_ids: Sequence[NodeId]) -> list[bool]:
+        """For each node, whether the index has no trace of it at all (not even its epoch counter, which
+        deregistration and expiry keep): Redis lost its data (restarted empty, failed over), as opposed to
+        the node having left."""
+        if not node_ids:
+            return []
+        async with self._guard("lost"):
+            counters = await self._redis.mget([f"{self._p}epoch:{n}" for n in node_ids])
+        return [c is None for c in counters]
 
     async def deregister(self, node_id: NodeId) -> bool:
         """Remove a node and its records; returns whether it was registered."""
         return bool(await self._call(self._deregister, "deregister", node_id))
 
     async def nodes(self) -> list[NodeStatus]:
-        """Live nodes (heartbeat not expired, current epoch), sorted by node id."""
+        """Live nodes (heartbeat not expired, current epoch, record signed), sorted by node id."""
+        return (await self.listing()).live
+
+    async def listing(self) -> NodeListing:
+        """Live nodes whose records verify, and the live-looking records that do not (malformed, unsigned,
+        signed with another key), each sorted by node id."""
         flat = await self._call(self._nodes, "nodes")
         now_ms = int(flat[0])
-        out = []
+        live, invalid = [], []
         for i in range(1, len(flat), 7):
-            _, info_json, epoch, load_json, hb_ms, draining, records = flat[i : i + 7]
+            row = flat[i : i + 7]
+            status = self._verify(now_ms, row)
+            if isinstance(status, NodeStatus):
+                live.append(status)
+            else:
+                node_id, epoch = (v.decode(errors="replace") if v else "?" for v in (row[0], row[2]))
+                invalid.append(InvalidRecord(node_id, epoch, status))
+        return NodeListing(
+            sorted(live, key=lambda s: s.info.node_id), sorted(invalid, key=lambda r: r.node_id)
+        )
+
+    def _verify(self, now_ms: int, row: Sequence[Any]) -> NodeStatus | str:
+        """The NodeStatus of one NODES row, or why it cannot be trusted."""
+        node_id, info_json, epoch, load_json, hb_ms, sig, records = row
+        if not all(isinstance(v, bytes) and v for v in (node_id, info_json, epoch, load_json, hb_ms, sig)):
+            return "missing fields (registered but never signed, or written by hand)"
+        if not self._key.verify_record(
+            _signed_parts(node_id, info_json, epoch, load_json), sig.decode(errors="replace")
+        ):
+            return "signature does not verify (not written by a holder of the cluster's credential)"
+        try:
             info = dataclasses.replace(NodeInfo.from_json(info_json), epoch=int(epoch))
-            load = NodeLoad.from_json(load_json) if load_json else None
-            out.append(
-                NodeStatus(
-                    info=info,
-                    load=load,
-                    heartbeat_age_s=max(0, now_ms - int(hb_ms)) / 1000.0,
-                    draining=draining == b"1" or (load is not None and load.draining),
-                    blocks_indexed=int(records),
-                )
-            )
-        return sorted(out, key=lambda s: s.info.node_id)
+            load = NodeLoad.from_json(load_json)
+        except (WireError, ValueError, TypeError) as exc:  # signed, yet unreadable: another record version
+            return f"signed but unreadable: {str(exc)[:120]}"
+        if info.node_id != node_id.decode():
+            return f"registered under {node_id.decode()!r} but names itself {info.node_id!r}"
+        return NodeStatus(
+            info=info,
+            load=load,
+            heartbeat_age_s=max(0, now_ms - int(hb_ms)) / 1000.0 if hb_ms.isdigit() else 0.0,
+            draining=load.draining,
+            blocks_indexed=int(records),
+        )
 
     # --- blocks ---------------------------------------------------------------------------------------------
 

@@ -70,9 +70,10 @@ local function now_ms()
 end
 """
 
-# ARGV: prefix, node_id, info_json, heartbeat_ttl_ms, records_ttl_ms, draining (0/1), last epoch the node
-# had (0: none; the new epoch is above it even when Redis lost the counter), then (field, value) pairs that
-# must match the cluster's recorded ones while another node is live.
+# ARGV: prefix, node_id, info_json, records_ttl_ms, last epoch the node had (0: none; the new epoch is above
+# it even when Redis lost the counter), then (field, value) pairs that must match the cluster's recorded ones
+# while another node is live. The node is not live (no `alive:` key at the new epoch) until its first
+# heartbeat, which carries the record's signature.
 REGISTER = (
     _NOW_MS
     + """
@@ -87,7 +88,7 @@ for _, other in ipairs(redis.call('SMEMBERS', KEYS[1])) do
 end
 local cluster = p .. 'cluster'
 if live then
-  for i = 8, #ARGV, 2 do
+  for i = 6, #ARGV, 2 do
     local recorded = redis.call('HGET', cluster, ARGV[i])
     if recorded and recorded ~= ARGV[i + 1] then
       return {'INCOMPATIBLE', ARGV[i], ARGV[i + 1], recorded}
@@ -96,25 +97,26 @@ if live then
 else
   redis.call('DEL', cluster)
 end
-for i = 8, #ARGV, 2 do redis.call('HSET', cluster, ARGV[i], ARGV[i + 1]) end
+for i = 6, #ARGV, 2 do redis.call('HSET', cluster, ARGV[i], ARGV[i + 1]) end
 local key = p .. 'node:' .. id
 local old = redis.call('HGET', key, 'epoch')
 if old then redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. old, p .. 'blkdig:' .. id .. ':' .. old) end
 local epoch = redis.call('INCR', p .. 'epoch:' .. id)
-if epoch <= tonumber(ARGV[7]) then
-  epoch = tonumber(ARGV[7]) + 1
+if epoch <= tonumber(ARGV[5]) then
+  epoch = tonumber(ARGV[5]) + 1
   redis.call('SET', p .. 'epoch:' .. id, epoch)
 end
-redis.call('DEL', key)
-redis.call('HSET', key, 'info', ARGV[3], 'epoch', epoch, 'draining', ARGV[6], 'load', '', 'hb_ms', now_ms())
-redis.call('PEXPIRE', key, ARGV[5])
+redis.call('DEL', key, p .. 'alive:' .. id)
+redis.call('HSET', key, 'info', ARGV[3], 'epoch', epoch, 'load', '', 'sig', '', 'hb_ms', now_ms())
+redis.call('PEXPIRE', key, ARGV[4])
 redis.call('SADD', KEYS[1], id)
-redis.call('SET', p .. 'alive:' .. id, epoch, 'PX', ARGV[4])
 return {'OK', epoch}
 """
 )
 
-# ARGV: prefix, node_id, load_json, heartbeat_ttl_ms, records_ttl_ms, epoch ('' = whatever is current)
+# ARGV: prefix, node_id, load_json, heartbeat_ttl_ms, records_ttl_ms, epoch, signature (of the record with
+# this load: block_index.py). Every beat rewrites the node's whole signed state, so a field written by anyone
+# else lasts one heartbeat at most.
 HEARTBEAT = (
     _NOW_MS
     + """
@@ -122,8 +124,8 @@ local p, id = ARGV[1], ARGV[2]
 local key = p .. 'node:' .. id
 local epoch = redis.call('HGET', key, 'epoch')
 if not epoch then return {'UNREGISTERED'} end
-if ARGV[6] ~= '' and ARGV[6] ~= epoch then return {'STALE', epoch} end
-redis.call('HSET', key, 'load', ARGV[3], 'hb_ms', now_ms())
+if ARGV[6] ~= epoch then return {'STALE', epoch} end
+redis.call('HSET', key, 'load', ARGV[3], 'sig', ARGV[7], 'hb_ms', now_ms())
 redis.call('PEXPIRE', key, ARGV[5])
 redis.call('SET', p .. 'alive:' .. id, epoch, 'PX', ARGV[4])
 redis.call('PEXPIRE', p .. 'blk:' .. id .. ':' .. epoch, ARGV[5])
@@ -227,7 +229,8 @@ end
 return out
 """
 
-# ARGV: prefix. Answer: now_ms, then per live node: id, info_json, epoch, load_json, hb_ms, draining, records.
+# ARGV: prefix. Answer: now_ms, then per live node: id, info_json, epoch, load_json, hb_ms, signature,
+# records. Values are passed as Redis holds them (a field may be missing: false); the caller verifies them.
 NODES = (
     _NOW_MS
     + """
@@ -235,7 +238,7 @@ local p = ARGV[1]
 local out = {now_ms()}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local alive = redis.call('GET', p .. 'alive:' .. id)
-  local f = redis.call('HMGET', p .. 'node:' .. id, 'info', 'epoch', 'load', 'hb_ms', 'draining')
+  local f = redis.call('HMGET', p .. 'node:' .. id, 'info', 'epoch', 'load', 'hb_ms', 'sig')
   if alive and f[2] == alive then
     local records = redis.call('SCARD', p .. 'blk:' .. id .. ':' .. alive)
     for _, v in ipairs({id, f[1], f[2], f[3], f[4], f[5], records}) do out[#out + 1] = v end
@@ -255,14 +258,6 @@ redis.call('DEL', p .. 'alive:' .. id)
 if not epoch then return 0 end
 redis.call('UNLINK', p .. 'blk:' .. id .. ':' .. epoch, p .. 'blkdig:' .. id .. ':' .. epoch)
 redis.call('DEL', key)
-return 1
-"""
-
-# ARGV: prefix, node_id, 1 (drain) or 0 (undrain). Answer: 1 if the node is registered (flag now set), else 0.
-SET_DRAINING = """
-local key = ARGV[1] .. 'node:' .. ARGV[2]
-if redis.call('EXISTS', key) == 0 then return 0 end
-redis.call('HSET', key, 'draining', ARGV[3])
 return 1
 """
 

@@ -5,6 +5,9 @@ Invariants:
   (shared/wire.py, no pickle); `from_json(to_json(x)) == x` for each of them.
 - A `NodeInfo`'s fingerprint and its credential digest are 64 hex digits each; its kv_layout is the engine's
   `KVLayout`, of which the cluster record compares the fields of `KV_LAYOUT_FIELDS`.
+- A node's record is trusted only with its signature (`RecordKey`, keyed from the cluster token): a record
+  that is malformed or whose signature does not verify is an `InvalidRecord`, never a `NodeStatus`, and a
+  `NodeStatus`'s draining flag is the one in the node's signed load.
 - Nothing here does I/O; `block_index.py` owns the Redis side.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -22,6 +26,14 @@ from pdserve.shared.wire import Codec, JsonMessage
 CODEC = Codec("index record", 1)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 _HEX64_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class RecordKey(Protocol):
+    """Signs and verifies node records (shared/node/node_sign.py's ClusterKeys)."""
+
+    def sign_record(self, parts: Sequence[bytes]) -> str: ...
+
+    def verify_record(self, parts: Sequence[bytes], signature: str) -> bool: ...
 
 
 class BlockIndexError(Exception):
@@ -186,7 +198,8 @@ class NodeLoad(_Record):
 
 @dataclass(frozen=True)
 class NodeStatus:
-    """A live node as `BlockIndex.nodes()` sees it. heartbeat_age_s is measured on Redis's clock."""
+    """A live node as `BlockIndex.nodes()` sees it, its record verified. heartbeat_age_s is measured on
+    Redis's clock; draining is its signed load's."""
 
     info: NodeInfo
     load: NodeLoad | None
@@ -198,6 +211,27 @@ class NodeStatus:
     def to_dict(self) -> dict[str, object]:
         """Its JSON form, as `kvctl nodes --json` prints it."""
         return CODEC.fields(self)
+
+
+@dataclass(frozen=True)
+class InvalidRecord:
+    """A node record the index holds but nobody may act on: malformed, unsigned, or signed with another key
+    (written by someone without the cluster's credential). `epoch` is as Redis holds it."""
+
+    node_id: str
+    epoch: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"node_id": self.node_id, "epoch": self.epoch, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class NodeListing:
+    """What `BlockIndex.listing()` reads: the live nodes whose records verify, sorted by id, and the rest."""
+
+    live: list[NodeStatus]
+    invalid: list[InvalidRecord]
 
 
 @dataclass(frozen=True)

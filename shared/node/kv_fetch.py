@@ -43,9 +43,9 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.shared.engine.engine import RemoteReservation
-from pdserve.shared.node.node_auth import bearer
 from pdserve.shared.node.node_protocol import ExportRequest, ExportResult
 from pdserve.shared.node.node_runtime import NodeRuntime
+from pdserve.shared.node.node_sign import signed
 from pdserve.shared.node.reservation import KVReservation, Reservations
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
@@ -204,7 +204,7 @@ class PrefixFetcher:
         self.rt = rt
         self.receiver = receiver
         self.transfer_addr = transfer_addr
-        self._client = httpx.AsyncClient(headers=bearer(auth_token), timeout=None)
+        self._client = httpx.AsyncClient(auth=signed(auth_token), timeout=None)  # each call signed
 
     async def fetch_for(
         self,

@@ -51,6 +51,12 @@ class NodeOptions(EngineOptions, SecretFiles):
         "connection is cut and its transfers fail over",
     )
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between heartbeats to the index")
+    auth_window_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a signed internal request's timestamp may differ from this node's clock; its "
+        "nonce is remembered as long, so a replay inside the window is refused too",
+    )
     log_level: LogLevel = Field("INFO", description="log level")
     served_model_name: str | None = Field(
         None, description="the model_name label of the vllm:* metrics (default: the model's file name)"
@@ -120,7 +126,9 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     redis = None
     if opts.redis:
         redis = RedisConfig(url=opts.redis, password=password, cluster=opts.cluster)
-    node = NodeSettings(opts.node_id, role, opts.host, opts.port, redis, opts.heartbeat_s)
+    node = NodeSettings(
+        opts.node_id, role, opts.host, opts.port, redis, opts.heartbeat_s, auth_window_s=opts.auth_window_s
+    )
     connector = ConnectorConfig(
         kind=opts.connector,
         auth_token=token,

@@ -275,6 +275,23 @@ class AbortRequest(_Message):
 
 
 @dataclass(frozen=True)
+class ChallengeRequest(_Message):
+    """Router -> a node's URL, once per (node id, epoch) before any work: prove you hold the credential."""
+
+    nonce: str
+    """32 hex digits, fresh per challenge."""
+
+
+@dataclass(frozen=True)
+class ChallengeReply(_Message):
+    """Node -> router: `answer` is shared/node/node_sign.py's challenge MAC over (nonce, node_id, epoch)."""
+
+    node_id: NodeId
+    epoch: int
+    answer: str
+
+
+@dataclass(frozen=True)
 class NodeInfoReply(_Message):
     """Node -> router: who the node is and the limits the router checks requests against."""
 

@@ -7,6 +7,9 @@ the truth. A node the index no longer knows (Redis restarted empty, or lost the 
 with a new epoch, as draining if it is, and then resyncs; only the publish loop writes block records. A
 drained node takes no new request and deregisters when its last one ends. Index trouble is logged once when
 it starts, at most once a minute while it lasts, and once when the index answers again.
+The node owns its state in Redis: every heartbeat rewrites its load (drain flag included) signed with the
+cluster's record key, so a field someone else writes there is ignored by readers and undone within a
+heartbeat; draining and undraining take effect in the index through an immediate signed heartbeat.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from pdserve.shared.index.block_index_types import (
     StaleEpoch,
 )
 from pdserve.shared.node.node_metrics import NodeMetrics
-from pdserve.shared.node.node_protocol import AbortRequest, NodeInfoReply
+from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
+from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import ROLES, BlockHash, NodeId, RequestId, Role
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -84,12 +88,15 @@ class NodeSettings:
     redis: RedisConfig | None = None
     heartbeat_s: float = 1.0
     publish_s: float = 0.05
+    auth_window_s: float = 30.0
+    """A signed internal request is accepted within this many seconds of the node's clock (either way), and
+    its nonce remembered for as long (shared/node/node_sign.py)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r}: accepted {', '.join(ROLES)}")
-        if self.heartbeat_s <= 0 or self.publish_s <= 0:
-            raise ValueError("heartbeat_s and publish_s must be > 0")
+        if self.heartbeat_s <= 0 or self.publish_s <= 0 or self.auth_window_s <= 0:
+            raise ValueError("heartbeat_s, publish_s and auth_window_s must be > 0")
 
     @property
     def http_url(self) -> str:
@@ -97,12 +104,13 @@ class NodeSettings:
 
 
 class NodeRuntime:
-    def __init__(self, settings: NodeSettings, engine: LLMEngine) -> None:
+    def __init__(self, settings: NodeSettings, engine: LLMEngine, keys: ClusterKeys) -> None:
         self.settings = settings
         self.engine = engine
+        self.keys = keys
         self.aengine = AsyncEngine(engine)
         self.metrics = NodeMetrics(settings.role)
-        self.index = BlockIndex(settings.redis) if settings.redis is not None else None
+        self.index = BlockIndex(settings.redis, keys) if settings.redis is not None else None
         held = functools.partial(self.aengine.call, engine.held_hashes)
         self.truth = (
             None if self.index is None else IndexTruth(self.index, self.node_id, held, self.metrics.registry)
@@ -150,7 +158,8 @@ class NodeRuntime:
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
             )
             self._info = info
-            self.epoch = await self.index.register(info)  # IncompatibleNode propagates: refuse to start
+            load = await self.aengine.call(self.load)
+            self.epoch = await self.index.register(info, load)  # IncompatibleNode propagates: refuse to start
             log.info("node %s registered as %s, epoch %d", self.node_id, self.settings.role, self.epoch)
             self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
             self._tasks.append(asyncio.create_task(self._publish_loop()))
@@ -202,17 +211,17 @@ class NodeRuntime:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _beat(self, load: NodeLoad) -> None:
-        assert self.index is not None
+        assert self.index is not None and self._info is not None
+        load = dataclasses.replace(load, draining=self.draining)  # a drain since `load` was read stands
         epoch, what = self.epoch, "heartbeat"
         try:
             try:
-                await self.index.heartbeat(self.node_id, load, epoch)
+                await self.index.heartbeat(self._info, load, epoch)
                 if self.truth is not None and not self._need_resync:
                     await self.truth.check(epoch)  # shared/index/block_digest.py; logs its own failures
             except NodeNotRegistered:
                 what = "registering again"
-                await self._register_again(epoch)
-                await self.index.heartbeat(self.node_id, load, self.epoch)  # its load, for the router
+                await self._register_again(epoch)  # its first heartbeat carries the load, for the router
             self._link.answered()
         except StaleEpoch as exc:
             if epoch == self.epoch:  # not the other loop's re-registration racing this beat
@@ -229,7 +238,8 @@ class NodeRuntime:
         async with self._register_lock:
             if self.epoch != seen_epoch or self.deregistered:
                 return
-            self.epoch = await self.index.register(self._info, self.draining, after_epoch=seen_epoch)
+            load = await self.aengine.call(self.load)  # its drain flag: the node's own, signed
+            self.epoch = await self.index.register(self._info, load, after_epoch=seen_epoch)
             self._need_resync = True
         log.warning(
             "node %s was not registered in the index (Redis lost its data?): registered again, epoch %d -> "
@@ -275,22 +285,24 @@ class NodeRuntime:
             self._need_resync = True
 
     async def drain(self) -> None:
+        """Takes no new work: shown in the index at once (a signed heartbeat), so routers stop choosing it."""
         self.draining = True
-        if self.index is not None:
-            await self.index.set_draining(self.node_id)
+        if self.index is not None and self._info is not None and not self.deregistered:
+            await self._beat(await self.aengine.call(self.load))
 
     async def undrain(self) -> None:
-        """Takes new work again: clears the index's draining mark, or registers anew (a new epoch, its held
-        blocks resent) when the drained node had already deregistered."""
+        """Takes new work again: clears its draining mark in the index (a signed heartbeat), or registers anew
+        (a new epoch, its held blocks resent) when the drained node had already deregistered."""
         self.draining = False
         if self.index is None or self._info is None:
             return
+        load = await self.aengine.call(self.load)
         if self.deregistered:
             async with self._register_lock:
-                self.epoch = await self.index.register(self._info, after_epoch=self.epoch)
+                self.epoch = await self.index.register(self._info, load, after_epoch=self.epoch)
                 self.deregistered, self._need_resync = False, True
         else:
-            await self.index.set_draining(self.node_id, False)
+            await self._beat(load)
 
     async def evict(self, hashes: list[BlockHash] | None) -> int:
         return await self.aengine.call(lambda: self.engine.evict(hashes))
@@ -315,6 +327,15 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
     @app.get("/internal/health")
     async def health() -> JSONResponse:
         return JSONResponse({"ok": True, "node_id": rt.node_id, "draining": rt.draining, "time": time.time()})
+
+    @app.post("/internal/challenge")
+    async def challenge(request: Request) -> Response:
+        """Proves that this URL is served by a holder of the cluster's credential registered as (node id,
+        epoch): the router asks once per epoch before it sends the node any work (router/membership.py)."""
+        msg = ChallengeRequest.from_json(await request.body())
+        answer = rt.keys.challenge_answer(msg.nonce, rt.node_id, rt.epoch)
+        reply = ChallengeReply(node_id=rt.node_id, epoch=rt.epoch, answer=answer)
+        return Response(reply.to_json(), media_type="application/json")
 
     @app.get("/internal/audit")
     async def audit() -> JSONResponse:

@@ -20,6 +20,7 @@ from pdserve.shared.node.node_auth import NodeAuth, credential_digest
 from pdserve.shared.node.node_cli import NodeConfigs
 from pdserve.shared.node.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node.node_runtime import NodeRuntime, add_common_routes
+from pdserve.shared.node.node_sign import ClusterKeys, RequestVerifier
 from pdserve.shared.node.node_stats import stats_loop
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
         engine = LLMEngine(cfg.engine)
     except ModelLoadError as exc:
         raise StartupError(str(exc)) from exc
-    rt = NodeRuntime(cfg.node, engine)
+    keys = ClusterKeys(cfg.connector.auth_token)
+    rt = NodeRuntime(cfg.node, engine, keys)
     rt.metrics.model_name = cfg.model_name
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens)",
@@ -72,7 +74,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             await teardown()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(NodeAuth, token=cfg.connector.auth_token)  # every route but health and metrics
+    verifier = RequestVerifier(keys, cfg.node.auth_window_s)
+    app.add_middleware(NodeAuth, verifier=verifier)  # every route but health and metrics
     add_common_routes(app, rt)
     add_announce_routes(app, rt)
     config = uvicorn.Config(
