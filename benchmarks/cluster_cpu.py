@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
-from pdserve.cli import default_model_path
-from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
+from pdserve.cli.up import Cluster, UpConfig, free_port, start_cluster
+from pdserve.shared.cli.default_model import default_model_path
 
 ROLES = ("prefill", "decode", "single")
 

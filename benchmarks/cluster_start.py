@@ -15,8 +15,8 @@ import os
 import statistics
 import time
 
-from pdserve.cli import default_model_path
-from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
+from pdserve.cli.up import Cluster, UpConfig, free_port, start_cluster
+from pdserve.shared.cli.default_model import default_model_path
 
 
 def once(prefill: int, decode: int) -> tuple[float, float]:

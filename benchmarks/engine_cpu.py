@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pdserve.cli import default_model_path
+from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams

@@ -23,7 +23,7 @@ import sys
 import time
 
 import httpx
-from pdserve.redis_launch import free_port
+from pdserve.cli.redis_launch import free_port
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.node.node_sign import signed

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import torch
 from pdserve.benchmarks.pd_ttft import node_argv, start_node, stop, wait_ready
-from pdserve.launch import Cluster, free_port, start_redis
+from pdserve.cli.up import Cluster, free_port, start_redis
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine

@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import Sequence
 
-from pdserve.redis_launch import LocalRedis
+from pdserve.cli.redis_launch import LocalRedis
 from pdserve.router.policy import NodeView, PolicyConfig, choose
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.block_pool import BlockStored

@@ -31,8 +31,8 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pdserve.cli import default_model_path
-from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.cli.redis_launch import LocalRedis, free_port
+from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed, model_fingerprint
 from pdserve.shared.engine.block_pool import BlockStored
 from pdserve.shared.engine.sampling_params import SamplingParams

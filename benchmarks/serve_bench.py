@@ -28,8 +28,8 @@ import time
 from collections.abc import Sequence
 
 import httpx
-from pdserve.cli import default_model_path
-from pdserve.launch import MODULES, Cluster, free_port, start_redis
+from pdserve.cli.up import MODULES, Cluster, free_port, start_redis
+from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.node.node_sign import signed
 from prometheus_client.parser import text_string_to_metric_families
 

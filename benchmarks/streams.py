@@ -36,7 +36,7 @@ import tempfile
 import time
 
 import httpx
-from pdserve.launch import Cluster, UpConfig, free_port, start_cluster
+from pdserve.cli.up import Cluster, UpConfig, free_port, start_cluster
 from pdserve.shared.node.node_sign import signed
 
 
@@ -135,7 +135,7 @@ def main() -> int:
         help="flags of the reference generate run",
     )
     args = ap.parse_args()
-    from pdserve.cli import default_model_path
+    from pdserve.shared.cli.default_model import default_model_path
 
     model = args.model or default_model_path()
     loads = [(int(n), int(c or n)) for n, _, c in (x.partition("/") for x in args.loads.split(","))]

@@ -11,9 +11,9 @@ from fastapi import FastAPI
 from pdserve.decode_node.server import DecodeHandler, add_decode_routes
 from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import KVSender, create_sender, create_server
-from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
-from pdserve.shared.node.node_cli import NodeConfigs
-from pdserve.shared.node.node_runtime import NodeRuntime
+from pdserve.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
+from pdserve.node.node_cli import NodeConfigs
+from pdserve.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
@@ -49,7 +49,7 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
 
 def main(argv: list[str] | None = None) -> int:
     """`--role single` (what `pdserve up` passes to single nodes) picks the `single` command."""
-    from pdserve.cli import main as cli_main
+    from pdserve.cli.main import main as cli_main
 
     args = list(sys.argv[1:] if argv is None else argv)
     command = "decode"

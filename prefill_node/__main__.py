@@ -8,10 +8,10 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 from pdserve.kvtransfer.common import PeerIdentity
 from pdserve.kvtransfer.connector import create_sender, create_server
+from pdserve.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
+from pdserve.node.node_cli import NodeConfigs
+from pdserve.node.node_runtime import NodeRuntime
 from pdserve.prefill_node.server import PrefillService, add_prefill_routes
-from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
-from pdserve.shared.node.node_cli import NodeConfigs
-from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
@@ -37,7 +37,7 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.cli import main as cli_main
+    from pdserve.cli.main import main as cli_main
 
     return cli_main(["prefill", *(sys.argv[1:] if argv is None else argv)])
 

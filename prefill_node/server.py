@@ -10,7 +10,7 @@ copied out of the paged cache on the engine thread right after the layer writes 
 buffer on the cache's device (so later steps may reuse or evict P's blocks freely, and the connector decides
 whether to stage it through host memory); a transfer ends exactly once (COMPLETE+ACK or ABORT), on every
 path. When the router names a holder of prefix blocks P lacks (`fetch_from_url`), P fetches them after D's
-OPEN reply and before its engine sees the request (shared/node/kv_fetch.py), so the request's admission
+OPEN reply and before its engine sees the request (node/kv_fetch.py), so the request's admission
 matches them like its own cache; the fetch's blocks stay referenced until the prefill ends.
 """
 
@@ -34,10 +34,10 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
 )
 from pdserve.kvtransfer.device_sync import event_done
+from pdserve.node.kv_fetch import FetchedPrefix, PrefixFetcher
+from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.engine.engine import StepObserver, StepSlice
-from pdserve.shared.node.kv_fetch import FetchedPrefix, PrefixFetcher
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult, StepOutput
-from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, KVSource, RequestId
 
 log = logging.getLogger(__name__)

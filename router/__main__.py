@@ -239,7 +239,7 @@ async def _nodes_seen(config: RouterConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.cli import main as cli_main
+    from pdserve.cli.main import main as cli_main
 
     return cli_main(["router", *(sys.argv[1:] if argv is None else argv)])
 

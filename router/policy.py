@@ -5,7 +5,7 @@ Score (lower is better), in *token equivalents*: the prefill work one prompt tok
   block the prefilling node lacks as its block_size tokens of compute: tokens_to_compute(P) =
   max(1, prompt_tokens - hits(P) * block_size). A fetch path exists but is not scored here: once the
   pair is chosen, router/routing.py has the prefilling node fetch the leading blocks another node holds
-  beyond its own (shared/node/kv_fetch.py), and with `--cost-model` router/cost_model.py weighs fetching
+  beyond its own (node/kv_fetch.py), and with `--cost-model` router/cost_model.py weighs fetching
   against computing.
 - Prefill node P:  queued_prefill_tokens(P) * queue_token_weight + tokens_to_compute(P)
   (work queued ahead of this request delays it as much as its own compute does.)

@@ -59,7 +59,7 @@ class Route:
     fetch_from: NodeInfo | None = None
     """A node the index said holds `fetch_blocks` leading prompt blocks (more than the prefilling node):
     the prefilling node (P, or D when it prefills: local_fetch) fetches them from it
-    (shared/node/kv_fetch.py) instead of computing them."""
+    (node/kv_fetch.py) instead of computing them."""
     fetch_blocks: int = 0
     estimate: Estimate | None = None
     """The cost model's estimate for the option this route takes, and its inputs (for what it learns)."""

@@ -1,5 +1,5 @@
 """One process's Prometheus registry and the way its series are declared, for the router's metrics
-(router/metrics.py) and a node's (shared/node/node_metrics.py).
+(router/metrics.py) and a node's (node/node_metrics.py).
 
 Invariants: each MetricsRegistry owns its own CollectorRegistry, so several in one process (routers, nodes,
 tests) never collide; no `_created` series beside counters and histograms; process and platform metrics on.

@@ -37,7 +37,7 @@ class KVSource(StrEnum):
     LOCAL = "local"
     """The node's own prefix cache (any tier): a hit in vLLM's sense (`vllm:prefix_cache_hits`)."""
     REMOTE = "remote"
-    """Fetched for this request from another node that held it (shared/node/kv_fetch.py)."""
+    """Fetched for this request from another node that held it (node/kv_fetch.py)."""
     TRANSFERRED = "transferred"
     """Sent by the prefill node that computed (or held) it: the decode node's side of a P/D request."""
     MISS = "miss"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from pdserve.launch import start_redis
+from pdserve.cli.up import start_redis
 from pdserve.tests.cluster_fixture import LiveCluster, NodeProc, node_argv, router_argv, up_config
 
 SMALL_KV = ("--kv-cache-gib", "0.125")

@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import httpx
-from pdserve.launch import MODULES, Cluster, UpConfig, free_port, start_cluster
+from pdserve.cli.up import MODULES, Cluster, UpConfig, free_port, start_cluster
 from pdserve.shared.node.node_sign import signed
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

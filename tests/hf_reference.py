@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pdserve.cli import default_model_path
+from pdserve.shared.cli.default_model import default_model_path
 from safetensors.torch import save_file
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import jsonschema
 import pytest
-from pdserve.bench import command_line, loads
-from pdserve.bench_datasets import Lengths, jsonl_requests, shared_prefix_requests
-from pdserve.bench_options import BenchOptions
-from pdserve.bench_report import RESULT_SCHEMA, parse_goodput
+from pdserve.cli.bench import command_line, loads
+from pdserve.cli.bench_datasets import Lengths, jsonl_requests, shared_prefix_requests
+from pdserve.cli.bench_options import BenchOptions
+from pdserve.cli.bench_report import RESULT_SCHEMA, parse_goodput
 from pdserve.shared.cli.settings import load_settings
 from pdserve.tests.cluster_fixture import LiveCluster, model_path, run_cli, up_config
 

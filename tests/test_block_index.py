@@ -17,8 +17,8 @@ import redis.asyncio
 import redis.exceptions
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pdserve import redis_launch as block_index_server
-from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.cli import redis_launch as block_index_server
+from pdserve.cli.redis_launch import LocalRedis, free_port
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.block_pool import BlockPool, BlockRemoved, BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex

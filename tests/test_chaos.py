@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
-from pdserve.launch import free_port
+from pdserve.cli.up import free_port
 from pdserve.tests.chaos_faults import (
     SMALL_KV,
     kill9,

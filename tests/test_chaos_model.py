@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pdserve.launch import free_port
+from pdserve.cli.up import free_port
 from pdserve.shared.engine.block_hash import model_fingerprint
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.model.loader import load_tokenizer

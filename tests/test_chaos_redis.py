@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve.launch import free_port
+from pdserve.cli.up import free_port
 from pdserve.tests.chaos_faults import (
     kill_redis,
     reference,

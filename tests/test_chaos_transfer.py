@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from pdserve.launch import free_port
+from pdserve.cli.up import free_port
 from pdserve.tests.chaos_faults import SMALL_KV, reference
 from pdserve.tests.chaos_load import Load
 from pdserve.tests.cluster_fixture import LiveCluster, served_model_name, up_config

@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 import pytest
-from pdserve.cli import command as pdserve_command
-from pdserve.cli import pdserve
+from pdserve.cli.main import command as pdserve_command
+from pdserve.cli.main import pdserve
 from pdserve.kvctl.cli import kvctl
 from pdserve.shared.cli.settings import (
     Settings,
@@ -40,13 +40,13 @@ SPECIAL = {"block_size": 32, "device": "cuda:1"}
 
 def settings_class(group: click.Group, name: str) -> type[Settings]:
     """The settings model whose fields a command's options are (read back from its click callback)."""
+    from pdserve.cli.up_options import UpOptions
     from pdserve.kvctl import actions as kvctl_cli
+    from pdserve.node.node_cli import DecodeOptions, PrefillOptions
     from pdserve.router.__main__ import RouterOptions
-    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
-    from pdserve.up_options import UpOptions
 
     if group is pdserve:
-        from pdserve.bench_options import BenchOptions
+        from pdserve.cli.bench_options import BenchOptions
         from pdserve.shared.cli.engine_args import GenerateOptions
 
         commands: dict[str, type[Settings]] = {"generate": GenerateOptions, "up": UpOptions,
@@ -126,7 +126,7 @@ def test_help_documents_every_option(group: click.Group, name: str) -> None:
 
 
 def test_pdserve_help_is_fast_and_imports_no_torch() -> None:
-    code = "import sys; from pdserve.cli import main; main(['--help']); main(['--version']); "
+    code = "import sys; from pdserve.cli.main import main; main(['--help']); main(['--version']); "
     code += "print('PYDANTIC', 'pydantic' in sys.modules); main(['router', '--help']); "
     code += "print('TORCH', 'torch' in sys.modules)"
     t0 = time.perf_counter()
@@ -252,7 +252,7 @@ def test_start_up_failures_are_one_line(tmp_path: Path) -> None:
 
 
 def test_connector_choices_match_the_registry() -> None:
-    from pdserve.shared.node.node_cli import Connector
+    from pdserve.node.node_cli import Connector
 
     # a fresh interpreter: test modules register stand-in connectors in this one (test_kvtransfer_pair_group)
     code = "from pdserve.kvtransfer.connector import connector_kinds; print(','.join(connector_kinds()))"

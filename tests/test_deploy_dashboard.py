@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from pdserve.launch import Cluster
-from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.cli.redis_launch import LocalRedis, free_port
+from pdserve.cli.up import Cluster
 from pdserve.tests.cluster_fixture import LiveCluster, NodeProc, model_path, served_model_name
 from pdserve.tests.test_deploy_manifests import objs, pod_spec
 

@@ -29,7 +29,7 @@ from typing import Any
 import openai
 import pytest
 import redis
-from pdserve.launch import Cluster, demo_request
+from pdserve.cli.up import Cluster, demo_request
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     NodeProc,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pdserve.launch import free_port
+from pdserve.cli.up import free_port
 from pdserve.router.json_body import MAX_JSON_DEPTH
 from pdserve.router.openai_protocol import MAX_STOP_STRINGS
 from pdserve.shared.node.node_sign import signed

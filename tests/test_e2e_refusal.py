@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from pdserve.launch import Cluster, free_port, start_redis
+from pdserve.cli.up import Cluster, free_port, start_redis
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeStatus, RedisConfig

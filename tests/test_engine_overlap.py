@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from pdserve.cli import default_model_path
+from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from pdserve.cli.redis_launch import LocalRedis, free_port
 from pdserve.kvctl.cli import main
 from pdserve.kvctl.commands import default_model_path
-from pdserve.redis_launch import LocalRedis, free_port
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from pdserve.redis_launch import free_port
+from pdserve.cli.redis_launch import free_port
 from pdserve.tests.cluster_fixture import assert_not_on_any_command_line, model_path
 
 pytestmark = pytest.mark.slow

@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve.cli import default_model_path
 from pdserve.decode_node.server import DecodeHandler
 from pdserve.kvtransfer.connector import Open, OpenRefused
+from pdserve.node.kv_fetch import FetchReceiver, PrefixFetcher
+from pdserve.node.node_runtime import NodeRuntime, NodeSettings
+from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.block_pool import PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.loader import LoadedModel, load_model
-from pdserve.shared.node.kv_fetch import FetchReceiver, PrefixFetcher
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
-from pdserve.shared.node.node_runtime import NodeRuntime, NodeSettings
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, NodeId, RequestId
 

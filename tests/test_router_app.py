@@ -26,7 +26,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
-from pdserve.redis_launch import LocalRedis, free_port
+from pdserve.cli.redis_launch import LocalRedis, free_port
 from pdserve.router.app import create_app
 from pdserve.router.config import RouterConfig
 from pdserve.shared.engine.block_hash import model_fingerprint

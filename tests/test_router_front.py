@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve.launch import free_port
+from pdserve.cli.up import free_port
 from pdserve.tests.cluster_fixture import (
     LiveCluster,
     openai_schema,

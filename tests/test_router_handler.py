@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from pdserve.redis_launch import LocalRedis
+from pdserve.cli.redis_launch import LocalRedis
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import _OPENAI, QueueFull, RouterError, to_openai
 from pdserve.router.handler import Incoming, Reply, RequestHandler

@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
-from pdserve.launch import Cluster, free_port, start_redis
-from pdserve.redis_launch import LocalRedis
+from pdserve.cli.redis_launch import LocalRedis
+from pdserve.cli.up import Cluster, free_port, start_redis
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_sign import signed

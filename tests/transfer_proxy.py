@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import threading
 
+from pdserve.cli.up import free_port
 from pdserve.kvtransfer.framing import PREFIX, PREFIX_SIZE
 from pdserve.kvtransfer.messages import Data
-from pdserve.launch import free_port
 
 MODES = ("cut", "corrupt", "mark")
 

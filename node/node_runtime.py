@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pdserve.node.node_metrics import NodeMetrics
 from pdserve.shared.engine.async_engine import AsyncEngine
 from pdserve.shared.engine.block_pool import BlockEvent
 from pdserve.shared.engine.engine import LLMEngine
@@ -38,7 +39,6 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
-from pdserve.shared.node.node_metrics import NodeMetrics
 from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import ROLES, BlockHash, NodeId, RequestId, Role

@@ -10,8 +10,8 @@ import asyncio
 import logging
 import time
 
+from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.engine.engine import EngineSnapshot
-from pdserve.shared.node.node_runtime import NodeRuntime
 
 log = logging.getLogger("pdserve.stats")
 REFRESH_S = 1.0

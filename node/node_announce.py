@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.index.block_index_types import BlockIndexError
-from pdserve.shared.node.node_runtime import NodeRuntime
 
 
 def add_announce_routes(app: FastAPI, rt: NodeRuntime) -> None:

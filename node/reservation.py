@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.engine.engine import RemoteReservation
-from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.types import BlockHash
 
 

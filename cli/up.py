@@ -1,4 +1,4 @@
-"""`pdserve up`: a whole local cluster (its settings: up_options.py; one component: cli.py).
+"""`pdserve up`: a whole local cluster (its settings: up_options.py; one component: cli/main.py).
 
 `up` owns every process it starts: Redis on a free port, bound to 127.0.0.1 with a random password (no
 persistence, or an append-only file in the work directory with `--redis-aof`; a Redis that dies is started
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
-from pdserve.redis_launch import LocalRedis, die_with_parent, free_port
+from pdserve.cli.redis_launch import LocalRedis, die_with_parent, free_port
 from pdserve.shared.cli import cluster_file
 
 MODULES = {

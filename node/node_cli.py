@@ -18,8 +18,8 @@ from pydantic import Field, field_validator
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.connector import ConnectorConfig
+    from pdserve.node.node_runtime import NodeSettings
     from pdserve.shared.engine.config import EngineConfig
-    from pdserve.shared.node.node_runtime import NodeSettings
 
 Connector = Literal["tcp", "ucx", "nccl", "cuda_ipc"]
 """The connector kinds kvtransfer registers (a test keeps the two lists equal; importing it loads torch)."""
@@ -120,8 +120,8 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
 
     from pdserve.kvtransfer.connector import ConnectorConfig
+    from pdserve.node.node_runtime import NodeSettings
     from pdserve.shared.index.block_index_types import RedisConfig
-    from pdserve.shared.node.node_runtime import NodeSettings
 
     redis = None
     if opts.redis:

@@ -9,7 +9,7 @@ transfer carrying exactly those hashes, sends the blocks the fetcher's OPEN repl
 `layers_per_frame` layers gathered on its engine thread (`export_layer`), completes, and unpins.
 
 Invariants: the holder's pins are released on every path; a fetch reservation on the fetcher (a
-`KVReservation`, shared/node/reservation.py) ends exactly once: released at once on abort, failure or
+`KVReservation`, node/reservation.py) ends exactly once: released at once on abort, failure or
 cancellation, or committed on COMPLETE (`commit_fetched`) and released by the fetching request once its
 prefill has matched it (`PrefixFetcher.release`), its blocks then CACHED; an OPEN for a fetch nobody waits for
 is refused, and one reserved while the fetcher stopped waiting is given back. A short or failed fetch is never
@@ -42,11 +42,11 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
 )
 from pdserve.kvtransfer.device_sync import event_done
+from pdserve.node.node_runtime import NodeRuntime
+from pdserve.node.reservation import KVReservation, Reservations
 from pdserve.shared.engine.engine import RemoteReservation
 from pdserve.shared.node.node_protocol import ExportRequest, ExportResult
-from pdserve.shared.node.node_runtime import NodeRuntime
 from pdserve.shared.node.node_sign import signed
-from pdserve.shared.node.reservation import KVReservation, Reservations
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
 
 log = logging.getLogger(__name__)

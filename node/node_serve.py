@@ -11,17 +11,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI
+from pdserve.node.node_announce import add_announce_routes
+from pdserve.node.node_cli import NodeConfigs
+from pdserve.node.node_runtime import NodeRuntime, add_common_routes
+from pdserve.node.node_stats import stats_loop
 from pdserve.shared.cli.settings import StartupError
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.index.block_index_types import BlockIndexError
 from pdserve.shared.model.loader import ModelLoadError
-from pdserve.shared.node.node_announce import add_announce_routes
 from pdserve.shared.node.node_auth import NodeAuth, credential_digest
-from pdserve.shared.node.node_cli import NodeConfigs
 from pdserve.shared.node.node_protocol import NODE_KEEPALIVE_S
-from pdserve.shared.node.node_runtime import NodeRuntime, add_common_routes
 from pdserve.shared.node.node_sign import ClusterKeys, RequestVerifier
-from pdserve.shared.node.node_stats import stats_loop
 
 log = logging.getLogger(__name__)
 
