@@ -2,10 +2,10 @@
 
 Same signatures as `AttentionOps` (kernels/ops.py). Decode attention is batched over sequences (one
 padded gather per layer, one fused SDPA call) because it runs every step; prefill loops over sequences
-because it is compute-bound and its sequences differ in length, each through torch's fused CPU flash kernel
-(`_attend`). The elementwise ops round where Hugging
-Face's Llama does (RMSNorm in fp32, rounded before the weight); RoPE runs in fp32 and is rounded once,
-which in fp32 is Hugging Face's computation exactly.
+because it is compute-bound and its sequences differ in length, each through torch's fused CPU flash
+kernel (`_attend`). The elementwise ops round where Hugging Face's Llama does (RMSNorm in fp32, rounded
+before the weight); RoPE runs in fp32 and is rounded once, which in fp32 is Hugging Face's computation
+exactly.
 """
 
 from __future__ import annotations
