@@ -9,6 +9,12 @@ token callback; us: the engine step that samples it), decode is the rest.
 - concurrent: --concurrency prompts of mixed lengths submitted at once to one engine, vs HF generating
   the same prompts as one left-padded batch; output tokens/s end to end (target >= 1.5x HF);
 - load: our `load_model` weight time vs HF `from_pretrained`, tokenizer load reported apart (target < 5 s).
+`--prefill-sweep` instead times one prompt's prefill at each of --lengths tokens (random token ids, a new
+prompt each run): ours is the engine step loop from `add_request` to the first token (max_tokens 1, one engine
+per length, warmed up once, as `pdserve bench --backend engine` drives it), HF's the forward of the same ids
+with `logits_to_keep=1` and the argmax (the same work: the next token of the whole prompt). The two sides
+alternate, which goes first swapping each repeat; the table gives the best and the median of --repeats
+(target: pdserve <= HF at every length).
 Our engine gets a fresh pool for each run, so the prefix cache never serves a repeat. Runs alternate between
 the two sides (ours, HF, ours, HF...) so that both see the same load on a shared machine.
 """
@@ -212,6 +218,64 @@ def measure(path: str, prompts: list[list[int]], args: argparse.Namespace) -> tu
     return ours, hf
 
 
+def prefill_once_ours(engine: LLMEngine, ids: list[int], tag: str) -> float:
+    """Seconds from add_request to the step that samples the first token of `ids`."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    request = engine.new_request(RequestId(tag), ids, params)
+    started = time.perf_counter()
+    engine.add_request(request)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - started
+
+
+def prefill_once_hf(model: Any, ids: list[int]) -> float:
+    """Seconds of HF's forward over `ids` and the argmax of the last position's logits."""
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].argmax().item()
+    return time.perf_counter() - started
+
+
+def prefill_sweep(path: str, args: argparse.Namespace) -> list[str]:
+    """Table rows: per length, best and median prefill seconds of both sides and HF / pdserve."""
+    loaded = load_model(path, device=torch.device("cpu"), dtype=torch.float32)
+    hf_model, _, _ = load_hf(path)
+    torch.set_num_threads(args.threads)  # loaders may change it
+    gen = torch.Generator().manual_seed(0)
+    vocab = loaded.config.vocab_size
+    rows = [
+        "| prompt tokens | pdserve best (s) | HF best (s) | HF / pdserve, best | pdserve median (s) "
+        "| HF median (s) | HF / pdserve, median |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in args.lengths:
+        cfg = EngineConfig(model=loaded.source, num_kv_blocks=-(-n // 16) + 2, max_model_len=n + 1)
+        engine = LLMEngine(cfg, loaded)
+        ours: list[float] = []
+        hf: list[float] = []
+        for run in range(args.repeats + 1):  # run 0 warms both up and is not counted
+            ids = torch.randint(0, vocab, (n,), generator=gen).tolist()  # a new prompt: no prefix hit
+            got: dict[str, float] = {}
+            for side in ("ours", "hf") if run % 2 == 0 else ("hf", "ours"):
+                if side == "ours":
+                    got[side] = prefill_once_ours(engine, ids, f"p{n}-{run}")
+                else:
+                    got[side] = prefill_once_hf(hf_model, ids)
+            if run:
+                ours.append(got["ours"])
+                hf.append(got["hf"])
+        audit = engine.audit()
+        assert audit.in_use == audit.reserved == 0, audit
+        b_ours, b_hf, m_ours, m_hf = min(ours), min(hf), statistics.median(ours), statistics.median(hf)
+        rows.append(
+            f"| {n} | {b_ours:.3f} | {b_hf:.3f} | {b_hf / b_ours:.2f}x | {m_ours:.3f} | {m_hf:.3f} "
+            f"| {m_hf / m_ours:.2f}x |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def table(ours: Side, hf: Side | None, n: int) -> list[str]:
     def row(measure: str, get: Callable[[Side], float], spec: str, higher: bool, target: str = "") -> str:
         mine = get(ours)
@@ -243,10 +307,31 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16, choices=range(2, len(QUESTIONS) + 1))
     ap.add_argument("--kv-blocks", type=int, default=256, help="our pool size (16-token blocks)")
     ap.add_argument("--skip-hf", action="store_true", help="only our engine (no peer column)")
+    ap.add_argument(
+        "--prefill-sweep", action="store_true", help="prefill time by prompt length, vs HF forward"
+    )
+    ap.add_argument(
+        "--lengths",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[256, 512, 1024, 1650, 2048, 4096],
+        help="prompt lengths of --prefill-sweep, comma-separated",
+    )
     args = ap.parse_args()
     path = args.model or default_model_path()
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
+    if args.prefill_sweep:
+        print(
+            f"# engine_cpu --prefill-sweep: {os.path.basename(path)}, fp32, {args.threads} torch threads, "
+            f"{args.repeats} runs per side and length after one warm-up, interleaved\n"
+            f"{datetime.datetime.now().isoformat(timespec='seconds')} on {platform.node()} "
+            f"({os.cpu_count()} CPUs), torch {torch.__version__}; 1-min load average {load_before[0]:.2f}\n",
+            flush=True,
+        )
+        rows = prefill_sweep(path, args)
+        print(f"\n1-min load average after: {os.getloadavg()[0]:.2f}\n")
+        print("\n".join(rows))
+        return
     tok = load_tokenizer(path)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     prompts = prompts[: args.concurrency]

@@ -2,9 +2,10 @@
 
 Same signatures as `AttentionOps` (kernels/ops.py). Decode attention is batched over sequences (one
 padded gather per layer, one fused SDPA call) because it runs every step; prefill loops over sequences
-because it is compute-bound and its sequences differ in length. The elementwise ops round where Hugging
-Face's Llama does (RMSNorm in fp32, rounded before the weight); RoPE runs in fp32 and is rounded once,
-which in fp32 is Hugging Face's computation exactly.
+because it is compute-bound and its sequences differ in length, each through torch's fused CPU flash
+kernel (`_attend`). The elementwise ops round where Hugging Face's Llama does (RMSNorm in fp32, rounded
+before the weight); RoPE runs in fp32 and is rounded once, which in fp32 is Hugging Face's computation
+exactly.
 """
 
 from __future__ import annotations
@@ -123,16 +124,25 @@ def write_kv(
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
-    """q: [Lq, Hq, D] at positions q_offset.. ; k, v: [Lk, Hkv, D] -> [Lq, Hq, D], causal, GQA."""
+    """q: [Lq, Hq, D] at positions q_offset.. ; k, v: [Lk, Hkv, D] with Lk = q_offset + Lq -> [Lq, Hq, D],
+    causal, GQA.
+
+    Always torch's fused CPU flash kernel: it needs 4-D inputs (3-D ones fall to the math path, which
+    materializes every head's [Lq, Lk] scores) and skips the masked half only under `is_causal`, whose
+    diagonal is top-left. So a chunk after a cached prefix is two flash calls, the new tokens over the
+    prefix (no mask) and over themselves (causal), merged by their log-sum-exps: exact, and no score the
+    causal mask drops is computed."""
     n_q, n_k = q.shape[0], k.shape[0]
-    q_pos = torch.arange(n_q, device=q.device) + q_offset
-    mask = torch.arange(n_k, device=q.device)[None, :] <= q_pos[:, None]  # [Lq, Lk]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).to(k.dtype),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(0, 1).to(q.dtype)
+    assert n_k == q_offset + n_q, (q.shape, k.shape, q_offset)
+    qh = q.transpose(0, 1).unsqueeze(0).to(k.dtype)  # [1, Hq, Lq, D]
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
+    if q_offset == 0 or n_q == 1:  # a fresh prompt; or one token, which sees every key
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n_q > 1, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).to(q.dtype)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    old, old_lse = flash(qh, kh[:, :, :q_offset], vh[:, :, :q_offset], 0.0, False, scale=scale)
+    new, new_lse = flash(qh, kh[:, :, q_offset:], vh[:, :, q_offset:], 0.0, True, scale=scale)
+    # old, new: [1, Hq, Lq, D]; *_lse: [1, Hq, Lq] fp32; each part's weight is its share of the softmax mass
+    w_old = torch.sigmoid(old_lse - new_lse).unsqueeze(-1)  # [1, Hq, Lq, 1]
+    out = torch.lerp(new.float(), old.float(), w_old)  # new + w_old * (old - new)
+    return out[0].transpose(0, 1).to(q.dtype)
