@@ -198,6 +198,7 @@ def test_kvctl_picks_a_cluster_by_name_while_several_run(tmp_path: Path) -> None
     """Two cluster files of running launchers (this process stands in for both): kvctl asks for --cluster,
     then uses the one named; a file whose launcher is gone is ignored."""
     (tmp_path / "pdserve").mkdir()
+    (tmp_path / "t").write_text("the-cluster-token")  # every kvctl command verifies records with it
     ports = {"a": free_port(), "b": free_port(), "gone": free_port()}
     for name, port in ports.items():
         pid = os.getpid() if name != "gone" else 2**22 + 1  # above pid_max's default: never running

@@ -666,7 +666,7 @@ def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokeni
     """`--served-model-name a,b`: b is an alias; responses carry a, as vLLM's do (docs/operations.md, API)."""
     cluster.set_nodes(["s0"])
     config = RouterConfig(model_path=MODEL, served_model_name="smol", served_model_aliases=("alias",),
-                          redis=cluster.redis,
+                          redis=cluster.redis, node_token=TOKEN,
                           node_list_ttl_s=0.05)  # fmt: skip
     router = Server(create_app(config, tokenizer, BlockIndex(cluster.redis, KEYS)))
     try:
