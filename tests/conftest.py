@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from pdserve.tests.hf_reference import HFSmolLM2, load_hf_smollm2
+from pdserve.tests.harness.hf_reference import HFSmolLM2, load_hf_smollm2
 
 
 def _install_numpy24_index_fix() -> None:

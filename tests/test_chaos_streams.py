@@ -19,8 +19,8 @@ import time
 
 import httpx
 import pytest
-from pdserve.tests.chaos_faults import SMALL_KV
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.chaos_faults import SMALL_KV
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     generate_offline_lines,
     kvctl_main,

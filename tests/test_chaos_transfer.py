@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from pdserve.cli.up import free_port
-from pdserve.tests.chaos_faults import SMALL_KV, reference
-from pdserve.tests.chaos_load import Load
-from pdserve.tests.cluster_fixture import LiveCluster, served_model_name, up_config
-from pdserve.tests.transfer_proxy import FrameProxy
+from pdserve.tests.harness.chaos_faults import SMALL_KV, reference
+from pdserve.tests.harness.chaos_load import Load
+from pdserve.tests.harness.cluster_fixture import LiveCluster, served_model_name, up_config
+from pdserve.tests.harness.transfer_proxy import FrameProxy
 
 pytestmark = pytest.mark.slow
 

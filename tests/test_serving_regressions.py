@@ -28,7 +28,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import RequestId
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     NodeProc,
     kvctl_main,

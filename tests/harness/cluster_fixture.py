@@ -21,7 +21,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -41,17 +40,6 @@ def model_path() -> str:
 
 def served_model_name() -> str:
     return MODEL_FILE
-
-
-def openai_schema() -> ModuleType:
-    """tests/openai_schema.py (the router's schema helper; it reads tests/data/openai-schemas.json)."""
-    spec = importlib.util.spec_from_file_location(
-        "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)
