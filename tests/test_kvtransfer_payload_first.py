@@ -25,7 +25,7 @@ from pdserve.kvtransfer.connector import (
 from pdserve.kvtransfer.framing import FLAG_HEADER_AFTER, FLAG_PAYLOAD_FIRST, PREFIX, ByteChannel
 from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
 from pdserve.shared.types import BlockId, FirstToken, RequestId
-from pdserve.tests.test_kvtransfer_protocol import (
+from pdserve.tests.harness.transfer import (
     LAYOUT,
     PagedReceiver,
     audit,
