@@ -1,17 +1,14 @@
 """Per-frame fast paths of the KV-transfer protocol: pipelined payload sends, frames naming scattered blocks,
 and the sender's one deadline timer per session.
 
-Pipelining runs over the pair-group transport with gloo standing in for NCCL (see
+Pipelining runs over the pair-group transport with gloo standing in for NCCL (tests/harness/gloo_pair.py; see
 test_kvtransfer_pair_group.py for what that does and does not show); the rest over real TCP sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -20,18 +17,7 @@ from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups, wait_abort
 from pdserve.kvtransfer.sender import ChannelSession
 from pdserve.shared.types import BlockId, FirstToken, RequestId
 from pdserve.tests.harness import transfer
-
-
-def _load(name: str) -> ModuleType:
-    path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"kvtransfer_frames_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PAIR = _load("test_kvtransfer_pair_group")  # registers the gloo stand-in connector
+from pdserve.tests.harness.gloo_pair import KIND
 
 
 class HeldReceiver(transfer.PagedReceiver):  # type: ignore[name-defined]
@@ -54,8 +40,8 @@ def test_payload_sends_are_pipelined_and_land_in_order() -> None:
 
     async def scenario() -> None:
         receiver = HeldReceiver(transfer.LAYOUT, 8)
-        server = await transfer.started(PAIR.KIND, receiver)
-        sender = create_sender(transfer.config(PAIR.KIND), transfer.identity("prefill-0"))
+        server = await transfer.started(KIND, receiver)
+        sender = create_sender(transfer.config(KIND), transfer.identity("prefill-0"))
         src = transfer.random_cache(transfer.LAYOUT, 6, seed=9)
         try:
             session = await sender.session(server.address, RequestId("piped"))

@@ -2,29 +2,26 @@
 
 WHAT THIS IS: the nccl connector's code path — rendezvous record after the handshake, TCPStore hosted by D,
 one group per connection, payload ordering, payload timeout, cut control connection, teardown — run with
-torch.distributed's *gloo* backend standing in for NCCL (a test-only `GroupBackend` below), because this
-machine has no GPU. It is no claim that NCCL works: NCCL itself (ProcessGroupNCCL, abort, GPU buffers)
-is exercised only by benchmarks/kv_transfer.py on two GPUs. The protocol suite of
-test_kvtransfer_protocol.py runs unchanged over the stand-in.
+torch.distributed's *gloo* backend standing in for NCCL (a test-only `GroupBackend`, in
+tests/harness/gloo_pair.py), because this machine has no GPU. It is no claim that NCCL works: NCCL itself
+(ProcessGroupNCCL, abort, GPU buffers) is exercised only by benchmarks/kv_transfer.py on two GPUs. The
+protocol suite of test_kvtransfer_protocol.py runs unchanged over the stand-in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib.util
 import logging
 import os
 import re
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from pdserve.kvtransfer import pair_group, sender
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
@@ -35,60 +32,7 @@ from pdserve.kvtransfer.messages import Ack, Data, Message, Open, OpenOk
 from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, live_groups, wait_aborted
 from pdserve.shared.types import RequestId
 from pdserve.tests.harness import transfer
-from torch._C._distributed_c10d import ProcessGroupGloo
-
-KIND = "gloo-pair"  # test-only connector kind: the pair-group transport over gloo
-GLOO_TIMEOUT_S = 3.0  # bounds a gloo wait the channel gave up on (gloo has no abort that ends it)
-
-
-class GlooPairGroup:
-    """Test-only stand-in for NcclPairGroup: gloo's p2p `is_completed` only turns true inside `wait`, so a
-    worker thread waits and `done` reports on it."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self._peer = 1 - group.rank()
-        self._waits: dict[int, concurrent.futures.Future[Any]] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-
-    def send(self, tensor: torch.Tensor) -> dist.Work:
-        return self._group.send([tensor], self._peer, 0)
-
-    def recv(self, tensor: torch.Tensor) -> dist.Work:
-        return self._group.recv([tensor], self._peer, 0)
-
-    def done(self, work: dist.Work) -> bool:
-        waiting = self._waits.get(id(work))
-        if waiting is None:
-            waiting = self._waits[id(work)] = self._pool.submit(work.wait)
-        if not waiting.done():
-            return False
-        del self._waits[id(work)]
-        waiting.result()  # gloo raises RuntimeError on failure
-        return True
-
-    def order_after(self, work: dist.Work) -> None:
-        raise AssertionError("host-memory pairs wait for their payloads on the host")
-
-    def abort(self) -> None:
-        self._group.abort()
-        self._pool.shutdown(wait=False)
-
-
-class GlooBackend:
-    name = "gloo"
-    group_type: type[GlooPairGroup] = GlooPairGroup
-
-    def connect(self, store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> GlooPairGroup:
-        assert device.type == "cpu", device
-        return self.group_type(ProcessGroupGloo(store, rank, 2, timedelta(seconds=GLOO_TIMEOUT_S)))
-
-
-if KIND not in connector_kinds():
-    register_connector(
-        KIND,
-        ChannelConnector(lambda cfg: PairGroupTransport(KIND, GlooBackend(), cfg), checksum_default=False),
-    )
+from pdserve.tests.harness.gloo_pair import KIND, GlooBackend, GlooPairGroup
 
 
 def _protocol_suite() -> ModuleType:
@@ -97,7 +41,6 @@ def _protocol_suite() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    transfer.TRANSPORTS[KIND] = lambda: PairGroupTransport(KIND, GlooBackend(), transfer.config(KIND))
     return module
 
 
