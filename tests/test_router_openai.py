@@ -1,5 +1,5 @@
 """router/openai_protocol.py and openai_builders.py: validation errors in OpenAI's shape, and every response
-object validated against OpenAI's published schemas (tests/openai_schema.py)."""
+object validated against OpenAI's published schemas (tests/harness/openai_schema.py)."""
 
 from __future__ import annotations
 
