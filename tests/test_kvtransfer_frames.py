@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import FrameBlocks, OpenReply, TransferAborted, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, KVLayout, OpenReply, TransferAborted, create_sender
 from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups, wait_aborted
 from pdserve.kvtransfer.sender import ChannelSession
 from pdserve.shared.types import BlockId, FirstToken, RequestId
@@ -20,16 +20,18 @@ from pdserve.tests.harness import transfer
 from pdserve.tests.harness.gloo_pair import KIND
 
 
-class HeldReceiver(transfer.PagedReceiver):  # type: ignore[name-defined]
+class HeldReceiver(transfer.PagedReceiver):
     """Holds its first on_data until released, so D posts no further payload receive meanwhile."""
 
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        super().__init__(layout, num_blocks)
         self.release = asyncio.Event()
 
-    async def on_data(self, *args: object) -> None:
+    async def on_data(
+        self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
         await self.release.wait()
-        await super().on_data(*args)
+        await super().on_data(transfer_id, layer_start, dst_block_ids, buffer)
 
 
 def test_payload_sends_are_pipelined_and_land_in_order() -> None:
@@ -47,7 +49,7 @@ def test_payload_sends_are_pipelined_and_land_in_order() -> None:
             session = await sender.session(server.address, RequestId("piped"))
             assert isinstance(session, ChannelSession)
             push = asyncio.ensure_future(transfer.push(session, src, [5, 2, 0], []))
-            await transfer.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)
+            await transfer.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)  # type: ignore[attr-defined]
             await asyncio.sleep(0.5)
             assert not push.done(), "COMPLETE was acknowledged while D held the first frame"
             assert session._payload_bytes == layers * 3 * transfer.LAYOUT.layer_block_bytes, "P waited"
