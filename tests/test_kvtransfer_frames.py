@@ -72,11 +72,8 @@ def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
     """Frames whose blocks are not one consecutive run take the per-block path and still land exactly."""
 
     async def scenario() -> None:
-        receiver = transfer.PagedReceiver(transfer.LAYOUT, 8)
-        server = await transfer.started("tcp", receiver)
-        sender = create_sender(transfer.config("tcp"), transfer.identity("prefill-0"))
-        src = transfer.random_cache(transfer.LAYOUT, 4, seed=3)
-        try:
+        async with transfer.pair("tcp", 8) as (receiver, server, sender):
+            src = transfer.random_cache(transfer.LAYOUT, 4, seed=3)
             session = await sender.session(server.address, RequestId("scattered"))
             reply = await session.open([], 4, time.time() + 30)
             dst = reply.dst_block_ids
@@ -92,20 +89,14 @@ def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
             for i, b in enumerate(dst):
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
             transfer.audit(receiver, server, 8)
-        finally:
-            await sender.close()
-            await server.stop()
 
     transfer.run(scenario())
 
 
 def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
     async def scenario() -> None:
-        receiver = transfer.PagedReceiver(transfer.LAYOUT, 4)
-        server = await transfer.started("tcp", receiver)
-        sender = create_sender(transfer.config("tcp"), transfer.identity("prefill-0"))
-        src = transfer.random_cache(transfer.LAYOUT, 1, seed=5)
-        try:
+        async with transfer.pair("tcp", 4) as (receiver, server, sender):
+            src = transfer.random_cache(transfer.LAYOUT, 1, seed=5)
             session = await sender.session(server.address, RequestId("late"))
             reply = await session.open([], 1, time.time() + 0.3)
             await asyncio.sleep(0.5)
@@ -114,9 +105,6 @@ def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
             await transfer.until(lambda: receiver.aborts)
             assert receiver.aborts[0][0] == "late" and "deadline" in receiver.aborts[0][1]
             transfer.audit(receiver, server, 4)
-        finally:
-            await sender.close()
-            await server.stop()
 
     transfer.run(scenario())
 

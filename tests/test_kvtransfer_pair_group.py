@@ -143,11 +143,8 @@ def test_many_payload_frames_keep_their_order() -> None:
     """Per-layer frames of different sizes land in the right layers (the n-th send meets the n-th recv)."""
 
     async def scenario() -> None:
-        receiver = transfer.PagedReceiver(transfer.LAYOUT, num_blocks=16)
-        server = await transfer.started(KIND, receiver)
-        sender = create_sender(transfer.config(KIND), transfer.identity("prefill-0"))
-        src = transfer.random_cache(transfer.LAYOUT, 12, seed=4)
-        try:
+        async with transfer.pair(KIND, 16) as (receiver, server, sender):
+            src = transfer.random_cache(transfer.LAYOUT, 12, seed=4)
             session = await sender.session(server.address, RequestId("order"))
             reply, stats = await transfer.push(
                 session, src, [3, 1, 4, 1 + 9, 5, 9, 2], [], layers_per_frame=1
@@ -156,9 +153,6 @@ def test_many_payload_frames_keep_their_order() -> None:
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, [3, 1, 4, 10, 5, 9, 2][j]])
             assert stats.payload_bytes == transfer.LAYOUT.num_layers * 7 * transfer.LAYOUT.layer_block_bytes
             transfer.audit(receiver, server, 16)
-        finally:
-            await sender.close()
-            await server.stop()
         await asyncio.to_thread(wait_aborted, 5.0)
         assert live_groups() == 0
 
@@ -237,20 +231,14 @@ def _doorbell_files() -> list[str]:
 
 async def _one_transfer(tid: str) -> None:
     """One 2-block transfer over the gloo pair, checked block for block and audited on both ends."""
-    receiver = transfer.PagedReceiver(transfer.LAYOUT, num_blocks=8)
-    server = await transfer.started(KIND, receiver)
-    kv_sender = create_sender(transfer.config(KIND), transfer.identity("prefill-0"))
-    src = transfer.random_cache(transfer.LAYOUT, 4, seed=5)
-    try:
+    async with transfer.pair(KIND, 8) as (receiver, server, kv_sender):
+        src = transfer.random_cache(transfer.LAYOUT, 4, seed=5)
         session = await kv_sender.session(server.address, RequestId(tid))
         reply, _ = await transfer.push(session, src, [2, 0], [])
         assert not _doorbell_files(), "D unlinks the doorbell's file once the pair is set up"
         for j, b in enumerate(reply.dst_block_ids):
             assert torch.equal(receiver.kv[:, :, b], src[:, :, [2, 0][j]])
         transfer.audit(receiver, server, 8)
-    finally:
-        await kv_sender.close()
-        await server.stop()
     await asyncio.to_thread(wait_aborted, 5.0)
     assert live_groups() == 0 and not _doorbell_files()
 
