@@ -44,16 +44,15 @@ from pdserve.tests.harness.transfer import (
     identity,
     random_cache,
     run,
-    started,
     until,
 )
 from pdserve.tests.harness.transfer_gpu import (
     BLOCKS,
     GpuReceiver,
     aborted_once,
-    devices,
     kill_at_first_frame,
     push_on_gpu,
+    serving,
     spawn,
 )
 
@@ -181,14 +180,10 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
 
 @contextlib.asynccontextmanager
 async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
-    """D's server on the first GPU; yields (receiver, server, P's device); D holds no window afterwards."""
-    d_device, p_device = devices()
-    receiver = GpuReceiver(d_device)
-    server = await started("cuda_ipc", receiver, device=d_device, options=CudaIpcOptions(window_bytes=WINDOW))
-    try:
-        yield receiver, server, p_device
-    finally:
-        await server.stop()
+    """D's cuda_ipc server on the first GPU; yields (receiver, server, P's device); D holds no window
+    afterwards."""
+    async with serving("cuda_ipc", CudaIpcOptions(window_bytes=WINDOW)) as served:
+        yield served
     await until(lambda: live_windows() == 0)
 
 

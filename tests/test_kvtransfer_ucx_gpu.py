@@ -12,11 +12,10 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, create_sender
 from pdserve.kvtransfer.ucx import UcxOptions
 from pdserve.shared.types import BlockId, FirstToken, RequestId
 from pdserve.tests.harness.transfer import (
@@ -27,16 +26,15 @@ from pdserve.tests.harness.transfer import (
     identity,
     random_cache,
     run,
-    started,
     until,
 )
 from pdserve.tests.harness.transfer_gpu import (
     BLOCKS,
     GpuReceiver,
     aborted_once,
-    devices,
     kill_at_first_frame,
     push_on_gpu,
+    serving,
     spawn,
 )
 
@@ -83,17 +81,6 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
     print(json.dumps({"closed": True}), flush=True)
 
 
-@contextlib.asynccontextmanager
-async def _serving(window_bytes: int = 512 << 20) -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
-    d_device, p_device = devices()
-    receiver = GpuReceiver(d_device)
-    server = await started("ucx", receiver, device=d_device, options=UcxOptions(window_bytes=window_bytes))
-    try:
-        yield receiver, server, p_device
-    finally:
-        await server.stop()
-
-
 def _check_landed(receiver: GpuReceiver, t: int) -> None:
     src = random_cache(LAYOUT, 12, seed=5)
     dst = receiver.reserved[f"ucx-{t}"]
@@ -109,7 +96,7 @@ def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_
     standing one; with the default window every frame lands through the standing receive."""
 
     async def scenario() -> None:
-        async with _serving(window_bytes) as (receiver, server, p_device):
+        async with serving("ucx", UcxOptions(window_bytes=window_bytes)) as (receiver, server, p_device):
             proc = await spawn(__file__, server.address, mode, p_device)
             out, _ = await proc.communicate()
             assert proc.returncode == 0, out
@@ -129,7 +116,7 @@ def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ucx on a GPU needs one")
 def test_ucx_gpu_killed_sender_frees_the_reservation_once() -> None:
     async def scenario() -> None:
-        async with _serving() as (receiver, server, p_device):
+        async with serving("ucx", UcxOptions(window_bytes=512 << 20)) as (receiver, server, p_device):
             proc = await spawn(__file__, server.address, "hang", p_device)
             await kill_at_first_frame(proc, receiver)
             await proc.communicate()

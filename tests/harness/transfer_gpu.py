@@ -4,14 +4,16 @@ buffers on its GPU, P's process spawned from a test module's script, and the aud
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import torch
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, TransferSession
+from pdserve.kvtransfer.connector import ConnectorOptions, FrameBlocks, KVReceiverServer, TransferSession
 from pdserve.shared.types import BlockHash, BlockId, FirstToken
-from pdserve.tests.harness.transfer import LAYOUT, PagedReceiver, audit, until
+from pdserve.tests.harness.transfer import LAYOUT, PagedReceiver, audit, started, until
 
 BLOCKS = 48  # D's GPU cache: 12 transfers of 4 blocks each, which completed requests keep
 
@@ -74,3 +76,18 @@ async def aborted_once(receiver: PagedReceiver, server: KVReceiverServer, transf
     await asyncio.sleep(0.3)
     assert [t for t, _ in receiver.aborts] == [transfer_id]
     audit(receiver, server, BLOCKS)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    kind: str, options: ConnectorOptions
+) -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
+    """D's server of that kind on the first GPU; yields (receiver, server, P's device); stopped on every
+    path."""
+    d_device, p_device = devices()
+    receiver = GpuReceiver(d_device)
+    server = await started(kind, receiver, device=d_device, options=options)
+    try:
+        yield receiver, server, p_device
+    finally:
+        await server.stop()
