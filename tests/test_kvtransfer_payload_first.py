@@ -71,17 +71,16 @@ class BoundedTcpTransport(TcpTransport):
         return BoundedTcpChannel(channel)
 
 
+UNCHECKED = {"checksum": False}
+"""The sender's side of a connection without checksums (the bounded transport's default)."""
+
 if KIND not in connector_kinds():
     register_connector(KIND, ChannelConnector(lambda cfg: BoundedTcpTransport(), checksum_default=False))
 
 
 def test_buffers_over_the_frame_limit_are_split_into_layer_groups_that_fit() -> None:
     async def scenario() -> None:
-        async with pair(KIND, 16, sender_config={"checksum": False}, checksum=False) as (
-            receiver,
-            server,
-            sender,
-        ):
+        async with pair(KIND, 16, sender_config=UNCHECKED, checksum=False) as (receiver, server, sender):
             src = random_cache(LAYOUT, 12, seed=9)
             blocks = [3, 8, 1, 10]
             session = await sender.session(server.address, RequestId("split"))
@@ -105,11 +104,7 @@ def test_buffers_over_the_frame_limit_are_split_into_layer_groups_that_fit() -> 
 
 def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None:
     async def scenario() -> None:
-        async with pair(KIND, 16, sender_config={"checksum": False}, checksum=False) as (
-            receiver,
-            server,
-            sender,
-        ):
+        async with pair(KIND, 16, sender_config=UNCHECKED, checksum=False) as (receiver, server, sender):
             src = random_cache(LAYOUT, 12, seed=10)
             session = await sender.session(server.address, RequestId("bad-frame"))
             reply = await session.open(block_hashes(1), 2, time.time() + 30)
