@@ -6,8 +6,8 @@ script) imports triton: every kernel then runs under TRITON_INTERPRET=1, as CI t
 nothing is set and the kernels compile. A CPU install without triton (`make test`; triton is the [gpu] extra,
 which `make test-extras` and CI add) collects none of the Triton kernels' test modules, and says so in the
 header. Every test that needs triton or ucxx carries the `extras` marker: `make test-extras` runs `-m extras`.
-`hf_smollm2`, the Hugging Face reference of the SmolLM2 GGUF (tests/hf_reference.py), is loaded once per
-session (on first use) for the modules that compare against it.
+`hf_smollm2`, the Hugging Face reference of the SmolLM2 GGUF (tests/harness/hf_reference.py), is loaded once
+per session (on first use) for the modules that compare against it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from pdserve.tests.hf_reference import HFSmolLM2, load_hf_smollm2
+from pdserve.tests.harness.hf_reference import HFSmolLM2, load_hf_smollm2
 
 
 def _install_numpy24_index_fix() -> None:

@@ -18,7 +18,7 @@ from pdserve.cli.bench_datasets import Lengths, jsonl_requests, shared_prefix_re
 from pdserve.cli.bench_options import BenchOptions
 from pdserve.cli.bench_report import RESULT_SCHEMA, parse_goodput
 from pdserve.shared.cli.settings import load_settings
-from pdserve.tests.cluster_fixture import LiveCluster, model_path, run_cli, up_config
+from pdserve.tests.harness.cluster_fixture import LiveCluster, model_path, run_cli, up_config
 
 pytestmark = pytest.mark.slow
 

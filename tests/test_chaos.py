@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 from pdserve.cli.up import free_port
-from pdserve.tests.chaos_faults import (
+from pdserve.tests.harness.chaos_faults import (
     SMALL_KV,
     kill9,
     kill_redis,
@@ -26,8 +26,8 @@ from pdserve.tests.chaos_faults import (
     restart_redis,
     start_router,
 )
-from pdserve.tests.chaos_load import Load, Outcome, metric_of
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl_main, served_model_name, up_config
+from pdserve.tests.harness.chaos_load import Load, Outcome, metric_of
+from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl_main, served_model_name, up_config
 
 pytestmark = pytest.mark.slow
 

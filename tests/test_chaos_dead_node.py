@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from pdserve.tests.chaos_faults import SMALL_KV, kill9, reference, restart_node, small_cluster
-from pdserve.tests.chaos_load import Load, metric_of
-from pdserve.tests.cluster_fixture import LiveCluster, served_model_name
+from pdserve.tests.harness.chaos_faults import SMALL_KV, kill9, reference, restart_node, small_cluster
+from pdserve.tests.harness.chaos_load import Load, metric_of
+from pdserve.tests.harness.cluster_fixture import LiveCluster, served_model_name
 
 pytestmark = pytest.mark.slow
 

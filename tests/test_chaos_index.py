@@ -24,9 +24,9 @@ from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import RedisConfig
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, NodeId
-from pdserve.tests.chaos_faults import small_cluster
-from pdserve.tests.chaos_load import metric_of
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl_main, secret_file, served_model_name
+from pdserve.tests.harness.chaos_faults import small_cluster
+from pdserve.tests.harness.chaos_load import metric_of
+from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl_main, secret_file, served_model_name
 
 pytestmark = pytest.mark.slow
 

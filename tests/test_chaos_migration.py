@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from pdserve.tests.chaos_faults import SMALL_KV, kill9, reference
-from pdserve.tests.chaos_load import Load, metric_of
-from pdserve.tests.cluster_fixture import LiveCluster, sample, served_model_name, up_config
+from pdserve.tests.harness.chaos_faults import SMALL_KV, kill9, reference
+from pdserve.tests.harness.chaos_load import Load, metric_of
+from pdserve.tests.harness.cluster_fixture import LiveCluster, sample, served_model_name, up_config
 
 pytestmark = pytest.mark.slow
 

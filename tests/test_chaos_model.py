@@ -17,9 +17,9 @@ from pdserve.cli.up import free_port
 from pdserve.shared.engine.block_hash import model_fingerprint
 from pdserve.shared.model.gguf_loader import read_gguf
 from pdserve.shared.model.loader import load_tokenizer
-from pdserve.tests.chaos_faults import small_cluster, start_router
-from pdserve.tests.chaos_load import metric_of
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl_main, model_path, served_model_name
+from pdserve.tests.harness.chaos_faults import small_cluster, start_router
+from pdserve.tests.harness.chaos_load import metric_of
+from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl_main, model_path, served_model_name
 
 pytestmark = pytest.mark.slow
 

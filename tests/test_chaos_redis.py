@@ -13,15 +13,15 @@ from typing import Any
 import httpx
 import pytest
 from pdserve.cli.up import free_port
-from pdserve.tests.chaos_faults import (
+from pdserve.tests.harness.chaos_faults import (
     kill_redis,
     reference,
     restart_redis,
     small_cluster,
     start_router,
 )
-from pdserve.tests.chaos_load import Paced
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl_main, served_model_name
+from pdserve.tests.harness.chaos_load import Paced
+from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl_main, served_model_name
 
 pytestmark = pytest.mark.slow
 

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import tempfile
 import time
 
 import httpx
 import pytest
-from pdserve.tests.chaos_faults import SMALL_KV
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.chaos_faults import SMALL_KV
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
-    generate_offline_lines,
     kvctl_main,
+    reference_texts,
     served_model_name,
     up_config,
 )
@@ -76,13 +74,11 @@ async def _burst(base: str) -> list[tuple[str, str]]:
 
 def test_a_thousand_concurrent_streams_complete_or_are_refused_before_streaming() -> None:
     router = ("--max-requests-per-node", "16", "--max-queued-requests", "100")
-    live = LiveCluster.start(up_config(prefill=1, decode=1, extra_node_args=SMALL_KV, router_args=router))
-    try:
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-            f.write("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", str(MAX_TOKENS))
-        os.unlink(f.name)
-        want = {p: line["text"] for p, line in zip(PROMPTS, lines, strict=True)}
+    with LiveCluster.start(
+        up_config(prefill=1, decode=1, extra_node_args=SMALL_KV, router_args=router)
+    ) as live:
+        texts = reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS)
+        want = dict(zip(PROMPTS, texts, strict=True))
 
         t0 = time.monotonic()
         got = asyncio.run(_burst(live.base))
@@ -106,5 +102,3 @@ def test_a_thousand_concurrent_streams_complete_or_are_refused_before_streaming(
         for name in live.nodes:
             row = rows.get(name)
             assert row is not None and "error" not in row and row["extra"] == row["missing"] == 0, rows
-    finally:
-        live.stop()

@@ -1,8 +1,8 @@
 """Transfer faults under load (issue 20): a transfer cut in the middle of a frame, a corrupted frame, and a
-silent prefill node (SIGSTOP while it transfers). One cluster of real processes (redis-server, one prefill
-and one decode node, the router); P reaches D's transfer port through a proxy that parses P's frames
-(tests/transfer_proxy.py) and does the fault to the next DATA frame; both nodes ping with a 1.5 s liveness
-window.
+silent prefill node (SIGSTOP while it transfers). One cluster of real processes (redis-server, one prefill and
+one decode node, the router); P reaches D's transfer port through a proxy that parses P's frames
+(tests/harness/transfer_proxy.py) and does the fault to the next DATA frame; both nodes ping with a 1.5 s
+liveness window.
 
 Each scenario asserts: every request ends within its deadline with the undisturbed greedy text (D computes
 the prompt whose KV did not arrive: kv_load_failure_policy=recompute) or a clean OpenAI-style error; none
@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from pdserve.cli.up import free_port
-from pdserve.tests.chaos_faults import SMALL_KV, reference
-from pdserve.tests.chaos_load import Load
-from pdserve.tests.cluster_fixture import LiveCluster, served_model_name, up_config
-from pdserve.tests.transfer_proxy import FrameProxy
+from pdserve.tests.harness.chaos_faults import SMALL_KV, reference
+from pdserve.tests.harness.chaos_load import Load
+from pdserve.tests.harness.cluster_fixture import LiveCluster, served_model_name, up_config
+from pdserve.tests.harness.transfer_proxy import FrameProxy
 
 pytestmark = pytest.mark.slow
 

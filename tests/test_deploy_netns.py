@@ -30,7 +30,7 @@ import openai
 import pytest
 import redis
 from pdserve.cli.up import Cluster, demo_request
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     NodeProc,
     generate_offline,

@@ -24,10 +24,10 @@ from pdserve.cli.up import free_port
 from pdserve.router.json_body import MAX_JSON_DEPTH
 from pdserve.router.openai_protocol import MAX_STOP_STRINGS
 from pdserve.shared.node.node_sign import signed
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness import openai_schema as schema
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     kvctl,
-    openai_schema,
     router_argv,
     secret_file,
     served_model_name,
@@ -40,7 +40,6 @@ MODEL = served_model_name()
 KEYS = ("key-alpha", "key-beta", "key-fuzz")
 VOCAB = 49152  # SmolLM2's tokenizer
 RATE, BURST = 2.0, 3
-schema = openai_schema()
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import httpx
 import openai
 import pytest
 from pdserve.shared.model.loader import load_tokenizer
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness import openai_schema as schema
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     generate_offline,
     model_path,
-    openai_schema,
     served_model_name,
     up_config,
 )
@@ -28,7 +28,6 @@ from pdserve.tests.cluster_fixture import (
 pytestmark = pytest.mark.slow
 
 MODEL = served_model_name()
-schema = openai_schema()
 LONG_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
     "movable metal type, oil-based ink and a wooden screw press. Within a few decades, print shops had "

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl, model_path, sample, up_config
+from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl, model_path, sample, up_config
 
 pytestmark = pytest.mark.slow
 

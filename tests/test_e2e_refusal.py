@@ -25,7 +25,7 @@ from pdserve.shared.index.block_index_types import NodeStatus, RedisConfig
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node.node_sign import ClusterKeys, signed
 from pdserve.shared.types import RequestId
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     NodeProc,
     kvctl,

@@ -19,7 +19,7 @@ import pytest
 from pdserve.shared.node.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVSource
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     kvctl,
     kvctl_main,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 from pdserve.shared.node.node_sign import signed
-from pdserve.tests.cluster_fixture import LiveCluster, kvctl, served_model_name, up_config
+from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl, served_model_name, up_config
 
 PREFIX = "pdserve:{default}:"
 CMPL = {"model": served_model_name(), "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from pdserve.tests.hf_reference import HFSmolLM2
+from pdserve.tests.harness.hf_reference import HFSmolLM2
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 64

@@ -22,7 +22,7 @@ from pdserve.shared.model.dummy_weights import fill_dummy_weights
 from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES
 from pdserve.shared.model.parallel import SingleRank, check_split, plan
-from pdserve.tests.cluster_fixture import model_path
+from pdserve.tests.harness.cluster_fixture import model_path
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},

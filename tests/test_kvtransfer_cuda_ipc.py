@@ -2,7 +2,8 @@
 
 The GPU tests run D (a paged cache on the GPU) in this process and P as this file's script in a second
 process (CUDA IPC memory cannot be opened by the process that exported it), on the first GPU or, with two,
-the second one. The window is made small so that frames are split by layers, the ring wraps many times and
+the second one; the parts they share with the ucx GPU tests are in tests/harness/transfer_gpu.py. The window
+is made small so that frames are split by layers, the ring wraps many times and
 more frames than event slots are in flight over a run.
 """
 
@@ -12,18 +13,14 @@ import asyncio
 import contextlib
 import json
 import sys
-import time
 from collections.abc import AsyncIterator
 
 import msgpack
 import pytest
 import torch
-from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.common import ProtocolError
 from pdserve.kvtransfer.connector import (
-    FrameBlocks,
     KVReceiverServer,
-    TransferSession,
     create_sender,
 )
 from pdserve.kvtransfer.cuda_ipc import CudaIpcOptions, live_windows
@@ -37,24 +34,30 @@ from pdserve.kvtransfer.cuda_ipc_setup import (
 )
 from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
 from pdserve.kvtransfer.window_ring import ALIGN, SLOTS, WindowRing
-from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
+from pdserve.shared.types import RequestId
 from pdserve.shared.wire import WireError
-from pdserve.tests.test_kvtransfer_protocol import (
+from pdserve.tests.harness.transfer import (
     LAYOUT,
-    PagedReceiver,
     audit,
     block_hashes,
     config,
     identity,
     random_cache,
     run,
-    started,
     until,
+)
+from pdserve.tests.harness.transfer_gpu import (
+    BLOCKS,
+    GpuReceiver,
+    aborted_once,
+    kill_at_first_frame,
+    push_on_gpu,
+    serving,
+    spawn,
 )
 
 WINDOW = 4 * 1024  # bytes: one layer of 4 blocks is 1536 B, so a 3-layer frame is split and the ring wraps
 TRANSFERS = 12  # x 3 frames = 36 frames > SLOTS
-BLOCKS = 4 * TRANSFERS  # D's cache: every transfer's 4 blocks stay in use (completed requests)
 
 
 def test_ring_places_frames_in_order_and_wraps() -> None:
@@ -151,11 +154,6 @@ def test_setup_records_cross_a_real_connection_and_a_bad_one_is_a_protocol_error
     run(scenario())
 
 
-def _devices() -> tuple[str, str]:
-    """(D's device, P's device)."""
-    return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
-
-
 async def _sender_process(address: str, mode: str, device: str) -> None:
     """P, as a script. full: TRANSFERS transfers; abort: one frame, then abort; hang: one frame, then wait
     to be killed. Prints its own audit once closed."""
@@ -167,7 +165,7 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
         for t in range(TRANSFERS if mode == "full" else 1):
             session = await sender.session(address, RequestId(f"ipc-{t}"))
             blocks = [(t + 3 * i) % 12 for i in range(4)]
-            await _push_on_gpu(
+            await push_on_gpu(
                 session, src, blocks, block_hashes(3, salt=t), layers=None if mode == "full" else 1
             )
             if mode == "abort":
@@ -180,71 +178,12 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
     print(json.dumps({"live_windows": live_windows()}), flush=True)
 
 
-async def _push_on_gpu(
-    session: TransferSession,
-    src: torch.Tensor,
-    blocks: list[int],
-    hashes: list[BlockHash],
-    layers: int | None,
-) -> None:
-    """`push` of the protocol suite with the buffers on the cache's GPU: frames of 3 layers, each complete
-    (synchronized) before it is sent, as the connector requires; `layers`: stop after that many layers,
-    without completing."""
-    reply = await session.open(hashes, len(blocks), time.time() + 30)
-    todo = list(range(reply.num_held_blocks, reply.num_blocks))
-    frame_blocks = FrameBlocks.run(reply, reply.num_held_blocks, [BlockId(blocks[i]) for i in todo])
-    ids = torch.tensor([blocks[i] for i in todo], dtype=torch.int64, device=src.device)
-    ops = ReferenceOps()
-    for start in range(0, layers or LAYOUT.num_layers, 3):
-        stop = min(start + 3, layers or LAYOUT.num_layers)
-        buffer = torch.empty((stop - start, 2, len(todo), *src.shape[3:]), dtype=src.dtype, device=src.device)
-        for layer in range(start, stop):
-            ops.gather_blocks(src[layer], ids, buffer[layer - start])
-        torch.cuda.synchronize(src.device)
-        await session.send_layers(start, frame_blocks, buffer)
-    if layers is None:
-        await session.complete(FirstToken(7, -0.25))
-
-
-class GpuReceiver(PagedReceiver):
-    def __init__(self, device: str) -> None:
-        super().__init__(LAYOUT, num_blocks=BLOCKS)
-        self.kv = self.kv.to(device)
-
-
-async def _spawn(address: str, mode: str, device: str, script: str = __file__) -> asyncio.subprocess.Process:
-    """P: `script` run as `script address mode device` (its `_sender_process`)."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable, script, address, mode, device, stdout=asyncio.subprocess.PIPE
-    )
-
-
-async def _kill_at_first_frame(proc: asyncio.subprocess.Process, receiver: PagedReceiver) -> None:
-    """Kill P once it said it sent its first frame and D handled that frame."""
-    assert proc.stdout is not None
-    assert await proc.stdout.readline() == b"sent\n"
-    await until(lambda: receiver.data_calls == 1)
-    proc.kill()
-
-
-async def _aborted_once(receiver: PagedReceiver, server: KVReceiverServer, transfer_id: str) -> None:
-    """D aborted that transfer, and only once, and every block is accounted for."""
-    await until(lambda: receiver.aborts)
-    await asyncio.sleep(0.3)
-    assert [t for t, _ in receiver.aborts] == [transfer_id]
-    audit(receiver, server, BLOCKS)
-
-
 @contextlib.asynccontextmanager
 async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
-    """D's server on the first GPU; yields (receiver, server, P's device); D holds no window afterwards."""
-    d_device, p_device = _devices()
-    receiver = GpuReceiver(d_device)
-    server = await started("cuda_ipc", receiver, device=d_device, options=CudaIpcOptions(window_bytes=WINDOW))
-    try:
-        yield receiver, server, p_device
-    finally:
-        await server.stop()
+    """D's cuda_ipc server on the first GPU; yields (receiver, server, P's device); D holds no window
+    afterwards."""
+    async with serving("cuda_ipc", CudaIpcOptions(window_bytes=WINDOW)) as served:
+        yield served
     await until(lambda: live_windows() == 0)
 
 
@@ -253,7 +192,7 @@ async def _serving() -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]
 def test_cuda_ipc_transfers_are_bit_identical_across_processes() -> None:
     async def scenario() -> None:
         async with _serving() as (receiver, server, p_device):
-            proc = await _spawn(server.address, "full", p_device)
+            proc = await spawn(__file__, server.address, "full", p_device)
             out, _ = await proc.communicate()
             assert proc.returncode == 0, out
             assert json.loads(out.decode().strip().splitlines()[-1]) == {"live_windows": 0}
@@ -277,12 +216,12 @@ def test_cuda_ipc_transfers_are_bit_identical_across_processes() -> None:
 def test_cuda_ipc_aborted_or_killed_sender_frees_the_reservation_once(mode: str) -> None:
     async def scenario() -> None:
         async with _serving() as (receiver, server, p_device):
-            proc = await _spawn(server.address, mode, p_device)
+            proc = await spawn(__file__, server.address, mode, p_device)
             if mode == "hang":
-                await _kill_at_first_frame(proc, receiver)
+                await kill_at_first_frame(proc, receiver)
             out, _ = await proc.communicate()
             assert proc.returncode == (0 if mode == "abort" else -9), out
-            await _aborted_once(receiver, server, "ipc-0")
+            await aborted_once(receiver, server, "ipc-0")
 
     run(scenario(), timeout=120)
 

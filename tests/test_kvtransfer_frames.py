@@ -1,98 +1,83 @@
 """Per-frame fast paths of the KV-transfer protocol: pipelined payload sends, frames naming scattered blocks,
 and the sender's one deadline timer per session.
 
-Pipelining runs over the pair-group transport with gloo standing in for NCCL (see
+Pipelining runs over the pair-group transport with gloo standing in for NCCL (tests/harness/gloo_pair.py; see
 test_kvtransfer_pair_group.py for what that does and does not show); the rest over real TCP sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import FrameBlocks, OpenReply, TransferAborted, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, KVLayout, OpenReply, TransferAborted, create_sender
 from pdserve.kvtransfer.pair_group import MAX_IN_FLIGHT, live_groups, wait_aborted
 from pdserve.kvtransfer.sender import ChannelSession
 from pdserve.shared.types import BlockId, FirstToken, RequestId
+from pdserve.tests.harness import transfer
+from pdserve.tests.harness.gloo_pair import KIND
 
 
-def _load(name: str) -> ModuleType:
-    path = Path(__file__).with_name(f"{name}.py")
-    spec = importlib.util.spec_from_file_location(f"kvtransfer_frames_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PAIR = _load("test_kvtransfer_pair_group")  # registers the gloo stand-in connector
-SUITE = PAIR.SUITE
-
-
-class HeldReceiver(SUITE.PagedReceiver):  # type: ignore[name-defined]
+class HeldReceiver(transfer.PagedReceiver):
     """Holds its first on_data until released, so D posts no further payload receive meanwhile."""
 
-    def __init__(self, *args: object) -> None:
-        super().__init__(*args)
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        super().__init__(layout, num_blocks)
         self.release = asyncio.Event()
 
-    async def on_data(self, *args: object) -> None:
+    async def on_data(
+        self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
+    ) -> None:
         await self.release.wait()
-        await super().on_data(*args)
+        await super().on_data(transfer_id, layer_start, dst_block_ids, buffer)
 
 
 def test_payload_sends_are_pipelined_and_land_in_order() -> None:
     """P's send_layers returns once a payload is posted: while D is stuck in its first on_data, P still
     hands over more frames; released, D gets every layer bit for bit, and nothing is left in flight."""
-    layers = SUITE.LAYOUT.num_layers
+    layers = transfer.LAYOUT.num_layers
     assert layers <= MAX_IN_FLIGHT
 
     async def scenario() -> None:
-        receiver = HeldReceiver(SUITE.LAYOUT, 8)
-        server = await SUITE.started(PAIR.KIND, receiver)
-        sender = create_sender(SUITE.config(PAIR.KIND), SUITE.identity("prefill-0"))
-        src = SUITE.random_cache(SUITE.LAYOUT, 6, seed=9)
+        receiver = HeldReceiver(transfer.LAYOUT, 8)
+        server = await transfer.started(KIND, receiver)
+        sender = create_sender(transfer.config(KIND), transfer.identity("prefill-0"))
+        src = transfer.random_cache(transfer.LAYOUT, 6, seed=9)
         try:
             session = await sender.session(server.address, RequestId("piped"))
             assert isinstance(session, ChannelSession)
-            push = asyncio.ensure_future(SUITE.push(session, src, [5, 2, 0], []))
-            await SUITE.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)
+            push = asyncio.ensure_future(transfer.push(session, src, [5, 2, 0], []))
+            await transfer.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)  # type: ignore[attr-defined]
             await asyncio.sleep(0.5)
             assert not push.done(), "COMPLETE was acknowledged while D held the first frame"
-            assert session._payload_bytes == layers * 3 * SUITE.LAYOUT.layer_block_bytes, "P waited"
+            assert session._payload_bytes == layers * 3 * transfer.LAYOUT.layer_block_bytes, "P waited"
             receiver.release.set()
             reply, stats = await push
             for j, b in enumerate(reply.dst_block_ids):
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, [5, 2, 0][j]])
             assert receiver.data_calls == layers and stats.payload_bytes == session._payload_bytes
-            SUITE.audit(receiver, server, 8)
+            transfer.audit(receiver, server, 8)
         finally:
             await sender.close()
             await server.stop()
         await asyncio.to_thread(wait_aborted, 5.0)
         assert live_groups() == 0
 
-    SUITE.run(scenario())
+    transfer.run(scenario())
 
 
 def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
     """Frames whose blocks are not one consecutive run take the per-block path and still land exactly."""
 
     async def scenario() -> None:
-        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, 8)
-        server = await SUITE.started("tcp", receiver)
-        sender = create_sender(SUITE.config("tcp"), SUITE.identity("prefill-0"))
-        src = SUITE.random_cache(SUITE.LAYOUT, 4, seed=3)
-        try:
+        async with transfer.pair("tcp", 8) as (receiver, server, sender):
+            src = transfer.random_cache(transfer.LAYOUT, 4, seed=3)
             session = await sender.session(server.address, RequestId("scattered"))
             reply = await session.open([], 4, time.time() + 30)
             dst = reply.dst_block_ids
-            for layer in range(SUITE.LAYOUT.num_layers):
+            for layer in range(transfer.LAYOUT.num_layers):
                 for order in ([3, 0], [2, 1]):
                     ids = tuple(BlockId(i) for i in order)
                     blocks = FrameBlocks(tuple(order), ids, tuple(dst[i] for i in order))
@@ -103,34 +88,25 @@ def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
             await session.complete(FirstToken(1))
             for i, b in enumerate(dst):
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
-            SUITE.audit(receiver, server, 8)
-        finally:
-            await sender.close()
-            await server.stop()
+            transfer.audit(receiver, server, 8)
 
-    SUITE.run(scenario())
+    transfer.run(scenario())
 
 
 def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
     async def scenario() -> None:
-        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, 4)
-        server = await SUITE.started("tcp", receiver)
-        sender = create_sender(SUITE.config("tcp"), SUITE.identity("prefill-0"))
-        src = SUITE.random_cache(SUITE.LAYOUT, 1, seed=5)
-        try:
+        async with transfer.pair("tcp", 4) as (receiver, server, sender):
+            src = transfer.random_cache(transfer.LAYOUT, 1, seed=5)
             session = await sender.session(server.address, RequestId("late"))
             reply = await session.open([], 1, time.time() + 0.3)
             await asyncio.sleep(0.5)
             with pytest.raises(TransferAborted, match="deadline"):
                 await session.send_layers(0, FrameBlocks.run(reply, 0, [BlockId(0)]), src[0])
-            await SUITE.until(lambda: receiver.aborts)
+            await transfer.until(lambda: receiver.aborts)
             assert receiver.aborts[0][0] == "late" and "deadline" in receiver.aborts[0][1]
-            SUITE.audit(receiver, server, 4)
-        finally:
-            await sender.close()
-            await server.stop()
+            transfer.audit(receiver, server, 4)
 
-    SUITE.run(scenario())
+    transfer.run(scenario())
 
 
 def test_frame_blocks_columns_and_runs() -> None:

@@ -44,8 +44,8 @@ from pdserve.kvtransfer.messages import (
 from pdserve.kvtransfer.receiver import ChannelServer
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.shared.types import FirstToken, NodeId, RequestId
-from pdserve.tests.test_kvtransfer_messages import EXAMPLES
-from pdserve.tests.test_kvtransfer_protocol import LAYOUT, PagedReceiver, config, identity
+from pdserve.tests.harness.messages import EXAMPLES
+from pdserve.tests.harness.transfer import LAYOUT, PagedReceiver, config, identity
 
 MAX_PAYLOAD = 1 << 16
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

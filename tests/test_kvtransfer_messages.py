@@ -24,42 +24,20 @@ from pdserve.kvtransfer.framing import (
 from pdserve.kvtransfer.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
-    Abort,
-    Ack,
-    Auth,
-    Complete,
     Data,
-    Error,
     Hello,
     Message,
     Open,
     OpenOk,
-    OpenRefusal,
-    Ping,
     Ready,
     decode_header,
     encode_header,
 )
-from pdserve.shared.types import BlockHash, FirstToken, RequestId
+from pdserve.shared.types import BlockHash, RequestId
+from pdserve.tests.harness.messages import EXAMPLES, LAYOUT
 
-LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start=3)
 ids = st.text(min_size=1, max_size=40)
 ints = st.lists(st.integers(0, 2**31 - 1), max_size=64).map(tuple)
-EXAMPLES: list[Message] = [
-    Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32, 5.0),
-    Hello(1, "prefill-0", b"fp", KVLayout(2, 1, 8, 4, "float32"), b"\x04" * 32, False),
-    Auth(b"\x05" * 32),
-    Ready(),
-    Error("layout", "layout.block_size: local 16, peer 32"),
-    Open(RequestId("req-1"), (BlockHash(b"\x06" * 32), BlockHash(b"\x07" * 32)), 3, 1.7e9 + 0.25),
-    OpenOk("req-1", 2, (5, 9)),
-    OpenRefusal("req-1", "need 3 blocks, 2 free"),
-    Data("req-1", 4, 2, (2, 3), (11, 12), (5, 9)),
-    Complete("req-1", FirstToken(42, -0.5, ((1, -1.0),))),
-    Ack("req-1"),
-    Abort("req-1", "deadline passed"),
-    Ping(),
-]
 
 
 def test_every_message_type_has_an_example() -> None:

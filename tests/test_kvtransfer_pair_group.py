@@ -2,29 +2,26 @@
 
 WHAT THIS IS: the nccl connector's code path — rendezvous record after the handshake, TCPStore hosted by D,
 one group per connection, payload ordering, payload timeout, cut control connection, teardown — run with
-torch.distributed's *gloo* backend standing in for NCCL (a test-only `GroupBackend` below), because this
-machine has no GPU. It is no claim that NCCL works: NCCL itself (ProcessGroupNCCL, abort, GPU buffers)
-is exercised only by benchmarks/kv_transfer.py on two GPUs. The protocol suite of
-test_kvtransfer_protocol.py runs unchanged over the stand-in.
+torch.distributed's *gloo* backend standing in for NCCL (a test-only `GroupBackend`, in
+tests/harness/gloo_pair.py), because this machine has no GPU. It is no claim that NCCL works: NCCL itself
+(ProcessGroupNCCL, abort, GPU buffers) is exercised only by benchmarks/kv_transfer.py on two GPUs. The
+protocol suite of test_kvtransfer_protocol.py runs unchanged over the stand-in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib.util
 import logging
 import os
 import re
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from pdserve.kvtransfer import pair_group, sender
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.common import ConnectionLost
@@ -34,60 +31,8 @@ from pdserve.kvtransfer.framing import FramedConnection, encode_frame
 from pdserve.kvtransfer.messages import Ack, Data, Message, Open, OpenOk
 from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, live_groups, wait_aborted
 from pdserve.shared.types import RequestId
-from torch._C._distributed_c10d import ProcessGroupGloo
-
-KIND = "gloo-pair"  # test-only connector kind: the pair-group transport over gloo
-GLOO_TIMEOUT_S = 3.0  # bounds a gloo wait the channel gave up on (gloo has no abort that ends it)
-
-
-class GlooPairGroup:
-    """Test-only stand-in for NcclPairGroup: gloo's p2p `is_completed` only turns true inside `wait`, so a
-    worker thread waits and `done` reports on it."""
-
-    def __init__(self, group: Any) -> None:
-        self._group = group
-        self._peer = 1 - group.rank()
-        self._waits: dict[int, concurrent.futures.Future[Any]] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-
-    def send(self, tensor: torch.Tensor) -> dist.Work:
-        return self._group.send([tensor], self._peer, 0)
-
-    def recv(self, tensor: torch.Tensor) -> dist.Work:
-        return self._group.recv([tensor], self._peer, 0)
-
-    def done(self, work: dist.Work) -> bool:
-        waiting = self._waits.get(id(work))
-        if waiting is None:
-            waiting = self._waits[id(work)] = self._pool.submit(work.wait)
-        if not waiting.done():
-            return False
-        del self._waits[id(work)]
-        waiting.result()  # gloo raises RuntimeError on failure
-        return True
-
-    def order_after(self, work: dist.Work) -> None:
-        raise AssertionError("host-memory pairs wait for their payloads on the host")
-
-    def abort(self) -> None:
-        self._group.abort()
-        self._pool.shutdown(wait=False)
-
-
-class GlooBackend:
-    name = "gloo"
-    group_type: type[GlooPairGroup] = GlooPairGroup
-
-    def connect(self, store: dist.Store, rank: int, device: torch.device, timeout_s: float) -> GlooPairGroup:
-        assert device.type == "cpu", device
-        return self.group_type(ProcessGroupGloo(store, rank, 2, timedelta(seconds=GLOO_TIMEOUT_S)))
-
-
-if KIND not in connector_kinds():
-    register_connector(
-        KIND,
-        ChannelConnector(lambda cfg: PairGroupTransport(KIND, GlooBackend(), cfg), checksum_default=False),
-    )
+from pdserve.tests.harness import transfer
+from pdserve.tests.harness.gloo_pair import KIND, GlooBackend, GlooPairGroup
 
 
 def _protocol_suite() -> ModuleType:
@@ -96,7 +41,6 @@ def _protocol_suite() -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.TRANSPORTS[KIND] = lambda: PairGroupTransport(KIND, GlooBackend(), module.config(KIND))
     return module
 
 
@@ -142,20 +86,20 @@ def test_nccl_config_defaults_and_device_check() -> None:
     assert ConnectorConfig(kind="ucx", auth_token="t").frame_checksum is True  # host memory
     assert ConnectorConfig(kind="ucx", auth_token="t", device="cuda:0").frame_checksum is False
     with pytest.raises(ValueError, match=re.escape("CUDA ConnectorConfig.device, got 'cpu'")):
-        create_sender(ConnectorConfig(kind="nccl", auth_token="t"), SUITE.identity("p"))
+        create_sender(ConnectorConfig(kind="nccl", auth_token="t"), transfer.identity("p"))
     with pytest.raises(ValueError, match="'tpu:0'"):
         ConnectorConfig(kind="tcp", auth_token="t", device="tpu:0")
 
 
 async def _open_with_header_only(server: Any, cut: bool) -> tuple[Any, PairGroupChannel]:
     """A raw sender that announces a DATA payload on the control connection but never sends it."""
-    conn = await SUITE.raw_sender(KIND, server)
+    conn = await transfer.raw_sender(KIND, server)
     channel = conn.channel
     assert isinstance(channel, PairGroupChannel) and channel.has_group
     await conn.send(Open(RequestId("stuck"), (), 2, time.time() + 30))
     reply = (await conn.recv()).msg
     assert isinstance(reply, OpenOk)
-    msg, payload = SUITE.data_frame("stuck", reply)
+    msg, payload = transfer.data_frame("stuck", reply)
     prefix, header, _ = encode_frame(msg, payload, checksum=True)
     await channel._control.send(prefix, header, None)
     if cut:
@@ -171,12 +115,12 @@ def test_announced_payload_that_never_comes_aborts_the_pair(
     caplog.set_level(logging.WARNING, logger="pdserve.kvtransfer")
 
     async def scenario() -> None:
-        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=8)
-        server = await SUITE.started(KIND, receiver, liveness_s=0.5)
+        receiver = transfer.PagedReceiver(transfer.LAYOUT, num_blocks=8)
+        server = await transfer.started(KIND, receiver, liveness_s=0.5)
         try:
             t0 = time.monotonic()
             conn, channel = await _open_with_header_only(server, cut)
-            await SUITE.until(lambda: receiver.aborts, timeout=5.0)
+            await transfer.until(lambda: receiver.aborts, timeout=5.0)
             waited = time.monotonic() - t0
             assert [t for t, _ in receiver.aborts] == ["stuck"]
             assert "connection" in receiver.aborts[0][1]
@@ -187,36 +131,32 @@ def test_announced_payload_that_never_comes_aborts_the_pair(
             channel.abort()
             with pytest.raises(ConnectionLost):
                 await conn.send(Data("stuck", 0, 1, (0,), (0,), (0,)), torch.zeros(8, dtype=torch.uint8))
-            SUITE.audit(receiver, server, 8)
+            transfer.audit(receiver, server, 8)
         finally:
             await server.stop()
-        await SUITE.until(lambda: live_groups() == 0)
+        await transfer.until(lambda: live_groups() == 0)
 
-    SUITE.run(scenario())
+    transfer.run(scenario())
 
 
 def test_many_payload_frames_keep_their_order() -> None:
     """Per-layer frames of different sizes land in the right layers (the n-th send meets the n-th recv)."""
 
     async def scenario() -> None:
-        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=16)
-        server = await SUITE.started(KIND, receiver)
-        sender = create_sender(SUITE.config(KIND), SUITE.identity("prefill-0"))
-        src = SUITE.random_cache(SUITE.LAYOUT, 12, seed=4)
-        try:
+        async with transfer.pair(KIND, 16) as (receiver, server, sender):
+            src = transfer.random_cache(transfer.LAYOUT, 12, seed=4)
             session = await sender.session(server.address, RequestId("order"))
-            reply, stats = await SUITE.push(session, src, [3, 1, 4, 1 + 9, 5, 9, 2], [], layers_per_frame=1)
+            reply, stats = await transfer.push(
+                session, src, [3, 1, 4, 1 + 9, 5, 9, 2], [], layers_per_frame=1
+            )
             for j, b in enumerate(reply.dst_block_ids):
                 assert torch.equal(receiver.kv[:, :, b], src[:, :, [3, 1, 4, 10, 5, 9, 2][j]])
-            assert stats.payload_bytes == SUITE.LAYOUT.num_layers * 7 * SUITE.LAYOUT.layer_block_bytes
-            SUITE.audit(receiver, server, 16)
-        finally:
-            await sender.close()
-            await server.stop()
+            assert stats.payload_bytes == transfer.LAYOUT.num_layers * 7 * transfer.LAYOUT.layer_block_bytes
+            transfer.audit(receiver, server, 16)
         await asyncio.to_thread(wait_aborted, 5.0)
         assert live_groups() == 0
 
-    SUITE.run(scenario())
+    transfer.run(scenario())
 
 
 ABORT_S = 0.5  # how long ncclCommAbort took on two H200s
@@ -248,9 +188,9 @@ def test_group_teardown_does_not_stall_the_event_loop() -> None:
     `close` returns only after it."""
 
     async def scenario() -> None:
-        receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=8)
-        server = await SUITE.started(SLOW_KIND, receiver)
-        sender = create_sender(SUITE.config(SLOW_KIND), SUITE.identity("prefill-0"))
+        receiver = transfer.PagedReceiver(transfer.LAYOUT, num_blocks=8)
+        server = await transfer.started(SLOW_KIND, receiver)
+        sender = create_sender(transfer.config(SLOW_KIND), transfer.identity("prefill-0"))
         gaps: list[float] = []
 
         async def tick() -> None:
@@ -264,25 +204,25 @@ def test_group_teardown_does_not_stall_the_event_loop() -> None:
         ticker = asyncio.ensure_future(tick())
         try:
             session = await sender.session(server.address, RequestId("one"))
-            await SUITE.push(session, SUITE.random_cache(SUITE.LAYOUT, 4, seed=2), [1, 3], [])
+            await transfer.push(session, transfer.random_cache(transfer.LAYOUT, 4, seed=2), [1, 3], [])
             gaps.clear()
             t0 = time.monotonic()
             # P's group: its abort runs in a thread and close waits for it; D sees the connection end and
             # aborts its group in a thread too. Both are counted until their aborts returned.
             closing = asyncio.ensure_future(sender.close())
-            await SUITE.until(lambda: live_groups() == 2, timeout=ABORT_S * 0.8)
+            await transfer.until(lambda: live_groups() == 2, timeout=ABORT_S * 0.8)
             await closing
             assert time.monotonic() - t0 >= ABORT_S
             await asyncio.to_thread(wait_aborted, 5.0)
             assert live_groups() == 0
             assert max(gaps) < ABORT_S / 2, f"the event loop stalled for {max(gaps):.3f} s"
-            SUITE.audit(receiver, server, 8)
+            transfer.audit(receiver, server, 8)
         finally:
             ticker.cancel()
             await sender.close()
             await server.stop()
 
-    SUITE.run(scenario())
+    transfer.run(scenario())
 
 
 def _doorbell_files() -> list[str]:
@@ -291,20 +231,14 @@ def _doorbell_files() -> list[str]:
 
 async def _one_transfer(tid: str) -> None:
     """One 2-block transfer over the gloo pair, checked block for block and audited on both ends."""
-    receiver = SUITE.PagedReceiver(SUITE.LAYOUT, num_blocks=8)
-    server = await SUITE.started(KIND, receiver)
-    kv_sender = create_sender(SUITE.config(KIND), SUITE.identity("prefill-0"))
-    src = SUITE.random_cache(SUITE.LAYOUT, 4, seed=5)
-    try:
+    async with transfer.pair(KIND, 8) as (receiver, server, kv_sender):
+        src = transfer.random_cache(transfer.LAYOUT, 4, seed=5)
         session = await kv_sender.session(server.address, RequestId(tid))
-        reply, _ = await SUITE.push(session, src, [2, 0], [])
+        reply, _ = await transfer.push(session, src, [2, 0], [])
         assert not _doorbell_files(), "D unlinks the doorbell's file once the pair is set up"
         for j, b in enumerate(reply.dst_block_ids):
             assert torch.equal(receiver.kv[:, :, b], src[:, :, [2, 0][j]])
-        SUITE.audit(receiver, server, 8)
-    finally:
-        await kv_sender.close()
-        await server.stop()
+        transfer.audit(receiver, server, 8)
     await asyncio.to_thread(wait_aborted, 5.0)
     assert live_groups() == 0 and not _doorbell_files()
 
@@ -324,7 +258,7 @@ def test_the_doorbell_completes_a_transfer_whose_ack_frame_never_comes(
 
     monkeypatch.setattr(FramedConnection, "send", send_all_but_acks)
     monkeypatch.setattr(sender, "SPIN_S", 30.0)
-    SUITE.run(_one_transfer("rung"))
+    transfer.run(_one_transfer("rung"))
 
 
 @pytest.mark.parametrize("where", ["d-has-no-shm", "p-on-another-host", "p-may-not-open"])
@@ -346,5 +280,5 @@ def test_without_a_doorbell_the_ack_frame_completes(
 
         monkeypatch.setattr(pair_group, "open_shared", denied)
     caplog.set_level(logging.WARNING, logger="pdserve.kvtransfer")
-    SUITE.run(_one_transfer(where))
+    transfer.run(_one_transfer(where))
     assert ("no ACK doorbell" in caplog.text) == (where != "p-on-another-host")

@@ -16,26 +16,21 @@ import torch
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kvtransfer.channel_connector import ChannelConnector
 from pdserve.kvtransfer.connector import (
-    ConnectorConfig,
     FrameBlocks,
     connector_kinds,
-    create_sender,
     register_connector,
 )
 from pdserve.kvtransfer.framing import FLAG_HEADER_AFTER, FLAG_PAYLOAD_FIRST, PREFIX, ByteChannel
 from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
 from pdserve.shared.types import BlockId, FirstToken, RequestId
-from pdserve.tests.test_kvtransfer_protocol import (
+from pdserve.tests.harness.transfer import (
     LAYOUT,
-    PagedReceiver,
     audit,
     block_hashes,
-    config,
-    identity,
+    pair,
     push,
     random_cache,
     run,
-    started,
 )
 
 KIND = "tcp-bounded"
@@ -76,22 +71,18 @@ class BoundedTcpTransport(TcpTransport):
         return BoundedTcpChannel(channel)
 
 
+UNCHECKED = {"checksum": False}
+"""The sender's side of a connection without checksums (the bounded transport's default)."""
+
 if KIND not in connector_kinds():
     register_connector(KIND, ChannelConnector(lambda cfg: BoundedTcpTransport(), checksum_default=False))
 
 
-def _config() -> ConnectorConfig:
-    return config(KIND, checksum=False)
-
-
 def test_buffers_over_the_frame_limit_are_split_into_layer_groups_that_fit() -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started(KIND, receiver, checksum=False)
-        sender = create_sender(_config(), identity("prefill-0"))
-        src = random_cache(LAYOUT, 12, seed=9)
-        blocks = [3, 8, 1, 10]
-        try:
+        async with pair(KIND, 16, sender_config=UNCHECKED, checksum=False) as (receiver, server, sender):
+            src = random_cache(LAYOUT, 12, seed=9)
+            blocks = [3, 8, 1, 10]
             session = await sender.session(server.address, RequestId("split"))
             reply, stats = await push(session, src, blocks, block_hashes(3), layers_per_frame=3)
             # 3 layers (4608 B) do not fit: 2 + 1 layers; then the last layer alone
@@ -107,20 +98,14 @@ def test_buffers_over_the_frame_limit_are_split_into_layer_groups_that_fit() -> 
             for j, b in enumerate(blocks):
                 assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
             audit(receiver, server, 16)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
 
 def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started(KIND, receiver, checksum=False)
-        sender = create_sender(_config(), identity("prefill-0"))
-        src = random_cache(LAYOUT, 12, seed=10)
-        try:
+        async with pair(KIND, 16, sender_config=UNCHECKED, checksum=False) as (receiver, server, sender):
+            src = random_cache(LAYOUT, 12, seed=10)
             session = await sender.session(server.address, RequestId("bad-frame"))
             reply = await session.open(block_hashes(1), 2, time.time() + 30)
             buffer = torch.empty((1, 2, 2, *src.shape[3:]), dtype=src.dtype)
@@ -142,8 +127,5 @@ def test_a_frame_whose_header_fails_is_dropped_and_the_session_goes_on() -> None
                 assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
             assert receiver.data_calls == LAYOUT.num_layers and channel.dropped() == 1
             audit(receiver, server, 16)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())

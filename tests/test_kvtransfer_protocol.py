@@ -2,52 +2,36 @@
 
 Two real paged caches, real sockets/endpoints on loopback, gather/scatter by the reference ops; raw clients
 built from the same framing code play a misbehaving sender (cut, corrupted frame, bad proof). The
-cross-process tests run this file as the sender's script.
+cross-process tests run tests/harness/transfer.py, where the scenarios' parts live, as the sender's script.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.util
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from pdserve.kernels.reference import ReferenceOps
-from pdserve.kvtransfer.common import DTYPES
 from pdserve.kvtransfer.connector import (
     ConnectionLost,
-    ConnectorConfig,
     FrameBlocks,
     HandshakeError,
     KVLayout,
-    KVReceiverServer,
-    OpenRefused,
-    OpenReply,
-    PeerIdentity,
     TransferAborted,
     TransferRefused,
-    TransferSession,
-    TransferStats,
     create_sender,
-    create_server,
 )
 from pdserve.kvtransfer.framing import PREFIX, PREFIX_SIZE, ByteChannel, FramedConnection, encode_frame
-from pdserve.kvtransfer.handshake import client_handshake
 from pdserve.kvtransfer.messages import (
     PROTOCOL_VERSION,
     Abort,
     Auth,
-    Data,
     Error,
     Hello,
     Open,
@@ -55,192 +39,52 @@ from pdserve.kvtransfer.messages import (
     OpenRefusal,
 )
 from pdserve.kvtransfer.tcp import TcpTransport
-from pdserve.kvtransfer.transport import Transport, parse_address
+from pdserve.kvtransfer.transport import parse_address
 from pdserve.kvtransfer.ucx import UcxOptions
-from pdserve.shared.types import BlockHash, BlockId, FirstToken, NodeId, RequestId
+from pdserve.shared.types import FirstToken, RequestId
+from pdserve.tests.harness.transfer import (
+    KINDS,
+    LAYOUT,
+    TOKEN,
+    TRANSPORTS,
+    UCX,
+    XPROC_BLOCKS,
+    PagedReceiver,
+    audit,
+    block_hashes,
+    config,
+    data_frame,
+    identity,
+    needs_ucx,
+    pair,
+    push,
+    random_cache,
+    raw_sender,
+    run,
+    spawn_sender,
+    started,
+    until,
+)
 
-UCX = importlib.util.find_spec("ucxx") is not None
-"""The ucx connector runs over host memory too, but needs the [ucx] extra (`make test-extras`, CI)."""
 if UCX:
     import ucxx
     from pdserve.kvtransfer.ucx_transport import RECORD, UcxChannel, UcxTransport, progress_mode
-needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test-extras)")
-
-T = TypeVar("T")
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="bfloat16")
-FINGERPRINT = b"\x11" * 32
-TOKEN = "shared-secret-token"
-
-
-def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
-    async def bounded() -> T:
-        async with asyncio.timeout(timeout):
-            return await coro
-
-    return asyncio.run(bounded())
-
-
-def config(kind: str, **overrides: Any) -> ConnectorConfig:
-    fields: dict[str, Any] = {"kind": kind, "auth_token": TOKEN, "handshake_timeout_s": 10.0}
-    fields.update(overrides)
-    return ConnectorConfig(**fields)
-
-
-def identity(node: str, layout: KVLayout = LAYOUT, fingerprint: bytes = FINGERPRINT) -> PeerIdentity:
-    return PeerIdentity(NodeId(node), fingerprint, layout)
-
-
-def random_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
-    """kv: [L, 2, N, B, Hkv, D]"""
-    g = torch.Generator().manual_seed(seed)
-    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return torch.randn(shape, generator=g).to(DTYPES[layout.dtype])
-
-
-def block_hashes(n: int, salt: int = 0) -> list[BlockHash]:
-    return [BlockHash(bytes([salt, i]) * 16) for i in range(n)]
-
-
-class PagedReceiver:
-    """The decode node's TransferHandler over a real paged cache with a free list and held prefix blocks."""
-
-    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
-        self.layout = layout
-        self.kv = torch.zeros(
-            layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim
-        )
-        self.kv = self.kv.to(DTYPES[layout.dtype])
-        self.free: list[int] = list(range(num_blocks))
-        self.held: dict[bytes, int] = {}  # block hash -> block D already has
-        self.reserved: dict[str, list[int]] = {}
-        self.completed: dict[str, FirstToken | None] = {}
-        self.aborts: list[tuple[str, str]] = []
-        self.silent: list[tuple[str, str]] = []
-        self.data_calls = 0
-        self.ops = ReferenceOps()
-
-    def hold(self, block_hash: bytes) -> int:
-        block = self.free.pop()
-        self.held[block_hash] = block
-        return block
-
-    async def on_open(self, peer: NodeId, req: Open) -> OpenReply:
-        hashes, num_blocks, transfer_id = req.block_hashes, req.num_blocks, req.transfer_id
-        num_held = 0
-        while num_held < len(hashes) and hashes[num_held] in self.held:
-            num_held += 1
-        need = num_blocks - num_held
-        if need > len(self.free):
-            raise OpenRefused(f"need {need} blocks, {len(self.free)} free")
-        ids = [self.free.pop() for _ in range(need)]
-        self.reserved[transfer_id] = ids
-        return OpenReply(num_held, tuple(BlockId(b) for b in ids))
-
-    async def on_data(
-        self, transfer_id: RequestId, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor
-    ) -> None:
-        self.data_calls += 1
-        for i in range(buffer.shape[0]):
-            self.ops.scatter_blocks(buffer[i], self.kv[layer_start + i], dst_block_ids)
-
-    async def on_complete(self, transfer_id: RequestId, first_token: FirstToken | None) -> None:
-        self.completed[transfer_id] = first_token
-
-    async def on_abort(self, transfer_id: RequestId, reason: str) -> None:
-        self.aborts.append((transfer_id, reason))
-        self.free.extend(self.reserved.pop(transfer_id))
-
-    async def on_peer_silent(self, peer: NodeId, reason: str) -> None:
-        self.silent.append((peer, reason))
-
-
-async def push(
-    session: TransferSession,
-    src_kv: torch.Tensor,
-    src_blocks: list[int],
-    hashes: list[BlockHash],
-    layers_per_frame: int = 1,
-    first_token: FirstToken | None = None,
-) -> tuple[OpenReply, TransferStats]:
-    """What the prefill node does: open, gather each layer chunk with the reference op, send, complete."""
-    layout_layers = src_kv.shape[0]
-    reply = await session.open(hashes, len(src_blocks), time.time() + 30)
-    todo = list(range(reply.num_held_blocks, reply.num_blocks))
-    blocks = FrameBlocks.run(reply, reply.num_held_blocks, [BlockId(src_blocks[i]) for i in todo])
-    src_ids = torch.tensor([src_blocks[i] for i in todo], dtype=torch.int64)
-    ops = ReferenceOps()
-    for start in range(0, layout_layers, layers_per_frame):
-        stop = min(start + layers_per_frame, layout_layers)
-        # buffer: [layers, 2, n, B, Hkv, D]
-        buffer = torch.empty((stop - start, 2, len(todo), *src_kv.shape[3:]), dtype=src_kv.dtype)
-        for layer in range(start, stop):
-            ops.gather_blocks(src_kv[layer], src_ids, buffer[layer - start])
-        await session.send_layers(start, blocks, buffer)
-    stats = await session.complete(first_token or FirstToken(7, -0.25))
-    return reply, stats
-
-
-KINDS = ["tcp", pytest.param("ucx", marks=[pytest.mark.extras, needs_ucx])]
-TRANSPORTS: dict[str, Callable[[], Transport]] = {
-    "tcp": TcpTransport,
-    "ucx": lambda: UcxTransport(config("ucx")),
-}
-
-
-async def until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
-async def started(kind: str, handler: PagedReceiver, **cfg: Any) -> KVReceiverServer:
-    server = create_server(config(kind, **cfg), identity("decode-0"), handler)
-    await server.start()
-    return server
-
-
-async def raw_sender(kind: str, server: KVReceiverServer) -> FramedConnection:
-    """A sender made of the bare framing pieces, for misbehaving on purpose."""
-    host, port = parse_address(server.address, kind)
-    channel: ByteChannel = await TRANSPORTS[kind]().dial(host, port, 5.0)
-    conn = FramedConnection(channel, 1 << 30)
-    await client_handshake(
-        conn,
-        config(kind, checksum=True, liveness_s=60.0),
-        identity("raw-prefill"),
-    )
-    return conn
-
-
-def data_frame(tid: str, reply: OpenOk, seed: int = 0) -> tuple[Data, torch.Tensor]:
-    n = len(reply.dst_block_ids)
-    payload = random_cache(LAYOUT, n, seed)[:1]  # [1, 2, n, B, Hkv, D]
-    indices = tuple(range(reply.num_held_blocks, reply.num_held_blocks + n))
-    return Data(tid, 0, 1, indices, indices, reply.dst_block_ids), payload
-
-
-def audit(receiver: PagedReceiver, server: KVReceiverServer, num_blocks: int) -> None:
-    """Everything reserved was either completed or freed; nothing is left registered on the server."""
-    assert server.open_transfer_ids() == frozenset()
-    in_use = sum(len(receiver.reserved[t]) for t in receiver.completed)
-    assert len(receiver.free) + len(receiver.held) + in_use == num_blocks
-    assert set(receiver.reserved) == set(receiver.completed)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("checksum", [True, False])
 def test_full_transfer_is_bit_identical(kind: str, checksum: bool) -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started(kind, receiver, checksum=checksum)
-        sender = create_sender(config(kind, checksum=checksum), identity("prefill-0"))
-        src = random_cache(LAYOUT, 12, seed=1)
-        hashes = block_hashes(5)
-        src_blocks = [9, 2, 7, 4, 11]  # 5 full blocks + 1 partial
-        for h, b in zip(hashes[:2], src_blocks[:2], strict=True):  # D already holds the first two
-            receiver.kv[:, :, receiver.hold(h)] = src[:, :, b]
-        try:
+        async with pair(kind, 16, sender_config={"checksum": checksum}, checksum=checksum) as (
+            receiver,
+            server,
+            sender,
+        ):
+            src = random_cache(LAYOUT, 12, seed=1)
+            hashes = block_hashes(5)
+            src_blocks = [9, 2, 7, 4, 11]  # 5 full blocks + 1 partial
+            for h, b in zip(hashes[:2], src_blocks[:2], strict=True):  # D already holds the first two
+                receiver.kv[:, :, receiver.hold(h)] = src[:, :, b]
             session = await sender.session(server.address, RequestId("req-1"))
             reply, stats = await push(session, src, [*src_blocks, 5], hashes, layers_per_frame=3)
             assert reply.num_held_blocks == 2 and len(reply.dst_block_ids) == 4
@@ -251,9 +95,6 @@ def test_full_transfer_is_bit_identical(kind: str, checksum: bool) -> None:
             untouched = set(receiver.free)
             assert all(not receiver.kv[:, :, b].any() for b in untouched)
             audit(receiver, server, 16)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -261,11 +102,8 @@ def test_full_transfer_is_bit_identical(kind: str, checksum: bool) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_sessions_are_multiplexed_on_one_connection(kind: str) -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started(kind, receiver)
-        sender = create_sender(config(kind), identity("prefill-0"))
-        src = random_cache(LAYOUT, 8, seed=2)
-        try:
+        async with pair(kind, 16) as (receiver, server, sender):
+            src = random_cache(LAYOUT, 8, seed=2)
             sessions = [await sender.session(server.address, RequestId(f"r{i}")) for i in range(3)]
             results = await asyncio.gather(
                 *(push(s, src, [i, i + 3], block_hashes(2, salt=i)) for i, s in enumerate(sessions))
@@ -275,9 +113,6 @@ def test_sessions_are_multiplexed_on_one_connection(kind: str) -> None:
                     assert torch.equal(receiver.kv[:, :, b], src[:, :, [i, i + 3][j]])
             assert sorted(receiver.completed) == ["r0", "r1", "r2"]
             audit(receiver, server, 16)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -288,22 +123,19 @@ def test_wrong_token_is_refused(kind: str, wrong_side: str, caplog: pytest.LogCa
     caplog.set_level(logging.INFO, logger="pdserve.kvtransfer")
 
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=4)
-        server = await started(
-            kind, receiver, **({"auth_token": "other"} if wrong_side == "receiver" else {})
-        )
         sender_token = "other" if wrong_side == "sender" else TOKEN
-        sender = create_sender(config(kind, auth_token=sender_token), identity("prefill-0"))
-        try:
+        receiver_token = "other" if wrong_side == "receiver" else TOKEN
+        async with pair(kind, 4, sender_config={"auth_token": sender_token}, auth_token=receiver_token) as (
+            receiver,
+            server,
+            sender,
+        ):
             with pytest.raises(HandshakeError) as err:
                 await sender.session(server.address, RequestId("r"))
             assert err.value.code == "auth"
             await until(lambda: "refused sender" in caplog.text)  # D logged it too
             assert "handshake with" in caplog.text
             audit(receiver, server, 4)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -343,17 +175,15 @@ def test_incompatible_peer_is_refused_naming_the_field(
     kind: str, change: dict[str, Any], code: str, named: str
 ) -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=4)
-        server = await started(kind, receiver)
-        sender = create_sender(config(kind), identity("prefill-0", **change))
-        try:
+        async with pair(kind, 4, sender_identity=identity("prefill-0", **change)) as (
+            receiver,
+            server,
+            sender,
+        ):
             with pytest.raises(HandshakeError) as err:
                 await sender.session(server.address, RequestId("r"))
             assert err.value.code == code and named in str(err.value)
             audit(receiver, server, 4)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -361,10 +191,7 @@ def test_incompatible_peer_is_refused_naming_the_field(
 @pytest.mark.parametrize("kind", KINDS)
 def test_sender_abort_frees_the_reservation(kind: str) -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=8)
-        server = await started(kind, receiver)
-        sender = create_sender(config(kind), identity("prefill-0"))
-        try:
+        async with pair(kind, 8) as (receiver, server, sender):
             session = await sender.session(server.address, RequestId("r"))
             reply = await session.open(block_hashes(3), 3, time.time() + 30)
             assert server.open_transfer_ids() == {"r"} and len(receiver.free) == 5
@@ -376,9 +203,6 @@ def test_sender_abort_frees_the_reservation(kind: str) -> None:
                 await session.send_layers(0, FrameBlocks((), (), ()), torch.empty(0))
             assert len(reply.dst_block_ids) == 3
             audit(receiver, server, 8)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -386,10 +210,7 @@ def test_sender_abort_frees_the_reservation(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_open_refusal_reserves_nothing(kind: str) -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=2)
-        server = await started(kind, receiver)
-        sender = create_sender(config(kind), identity("prefill-0"))
-        try:
+        async with pair(kind, 2) as (receiver, server, sender):
             session = await sender.session(server.address, RequestId("big"))
             with pytest.raises(TransferRefused, match="need 3 blocks, 2 free"):
                 await session.open(block_hashes(3), 3, time.time() + 30)
@@ -402,9 +223,6 @@ def test_open_refusal_reserves_nothing(kind: str) -> None:
             conn.channel.abort()
             assert isinstance(refusal, OpenRefusal) and "deadline" in refusal.reason
             audit(receiver, server, 2)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -412,10 +230,7 @@ def test_open_refusal_reserves_nothing(kind: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_receiver_aborts_at_the_deadline(kind: str) -> None:
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=8)
-        server = await started(kind, receiver)
-        sender = create_sender(config(kind, ack_grace_s=5.0), identity("prefill-0"))
-        try:
+        async with pair(kind, 8, sender_config={"ack_grace_s": 5.0}) as (receiver, server, sender):
             session = await sender.session(server.address, RequestId("slow"))
             await session.open(block_hashes(2), 2, time.time() + 0.3)
             await until(lambda: receiver.aborts)
@@ -425,9 +240,6 @@ def test_receiver_aborts_at_the_deadline(kind: str) -> None:
                 await session.complete(FirstToken(1))
             assert len(receiver.aborts) == 1
             audit(receiver, server, 8)
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 
@@ -577,34 +389,6 @@ def test_server_stop_aborts_open_transfers_and_sender_reconnects(kind: str) -> N
     run(scenario())
 
 
-XPROC_BLOCKS = [3, 8, 1, 10, 6]  # the sender process's source blocks for transfer "xproc"
-
-
-async def sender_process(kind: str, address: str, mode: str) -> None:
-    """The prefill side in its own process: `full` pushes everything, `hang` stops after one layer."""
-    src = random_cache(LAYOUT, 12, seed=3)
-    sender = create_sender(config(kind), identity("prefill-proc"))
-    session = await sender.session(address, RequestId("xproc"))
-    if mode == "full":
-        _, stats = await push(session, src, XPROC_BLOCKS, block_hashes(4, salt=9), layers_per_frame=2)
-        print(f"done {stats.payload_bytes} B in {stats.seconds:.4f} s", flush=True)
-        await sender.close()
-        return
-    reply = await session.open(block_hashes(4, salt=9), len(XPROC_BLOCKS), time.time() + 60)
-    blocks = FrameBlocks.run(reply, 0, [BlockId(b) for b in XPROC_BLOCKS])
-    buffer = torch.empty((2, len(XPROC_BLOCKS), *src.shape[3:]), dtype=src.dtype)  # [2, n, B, Hkv, D]
-    ReferenceOps().gather_blocks(src[0], torch.tensor(XPROC_BLOCKS), buffer)
-    await session.send_layers(0, blocks, buffer)
-    print("sent", flush=True)
-    await asyncio.sleep(3600)  # killed by the test
-
-
-async def spawn_sender(kind: str, address: str, mode: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable, __file__, kind, address, mode, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_transfer_across_processes_is_bit_identical(kind: str) -> None:
@@ -694,24 +478,18 @@ def test_an_idle_connection_stays_up_on_pings(kind: str) -> None:
     (neither end's window is the other's): D never hears silence and aborts nothing."""
 
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=8)
-        server = await started(kind, receiver, liveness_s=0.4)
-        sender = create_sender(config(kind, liveness_s=30.0), identity("prefill-0"))
-        try:
+        async with pair(kind, 8, sender_config={"liveness_s": 30.0}, liveness_s=0.4) as (
+            receiver,
+            server,
+            sender,
+        ):
             src = random_cache(LAYOUT, 4, seed=1)
             await push(await sender.session(server.address, RequestId("a")), src, [0, 1], [])
             await asyncio.sleep(2.0)
             await push(await sender.session(server.address, RequestId("b")), src, [2, 3], [])
             assert receiver.silent == [] and receiver.aborts == []
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
-
-
-if __name__ == "__main__":
-    asyncio.run(sender_process(*sys.argv[1:4]))
 
 
 @pytest.mark.extras
@@ -806,12 +584,9 @@ def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
     bit for bit."""
 
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started("ucx", receiver, options=UcxOptions(window_bytes=2048))
-        sender = create_sender(config("ucx"), identity("prefill-0"))
-        src = random_cache(LAYOUT, 12, seed=5)
-        assert 4 * LAYOUT.layer_block_bytes <= 2048 < 3 * 4 * LAYOUT.layer_block_bytes
-        try:
+        async with pair("ucx", 16, options=UcxOptions(window_bytes=2048)) as (receiver, server, sender):
+            src = random_cache(LAYOUT, 12, seed=5)
+            assert 4 * LAYOUT.layer_block_bytes <= 2048 < 3 * 4 * LAYOUT.layer_block_bytes
             for round_ in range(2):
                 tids = [RequestId(f"w{round_}-{i}") for i in range(3)]
                 sessions = [await sender.session(server.address, tid) for tid in tids]
@@ -827,9 +602,6 @@ def test_ucx_payloads_over_and_under_the_window_are_bit_identical() -> None:
                         assert torch.equal(receiver.kv[:, :, b], src[:, :, picks[i][j]])
                     receiver.free.extend(reply.dst_block_ids)
             assert len(receiver.completed) == 6
-        finally:
-            await sender.close()
-            await server.stop()
 
     run(scenario())
 

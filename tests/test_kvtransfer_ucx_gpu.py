@@ -12,23 +12,13 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import torch
-from pdserve.kvtransfer.connector import FrameBlocks, KVReceiverServer, create_sender
+from pdserve.kvtransfer.connector import FrameBlocks, create_sender
 from pdserve.kvtransfer.ucx import UcxOptions
 from pdserve.shared.types import BlockId, FirstToken, RequestId
-from pdserve.tests.test_kvtransfer_cuda_ipc import (
-    BLOCKS,
-    GpuReceiver,
-    _aborted_once,
-    _devices,
-    _kill_at_first_frame,
-    _push_on_gpu,
-    _spawn,
-)
-from pdserve.tests.test_kvtransfer_protocol import (
+from pdserve.tests.harness.transfer import (
     LAYOUT,
     audit,
     block_hashes,
@@ -36,8 +26,16 @@ from pdserve.tests.test_kvtransfer_protocol import (
     identity,
     random_cache,
     run,
-    started,
     until,
+)
+from pdserve.tests.harness.transfer_gpu import (
+    BLOCKS,
+    GpuReceiver,
+    aborted_once,
+    kill_at_first_frame,
+    push_on_gpu,
+    serving,
+    spawn,
 )
 
 pytestmark = pytest.mark.extras  # needs ucxx, the [ucx] extra: `make test-extras`
@@ -74,24 +72,13 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
         for t in range(TRANSFERS if mode == "full" else 1 if mode == "hang" else 0):
             session = await sender.session(address, RequestId(f"ucx-{t}"))
             layers = None if mode == "full" else 1
-            await _push_on_gpu(session, src, _src_blocks(t), block_hashes(3, salt=t), layers=layers)
+            await push_on_gpu(session, src, _src_blocks(t), block_hashes(3, salt=t), layers=layers)
             if mode == "hang":
                 print("sent", flush=True)
                 await asyncio.sleep(60)
     finally:
         await sender.close()
     print(json.dumps({"closed": True}), flush=True)
-
-
-@contextlib.asynccontextmanager
-async def _serving(window_bytes: int = 512 << 20) -> AsyncIterator[tuple[GpuReceiver, KVReceiverServer, str]]:
-    d_device, p_device = _devices()
-    receiver = GpuReceiver(d_device)
-    server = await started("ucx", receiver, device=d_device, options=UcxOptions(window_bytes=window_bytes))
-    try:
-        yield receiver, server, p_device
-    finally:
-        await server.stop()
 
 
 def _check_landed(receiver: GpuReceiver, t: int) -> None:
@@ -109,8 +96,8 @@ def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_
     standing one; with the default window every frame lands through the standing receive."""
 
     async def scenario() -> None:
-        async with _serving(window_bytes) as (receiver, server, p_device):
-            proc = await _spawn(server.address, mode, p_device, __file__)
+        async with serving("ucx", UcxOptions(window_bytes=window_bytes)) as (receiver, server, p_device):
+            proc = await spawn(__file__, server.address, mode, p_device)
             out, _ = await proc.communicate()
             assert proc.returncode == 0, out
             count = TRANSFERS if mode == "full" else 1
@@ -129,11 +116,11 @@ def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ucx on a GPU needs one")
 def test_ucx_gpu_killed_sender_frees_the_reservation_once() -> None:
     async def scenario() -> None:
-        async with _serving() as (receiver, server, p_device):
-            proc = await _spawn(server.address, "hang", p_device, __file__)
-            await _kill_at_first_frame(proc, receiver)
+        async with serving("ucx", UcxOptions(window_bytes=512 << 20)) as (receiver, server, p_device):
+            proc = await spawn(__file__, server.address, "hang", p_device)
+            await kill_at_first_frame(proc, receiver)
             await proc.communicate()
-            await _aborted_once(receiver, server, "ucx-0")
+            await aborted_once(receiver, server, "ucx-0")
 
     run(scenario(), timeout=120)
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import redis
 from pdserve.cli.redis_launch import free_port
-from pdserve.tests.cluster_fixture import assert_not_on_any_command_line, model_path
+from pdserve.tests.harness.cluster_fixture import assert_not_on_any_command_line, model_path
 
 pytestmark = pytest.mark.slow
 

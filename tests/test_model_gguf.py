@@ -20,7 +20,7 @@ import torch
 from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.shared.model.loader import LoadedModel, load_model
-from pdserve.tests.hf_reference import HFSmolLM2
+from pdserve.tests.harness.hf_reference import HFSmolLM2
 
 pytestmark = pytest.mark.slow
 GGUF = os.path.join(

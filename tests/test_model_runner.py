@@ -13,8 +13,7 @@ from pdserve.kernels.ops import AttentionMetadata
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.model_runner import TABLE_ALIGN, BatchItem, ModelRunner
-
-from tests.test_cuda_graphs import tiny_loaded
+from pdserve.tests.harness.graphs import tiny_loaded
 
 BLOCK = 16
 

@@ -19,8 +19,7 @@ from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.cuda_graphs import prefill_buckets
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
 from pdserve.shared.engine.prefill_graphs import PrefillGraphs
-
-from tests.test_cuda_graphs import (
+from pdserve.tests.harness.graphs import (
     BLOCK,
     MAX_LEN,
     NUM_BLOCKS,
@@ -29,7 +28,7 @@ from tests.test_cuda_graphs import (
     replay_matches_eager,
 )
 
-__all__ = ["cpu_runner"]  # the fixture, shared with the decode graphs' tests
+__all__ = ["cpu_runner"]  # the fixture, from the harness (shared with the decode graphs' tests)
 
 
 def eager_graphs(runner: ModelRunner, max_num_batched_tokens: int = 2048) -> PrefillGraphs:

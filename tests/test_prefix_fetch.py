@@ -32,7 +32,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, PrefillResult, StepOutput
 from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import NodeId, RequestId
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     generate_offline_lines,
     kvctl_main,

@@ -49,14 +49,9 @@ from pdserve.shared.node.node_protocol import (
 )
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVLayout, NodeId, Role
+from pdserve.tests.harness import openai_schema
 
 pytestmark = pytest.mark.slow
-_spec = importlib.util.spec_from_file_location(
-    "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
-)
-assert _spec is not None and _spec.loader is not None
-openai_schema = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(openai_schema)
 validate = openai_schema.validate
 
 

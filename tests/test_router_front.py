@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 from pdserve.cli.up import free_port
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness import openai_schema as schema
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
-    openai_schema,
     router_argv,
     sample,
     secret_file,
@@ -36,7 +36,6 @@ KEY = "key-front"
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_CLIENT = 3, 4, 150
 SLOW_HEADERS, SLOW_BODIES = 140, 60
 ATTACKER = "127.0.0.2"  # loopback too: the per-address cap counts it apart from the test's own 127.0.0.1
-schema = openai_schema()
 
 
 @pytest.fixture(scope="module")

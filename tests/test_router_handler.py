@@ -26,7 +26,7 @@ from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.node.node_protocol import ChallengeReply, ChallengeRequest
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVLayout, NodeId
-from pdserve.tests.cluster_fixture import model_path
+from pdserve.tests.harness.cluster_fixture import model_path
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 

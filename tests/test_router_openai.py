@@ -1,25 +1,16 @@
 """router/openai_protocol.py and openai_builders.py: validation errors in OpenAI's shape, and every response
-object validated against OpenAI's published schemas (tests/openai_schema.py)."""
+object validated against OpenAI's published schemas (tests/harness/openai_schema.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from typing import Any
 
 import pytest
 from pdserve.router.openai_builders import ResponseHead, models_response, usage
 from pdserve.router.openai_protocol import OpenAIError, parse_chat, parse_completion
 from pdserve.shared.node.node_protocol import TokenLogprob, TopLogprob
+from pdserve.tests.harness import openai_schema
 
-sys.path.insert(0, os.path.dirname(__file__))
-spec = importlib.util.spec_from_file_location(
-    "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
-)
-assert spec is not None and spec.loader is not None
-openai_schema = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(openai_schema)
 validate = openai_schema.validate
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

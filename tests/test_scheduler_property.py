@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdserve.shared.engine.block_pool import NoFreeBlocks
 from pdserve.shared.types import RequestId
-
-from .test_scheduler import EOS, Harness
+from pdserve.tests.harness.scheduler import EOS, Harness
 
 # Prompts from a 3-token alphabet over short prefixes, so prefix hits are frequent.
 prompts = st.lists(st.sampled_from([5, 6, 7]), min_size=1, max_size=6).map(lambda p: p * 3)

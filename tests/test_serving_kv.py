@@ -11,19 +11,15 @@ got 500 and left 5 blocks in use on D per request, and 15 of 32 requests under K
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import openai
 import pytest
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
-    generate_offline_lines,
     kvctl_main,
+    reference_texts,
     served_model_name,
     up_config,
 )
@@ -40,34 +36,20 @@ DOCUMENT = " ".join(
 )
 
 
-def references(prompts: list[dict[str, Any]], max_tokens: int) -> list[str]:
-    """Greedy texts of `pdserve generate --prompts-file` (one engine run for all prompts)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        f.write("".join(json.dumps(p) + "\n" for p in prompts))
-    try:
-        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", str(max_tokens))
-    finally:
-        os.unlink(f.name)
-    return [line["text"] for line in lines]
-
-
 def client(live: LiveCluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cluster = LiveCluster.start(up_config(prefill=1, decode=2))
-    try:
+    with LiveCluster.start(up_config(prefill=1, decode=2)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_a_prefix_p_holds_and_d_lacks_is_sent(live: LiveCluster) -> None:
     c = client(live)
     prompts = [DOCUMENT + " Summary:", DOCUMENT + " The rent in year 3 rises by"]
-    want = references([{"prompt": p} for p in prompts], 12)
+    want = reference_texts([{"prompt": p} for p in prompts], 12)
 
     def complete(prompt: str) -> str:
         reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -85,7 +67,7 @@ def test_a_shared_system_prompt_over_two_decode_nodes(live: LiveCluster) -> None
     c = client(live)
     questions = [f"What is {w}?" for w in ("rain", "a comet", "a harbour", "bread", "a violin", "granite")]
     chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
-    want = references([{"messages": m} for m in chats], 10)
+    want = reference_texts([{"messages": m} for m in chats], 10)
 
     def chat(messages: list[dict[str, str]]) -> str:
         reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
@@ -100,7 +82,7 @@ def test_a_shared_system_prompt_over_two_decode_nodes(live: LiveCluster) -> None
 def test_max_tokens_1_completes_and_d_keeps_nothing(live: LiveCluster) -> None:
     c = client(live)
     prompt = DOCUMENT + " In one word, the lease is"
-    want = references([{"prompt": prompt}], 1)[0]
+    want = reference_texts([{"prompt": prompt}], 1)[0]
     for _ in range(3):
         reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
         assert reply.choices[0].text == want and reply.choices[0].finish_reason == "length"
@@ -121,13 +103,12 @@ def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them() -> None:
     # D's pool holds 12 blocks of 16 tokens; each request needs 3 (a ~20-token prompt + 16 tokens), and D
     # keeps a free block per live request, so at most 3 run at once against 32 in flight: over 8x.
     cfg = up_config(prefill=1, decode=1, role_node_args=(("decode", ("--num-kv-blocks", "12")),))
-    live = LiveCluster.start(cfg)
-    try:
+    with LiveCluster.start(cfg) as live:
         prompts = [
             f"Request {i}: list three facts about the number {i}, each in a short sentence."
             for i in range(32)
         ]
-        want = references([{"prompt": p} for p in prompts], 16)
+        want = reference_texts([{"prompt": p} for p in prompts], 16)
         c = client(live)
 
         def complete(prompt: str) -> str:
@@ -138,5 +119,3 @@ def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them() -> None:
             got = list(pool.map(complete, prompts))
         assert got == want
         live.wait_clean()
-    finally:
-        live.stop()

@@ -1,7 +1,7 @@
 """Regression tests of issue 17 ("Ordinary traffic must not fail"), one per defect, each through real
 processes: a real redis-server, real nodes and router started as `pdserve up` starts them
-(tests/cluster_fixture.py), the real command-line tools. Each failing scenario ends with the audits of every
-node clean (in_use = reserved = 0 with no live request).
+(tests/harness/cluster_fixture.py), the real command-line tools. Each failing scenario ends with the audits of
+every node clean (in_use = reserved = 0 with no live request).
 
 Functions are named after the defect they pin: test_defect3_* (Redis restarted empty), test_defect4_* (a node
 with another credential), test_defect5_* (/health), test_defect6_* (what the operator sees; what `pdserve up`
@@ -28,7 +28,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import RequestId
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     NodeProc,
     kvctl_main,

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
-from pdserve.tests.cluster_fixture import (
+from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     generate_offline_lines,
     kvctl_main,

@@ -17,7 +17,9 @@ from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-SCHEMAS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "openai-schemas.json")
+SCHEMAS_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "openai-schemas.json"
+)
 _URI = "urn:pdserve:openai-schemas"
 
 

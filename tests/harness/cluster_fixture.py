@@ -1,8 +1,9 @@
 """Test helpers for end-to-end tests: a real local cluster (redis-server, nodes, router) as processes.
 
 Owns nothing global: every `LiveCluster` stops exactly the processes it started, by pid (process group),
-and `stop()` asserts that none of them, nor anything in their process groups, is left running. Once started,
-`ps` shows the cluster's credential (the KV-transfer token) on no command line.
+and `stop()` (or leaving `with LiveCluster.start(cfg) as live:`) asserts that none of them, nor anything in
+their process groups, is left running. Once started, `ps` shows the cluster's credential (the KV-transfer
+token) on no command line.
 The helpers also run the real command-line tools (`pdserve generate`, `kvctl`) as subprocesses and read
 node endpoints (/internal/audit with the cluster's credential, /metrics) over loopback.
 """
@@ -21,7 +22,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -41,17 +41,6 @@ def model_path() -> str:
 
 def served_model_name() -> str:
     return MODEL_FILE
-
-
-def openai_schema() -> ModuleType:
-    """tests/openai_schema.py (the router's schema helper; it reads tests/data/openai-schemas.json)."""
-    spec = importlib.util.spec_from_file_location(
-        "openai_schema", os.path.join(os.path.dirname(__file__), "openai_schema.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)
@@ -97,6 +86,12 @@ class LiveCluster:
                 argv = [str(a) for a in proc.args]  # type: ignore[union-attr]
                 live.nodes[name] = NodeProc(name, f"http://127.0.0.1:{_flag(argv, '--port')}")
         return live
+
+    def __enter__(self) -> LiveCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def log(self, name: str) -> str:
         with open(os.path.join(self.cluster.workdir, f"{name}.log"), "rb") as f:
@@ -246,6 +241,17 @@ def generate_offline_lines(*args: str) -> list[dict[str, Any]]:
     )
     assert done.returncode == 0, f"pdserve generate exited {done.returncode}: {done.stderr[-2000:]}"
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def reference_texts(prompts: list[dict[str, Any]], max_tokens: int) -> list[str]:
+    """Greedy texts of `pdserve generate --prompts-file` (one engine run for all prompts), in their order."""
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write("".join(json.dumps(p) + "\n" for p in prompts))
+    try:
+        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", str(max_tokens))
+    finally:
+        os.unlink(f.name)
+    return [line["text"] for line in lines]
 
 
 def secret_file(value: str) -> str:

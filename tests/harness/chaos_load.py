@@ -215,6 +215,6 @@ def _error_of(body: bytes) -> dict[str, Any] | None:
 
 def metric_of(base: str, name: str, labels: dict[str, str] | None = None) -> float:
     """One router series summed over matching labels (0.0 when absent)."""
-    from pdserve.tests.cluster_fixture import sample
+    from pdserve.tests.harness.cluster_fixture import sample
 
     return sample(httpx.get(f"{base}/metrics", timeout=10).text, name, labels)

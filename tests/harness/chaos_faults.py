@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 from pdserve.cli.up import start_redis
-from pdserve.tests.cluster_fixture import LiveCluster, NodeProc, node_argv, router_argv, up_config
+from pdserve.tests.harness.cluster_fixture import LiveCluster, NodeProc, node_argv, router_argv, up_config
 
 SMALL_KV = ("--kv-cache-gib", "0.125")
 """182 blocks of 16 tokens: plenty for 16 short streams, and 0.9 GiB less memory per node."""
