@@ -312,7 +312,7 @@ def plan_gpu_memory(
     prefill_len = min(max_num_batched_tokens, max_model_len)
     scratch_blocks = -(-prefill_len // block_size) + 1
     scratch = torch.zeros(
-        (c.num_layers, 2, scratch_blocks, block_size, c.num_kv_heads, c.head_dim),
+        (c.num_layers, 2, scratch_blocks, block_size, model.tp.num_kv_heads, c.head_dim),
         dtype=model.dtype,
         device=dev,
     )
