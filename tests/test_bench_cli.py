@@ -27,11 +27,8 @@ SHORT = ("--num-prompts", "6", "--input-len", "24", "--output-len", "12", "--ign
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cluster = LiveCluster.start(up_config(prefill=0, decode=1))
-    try:
+    with LiveCluster.start(up_config(prefill=0, decode=1)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def bench(tmp_path: Path, name: str, *args: str) -> dict[str, Any]:

@@ -80,11 +80,8 @@ def live() -> Iterator[LiveCluster]:
         prefill=2, decode=2, extra_node_args=SMALL_KV, redis_aof=True,
         role_ports=tuple(ports.items()), router_args=("--seed-nodes", seeds, *MIGRATION),
     )  # fmt: skip
-    cluster = LiveCluster.start(cfg)
-    try:
+    with LiveCluster.start(cfg) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
         print("\n" + table(ROWS))
 
 

@@ -32,11 +32,8 @@ def generated(live: LiveCluster, node: str) -> float:
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
     cfg = up_config(prefill=1, decode=2, extra_node_args=SMALL_KV, router_args=("--migration-limit", "1"))
-    cluster = LiveCluster.start(cfg)
-    try:
+    with LiveCluster.start(cfg) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_streams_of_a_killed_decode_node_migrate_and_finish_with_the_undisturbed_text(

@@ -39,11 +39,8 @@ LONG_PROMPT = (
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cluster = LiveCluster.start(up_config())
-    try:
+    with LiveCluster.start(up_config()) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")

@@ -42,11 +42,8 @@ WORDS = ("Apples", "Bridges", "Comets", "Deserts", "Engines", "Forests", "Glacie
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cluster = LiveCluster.start(up_config(prefill=2, decode=2))
-    try:
+    with LiveCluster.start(up_config(prefill=2, decode=2)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def complete(live: LiveCluster, prompt: str, max_tokens: int = 4) -> dict[str, Any]:

@@ -52,11 +52,8 @@ class _Record(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cluster = LiveCluster.start(up_config(prefill=0, decode=1))
-    try:
+    with LiveCluster.start(up_config(prefill=0, decode=1)) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def completion(live: LiveCluster) -> str:

@@ -58,11 +58,10 @@ BS = 16
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cluster = LiveCluster.start(up_config(prefill=2, decode=1, extra_node_args=("--kv-cache-gib", "0.125")))
-    try:
+    with LiveCluster.start(
+        up_config(prefill=2, decode=1, extra_node_args=("--kv-cache-gib", "0.125"))
+    ) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(scope="module")
