@@ -1,5 +1,5 @@
 """Decode at tensor-parallel size 1 and 2 through the engine loop on one host's GPUs, against the HBM
-roofline of the bytes each rank reads per step, and NCCL's all-reduce at decode sizes in a CUDA graph.
+roofline of the bytes each rank reads per step (the all-reduce alone: benchmarks/tp_allreduce.py).
 Prints one markdown table; `--out` gets the JSON.
 
     python benchmarks/tp_decode.py --shape llama-3.1-8b --tp 1,2
@@ -9,9 +9,7 @@ Each engine loads its own seeded dummy weights (rank r draws its shard of the sa
 is off at every size, because the engine refuses it at TP > 1 (TP=1 with it on is reported beside, as the
 single GPU's best). Batch-1 decode runs at ~1.2k context, throughput at batch 64 and 2k context. The
 roofline of TP=N: the copy bandwidth of one GPU over the bytes one rank reads per step (its weight shard,
-the embedding table excepted, plus its KV heads' share), since the N GPUs read in parallel. The all-reduce
-row times `--layers` x 2 all-reduces of one token's hidden state (bf16) replayed from a CUDA graph over
-two processes, the cost a TP=2 decode step pays for its collectives.
+the embedding table excepted, plus its KV heads' share), since the N GPUs read in parallel.
 """
 
 from __future__ import annotations
@@ -19,14 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from pdserve.benchmarks.gpu_decode import (
     copy_bandwidth,
     engine_decode,
@@ -54,51 +48,6 @@ def _weight_bytes(shape: str, tp: int) -> int:
     return 2 * (c.num_layers * per_layer + lm_head + h)
 
 
-def _allreduce_worker(rank: int, port: int, hidden: int, calls: int, out: dict[str, float]) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    x = torch.ones(hidden, dtype=torch.bfloat16, device=f"cuda:{rank}")
-    for _ in range(3):
-        dist.all_reduce(x)
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                dist.all_reduce(x)
-    times = []
-    for _ in range(20):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.replay()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    eager = []
-    for _ in range(5):
-        dist.barrier()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        eager.append(time.perf_counter() - t0)
-    if rank == 0:
-        out["graph_us"] = statistics.median(times) / calls * 1e6
-        out["eager_us"] = statistics.median(eager) / calls * 1e6
-    dist.destroy_process_group()
-
-
-def allreduce_us(hidden: int, calls: int) -> dict[str, float]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = mp.Manager().dict()
-    mp.spawn(_allreduce_worker, args=(port, hidden, calls, out), nprocs=2)
-    return dict(out)
-
-
 def decode_rows(shape: str, tp: int, overlap: bool, bw: float, res: dict[str, object]) -> list[Row]:
     c = NAMED_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
@@ -113,7 +62,9 @@ def decode_rows(shape: str, tp: int, overlap: bool, bw: float, res: dict[str, ob
         ctx = 1024 + (skip + n_out) / 2
         kv = kv_bytes_per_token(c, torch.bfloat16) * ctx / min(tp, c.num_kv_heads)
         roof = bw / (_weight_bytes(shape, tp) + kv)
+        log("loaded; batch-1 decode")
         b1 = [engine_decode(engine, [prompt], n_out, skip)[0] for _ in range(3)]
+        log(f"batch 1: {b1}; batch 64")
         prompts = [random_tokens(2048, c.vocab_size, gen) for _ in range(64)]
         b64 = engine_decode(engine, prompts, 16 + 40, 4)[0]
         kv64 = kv_bytes_per_token(c, torch.bfloat16) * (2048 + 30) * 64 / min(tp, c.num_kv_heads)
@@ -153,14 +104,6 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(torch.device("cuda:0"))
     res: dict[str, object] = {"copy_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(0)}
     rows: list[Row] = [("copy bandwidth, cuda:0", f"{bw / (1 << 30):.0f} GiB/s", "", "")]
-    c = NAMED_SHAPES[args.shape]
-    if max(sizes) >= 2:
-        ar = allreduce_us(c.hidden_size, 2 * c.num_layers)
-        res["allreduce"] = ar
-        per_step_ms = ar["graph_us"] * 2 * c.num_layers / 1000
-        rows.append((f"NCCL all-reduce of {c.hidden_size * 2 // 1024} KiB, 2 GPUs, per call",
-                     f"{ar['graph_us']:.1f} us in a graph", f"{ar['eager_us']:.1f} us eager",
-                     f"x{2 * c.num_layers} per step = {per_step_ms:.2f} ms"))  # fmt: skip
     for tp in sizes:
         rows += decode_rows(args.shape, tp, False, bw, res)
         if tp == 1 and args.tp1_async:

@@ -91,7 +91,7 @@ class TPRanks:
         self._failure: str | None = None
         self._closing = False
         self._stop_r, self._stop_w = os.pipe()
-        self.dist = DistCollectives(0, size, cfg.torch_device, self._why)
+        self.dist = DistCollectives(0, size, cfg.torch_device, self._why, cfg.torch_dtype)
         self.comm: Collectives = self.dist
         store = self.store = dist.TCPStore(
             "127.0.0.1",

@@ -40,7 +40,7 @@ def serve(args: dict[str, Any]) -> None:
     device = cfg.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the memory plan and Triton's launches use the current device
-    comm = DistCollectives(rank, cfg.tensor_parallel_size, device)
+    comm = DistCollectives(rank, cfg.tensor_parallel_size, device, dtype=cfg.torch_dtype)
     loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype, tokenizer_path=cfg.tokenizer,
                         seed=cfg.seed, comm=comm, progress=False)  # fmt: skip
     store = dist.TCPStore(
