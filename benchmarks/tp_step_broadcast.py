@@ -39,7 +39,7 @@ def _item(context: int) -> list[BatchItem]:
 def worker(args: dict[str, int]) -> None:
     ack = args["ack_fd"]
     if args["mode"] == 0:
-        reader = StepReader(args["region_fd"], args["bell_fd"], CAPACITY)
+        reader = StepReader(args["region_fd"], args["bell_fd"], CAPACITY, 0, 1)
         while reader.receive() is not None:
             os.write(ack, b"\x01")
         return
@@ -48,7 +48,7 @@ def worker(args: dict[str, int]) -> None:
     buf = torch.empty(CAPACITY // 4, dtype=torch.int32)
     for _ in range(args["iters"]):
         dist.broadcast(buf, src=0)
-        unpack(buf.numpy().tobytes()[: 4 * (4 + 4 + int(buf[2]) + int(buf[3]))])
+        unpack(buf.numpy().tobytes()[: 4 * (4 + 5 + int(buf[2]) + int(buf[3]))])
         os.write(ack, b"\x01")
     dist.destroy_process_group()
 

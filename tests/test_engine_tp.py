@@ -97,7 +97,8 @@ def test_tiny_llama_tp4_replicates_kv_heads_and_gives_tp1_greedy_tokens(
     prompts = _prompts_file(tmp_path / "prompts.jsonl")
     args = ("--model", tiny_llama, "--tokenizer", model_path(), "--prompts-file", prompts,
             "--max-tokens", str(MAX_NEW), "--ignore-eos", "--kv-cache-gib", "0.01")  # fmt: skip
-    tp1, tp4 = _tokens(*args), _tokens(*args, "--tensor-parallel-size", "4")
+    # TP=4 with async scheduling: the workers' placeholders come from rank 0's broadcast sampled tokens
+    tp1, tp4 = _tokens(*args), _tokens(*args, "--tensor-parallel-size", "4", "--async-scheduling", "on")
     assert all(len(t) == MAX_NEW for t in tp1)
     assert tp4 == tp1
 
@@ -219,14 +220,13 @@ def test_step_message_round_trip() -> None:
         BatchItem(list(range(40)), 32, 8, [5, 9, 2], True),
         BatchItem([7, 8, 9], 2, 1, [4], False),
     ]
-    got = unpack(pack(items).tobytes())
-    for a, b in zip(items, got, strict=True):
-        assert (a.start, a.num_tokens, list(a.block_ids), a.sample) == (
-            b.start,
-            b.num_tokens,
-            b.block_ids,
-            b.sample,
-        )
+    on_device = BatchItem([7, 8, 9], 3, 1, [4], True, prev_row=1)  # async scheduling: its token is a tensor's
+    got = unpack(pack([*items, on_device]).tobytes())
+    for a, b in zip([*items, on_device], got, strict=True):
+        assert (a.start, a.num_tokens, list(a.block_ids), a.sample, a.prev_row) == (
+            b.start, b.num_tokens, b.block_ids, b.sample, b.prev_row,
+        )  # fmt: skip
+    for a, b in zip(items, got[:2], strict=True):
         assert list(b.token_ids[b.start : b.start + b.num_tokens]) == list(
             a.token_ids[a.start : a.start + a.num_tokens]
         )

@@ -70,11 +70,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
-        if self.tensor_parallel_size > 1 and self.overlap:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} runs without async scheduling (the other "
-                "ranks read each step's tokens from the host): set async_scheduling off"
-            )
 
     @property
     def dtype_name(self) -> str:

@@ -467,7 +467,10 @@ class LLMEngine:
             for s in sampling
         ]
         rows = {s.request.request_id: i for i, s in enumerate(sampling)}
-        return _InFlight(out, sampling, self.sampler.launch(logits, states), rows)
+        sample = self.sampler.launch(logits, states)
+        if self.cfg.overlap and sampling:
+            self.ranks.share_tokens(sample.tokens)  # the other ranks' next step reads its placeholders there
+        return _InFlight(out, sampling, sample, rows)
 
     def _apply(self, step: _InFlight) -> list[StepOutput]:
         """Waits for a launched step's tokens, applies them, and emits the outputs of its live requests."""

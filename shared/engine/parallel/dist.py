@@ -104,6 +104,15 @@ class DistCollectives:
             raise self._failure("all-reduce", exc) from exc
         return x
 
+    def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled token ids [S] int64 into every rank's `tokens` (in place; queued on the stream on
+        CUDA, so async scheduling keeps the host ahead)."""
+        try:
+            dist.broadcast(tokens, src=0)
+        except RuntimeError as exc:
+            raise self._failure("token broadcast", exc) from exc
+        return tokens
+
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         local = local.contiguous()  # [S, V / N]
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None

@@ -54,6 +54,10 @@ class Ranks(Protocol):
     def publish(self, items: Sequence[BatchItem]) -> None:
         """Sends a step's batch to the other ranks (before rank 0 runs it)."""
 
+    def share_tokens(self, tokens: torch.Tensor) -> None:
+        """With async scheduling: a step's sampled tokens [S] (on the device) to the other ranks, whose next
+        step reads its placeholders from them (every step that samples, in launch order)."""
+
     def close(self) -> None:
         """Stops the other ranks; idempotent."""
 
@@ -71,6 +75,9 @@ class SoloRank:
         return value
 
     def publish(self, items: Sequence[BatchItem]) -> None:
+        return None
+
+    def share_tokens(self, tokens: torch.Tensor) -> None:
         return None
 
     def close(self) -> None:
@@ -141,6 +148,9 @@ class TPRanks:
 
     def publish(self, items: Sequence[BatchItem]) -> None:
         self.channel.publish(items)
+
+    def share_tokens(self, tokens: torch.Tensor) -> None:
+        self.dist.broadcast_tokens(tokens)
 
     def _why(self) -> str | None:
         """The watchdog's account of a failed collective: a rank that exited (it notices within moments)."""

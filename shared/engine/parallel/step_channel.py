@@ -9,27 +9,39 @@ tells a worker at once that rank 0 is gone. The region is a memfd, passed to the
 descriptor, so nothing is left in /dev/shm on any exit.
 
 Message (int32, little-endian): [VERSION, n_items, n_tokens, n_table], then per item (start, num_tokens,
-sample, n_blocks), then the items' new token ids, then their block ids. Sampling parameters do not travel:
-only rank 0 samples, over the logits gathered from every rank.
-Invariants: rank 0 writes step n+1's message only after step n's collectives, and a worker copies a message
-out before its first collective of that step, so the one region is never read while it is rewritten; an
-item never reads the previous step's tokens on the device (`prev_row`): the workers would not have them.
+sample, n_blocks, prev_row), then the items' new token ids (a placeholder 0 for an item whose token is the
+previous step's, still on the device: `prev_row` >= 0), then their block ids. Sampling parameters do not
+travel: only rank 0 samples, over the logits gathered from every rank; with async scheduling it broadcasts
+each step's sampled tokens on the device (`DistCollectives.broadcast_tokens`), which the workers' next step
+reads for its placeholders.
+Invariants: message n goes to slot n % SLOTS of the region; a worker copies a message out, then counts it
+in its own counter after the slots, and rank 0 writes a slot only once every worker has counted the message
+that slot held, so a slot is never read while it is rewritten (with async scheduling rank 0 runs a step
+ahead of the workers; it waits only if they fall SLOTS messages behind, for at most the collective timeout).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import overload
 
 from pdserve.shared.engine.model_runner import BatchItem
-from pdserve.shared.engine.parallel.dist import RankFailure
+from pdserve.shared.engine.parallel.dist import COLLECTIVE_TIMEOUT_S, RankFailure
 
-VERSION = 1
+VERSION = 2
+SLOTS = 4
 _HEADER = 4
-_PER_ITEM = 4
+_PER_ITEM = 5
+_COUNTER = 8  # bytes of a worker's consumed-message counter
+
+
+def region_bytes(capacity: int, workers: int) -> int:
+    """The shared region: SLOTS message slots of `capacity` bytes, then one counter per worker."""
+    return SLOTS * capacity + _COUNTER * workers
 
 
 def capacity_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int) -> int:
@@ -43,9 +55,11 @@ def capacity_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_blocks_pe
 def pack(items: Sequence[BatchItem]) -> array[int]:
     head, tokens, table = array("i"), array("i"), array("i")
     for it in items:
-        assert it.prev_row < 0, "a tensor-parallel step's tokens are on the host (no async scheduling)"
-        head.extend((it.start, it.num_tokens, int(it.sample), len(it.block_ids)))
-        tokens.extend(it.token_ids[it.start : it.start + it.num_tokens])
+        head.extend((it.start, it.num_tokens, int(it.sample), len(it.block_ids), it.prev_row))
+        if it.prev_row >= 0:
+            tokens.append(0)  # the worker reads it from the previous step's broadcast tokens
+        else:
+            tokens.extend(it.token_ids[it.start : it.start + it.num_tokens])
         table.extend(it.block_ids)
     msg = array("i", (VERSION, len(items), len(tokens), len(table)))
     msg.extend(head)
@@ -62,11 +76,12 @@ def unpack(buf: bytes | memoryview) -> list[BatchItem]:
     tok_at, table_at = _PER_ITEM * n_items, _PER_ITEM * n_items + n_tokens
     items = []
     for i in range(n_items):
-        start, num, sample, n_blocks = body[_PER_ITEM * i : _PER_ITEM * (i + 1)]
+        start, num, sample, n_blocks, prev_row = body[_PER_ITEM * i : _PER_ITEM * (i + 1)]
         new = body[tok_at : tok_at + num].tolist()
         blocks = body[table_at : table_at + n_blocks].tolist()
         tok_at, table_at = tok_at + num, table_at + n_blocks
-        items.append(BatchItem(_Tail(start, new), start, num, blocks, bool(sample)))
+        tail = _Tail(start, [] if prev_row >= 0 else new)
+        items.append(BatchItem(tail, start, num, blocks, bool(sample), prev_row))
     return items
 
 
@@ -102,9 +117,12 @@ class StepWriter:
     def __init__(self, capacity: int, workers: int) -> None:
         self.capacity = capacity
         self.region_fd = os.memfd_create("pdserve-tp-step")
-        os.ftruncate(self.region_fd, capacity)
-        self.region = mmap.mmap(self.region_fd, capacity)
+        size = region_bytes(capacity, workers)
+        os.ftruncate(self.region_fd, size)
+        self.region = mmap.mmap(self.region_fd, size)
+        self.consumed = memoryview(self.region)[SLOTS * capacity :].cast("q")  # zero-filled: none yet
         self.bells = [os.pipe() for _ in range(workers)]  # (read end: the worker's, write end: ours)
+        self.sent = 0
 
     def fds(self, worker: int) -> tuple[int, int]:
         """(region fd, doorbell read end) of worker `worker` (0-based among the workers)."""
@@ -120,12 +138,27 @@ class StepWriter:
         data = pack(items).tobytes()
         if len(data) > self.capacity:
             raise ValueError(f"a step message of {len(data)} bytes exceeds the region's {self.capacity}")
-        self.region[: len(data)] = data
+        self._wait_for_slot()
+        at = (self.sent % SLOTS) * self.capacity
+        self.region[at : at + len(data)] = data
+        self.sent += 1
         for rank, (_, write_end) in enumerate(self.bells, start=1):
             try:
                 os.write(write_end, b"\x01")
             except BrokenPipeError as exc:
                 raise RankFailure(f"tensor-parallel rank {rank} is gone; the engine is down") from exc
+
+    def _wait_for_slot(self) -> None:
+        """Until every worker has copied the message that the next slot held (SLOTS messages ago)."""
+        need = self.sent - SLOTS + 1
+        if need <= 0 or min(self.consumed) >= need:
+            return
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
+        while min(self.consumed) < need:
+            if time.monotonic() > deadline:
+                wait = f"{COLLECTIVE_TIMEOUT_S:.0f} s"
+                raise RankFailure(f"tensor-parallel workers read no step for {wait}; the engine is down")
+            time.sleep(0.0001)
 
     def close(self) -> None:
         """Closes the doorbells: every worker reads end of file and exits. Idempotent."""
@@ -137,14 +170,23 @@ class StepWriter:
 class StepReader:
     """A worker's end."""
 
-    def __init__(self, region_fd: int, bell_fd: int, capacity: int) -> None:
-        self.region = mmap.mmap(region_fd, capacity, prot=mmap.PROT_READ)
+    def __init__(self, region_fd: int, bell_fd: int, capacity: int, worker: int, workers: int) -> None:
+        """worker: this rank's index among the workers (rank - 1)."""
+        self.region = mmap.mmap(region_fd, region_bytes(capacity, workers))
         os.close(region_fd)
+        self.capacity = capacity
+        self.consumed = memoryview(self.region)[SLOTS * capacity :].cast("q")
+        self.worker = worker
         self.bell = bell_fd
+        self.read = 0
 
     def receive(self) -> list[BatchItem] | None:
         """The next step's batch, waiting as long as it takes; None once rank 0 has closed the channel
         (shut down or died)."""
         if not os.read(self.bell, 1):
             return None
-        return unpack(memoryview(self.region))
+        at = (self.read % SLOTS) * self.capacity
+        items = unpack(memoryview(self.region)[at : at + self.capacity])
+        self.read += 1
+        self.consumed[self.worker] = self.read
+        return items

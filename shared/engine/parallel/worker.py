@@ -36,7 +36,8 @@ def serve(args: dict[str, Any]) -> None:
     cfg = EngineConfig(**args["config"])
     rank = int(args["rank"])
     torch.set_num_threads(int(args["threads"]))
-    reader = StepReader(int(args["region_fd"]), int(args["bell_fd"]), int(args["capacity"]))
+    reader = StepReader(int(args["region_fd"]), int(args["bell_fd"]), int(args["capacity"]), rank - 1,
+                        cfg.tensor_parallel_size - 1)  # fmt: skip
     device = cfg.rank_device(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # the memory plan and Triton's launches use the current device
@@ -52,8 +53,12 @@ def serve(args: dict[str, Any]) -> None:
     max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     num_blocks = comm.agree_min(cfg.num_kv_blocks or size_kv_pool(cfg, loaded, max_model_len))
     runner = ModelRunner(loaded, cfg, num_blocks, max_model_len=max_model_len, device=device)
+    prev: torch.Tensor | None = None  # async scheduling: the last sampling step's tokens, from rank 0
     while (items := reader.receive()) is not None:
-        runner.execute(items)
+        runner.execute(items, prev_tokens=prev, wait=not cfg.overlap)
+        sampled = sum(it.sample for it in items)
+        if cfg.overlap and sampled:
+            prev = comm.broadcast_tokens(torch.empty(sampled, dtype=torch.int64, device=device))
 
 
 def main(argv: list[str]) -> int:
