@@ -6,9 +6,10 @@ Prints one markdown table; `--out` gets the JSON.
     python benchmarks/tp_decode.py --shape llama-3.1-70b --tp 2
 
 Each engine loads its own seeded dummy weights (rank r draws its shard of the same model); async scheduling
-as `--async-scheduling` says, at every size. Batch-1 decode runs at ~1.2k context, throughput at batch 64 and 2k context. The
-roofline of TP=N: the copy bandwidth of one GPU over the bytes one rank reads per step (its weight shard,
-the embedding table excepted, plus its KV heads' share), since the N GPUs read in parallel.
+as `--async-scheduling` says, at every size. Batch-1 decode runs at ~1.2k context, throughput at batch 64
+and 2k context. The roofline of TP=N: the copy bandwidth of one GPU over the bytes one rank reads per step
+(its weight shard, the embedding table excepted, plus its KV heads' share), since the N GPUs read in
+parallel.
 """
 
 from __future__ import annotations
@@ -110,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in got and 2 in got:
         b1 = statistics.median(got[2]["b1"]) / statistics.median(got[1]["b1"])  # type: ignore[index]
         b64 = got[2]["b64"] / got[1]["b64"]  # type: ignore[index]
-        rows.append((f"{args.shape} TP=2 / TP=1 (async scheduling {args.async_scheduling})", f"batch 1 {b1:.2f}x, batch 64 {b64:.2f}x",
-                     "targets 1.6x / 1.7x", ""))  # fmt: skip
+        mode = args.async_scheduling
+        rows.append((f"{args.shape} TP=2 / TP=1 (async scheduling {mode})",
+                     f"batch 1 {b1:.2f}x, batch 64 {b64:.2f}x", "targets 1.6x / 1.7x", ""))  # fmt: skip
     print(markdown(rows))
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
