@@ -125,7 +125,7 @@ class RouterOptions(SecretFiles):
         description="requests that may wait for a node below its limit; beyond: 429 with Retry-After",
     )
     migration_limit: int = Field(
-        0,
+        3,
         ge=0,
         description="times a stream whose node fails after its first token is re-prefilled on other nodes "
         "from its prompt and the tokens already sent, and goes on (0: it ends with an error)",

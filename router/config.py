@@ -61,9 +61,10 @@ class RouterConfig:
     """How a node whose connection was refused or reset is probed back into routing."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     """Per-node in-flight limit and the queue in front of it (router/admission.py)."""
-    migration_limit: int = 0
+    migration_limit: int = 3
     """Times a choice whose node fails after its first token may be re-prefilled on other nodes from its
-    prompt and the tokens already streamed (router/migration.py); 0: it ends with the error."""
+    prompt and the tokens already streamed (router/migration.py); 0: it ends with the error. On by default:
+    a client's stream outlives one node (a choice that keeps failing stops after 3 moves)."""
     cost_model: bool = False
     """Let the cost model (router/cost_model.py) choose, per request, between prefilling on D, on P, and on P
     after fetching a holder's prefix; off: P/D whenever a prefill node exists (local only below

@@ -1,4 +1,4 @@
-"""Request migration (issue 20): with `--migration-limit 1`, kill -9 of a decode node mid-stream loses no
+"""Request migration (issues 20 and 39), on by default: kill -9 of a decode node mid-stream loses no
 request: each stream it carried is re-prefilled on the other pair from its prompt and the tokens already
 sent, and the client's stream goes on to the text an undisturbed run gives, greedy and seeded alike.
 Real processes: redis-server, 1 P, 2 D, the router.
@@ -31,7 +31,7 @@ def generated(live: LiveCluster, node: str) -> float:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    cfg = up_config(prefill=1, decode=2, extra_node_args=SMALL_KV, router_args=("--migration-limit", "1"))
+    cfg = up_config(prefill=1, decode=2, extra_node_args=SMALL_KV)  # the router's defaults: migration on
     with LiveCluster.start(cfg) as cluster:
         yield cluster
 

@@ -25,9 +25,10 @@ SMALL_KV = ("--kv-cache-gib", "0.125")
 
 
 @contextlib.contextmanager
-def small_cluster(prefill: int, decode: int) -> Iterator[LiveCluster]:
+def small_cluster(prefill: int, decode: int, router_args: tuple[str, ...] = ()) -> Iterator[LiveCluster]:
     """A started cluster of small-KV nodes (SMALL_KV), stopped (and checked gone) on exit."""
-    cluster = LiveCluster.start(up_config(prefill=prefill, decode=decode, extra_node_args=SMALL_KV))
+    cfg = up_config(prefill=prefill, decode=decode, extra_node_args=SMALL_KV, router_args=router_args)
+    cluster = LiveCluster.start(cfg)
     try:
         yield cluster
     finally:
