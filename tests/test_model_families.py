@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from pdserve.shared.model.dummy_weights import hf_shapes
+from pdserve.shared.model.dummy_weights import fill_dummy_weights, hf_shapes
 from pdserve.shared.model.loader import LoadedModel, ModelLoadError, load_model
+from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.shared.model.parallel import SingleRank, check_split, plan
 from pdserve.tests.harness.cluster_fixture import model_path
 from pdserve.tests.harness.paged_runner import PagedRunner
 from pdserve.tests.harness.tiny_models import FAMILIES, VOCAB, hf_tiny_model
@@ -164,3 +167,82 @@ def test_bad_config_is_one_load_error(family: str, edit: Any, expected: str, tmp
             str(tmp_path), device=torch.device("cpu"), dtype=torch.float32, tokenizer_path=model_path()
         )
     assert expected in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+class _RankOne(SingleRank):
+    rank, size = 1, 2
+
+
+def _tiny_moe() -> ModelConfig:
+    """A 1-layer Qwen2-MoE-like shape: 4 experts of width 32, a shared expert of width 48."""
+    base = NAMED_SHAPES["qwen3-30b-a3b"].to_dict()
+    return ModelConfig.from_dict(
+        base
+        | {
+            "architecture": "qwen2_moe",
+            "bos_token_id": 1,
+            "eos_token_ids": [2],
+            "vocab_size": 500,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_layers": 1,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "attention_bias": True,
+            "moe": {
+                "num_experts": 4,
+                "top_k": 2,
+                "intermediate_size": 32,
+                "norm_topk_prob": False,
+                "shared_expert_intermediate_size": 48,
+            },
+        }
+    )
+
+
+def test_each_rank_holds_its_slice_of_every_expert() -> None:
+    cfg = _tiny_moe()
+    cpu = torch.device("cpu")
+    whole = LlamaModel(cfg, cpu, torch.float32)
+    fill_dummy_weights(whole, seed=3)
+    part = LlamaModel(cfg, cpu, torch.float32, plan(cfg, 1, 2), _RankOne())
+    fill_dummy_weights(part, seed=3)
+    w, s = whole.decoder_layers[0].moe, part.decoder_layers[0].moe
+    assert w is not None and s is not None
+    assert torch.equal(s.router_weight, w.router_weight)  # replicated
+    for j in range(4):  # gate rows 16..31 and up rows 16..31 of each expert; its down columns 16..31
+        assert torch.equal(s.gate_up_weight[j, :16], w.gate_up_weight[j, 16:32])
+        assert torch.equal(s.gate_up_weight[j, 16:], w.gate_up_weight[j, 48:])
+        assert torch.equal(s.down_weight[j], w.down_weight[j, :, 16:])
+    assert s.shared_gate_up_weight is not None and w.shared_gate_up_weight is not None
+    assert torch.equal(s.shared_gate_up_weight[:24], w.shared_gate_up_weight[24:48])
+    assert s.shared_gate_weight is not None and w.shared_gate_weight is not None
+    assert torch.equal(s.shared_gate_weight, w.shared_gate_weight)
+
+
+def test_split_that_cuts_an_expert_is_refused() -> None:
+    cfg = _tiny_moe()
+    check_split(cfg, 2)
+    odd = ModelConfig.from_dict(cfg.to_dict() | {"moe": cfg.to_dict()["moe"] | {"intermediate_size": 30}})
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's expert"):
+        check_split(odd, 4)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"architecture": "llama"}, "need a MoEConfig and the others take none"),
+        (
+            {"moe": {"num_experts": 4, "top_k": 5, "intermediate_size": 8, "norm_topk_prob": True}},
+            "moe.top_k=5 exceeds num_experts=4",
+        ),
+        (
+            {"moe": {"num_experts": 0, "top_k": 1, "intermediate_size": 8, "norm_topk_prob": True}},
+            "moe.num_experts=0 must be a positive int",
+        ),
+    ],
+)
+def test_bad_moe_config_names_the_field(change: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        ModelConfig.from_dict(_tiny_moe().to_dict() | change)
