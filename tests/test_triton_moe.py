@@ -21,6 +21,10 @@ import torch.nn.functional as F
 import triton
 from pdserve.kernels.fused_moe import ReferenceMoEExperts, route
 from pdserve.kernels.triton_moe import MoETiles, TritonMoEExperts, align_pairs
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.tests.harness.paged_runner import PagedRunner
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
 
@@ -85,3 +89,39 @@ def test_fused_kernel_matches_reference(n_tokens: int, tiles: MoETiles | None, d
     assert got.dtype == dtype and got.shape == x.shape
     scale = max(1.0, ref.float().abs().max().item())
     assert (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * scale
+
+
+def test_model_with_the_fused_kernel_gives_the_reference_logits() -> None:
+    """A tiny Qwen3-MoE model (dummy weights, fp32): its experts swapped for the fused kernel give the
+    torch reference's logits over a prefill and a decode step."""
+    cfg = ModelConfig.from_dict(
+        NAMED_SHAPES["qwen3-30b-a3b"].to_dict()
+        | {
+            "vocab_size": 300,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 32,
+            "bos_token_id": 1,
+            "eos_token_ids": [2],
+            "moe": {"num_experts": 8, "top_k": 2, "intermediate_size": 48, "norm_topk_prob": True},
+        }
+    )
+    model = LlamaModel(cfg, torch.device("cpu"), torch.float32)
+    fill_dummy_weights(model, seed=5)
+    for layer in model.decoder_layers:  # experts as large as the rest of the layer, so that they count
+        assert layer.moe is not None
+        layer.moe.gate_up_weight.mul_(5.0)
+        layer.moe.down_weight.mul_(20.0)
+    prompt = torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(1))
+    results = []
+    for experts in (ReferenceMoEExperts(), TritonMoEExperts()):
+        for layer in model.decoder_layers:
+            assert layer.moe is not None
+            layer.moe.experts = experts
+        runner = PagedRunner(model)
+        seq = runner.add_sequence()
+        results.append(torch.cat([runner.step({seq: prompt[:-1]}), runner.step({seq: prompt[-1:]})]))
+    assert (results[0] - results[1]).abs().max().item() <= 1e-5 * results[0].abs().max().item()
