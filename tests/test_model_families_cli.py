@@ -19,6 +19,7 @@ from pdserve.tests.harness.cluster_fixture import model_path
 from pdserve.tests.harness.tiny_models import FAMILIES, hf_greedy, hf_tiny_model
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.slow
 MAX_NEW = 12
 PROMPT = "The three primary colors are"
 PROGRESS = re.compile(r"^loading \S+: +\d+%\|")
