@@ -147,6 +147,8 @@ class NodeInfo(_Record):
     epoch: int = 0
     tokenizer_fingerprint: str = ""
     """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""
+    model: str = ""
+    """What the node serves, for operators: `<architecture> <checkpoint name>` ("" from an older node)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.node_id):

@@ -4,11 +4,12 @@ Invariants: the same (config, seed, device type) gives bit-identical weights, wh
 size: each Hugging Face-named tensor is drawn whole from its own generator, seeded from (seed, name), and
 each rank keeps its slice (one whole tensor at a time exists beside the model), so TP=1 and TP=N hold the
 same model. Norms are 1, the two projections that write into the residual stream (attention output, MLP
-down) are N(0, 0.02 / sqrt(2 L)) as in GPT-2's and Megatron's initialisation, every other tensor is
-N(0, 0.02). The scaled outputs keep the residual stream from growing layer over layer, so a random 32-layer
-model is not chaotic: two correct kernels that round differently give nearly the same logits, as they do on
-trained weights. Weights are drawn on the model's own device (fast for an 8B shape on a GPU), and a CUDA
-generator draws different numbers than a CPU one, so the identity covers the device type.
+down, each expert's down) are N(0, 0.02 / sqrt(2 L)) as in GPT-2's and Megatron's initialisation, every
+other tensor is N(0, 0.02). The scaled outputs keep the residual stream from growing layer over layer,
+so a random 32-layer model is not chaotic: two correct kernels that round differently give nearly the
+same logits, as they do on trained weights. Weights are drawn on the model's own device (fast for an 8B
+shape on a GPU), and a CUDA generator draws different numbers than a CPU one, so the identity covers the
+device type.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import math
 import torch
 from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import ModelConfig
+from pdserve.shared.model.moe import moe_hf_shapes
 from pdserve.shared.model.parallel import RowSlice, narrow
 
 INIT_STD = 0.02
+RESIDUAL_WRITERS = ("o_proj.weight", "down_proj.weight", ".w2.weight")  # Mixtral's expert down is w2
 
 
 def dummy_weights_identity(config: ModelConfig, seed: int, device: torch.device) -> bytes:
@@ -49,10 +52,16 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             if c.attention_bias:
                 shapes[f"{p}self_attn.{proj}.bias"] = (n,)
         shapes[p + "self_attn.o_proj.weight"] = (e, c.num_heads * d)
-        if c.attention_bias and c.architecture != "qwen2":
+        if c.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (e,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "input_layernorm.weight"] = (e,)
         shapes[p + "post_attention_layernorm.weight"] = (e,)
+        if c.is_sparse_layer(i):
+            shapes.update(moe_hf_shapes(c, i))
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (f, e)
         shapes[p + "mlp.up_proj.weight"] = (f, e)
         shapes[p + "mlp.down_proj.weight"] = (e, f)
@@ -77,7 +86,7 @@ class DummyWeights:
         digest = hashlib.sha256(f"{self.seed}\0{name}".encode()).digest()
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-        std = self.residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else INIT_STD
+        std = self.residual_std if name.endswith(RESIDUAL_WRITERS) else INIT_STD
         whole = torch.empty(shape, device=self.device, dtype=self.dtype).normal_(0.0, std, generator=gen)
         return narrow(whole, part)
 

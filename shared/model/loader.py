@@ -48,6 +48,11 @@ class LoadedModel:
     weights_load_s: float = 0.0  # wall seconds to read, dequantize and place the weights
     tokenizer_load_s: float = 0.0
 
+    @property
+    def description(self) -> str:
+        """`<architecture> <checkpoint name>` (e.g. `qwen3_moe Qwen3-30B-A3B`): what `kvctl nodes` shows."""
+        return f"{self.config.architecture} {os.path.basename(os.path.normpath(self.source))}"
+
 
 class _LazyWeights:
     """A `WeightSource` over a reader's thunks (each reads one tensor, or a rank's part of it), with a

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Mistral, SmolLM) over a paged KV cache.
+"""The Llama-family decoder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, SmolLM, and the mixture-of-experts
+Qwen3-MoE, Mixtral and Qwen2-MoE) over a paged KV cache.
 
 Owns the weights in fused form (QKV in one matrix, gate/up in one matrix: one matmul each) and the RoPE
 cos/sin tables (`rope`, fp32, precomputed up to `max_position_embeddings`; every step's AttentionMetadata
@@ -8,7 +9,9 @@ returns the residual stream before the final norm, which `compute_logits` applie
 caller may select rows first). Nothing in `forward` syncs with the host, so it can be captured in a CUDA
 graph. Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
 RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer's norm to add into the
-residual stream, so the stream is updated in place and only the last add is a separate op.
+residual stream, so the stream is updated in place and only the last add is a separate op. Qwen3's
+per-head q/k RMSNorm runs between the QKV product and RoPE, in place in qkv, in plain torch (not yet a
+fused kernel). A sparse layer's MLP is shared/model/moe.py's `SparseMoE`, picked at construction.
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
 once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
 until then the handles are the parameters and the product is `F.linear`.
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
+from pdserve.shared.model.moe import SparseMoE
 from pdserve.shared.model.parallel import Collectives, RowSlice, SingleRank, TPPlan, WeightSource, plan
 from torch import nn
 
@@ -71,24 +75,38 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TPPlan, comm: Collectives, device: torch.device, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        tp: TPPlan,
+        comm: Collectives,
+        device: torch.device,
+        dtype: torch.dtype,
+        sparse: bool = False,
     ) -> None:
+        """`sparse`: the MLP is the mixture of experts (`self.moe`) instead of the dense SwiGLU."""
         super().__init__()
         # per rank: Hq, Hkv and F are this rank's shares
         hq, d, e, f = tp.num_heads, cfg.head_dim, cfg.hidden_size, tp.intermediate_size
-        self.num_heads, self.head_dim = hq, d
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, tp.num_kv_heads, d
         self.comm = comm
         self.scale = d**-0.5
         self.input_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
         self.qkv_weight = _param((tp.qkv_size, e), device, dtype)  # rows: q | k | v
         self.qkv_bias = _param((tp.qkv_size,), device, dtype) if cfg.attention_bias else None
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         self.o_weight = _param((e, hq * d), device, dtype)
         # Llama's attention_bias covers o_proj too; Qwen2's covers only q/k/v. Added once, on rank 0.
-        has_o_bias = cfg.attention_bias and cfg.architecture != "qwen2" and tp.rank == 0
-        self.o_bias = _param((e,), device, dtype) if has_o_bias else None
+        self.o_bias = _param((e,), device, dtype) if cfg.o_bias and tp.rank == 0 else None
         self.post_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
-        self.gate_up_weight = _param((2 * f, e), device, dtype)  # rows: gate | up
-        self.down_weight = _param((e, f), device, dtype)
+        self.moe = SparseMoE(cfg, tp, device, dtype) if sparse else None
+        # a bound method, not the module: registering `moe` twice would name its weights twice
+        self.mlp: Callable[[torch.Tensor, AttentionOps], torch.Tensor] = (
+            self._dense_mlp if self.moe is None else self.moe.forward
+        )
+        if not sparse:
+            self.gate_up_weight = _param((2 * f, e), device, dtype)  # rows: gate | up
+            self.down_weight = _param((e, f), device, dtype)
         self.prepare(DenseLinear())
 
     def prepare(self, linear: Linear) -> None:
@@ -96,8 +114,24 @@ class DecoderLayer(nn.Module):
         self.linear = linear
         self.qkv_w = linear.prepare(self.qkv_weight.detach())
         self.o_w = linear.prepare(self.o_weight.detach())
-        self.gate_up_w = linear.prepare(self.gate_up_weight.detach())
-        self.down_w = linear.prepare(self.down_weight.detach())
+        if self.moe is not None:
+            self.moe.prepare(linear)
+        else:
+            self.gate_up_w = linear.prepare(self.gate_up_weight.detach())
+            self.down_w = linear.prepare(self.down_weight.detach())
+
+    def _dense_mlp(self, normed: torch.Tensor, ops: AttentionOps) -> torch.Tensor:
+        """normed: [T, E] -> [T, E] this rank's partial sum."""
+        gate_up = self.linear.linear(normed, self.gate_up_w, None)  # gate_up: [T, 2F]
+        return self.linear.linear(ops.silu_mul(gate_up), self.down_w, None)  # [T, E]
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        """Per-head RMSNorm of q and k, in place in qkv: [T, (Hq + 2 Hkv) * D]."""
+        assert self.q_norm is not None and self.k_norm is not None
+        hq, hkv = self.num_heads, self.num_kv_heads
+        heads = qkv.view(qkv.shape[0], hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]
+        heads[:, :hq] = self.q_norm(heads[:, :hq])
+        heads[:, hq : hq + hkv] = self.k_norm(heads[:, hq : hq + hkv])
 
     def forward(
         self,
@@ -119,6 +153,8 @@ class DecoderLayer(nn.Module):
             normed, residual = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
         linear = self.linear.linear
         qkv = linear(normed, self.qkv_w, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
+        if self.q_norm is not None:
+            self._norm_qk(qkv)
         # q: [T, Hq, D], rotated in place in qkv; rotated K and V are in kv_layer
         q = ops.rope_write_kv(qkv, kv_layer, meta, hq)
         if meta.is_decode:
@@ -127,8 +163,7 @@ class DecoderLayer(nn.Module):
             attn = ops.prefill_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         o = self.comm.all_reduce(linear(attn.reshape(n_tokens, hq * d), self.o_w, self.o_bias))  # o: [T, E]
         normed, residual = ops.add_rms_norm(o, residual, self.post_norm.weight, self.post_norm.eps)
-        gate_up = linear(normed, self.gate_up_w, None)  # gate_up: [T, 2F]
-        down = self.comm.all_reduce(linear(ops.silu_mul(gate_up), self.down_w, None))  # down: [T, E]
+        down = self.comm.all_reduce(self.mlp(normed, ops))  # down: [T, E]
         return down, residual  # [T, E], [T, E]
 
 
@@ -149,7 +184,9 @@ class LlamaModel(nn.Module):
         assert (comm.rank, comm.size) == (tp.rank, tp.size), (comm.rank, comm.size, tp)
         # embed_weight, lm_head_weight: [V / N rounded up, E] this rank's vocabulary rows
         self.embed_weight = _param((tp.vocab_rows, cfg.hidden_size), device, dtype)
-        self.decoder_layers = [DecoderLayer(cfg, tp, comm, device, dtype) for _ in range(cfg.num_layers)]
+        self.decoder_layers = [
+            DecoderLayer(cfg, tp, comm, device, dtype, cfg.is_sparse_layer(i)) for i in range(cfg.num_layers)
+        ]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; `decoder_layers` keeps their type
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head_weight = (
@@ -234,7 +271,7 @@ class LlamaModel(nn.Module):
 
         def take(name: str, dst: torch.Tensor, part: RowSlice | None = None) -> None:
             if name not in names:
-                raise ValueError(f"weight {name!r} is missing")
+                raise ValueError(f"weight {name!r} is missing ({cfg.architecture} checkpoint)")
             src = weights.read(name, part)
             if tuple(src.shape) != tuple(dst.shape):
                 what = "" if part is None else f" (rows {part.start}:{part.stop} of dim {part.dim})"
@@ -274,6 +311,12 @@ class LlamaModel(nn.Module):
                 take(p + "self_attn.o_proj.bias", layer.o_bias)
             elif p + "self_attn.o_proj.bias" in names and tp.rank > 0:
                 used.add(p + "self_attn.o_proj.bias")  # rank 0 adds it
+            if layer.q_norm is not None and layer.k_norm is not None:
+                take(p + "self_attn.q_norm.weight", layer.q_norm.weight)
+                take(p + "self_attn.k_norm.weight", layer.k_norm.weight)
+            if layer.moe is not None:
+                layer.moe.load(cfg, i, tp, take)
+                continue
             ffn = None if whole else tp.ffn_rows()
             take(p + "mlp.gate_proj.weight", layer.gate_up_weight[:f], ffn)
             take(p + "mlp.up_proj.weight", layer.gate_up_weight[f:], ffn)

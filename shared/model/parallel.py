@@ -2,7 +2,8 @@
 collectives the model calls between its matrix products.
 
 Invariants: `TPShard.plan` refuses (ValueError naming the heads and the size) any split that is not exact:
-query heads and the MLP's intermediate size divide by the size; KV heads either divide by it (each rank
+query heads and the MLP's intermediate size (and a mixture of experts' expert and shared-expert widths:
+each rank holds its slice of every expert) divide by the size; KV heads either divide by it (each rank
 holds `Hkv / N` of them) or divide it (each rank holds the one KV head its query heads use: replicated
 `N / Hkv` times). Every rank holds the same number of query heads, KV heads and vocabulary rows, so every
 rank's KV pool has the same shape and the collectives see the same tensor shapes. The vocabulary is split
@@ -72,6 +73,9 @@ class TPPlan:
     vocab_size: int
     """Of the whole model."""
     head_dim: int
+    expert_intermediate_size: int = 0
+    """This rank's columns of each routed expert's intermediate dim (0: a dense model)."""
+    shared_expert_intermediate_size: int = 0
 
     @property
     def qkv_size(self) -> int:
@@ -95,6 +99,24 @@ class TPPlan:
 
     def ffn_cols(self) -> RowSlice:
         rows = self.ffn_rows()
+        return RowSlice(1, rows.start, rows.stop)
+
+    def expert_rows(self) -> RowSlice:
+        """This rank's rows of each expert's gate and up projections (column-parallel)."""
+        f = self.expert_intermediate_size
+        return RowSlice(0, self.rank * f, (self.rank + 1) * f)
+
+    def expert_cols(self) -> RowSlice:
+        """This rank's columns of each expert's down projection (row-parallel)."""
+        rows = self.expert_rows()
+        return RowSlice(1, rows.start, rows.stop)
+
+    def shared_expert_rows(self) -> RowSlice:
+        f = self.shared_expert_intermediate_size
+        return RowSlice(0, self.rank * f, (self.rank + 1) * f)
+
+    def shared_expert_cols(self) -> RowSlice:
+        rows = self.shared_expert_rows()
         return RowSlice(1, rows.start, rows.stop)
 
     def vocab(self) -> RowSlice:
@@ -124,6 +146,10 @@ def plan(cfg: ModelConfig, rank: int, size: int) -> TPPlan:
         vocab_start=rank * vocab_rows,
         vocab_size=cfg.vocab_size,
         head_dim=cfg.head_dim,
+        expert_intermediate_size=0 if cfg.moe is None else cfg.moe.intermediate_size // size,
+        shared_expert_intermediate_size=0
+        if cfg.moe is None
+        else cfg.moe.shared_expert_intermediate_size // size,
     )
 
 
@@ -148,6 +174,14 @@ def check_split(cfg: ModelConfig, size: int) -> None:
             f"tensor_parallel_size={size} does not divide the model's intermediate size "
             f"{cfg.intermediate_size}"
         )
+    if cfg.moe is not None:
+        for what, width in (("expert", cfg.moe.intermediate_size),
+                            ("shared expert", cfg.moe.shared_expert_intermediate_size)):  # fmt: skip
+            if width % size:
+                raise ValueError(
+                    f"tensor_parallel_size={size} does not divide the model's {what} intermediate size "
+                    f"{width}: use a size that divides it"
+                )
 
 
 class WeightSource(Protocol):

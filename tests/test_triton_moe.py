@@ -1,0 +1,127 @@
+"""The fused MoE Triton kernel (kernels/triton_moe.py) against the torch reference (kernels/fused_moe.py),
+on CPU tensors under the Triton interpreter, with tiny shapes: uneven expert loads, experts with no
+tokens, widths that are not multiples of the tiles, and the decode and prefill tile choices.
+
+As in test_triton_kernels.py, the interpreter is switched on before triton is first imported and handed to
+triton's knob, so processes other tests start do not inherit it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():  # the interpreter would stay on for every kernel test after this one
+    pytest.skip("interpreter only", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch.nn.functional as F
+import triton
+from pdserve.kernels.fused_moe import ReferenceMoEExperts, route
+from pdserve.kernels.triton_moe import MoETiles, TritonMoEExperts, align_pairs
+from pdserve.shared.model.dummy_weights import fill_dummy_weights
+from pdserve.shared.model.model import LlamaModel
+from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.tests.harness.paged_runner import PagedRunner
+
+pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
+
+triton.knobs.runtime.interpret = True
+del os.environ["TRITON_INTERPRET"]
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+"""Of the largest |output|: bf16 results differ by an ulp or two where the fp32 sums round differently."""
+
+
+def _problem(
+    n_tokens: int, hidden: int, f: int, n_experts: int, top_k: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tokens, hidden, generator=gen)
+    gate_up = torch.randn(n_experts, 2 * f, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(n_experts, hidden, f, generator=gen) * f**-0.5
+    logits = torch.randn(n_tokens, n_experts, generator=gen)
+    logits[:, -1] = -1e4  # the last expert gets no tokens
+    weights, ids = route(logits, top_k, renormalize=True)
+    return x, gate_up, down, ids, weights
+
+
+def test_reference_is_the_per_token_sum_of_weighted_experts() -> None:
+    x, gate_up, down, ids, weights = _problem(6, 40, 24, 5, 2, seed=1)
+    f = down.shape[2]
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = gate_up[e] @ x[t]  # [2F]
+            expected[t] += weights[t, k] * (down[e] @ (F.silu(h[:f]) * h[f:]))
+    got = ReferenceMoEExperts()(x, gate_up, down, ids, weights)
+    assert (got - expected).abs().max().item() < 1e-5
+
+
+def test_align_pairs_groups_each_expert_in_whole_blocks() -> None:
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 3]])
+    a = align_pairs(ids, num_experts=5, block_m=4)
+    n_pairs = ids.numel()
+    used = int(a.num_padded.item())
+    assert used == 16  # experts 0, 1, 2, 3 hold 2, 1, 4 and 1 pairs: one 4-row block each
+    pairs = a.sorted_pairs[:used].view(-1, 4)
+    flat = ids.flatten()
+    for block, expert in zip(pairs, a.block_expert[: used // 4].tolist(), strict=True):
+        real = block[block < n_pairs]
+        assert real.numel() > 0 and bool((flat[real.long()] == expert).all())
+    assert sorted(a.sorted_pairs[a.sorted_pairs < n_pairs].tolist()) == list(range(n_pairs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("n_tokens", "tiles"),
+    [(1, None), (7, None), (70, None), (9, MoETiles(16, 16, 16, 4, 1))],
+    ids=["decode-1", "decode-7", "prefill-70", "small-tiles"],
+)
+def test_fused_kernel_matches_reference(n_tokens: int, tiles: MoETiles | None, dtype: torch.dtype) -> None:
+    x, gate_up, down, ids, weights = _problem(n_tokens, 72, 40, 6, 2, seed=n_tokens)
+    x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    ref = ReferenceMoEExperts()(x, gate_up, down, ids, weights)
+    got = TritonMoEExperts(tiles)(x, gate_up, down, ids, weights)
+    assert got.dtype == dtype and got.shape == x.shape
+    scale = max(1.0, ref.float().abs().max().item())
+    assert (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * scale
+
+
+def test_model_with_the_fused_kernel_gives_the_reference_logits() -> None:
+    """A tiny Qwen3-MoE model (dummy weights, fp32): its experts swapped for the fused kernel give the
+    torch reference's logits over a prefill and a decode step."""
+    cfg = ModelConfig.from_dict(
+        NAMED_SHAPES["qwen3-30b-a3b"].to_dict()
+        | {
+            "vocab_size": 300,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 32,
+            "bos_token_id": 1,
+            "eos_token_ids": [2],
+            "moe": {"num_experts": 8, "top_k": 2, "intermediate_size": 48, "norm_topk_prob": True},
+        }
+    )
+    model = LlamaModel(cfg, torch.device("cpu"), torch.float32)
+    fill_dummy_weights(model, seed=5)
+    for layer in model.decoder_layers:  # experts as large as the rest of the layer, so that they count
+        assert layer.moe is not None
+        layer.moe.gate_up_weight.mul_(5.0)
+        layer.moe.down_weight.mul_(20.0)
+    prompt = torch.randint(3, 300, (21,), generator=torch.Generator().manual_seed(1))
+    results = []
+    for experts in (ReferenceMoEExperts(), TritonMoEExperts()):
+        for layer in model.decoder_layers:
+            assert layer.moe is not None
+            layer.moe.experts = experts
+        runner = PagedRunner(model)
+        seq = runner.add_sequence()
+        results.append(torch.cat([runner.step({seq: prompt[:-1]}), runner.step({seq: prompt[-1:]})]))
+    assert (results[0] - results[1]).abs().max().item() <= 1e-5 * results[0].abs().max().item()
