@@ -307,7 +307,7 @@ class RequestHandler:
             try:
                 ids = await asyncio.to_thread(
                     tokenizer.apply_chat_template, list(spec.messages), how.add_generation_prompt,
-                    how.continue_final_message, how.add_special_tokens,
+                    how.continue_final_message, how.add_special_tokens, how.template_kwargs,
                 )  # fmt: skip
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param="messages") from exc
