@@ -1,0 +1,403 @@
+"""router/anthropic_api.py and router/responses_api.py as pure translations: requests into chat completions
+bodies (tools, tool results, stop sequences, text formats), chat answers and fake chat chunk streams (text,
+thoughts, tool calls, a failure) into Messages / Responses objects and events, each validated with the
+official SDKs' own types (`anthropic`, `openai`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import typing
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anthropic.types as at
+import openai.types.responses as rt
+import pytest
+from pdserve.router import anthropic_api, responses_api
+from pdserve.router.chat_bridge import ChatResult
+from pdserve.router.openai_protocol import OpenAIError
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+USAGE = {
+    "prompt_tokens": 20,
+    "completion_tokens": 5,
+    "total_tokens": 25,
+    "prompt_tokens_details": {"cached_tokens": 16},
+}
+
+
+def anthropic_req(**kw: Any) -> anthropic_api.MessagesRequest:
+    body = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}], **kw}
+    return anthropic_api.MessagesRequest.model_validate(body)
+
+
+def test_anthropic_request_becomes_a_chat_body_with_tools_and_tool_messages() -> None:
+    req = anthropic_req(
+        system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "call it", "signature": "x"},
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "21C"}],
+                    },
+                    {"type": "text", "text": "Thanks"},
+                ],
+            },
+        ],
+        tools=[{"name": "weather", "description": "now", "input_schema": WEATHER}],
+        tool_choice={"type": "tool", "name": "weather", "disable_parallel_tool_use": True},
+        stop_sequences=["END"],
+        temperature=0.5,
+        top_k=4,
+        metadata={"user_id": "u1"},
+        stream=True,
+    )
+    assert anthropic_api.to_chat(req) == {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": "Let me look.",
+                "tool_calls": [
+                    {
+                        "id": "toolu_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "21C"},
+            {"role": "user", "content": "Thanks"},
+        ],
+        "tools": [
+            {"type": "function", "function": {"name": "weather", "parameters": WEATHER, "description": "now"}}
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+        "parallel_tool_calls": False,
+        "max_tokens": 9,
+        "temperature": 0.5,
+        "top_k": 4,
+        "user": "u1",
+        "stop": ["END"],
+        "include_stop_str_in_output": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    assert anthropic_api.to_chat(anthropic_req(tool_choice={"type": "any"}))["tool_choice"] == "required"
+
+
+def test_anthropic_message_from_chat_with_stop_sequence_and_tool_call() -> None:
+    chat = {
+        "model": "m",
+        "usage": USAGE,
+        "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "four END"}}
+        ],
+    }
+    msg = at.Message.model_validate(anthropic_api.to_message(chat, ["END"]))
+    assert msg.content[0].type == "text" and msg.content[0].text == "four "
+    assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "END")
+    assert (msg.usage.input_tokens, msg.usage.cache_read_input_tokens, msg.usage.output_tokens) == (4, 16, 5)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+    }
+    chat["choices"][0].update(
+        finish_reason="tool_calls", message={"role": "assistant", "content": None, "tool_calls": [call]}
+    )
+    msg = at.Message.model_validate(anthropic_api.to_message(chat, []))
+    assert msg.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "input", None)) for b in msg.content] == [("tool_use", {"city": "Oslo"})]
+    chat["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "abc"})
+    assert anthropic_api.to_message(chat, ["c"])["stop_reason"] == "stop_sequence"
+    assert anthropic_api.to_message(chat, [])["stop_reason"] == "max_tokens"
+
+
+def _chunks(*deltas: dict[str, Any], finish: str = "stop", fail: bool = False) -> ChatResult:
+    async def gen() -> AsyncGenerator[dict[str, Any], None]:
+        yield {
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        }
+        for i, d in enumerate(deltas):
+            last = i == len(deltas) - 1
+            yield {"choices": [{"index": 0, "delta": d, "finish_reason": finish if last else None}]}
+        if fail:
+            yield {
+                "error": {"message": "node died", "type": "server_error", "param": None, "code": "node_error"}
+            }
+        yield {"choices": [], "usage": USAGE}
+
+    return ChatResult(200, chunks=gen())
+
+
+def _events(stream: Any) -> list[tuple[str, dict[str, Any]]]:
+    async def collect() -> list[bytes]:
+        return [b async for b in stream]
+
+    out = []
+    for item in asyncio.run(collect()):
+        head, data = item.decode().rstrip("\n").split("\n")
+        kind, obj = head.removeprefix("event: "), json.loads(data.removeprefix("data: "))
+        assert obj["type"] == kind
+        out.append((kind, obj))
+    return out
+
+
+def _by_type(union: Any) -> dict[str, Any]:
+    """The SDK's event classes by their `type` literal (its unions carry no discriminator)."""
+    members = (
+        typing.get_args(typing.get_args(union)[0]) if typing.get_origin(union) is typing.Annotated else ()
+    )
+    members = members or typing.get_args(union)
+    return {typing.get_args(m.model_fields["type"].annotation)[0]: m for m in members}
+
+
+ANTHROPIC_EVENTS = _by_type(at.RawMessageStreamEvent)
+
+
+def test_anthropic_stream_events_for_thought_text_stop_sequence_and_tool_use() -> None:
+    result = _chunks(
+        {"reasoning_content": "hmm"},
+        {"content": "It is E"},
+        {"content": "N"},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_9",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]},
+        finish="tool_calls",
+    )
+    events = _events(anthropic_api.to_events(result, "m", ["END"]))
+    for kind, obj in events:
+        if kind != "ping":
+            ANTHROPIC_EVENTS[kind].model_validate(obj)
+    kinds = [k for k, _ in events]
+    assert kinds[:3] == ["message_start", "content_block_start", "ping"]
+    assert kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [o["content_block"]["type"] for k, o in events if k == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    assert kinds.count("content_block_stop") == 3
+    text = "".join(o["delta"].get("text", "") for k, o in events if k == "content_block_delta")
+    assert text == "It is EN"  # "EN" could have begun "END": held back, then released when it did not
+    args = "".join(o["delta"].get("partial_json", "") for k, o in events if k == "content_block_delta")
+    assert json.loads(args) == {"city": "Rome"}
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] == "tool_use" and delta["usage"]["output_tokens"] == 5
+
+
+def test_anthropic_stream_cuts_the_stop_sequence_and_reports_it() -> None:
+    events = _events(
+        anthropic_api.to_events(_chunks({"content": "one two E"}, {"content": "ND"}), "m", ["END"])
+    )
+    text = "".join(o["delta"].get("text", "") for k, o in events if k == "content_block_delta")
+    assert text == "one two " and events[-2][1]["delta"] == {
+        "stop_reason": "stop_sequence",
+        "stop_sequence": "END",
+    }
+
+
+def test_anthropic_stream_failure_is_an_error_event() -> None:
+    events = _events(anthropic_api.to_events(_chunks({"content": "a"}, fail=True), "m", []))
+    assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "node died"}})
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "max_tokens: Field required"),
+        (
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
+            "messages.0.content",
+        ),
+        (
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "temperature": 1.5,
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            "temperature",
+        ),
+        (["x"], "must be a JSON object"),
+    ],
+)
+def test_anthropic_bad_requests_are_400_in_anthropic_shape(body: Any, message: str) -> None:
+    with pytest.raises(anthropic_api.AnthropicError) as info:
+        anthropic_api._parse(anthropic_api.MessagesRequest, body)
+    err = info.value.body()
+    assert info.value.status == 400 and err["type"] == "error"
+    assert err["error"]["type"] == "invalid_request_error" and message in err["error"]["message"]
+
+
+def responses_req(**kw: Any) -> responses_api.ResponsesRequest:
+    return responses_api.parse_request({"model": "m", "input": "hi", **kw})
+
+
+def test_responses_request_becomes_a_chat_body() -> None:
+    req = responses_req(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city":"Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "3C"},
+        ],
+        tools=[{"type": "function", "name": "weather", "parameters": WEATHER, "strict": True}],
+        tool_choice={"type": "function", "name": "weather"},
+        text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER, "strict": True}},
+        max_output_tokens=30,
+        temperature=0.2,
+        store=False,
+    )
+    assert responses_api.to_chat(req) == {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "3C"},
+        ],
+        "max_tokens": 30,
+        "temperature": 0.2,
+        "tools": [
+            {"type": "function", "function": {"name": "weather", "parameters": WEATHER, "strict": True}}
+        ],
+        "tool_choice": {"type": "function", "function": {"name": "weather"}},
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "w", "schema": WEATHER, "strict": True},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_responses_bad_requests_are_400_naming_the_parameter(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as info:
+        responses_api.to_chat(responses_req(**kw))
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+    if param == "previous_response_id":
+        assert "stores no responses" in info.value.message
+
+
+def test_responses_body_from_chat_validates_against_the_sdk_type() -> None:
+    head = responses_api._Head(
+        responses_req(tools=[{"type": "function", "name": "weather", "parameters": WEATHER}])
+    )
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
+    }
+    chat = {
+        "model": "m",
+        "usage": USAGE,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "think",
+                    "tool_calls": [call],
+                },
+            }
+        ],
+    }
+    resp = rt.Response.model_validate(responses_api.to_response(head, chat))
+    assert [o.type for o in resp.output] == ["reasoning", "function_call"]
+    assert resp.output[1].call_id == "call_1" and resp.usage is not None and resp.usage.total_tokens == 25
+    chat["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "partial"})
+    resp = rt.Response.model_validate(responses_api.to_response(head, chat))
+    assert resp.status == "incomplete" and resp.output_text == "partial"
+
+
+RESPONSES_EVENTS = _by_type(rt.ResponseStreamEvent)
+
+
+def test_responses_stream_events_validate_and_add_up() -> None:
+    head = responses_api._Head(responses_req())
+    result = _chunks(
+        {"reasoning_content": "hm"},
+        {"content": "Hel"},
+        {"content": "lo"},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": '{"a"'},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]},
+    )
+    events = _events(responses_api.to_events(head, result))
+    for kind, obj in events:
+        RESPONSES_EVENTS[kind].model_validate(obj)
+    assert [o["sequence_number"] for _, o in events] == list(range(len(events)))
+    kinds = [k for k, _ in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    for k in (
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.function_call_arguments.done",
+    ):
+        assert k in kinds
+    done = dict(events)["response.output_text.done"]
+    assert done["text"] == "Hello"
+    final = rt.Response.model_validate(events[-1][1]["response"])
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Hello" and final.output[2].arguments == '{"a":1}'  # type: ignore[union-attr]
+
+
+def test_responses_stream_failure_is_an_error_event() -> None:
+    events = _events(
+        responses_api.to_events(responses_api._Head(responses_req()), _chunks({"content": "a"}, fail=True))
+    )
+    assert events[-1][0] == "error" and events[-1][1]["message"] == "node died"
+    RESPONSES_EVENTS["error"].model_validate(events[-1][1])
