@@ -14,9 +14,11 @@ and it is cut from the text (streamed text holds back what may be the start of o
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any, Literal
 
 from pdserve.router.chat_bridge import ChatPath, ChatResult, error_of, read_body, run_chat, stream_error
@@ -92,6 +94,17 @@ class Thinking(_Model):
     budget_tokens: int | None = None
 
 
+class OutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    format: OutputFormat | None = None
+    effort: None = None
+    """Refused when set: the model has one way of answering."""
+
+
 class CountTokensRequest(_Model):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
@@ -99,6 +112,7 @@ class CountTokensRequest(_Model):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -199,6 +213,10 @@ def to_chat(req: CountTokensRequest, model: str | None = None) -> dict[str, Any]
         }
         if choice.disable_parallel_tool_use:
             body["parallel_tool_calls"] = False
+    fmt = req.output_config.format if req.output_config else None
+    if fmt is not None:
+        schema = {"name": "output", "schema": fmt.schema_, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type == "enabled"}
     if isinstance(req, MessagesRequest):
@@ -335,8 +353,12 @@ class _Blocks:
         return [*out, _event("content_block_delta", {"index": self.index, "delta": delta})]
 
 
-async def to_events(result: ChatResult, model: str, stops: list[str]) -> AsyncIterator[bytes]:
-    """Anthropic's stream events from the chat path's chunks."""
+async def to_events(
+    result: ChatResult, model: str, stops: list[str], prompt_tokens: Callable[[], Coroutine[Any, Any, int]]
+) -> AsyncIterator[bytes]:
+    """Anthropic's stream events from the chat path's chunks. `message_start` waits for the first chunk
+    after the chat stream's opening one, and carries the prompt's length, counted (`prompt_tokens`) while the
+    nodes prefill."""
     assert result.chunks is not None
     chunks = result.chunks
     start: dict[str, Any] = {
@@ -349,14 +371,25 @@ async def to_events(result: ChatResult, model: str, stops: list[str]) -> AsyncIt
         "stop_sequence": None,
         "usage": _usage(None),
     }
-    yield _event("message_start", {"message": start})
     blocks, tail = _Blocks(), StopTail(stops)
     finish: str | None = None
+    counting: asyncio.Task[int] | None = None
     try:
         async for chunk in chunks:
             if (err := stream_error(chunk)) is not None:
                 yield _event("error", AnthropicError.of(err).body())
                 return
+            if counting is None:  # the opening chunk comes before the run starts: count while it runs
+                counting = asyncio.create_task(prompt_tokens())
+                continue
+            if start:
+                try:
+                    start["usage"]["input_tokens"] = await counting
+                except OpenAIError as exc:
+                    yield _event("error", AnthropicError.of(exc).body())
+                    return
+                yield _event("message_start", {"message": start})
+                start = {}
             if not chunk.get("choices"):
                 rest, matched = tail.finish()
                 out = blocks.delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": rest})
@@ -374,6 +407,8 @@ async def to_events(result: ChatResult, model: str, stops: list[str]) -> AsyncIt
             for item in _chunk_events(blocks, tail, choice.get("delta") or {}):
                 yield item
     finally:
+        if counting is not None:
+            counting.cancel()
         await chunks.aclose()
 
 
@@ -403,7 +438,7 @@ def _chunk_events(blocks: _Blocks, tail: StopTail, delta: dict[str, Any]) -> lis
     return out
 
 
-Counter = Callable[[str | None, dict[str, Any]], Awaitable[int]]
+Counter = Callable[[str | None, dict[str, Any]], Coroutine[Any, Any, int]]
 """(Authorization header, chat completions body) -> the prompt's token count, as the chat path tokenizes
 it (RequestHandler.count_prompt_tokens)."""
 
@@ -424,7 +459,9 @@ class AnthropicAPI:
                 raise AnthropicError.of(error_of(result))
             stops = req.stop_sequences or []
             if result.chunks is not None:
-                return Reply(200, stream=to_events(result, req.model, stops))
+                body = to_chat(req)
+                count = functools.partial(self.count, incoming.authorization, body)
+                return Reply(200, stream=to_events(result, req.model, stops, count))
             assert result.body is not None
             return Reply(200, to_message(result.body, stops))
         except AnthropicError as exc:

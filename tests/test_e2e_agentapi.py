@@ -112,6 +112,11 @@ def test_anthropic_stream_events_add_up_to_the_message(
     events = [line.removeprefix("event: ") for line in raw.splitlines() if line.startswith("event: ")]
     assert events[:3] == ["message_start", "content_block_start", "ping"], events
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"], events
+    started = json.loads(
+        next(line for line in raw.splitlines() if line.startswith("data: ")).removeprefix("data: ")
+    )
+    prompt = msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    assert started["message"]["usage"]["input_tokens"] == prompt > 5
     live.wait_clean()
 
 

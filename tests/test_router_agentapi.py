@@ -27,9 +27,11 @@ USAGE = {
 }
 
 
+BASE = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
+
+
 def anthropic_req(**kw: Any) -> anthropic_api.MessagesRequest:
-    body = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}], **kw}
-    return anthropic_api.MessagesRequest.model_validate(body)
+    return anthropic_api.MessagesRequest.model_validate({**BASE, **kw})
 
 
 def test_anthropic_request_becomes_a_chat_body_with_tools_and_tool_messages() -> None:
@@ -99,6 +101,13 @@ def test_anthropic_request_becomes_a_chat_body_with_tools_and_tool_messages() ->
         "stream_options": {"include_usage": True},
     }
     assert anthropic_api.to_chat(anthropic_req(tool_choice={"type": "any"}))["tool_choice"] == "required"
+    structured = anthropic_req(output_config={"format": {"type": "json_schema", "schema": WEATHER}})
+    assert anthropic_api.to_chat(structured)["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": WEATHER, "strict": True},
+    }
+    with pytest.raises(anthropic_api.AnthropicError, match="effort"):
+        anthropic_api._parse(anthropic_api.MessagesRequest, {**BASE, "output_config": {"effort": "high"}})
 
 
 def test_anthropic_message_from_chat_with_stop_sequence_and_tool_call() -> None:
@@ -146,6 +155,10 @@ def _chunks(*deltas: dict[str, Any], finish: str = "stop", fail: bool = False) -
     return ChatResult(200, chunks=gen())
 
 
+async def _twenty() -> int:
+    return 20
+
+
 def _events(stream: Any) -> list[tuple[str, dict[str, Any]]]:
     async def collect() -> list[bytes]:
         return [b async for b in stream]
@@ -190,12 +203,13 @@ def test_anthropic_stream_events_for_thought_text_stop_sequence_and_tool_use() -
         {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]},
         finish="tool_calls",
     )
-    events = _events(anthropic_api.to_events(result, "m", ["END"]))
+    events = _events(anthropic_api.to_events(result, "m", ["END"], _twenty))
     for kind, obj in events:
         if kind != "ping":
             ANTHROPIC_EVENTS[kind].model_validate(obj)
     kinds = [k for k, _ in events]
     assert kinds[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 20
     assert kinds[-2:] == ["message_delta", "message_stop"]
     starts = [o["content_block"]["type"] for k, o in events if k == "content_block_start"]
     assert starts == ["thinking", "text", "tool_use"]
@@ -210,7 +224,7 @@ def test_anthropic_stream_events_for_thought_text_stop_sequence_and_tool_use() -
 
 def test_anthropic_stream_cuts_the_stop_sequence_and_reports_it() -> None:
     events = _events(
-        anthropic_api.to_events(_chunks({"content": "one two E"}, {"content": "ND"}), "m", ["END"])
+        anthropic_api.to_events(_chunks({"content": "one two E"}, {"content": "ND"}), "m", ["END"], _twenty)
     )
     text = "".join(o["delta"].get("text", "") for k, o in events if k == "content_block_delta")
     assert text == "one two " and events[-2][1]["delta"] == {
@@ -220,7 +234,7 @@ def test_anthropic_stream_cuts_the_stop_sequence_and_reports_it() -> None:
 
 
 def test_anthropic_stream_failure_is_an_error_event() -> None:
-    events = _events(anthropic_api.to_events(_chunks({"content": "a"}, fail=True), "m", []))
+    events = _events(anthropic_api.to_events(_chunks({"content": "a"}, fail=True), "m", [], _twenty))
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "node died"}})
 
 
