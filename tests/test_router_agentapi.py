@@ -1,7 +1,7 @@
-"""router/anthropic_api.py and router/responses_api.py as pure translations: requests into chat completions
-bodies (tools, tool results, stop sequences, text formats), chat answers and fake chat chunk streams (text,
-thoughts, tool calls, a failure) into Messages / Responses objects and events, each validated with the
-official SDKs' own types (`anthropic`, `openai`)."""
+"""router/anthropic_api.py, anthropic_events.py, responses_api.py and responses_events.py as pure
+translations: requests into chat completions bodies (tools, tool results, stop sequences, text formats),
+chat answers and fake chat chunk streams (text, thoughts, tool calls, a failure) into Messages / Responses
+objects and events, each validated with the official SDKs' own types (`anthropic`, `openai`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import anthropic.types as at
 import openai.types.responses as rt
 import pytest
-from pdserve.router import anthropic_api, responses_api
+from pdserve.router import anthropic_api, anthropic_events, responses_api, responses_events
 from pdserve.router.chat_bridge import ChatResult
 from pdserve.router.openai_protocol import OpenAIError
 
@@ -106,7 +106,7 @@ def test_anthropic_request_becomes_a_chat_body_with_tools_and_tool_messages() ->
         "type": "json_schema",
         "json_schema": {"name": "output", "schema": WEATHER, "strict": True},
     }
-    with pytest.raises(anthropic_api.AnthropicError, match="effort"):
+    with pytest.raises(anthropic_events.AnthropicError, match="effort"):
         anthropic_api._parse(anthropic_api.MessagesRequest, {**BASE, "output_config": {"effort": "high"}})
 
 
@@ -118,7 +118,7 @@ def test_anthropic_message_from_chat_with_stop_sequence_and_tool_call() -> None:
             {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "four END"}}
         ],
     }
-    msg = at.Message.model_validate(anthropic_api.to_message(chat, ["END"]))
+    msg = at.Message.model_validate(anthropic_events.to_message(chat, ["END"]))
     assert msg.content[0].type == "text" and msg.content[0].text == "four "
     assert (msg.stop_reason, msg.stop_sequence) == ("stop_sequence", "END")
     assert (msg.usage.input_tokens, msg.usage.cache_read_input_tokens, msg.usage.output_tokens) == (4, 16, 5)
@@ -130,12 +130,12 @@ def test_anthropic_message_from_chat_with_stop_sequence_and_tool_call() -> None:
     chat["choices"][0].update(
         finish_reason="tool_calls", message={"role": "assistant", "content": None, "tool_calls": [call]}
     )
-    msg = at.Message.model_validate(anthropic_api.to_message(chat, []))
+    msg = at.Message.model_validate(anthropic_events.to_message(chat, []))
     assert msg.stop_reason == "tool_use"
     assert [(b.type, getattr(b, "input", None)) for b in msg.content] == [("tool_use", {"city": "Oslo"})]
     chat["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "abc"})
-    assert anthropic_api.to_message(chat, ["c"])["stop_reason"] == "stop_sequence"
-    assert anthropic_api.to_message(chat, [])["stop_reason"] == "max_tokens"
+    assert anthropic_events.to_message(chat, ["c"])["stop_reason"] == "stop_sequence"
+    assert anthropic_events.to_message(chat, [])["stop_reason"] == "max_tokens"
 
 
 def _chunks(*deltas: dict[str, Any], finish: str = "stop", fail: bool = False) -> ChatResult:
@@ -203,7 +203,7 @@ def test_anthropic_stream_events_for_thought_text_stop_sequence_and_tool_use() -
         {"tool_calls": [{"index": 0, "function": {"arguments": '"Rome"}'}}]},
         finish="tool_calls",
     )
-    events = _events(anthropic_api.to_events(result, "m", ["END"], _twenty))
+    events = _events(anthropic_events.to_events(result, "m", ["END"], _twenty))
     for kind, obj in events:
         if kind != "ping":
             ANTHROPIC_EVENTS[kind].model_validate(obj)
@@ -224,7 +224,9 @@ def test_anthropic_stream_events_for_thought_text_stop_sequence_and_tool_use() -
 
 def test_anthropic_stream_cuts_the_stop_sequence_and_reports_it() -> None:
     events = _events(
-        anthropic_api.to_events(_chunks({"content": "one two E"}, {"content": "ND"}), "m", ["END"], _twenty)
+        anthropic_events.to_events(
+            _chunks({"content": "one two E"}, {"content": "ND"}), "m", ["END"], _twenty
+        )
     )
     text = "".join(o["delta"].get("text", "") for k, o in events if k == "content_block_delta")
     assert text == "one two " and events[-2][1]["delta"] == {
@@ -234,7 +236,7 @@ def test_anthropic_stream_cuts_the_stop_sequence_and_reports_it() -> None:
 
 
 def test_anthropic_stream_failure_is_an_error_event() -> None:
-    events = _events(anthropic_api.to_events(_chunks({"content": "a"}, fail=True), "m", [], _twenty))
+    events = _events(anthropic_events.to_events(_chunks({"content": "a"}, fail=True), "m", [], _twenty))
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "node died"}})
 
 
@@ -259,7 +261,7 @@ def test_anthropic_stream_failure_is_an_error_event() -> None:
     ],
 )
 def test_anthropic_bad_requests_are_400_in_anthropic_shape(body: Any, message: str) -> None:
-    with pytest.raises(anthropic_api.AnthropicError) as info:
+    with pytest.raises(anthropic_events.AnthropicError) as info:
         anthropic_api._parse(anthropic_api.MessagesRequest, body)
     err = info.value.body()
     assert info.value.status == 400 and err["type"] == "error"
@@ -268,6 +270,10 @@ def test_anthropic_bad_requests_are_400_in_anthropic_shape(body: Any, message: s
 
 def responses_req(**kw: Any) -> responses_api.ResponsesRequest:
     return responses_api.parse_request({"model": "m", "input": "hi", **kw})
+
+
+def _head(**kw: Any) -> responses_events.ResponseHead:
+    return responses_events.ResponseHead(responses_api.echoed(responses_req(**kw)))
 
 
 def test_responses_request_becomes_a_chat_body() -> None:
@@ -335,9 +341,7 @@ def test_responses_bad_requests_are_400_naming_the_parameter(kw: dict[str, Any],
 
 
 def test_responses_body_from_chat_validates_against_the_sdk_type() -> None:
-    head = responses_api._Head(
-        responses_req(tools=[{"type": "function", "name": "weather", "parameters": WEATHER}])
-    )
+    head = _head(tools=[{"type": "function", "name": "weather", "parameters": WEATHER}])
     call = {
         "id": "call_1",
         "type": "function",
@@ -359,11 +363,11 @@ def test_responses_body_from_chat_validates_against_the_sdk_type() -> None:
             }
         ],
     }
-    resp = rt.Response.model_validate(responses_api.to_response(head, chat))
+    resp = rt.Response.model_validate(responses_events.to_response(head, chat))
     assert [o.type for o in resp.output] == ["reasoning", "function_call"]
     assert resp.output[1].call_id == "call_1" and resp.usage is not None and resp.usage.total_tokens == 25
     chat["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "partial"})
-    resp = rt.Response.model_validate(responses_api.to_response(head, chat))
+    resp = rt.Response.model_validate(responses_events.to_response(head, chat))
     assert resp.status == "incomplete" and resp.output_text == "partial"
 
 
@@ -371,7 +375,7 @@ RESPONSES_EVENTS = _by_type(rt.ResponseStreamEvent)
 
 
 def test_responses_stream_events_validate_and_add_up() -> None:
-    head = responses_api._Head(responses_req())
+    head = _head()
     result = _chunks(
         {"reasoning_content": "hm"},
         {"content": "Hel"},
@@ -388,7 +392,7 @@ def test_responses_stream_events_validate_and_add_up() -> None:
         },
         {"tool_calls": [{"index": 0, "function": {"arguments": ":1}"}}]},
     )
-    events = _events(responses_api.to_events(head, result))
+    events = _events(responses_events.to_events(head, result))
     for kind, obj in events:
         RESPONSES_EVENTS[kind].model_validate(obj)
     assert [o["sequence_number"] for _, o in events] == list(range(len(events)))
@@ -410,8 +414,6 @@ def test_responses_stream_events_validate_and_add_up() -> None:
 
 
 def test_responses_stream_failure_is_an_error_event() -> None:
-    events = _events(
-        responses_api.to_events(responses_api._Head(responses_req()), _chunks({"content": "a"}, fail=True))
-    )
+    events = _events(responses_events.to_events(_head(), _chunks({"content": "a"}, fail=True)))
     assert events[-1][0] == "error" and events[-1][1]["message"] == "node died"
     RESPONSES_EVENTS["error"].model_validate(events[-1][1])
