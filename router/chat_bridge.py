@@ -110,14 +110,16 @@ def error_of(result: ChatResult) -> OpenAIError:
     )
 
 
+_STATUS_OF_CODE = {"deadline_exceeded": 504, "client_disconnect": 499, "node_error": 500, "internal": 500}
+_STATUS_OF_TYPE = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "timeout_error": 504}
+
+
 def stream_error(chunk: dict[str, Any]) -> OpenAIError | None:
-    """The error a failed stream's last object carries, else None."""
+    """The error a failed stream's last object carries, else None; its status is the one the chat path
+    would have answered with before the stream began (router/errors.py), which the stream cannot carry."""
     err = chunk.get("error")
     if not isinstance(err, dict):
         return None
-    status = {"invalid_request_error": 400, "rate_limit_exceeded": 429, "timeout_error": 504}.get(
-        str(err.get("type")), 500
-    )
-    return OpenAIError(
-        status, str(err.get("message")), str(err.get("type")), err.get("param"), err.get("code")
-    )
+    code, kind = err.get("code"), str(err.get("type"))
+    status = _STATUS_OF_CODE.get(str(code)) or _STATUS_OF_TYPE.get(kind, 503)
+    return OpenAIError(status, str(err.get("message")), kind, err.get("param"), code)

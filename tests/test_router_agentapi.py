@@ -14,8 +14,10 @@ from typing import Any
 import anthropic.types as at
 import openai.types.responses as rt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pdserve.router import anthropic_api, anthropic_events, responses_api, responses_events
-from pdserve.router.chat_bridge import ChatResult
+from pdserve.router.chat_bridge import ChatResult, stream_error
 from pdserve.router.openai_protocol import OpenAIError
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -238,6 +240,28 @@ def test_anthropic_stream_cuts_the_stop_sequence_and_reports_it() -> None:
 def test_anthropic_stream_failure_is_an_error_event() -> None:
     events = _events(anthropic_events.to_events(_chunks({"content": "a"}, fail=True), "m", [], _twenty))
     assert events[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "node died"}})
+    busy = {"message": "no node", "type": "server_error", "param": None, "code": "node_unavailable"}
+    err = stream_error({"error": busy})
+    assert err is not None and err.status == 503
+    assert anthropic_events.AnthropicError.of(err).body()["error"]["type"] == "overloaded_error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text("ab", max_size=12),
+    st.lists(st.text("ab", min_size=1, max_size=3), min_size=1, max_size=3),
+    st.lists(st.integers(0, 12), max_size=4),
+)
+def test_stop_tail_in_any_cut_equals_the_whole(text: str, stops: list[str], cuts: list[int]) -> None:
+    """Streamed text (held back while it may grow into a stop sequence) adds up to the whole text's cut."""
+    whole = anthropic_events.StopTail(stops)
+    expected = whole.feed(text), whole.finish()
+    tail, out, last = anthropic_events.StopTail(stops), "", 0
+    for cut in [*sorted(c for c in cuts if c <= len(text)), len(text)]:
+        out += tail.feed(text[last:cut])
+        last = cut
+    rest, matched = tail.finish()
+    assert (out + rest, matched) == (expected[0] + expected[1][0], expected[1][1])
 
 
 @pytest.mark.parametrize(

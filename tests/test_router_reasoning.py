@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pdserve.router.reasoning import ChunkSplitter, split, split_message, splitter
 
 CASES = [
@@ -35,6 +37,22 @@ def test_any_cut_into_deltas_adds_up_to_the_whole_split(
             parts = [s.feed(d) for d in (text[:i], text[i:j], text[j:])] + [s.finish()]
             assert "".join(r for r, _ in parts) == (reasoning or "")
             assert "".join(c for _, c in parts) == content
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", " ", "\n"]), max_size=10),
+    st.lists(st.integers(0, 60), max_size=5),
+)
+def test_random_outputs_split_the_same_in_any_cut(pieces: list[str], cuts: list[int]) -> None:
+    text = "".join(pieces)
+    reasoning, content = split("qwen3", text)
+    s, parts, last = splitter("qwen3"), [], 0
+    for cut in [*sorted(c for c in cuts if c <= len(text)), len(text)]:
+        parts.append(s.feed(text[last:cut]))
+        last = cut
+    parts.append(s.finish())
+    assert "".join(r for r, _ in parts) == (reasoning or "") and "".join(c for _, c in parts) == content
 
 
 def test_held_tail_is_not_released_early() -> None:
