@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 MODEL = served_model_name()
 KEY = "agent-api-key-1"
 AUTH = {"authorization": f"Bearer {KEY}"}
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 NEEDS_TOOLS = pytest.mark.xfail(strict=True, reason="needs the chat path's tools")
 
@@ -331,7 +331,7 @@ def test_logit_bias_holds_on_prefill_and_decode(live: LiveCluster, oai: openai.O
         logprobs=True,
         logit_bias={str(first): -100},
     )
-    assert banned.choices[0].logprobs is not None
+    assert banned.choices[0].logprobs is not None and banned.choices[0].logprobs.content
     assert banned.choices[0].logprobs.content[0].token != plain.choices[0].logprobs.content[0].token
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         oai.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias={"99999999": 1})
@@ -372,7 +372,7 @@ def test_reasoning_parser_and_template_kwargs_on_the_chat_path(live: LiveCluster
         oai.chat.completions.create(
             model=MODEL,
             messages=QUESTION,
-            max_tokens=2,  # type: ignore[call-overload]
+            max_tokens=2,
             extra_body={"chat_template_kwargs": {"add_generation_prompt": False}},
         )
     live.wait_clean()

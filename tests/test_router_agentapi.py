@@ -113,7 +113,7 @@ def test_anthropic_request_becomes_a_chat_body_with_tools_and_tool_messages() ->
 
 
 def test_anthropic_message_from_chat_with_stop_sequence_and_tool_call() -> None:
-    chat = {
+    chat: dict[str, Any] = {
         "model": "m",
         "usage": USAGE,
         "choices": [
@@ -371,7 +371,7 @@ def test_responses_body_from_chat_validates_against_the_sdk_type() -> None:
         "type": "function",
         "function": {"name": "weather", "arguments": '{"city":"Oslo"}'},
     }
-    chat = {
+    chat: dict[str, Any] = {
         "model": "m",
         "usage": USAGE,
         "choices": [
@@ -389,7 +389,8 @@ def test_responses_body_from_chat_validates_against_the_sdk_type() -> None:
     }
     resp = rt.Response.model_validate(responses_events.to_response(head, chat))
     assert [o.type for o in resp.output] == ["reasoning", "function_call"]
-    assert resp.output[1].call_id == "call_1" and resp.usage is not None and resp.usage.total_tokens == 25
+    assert isinstance(resp.output[1], rt.ResponseFunctionToolCall) and resp.output[1].call_id == "call_1"
+    assert resp.usage is not None and resp.usage.total_tokens == 25
     chat["choices"][0].update(finish_reason="length", message={"role": "assistant", "content": "partial"})
     resp = rt.Response.model_validate(responses_events.to_response(head, chat))
     assert resp.status == "incomplete" and resp.output_text == "partial"
