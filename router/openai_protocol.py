@@ -316,7 +316,7 @@ def _spec(
 
 def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} as SamplingParams' pairs; OpenAIError 400 naming a key that is no id."""
-    bad = [k for k in bias if not k.isdigit()]
+    bad = [k for k in bias if not (k.isascii() and k.isdigit())]
     if bad:
         raise OpenAIError(
             400, f"logit_bias: key {bad[0]!r} is not a token id; keys are token ids as strings, e.g. "

@@ -52,6 +52,7 @@ def refused(parse: Any, body: Any) -> OpenAIError:
         ({"seed": "7"}, "seed"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"logit_bias": {"five": 10}}, "logit_bias"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
         ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
