@@ -186,7 +186,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
 def to_chat(req: ResponsesRequest) -> dict[str, Any]:
     """The chat completions body of a Responses request."""
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+    messages = _messages(req)
+    if not messages:
+        raise _bad("input", "there is nothing to answer: send a message item or `instructions`")
+    body: dict[str, Any] = {"model": req.model, "messages": messages}
     optional = {
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,

@@ -354,6 +354,7 @@ def test_responses_request_becomes_a_chat_body() -> None:
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"type": "reasoning"}]}, "input"),
     ],
 )
 def test_responses_bad_requests_are_400_naming_the_parameter(kw: dict[str, Any], param: str) -> None:
@@ -442,3 +443,98 @@ def test_responses_stream_failure_is_an_error_event() -> None:
     events = _events(responses_events.to_events(_head(), _chunks({"content": "a"}, fail=True)))
     assert events[-1][0] == "error" and events[-1][1]["message"] == "node died"
     RESPONSES_EVENTS["error"].model_validate(events[-1][1])
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+ANTHROPIC_FIELDS = [
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "stop_sequences",
+    "temperature",
+    "top_k",
+    "thinking",
+    "output_config",
+    "metadata",
+    "stream",
+]
+RESPONSES_FIELDS = [
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "text",
+    "max_output_tokens",
+    "previous_response_id",
+    "store",
+    "reasoning",
+    "stream",
+]
+
+
+def _typed(kinds: list[str]) -> st.SearchStrategy[dict[str, Any]]:
+    """Dicts of one of `kinds` with random fields, some of them the ones that kind has."""
+    fields = [
+        "text",
+        "id",
+        "name",
+        "input",
+        "content",
+        "tool_use_id",
+        "role",
+        "call_id",
+        "arguments",
+        "output",
+    ]
+    return st.builds(
+        lambda kind, rest: {**rest, "type": kind},
+        st.sampled_from(kinds),
+        st.dictionaries(st.sampled_from(fields), JSON, max_size=4),
+    )
+
+
+def _fuzzed(draw: Any, base: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    body = dict(base)
+    for name in draw(st.lists(st.sampled_from(fields), max_size=3)):
+        body[name] = draw(JSON)
+    return body
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_hostile_anthropic_bodies_are_refused_by_name_never_crash(data: st.DataObject) -> None:
+    body = _fuzzed(data.draw, BASE, ANTHROPIC_FIELDS)
+    if data.draw(st.booleans()):
+        body["messages"] = [
+            {
+                "role": data.draw(st.sampled_from(["user", "assistant"])),
+                "content": data.draw(
+                    st.lists(_typed(["text", "tool_use", "tool_result", "thinking", "image"]), max_size=3)
+                ),
+            }
+        ]
+    try:
+        anthropic_api.to_chat(anthropic_api._parse(anthropic_api.MessagesRequest, body))
+    except anthropic_events.AnthropicError as exc:
+        assert exc.status == 400 and exc.message
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_hostile_responses_bodies_are_refused_by_name_never_crash(data: st.DataObject) -> None:
+    body = _fuzzed(data.draw, {"model": "m", "input": "hi"}, RESPONSES_FIELDS)
+    if data.draw(st.booleans()):
+        kinds = ["message", "function_call", "function_call_output", "reasoning", "input_image"]
+        body["input"] = data.draw(st.lists(_typed(kinds), max_size=3))
+    try:
+        responses_api.to_chat(responses_api.parse_request(body))
+    except OpenAIError as exc:
+        assert exc.status == 400 and exc.param
