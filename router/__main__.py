@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.settings import (
     CommaList,
@@ -130,6 +130,11 @@ class RouterOptions(SecretFiles):
         description="times a stream whose node fails after its first token is re-prefilled on other nodes "
         "from its prompt and the tokens already sent, and goes on (0: it ends with an error)",
     )
+    reasoning_parser: Literal["qwen3"] | None = Field(
+        None,
+        description="split a thinking model's thoughts from its answer: chat responses carry them as "
+        "`reasoning_content` (qwen3: the <think>...</think> at the start of the output)",
+    )
     log_level: LogLevel = Field(
         "INFO",
         description="log level of the router and of its HTTP server (INFO and below: one access-log "
@@ -176,6 +181,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         metrics_public=opts.metrics_public,
         node_token=token or "",  # required=True: never empty here
         rate_limit=RateLimit(opts.rate_limit, opts.rate_limit_burst) if opts.rate_limit else None,
+        reasoning_parser=opts.reasoning_parser,
     )
 
 

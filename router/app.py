@@ -1,9 +1,12 @@
-"""The router's OpenAI-compatible HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models,
+"""The router's HTTP API on FastAPI: OpenAI's /v1/completions, /v1/chat/completions, /v1/responses and
+/v1/models, Anthropic's /v1/messages and /v1/messages/count_tokens, vLLM's /tokenize and /detokenize,
 /health (a readiness report: 200 while some node pair can serve, else 503), /metrics (behind the API key
 unless `metrics_public`), and /docs, /redoc, /openapi.json only with `api_docs`.
 
 Invariants: the routes only translate between HTTP and router/handler.py's RequestHandler, which does the
-work and owns the BlockIndex it is given; every error leaves as OpenAI's ErrorResponse (never FastAPI's
+work and owns the BlockIndex it is given (the Anthropic and Responses routes through their own modules, which
+translate onto the chat path); every error leaves as OpenAI's ErrorResponse (Anthropic's error shape on its
+routes) (never FastAPI's
 {"detail"}), the router's domain errors through router/errors.py's `to_openai`; a path with a trailing
 slash is served as the path without it (no redirect, whose Location would echo the request's Host); a
 client that leaves before its body is in is a ClientGone (499), not a 500.
@@ -18,10 +21,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pdserve.router.anthropic_api import AnthropicAPI, api_key
+from pdserve.router.chat_bridge import with_reasoning
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ClientGone, RouterError
 from pdserve.router.handler import Endpoint, Incoming, Reply, RequestHandler, error_reply
 from pdserve.router.openai_protocol import OpenAIError
+from pdserve.router.responses_api import ResponsesAPI
+from pdserve.router.tokenize_api import TokenizeAPI
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.model.tokenizer import Tokenizer
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,11 +52,10 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
         raise ClientGone("the client left before it sent the whole request body") from exc
 
 
-def _incoming(request: Request) -> Incoming:
+def _incoming(request: Request, authorization: str | None = None) -> Incoming:
     headers = request.headers
-    return Incoming(
-        headers.get("authorization"), _body(request), headers.get("content-length"), request.is_disconnected
-    )
+    authorization = authorization or headers.get("authorization")
+    return Incoming(authorization, _body(request), headers.get("content-length"), request.is_disconnected)
 
 
 class _NoTrailingSlash:
@@ -130,6 +136,12 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         page = handler.metrics_page(request.headers.get("authorization"))
         return Response(page, media_type=handler.metrics.content_type)
 
+    parser = config.reasoning_parser
+
+    async def chat(incoming: Incoming) -> Reply:
+        reply = await handler.generate("chat", incoming)
+        return reply if parser is None else with_reasoning(reply, parser)
+
     async def generate(endpoint: Endpoint, request: Request) -> Response:
         return _response(await handler.generate(endpoint, _incoming(request)))
 
@@ -139,6 +151,41 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await generate("chat", request)
+        return _response(await chat(_incoming(request)))
+
+    anthropic = AnthropicAPI(chat, handler.count_prompt_tokens, config.max_request_bytes)
+
+    def anthropic_incoming(request: Request) -> Incoming:  # `anthropic-version` is accepted, whatever it says
+        return _incoming(
+            request, api_key(request.headers.get("x-api-key"), request.headers.get("authorization"))
+        )
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return _response(await anthropic.messages(anthropic_incoming(request)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return _response(await anthropic.count_tokens(anthropic_incoming(request)))
+
+    responses = ResponsesAPI(chat, config.max_request_bytes)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return _response(await responses.create(_incoming(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return _response(error_reply(responses.not_stored(response_id)))
+
+    tokens = TokenizeAPI(handler, config.max_request_bytes)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return _response(await tokens.tokenize(_incoming(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return _response(await tokens.detokenize(_incoming(request)))
 
     return app

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pdserve.router.admission import AdmissionConfig
 from pdserve.router.breaker import BreakerConfig
 from pdserve.router.policy import PolicyConfig
+from pdserve.router.reasoning import REASONING_PARSERS
 from pdserve.router.tenants import RateLimit
 from pdserve.shared.index.block_index_types import RedisConfig
 
@@ -87,6 +88,10 @@ class RouterConfig:
     """Serve /metrics without an API key (by default it asks for one, as every /v1 route, when api_keys is
     set)."""
 
+    reasoning_parser: str | None = None
+    """Split chat answers' thoughts into `reasoning_content` with this parser (router/reasoning.py; one of
+    REASONING_PARSERS); None: the text stays as the model wrote it."""
+
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("model_path is empty")
@@ -111,6 +116,10 @@ class RouterConfig:
         for name in ("max_request_bytes", "max_request_bytes_per_token", "max_n", "max_connections_per_node"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r} is not one of {list(REASONING_PARSERS)}"
+            )
         if self.node_connect_timeout_s <= 0:
             raise ValueError(f"node_connect_timeout_s must be > 0, got {self.node_connect_timeout_s}")
 

@@ -213,6 +213,18 @@ class RequestHandler:
                 metrics.in_flight.dec()
                 metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
 
+    async def prompt_ids(self, endpoint: Endpoint, body: Any) -> list[tuple[int, ...]]:
+        """The token ids each prompt of a completions or chat body becomes, as `generate` would send them
+        (chat template, tools and truncation included); OpenAIError 400 for a bad body."""
+        spec = _PARSERS[endpoint](body)
+        check_token_ids(spec, self.tokenizer.vocab_size)
+        return (await self._tokenize(spec))[0]
+
+    async def count_prompt_tokens(self, authorization: str | None, body: Any) -> int:
+        """The prompt length of a chat body, for the client of `authorization` (OpenAIError 401 otherwise)."""
+        self.authenticate(authorization)
+        return sum(len(ids) for ids in await self.prompt_ids("chat", body))
+
     async def _start(
         self, incoming: Incoming, parse: Callable[[dict[str, Any]], GenerationSpec]
     ) -> ServedRequest:
@@ -307,7 +319,7 @@ class RequestHandler:
             try:
                 ids = await asyncio.to_thread(
                     tokenizer.apply_chat_template, list(spec.messages), how.add_generation_prompt,
-                    how.continue_final_message, how.add_special_tokens,
+                    how.continue_final_message, how.add_special_tokens, how.template_kwargs,
                 )  # fmt: skip
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param="messages") from exc

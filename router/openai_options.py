@@ -45,7 +45,6 @@ _BOTH: dict[str, Refused] = {
     },
     "response_format": Refused(_STRUCTURED, ({"type": "text"},)),
     "prompt_logprobs": Refused("prompt logprobs are not computed; leave it out", (0,)),
-    "logit_bias": Refused("logits are not biased per request", ({},)),
     "use_beam_search": Refused("there is no beam search; sample with n instead", (False,)),
     "length_penalty": Refused("it applies to beam search, which this server does not do", (1, 1.0)),
     "allowed_token_ids": Refused("the vocabulary is not restricted per request"),
@@ -80,9 +79,6 @@ CHAT: Mapping[str, Refused] = {
     "prompt_cache_key": Refused("prefix caching routes by the prompt itself; use cache_salt to separate"),
     "prompt_cache_retention": Refused("cached prefixes live while the nodes' KV pools hold them"),
     "chat_template": Refused("the model's own chat template is applied"),
-    "chat_template_kwargs": Refused(
-        "send add_generation_prompt or continue_final_message as top-level fields", ({},)
-    ),
     "documents": Refused("documents are not passed to the chat template"),
     "mm_processor_kwargs": Refused("input is text only"),
     "echo": Refused("chat responses do not repeat the prompt; use completions with echo", (False,)),

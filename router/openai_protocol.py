@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -79,6 +80,8 @@ class _Body(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string key, OpenAI's form) -> bias in [-100, 100] added to its logit at every step."""
     user: str | None = None
     """An end-user id for OpenAI's abuse monitoring: accepted, and used for nothing here."""
     # Extensions (vLLM's names): sampling knobs, the tenant's cache salt, a per-request deadline in seconds,
@@ -113,6 +116,7 @@ class ChatBody(_Body):
     top_logprobs: int | None = Field(default=None, ge=0, le=_MAX_LOGPROBS)
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,9 @@ class Tokenize:
     """Chat: end the template with the assistant's header, so the model answers in a new message."""
     continue_final_message: bool = False
     """Chat: leave the final message open (no end-of-turn), so the model continues it."""
+    template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Chat: more variables for the chat template (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    `enable_thinking`)."""
 
 
 @dataclass(frozen=True)
@@ -165,13 +172,15 @@ def check_token_ids(spec: GenerationSpec, vocab_size: int) -> None:
                 f"prompt {i} holds token id {max(prompt)}, outside the vocabulary [0, {vocab_size})",
                 param="prompt",
             )
-    too_big = [t for t in spec.sampling.stop_token_ids if t >= vocab_size]
-    if too_big:
-        raise OpenAIError(
-            400,
-            f"stop_token_ids holds {too_big[0]}, outside the vocabulary [0, {vocab_size})",
-            param="stop_token_ids",
-        )
+    for param, ids in (
+        ("stop_token_ids", spec.sampling.stop_token_ids),
+        ("logit_bias", [t for t, _ in spec.sampling.logit_bias]),
+    ):
+        too_big = [t for t in ids if t >= vocab_size]
+        if too_big:
+            raise OpenAIError(
+                400, f"{param} holds {too_big[0]}, outside the vocabulary [0, {vocab_size})", param=param
+            )
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationSpec:
@@ -183,7 +192,11 @@ def parse_completion(body: dict[str, Any]) -> GenerationSpec:
             param="best_of",
         )
     if req.echo and req.logprobs is not None:
-        raise OpenAIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+        raise OpenAIError(
+            400, "echo together with logprobs is not supported: it needs the prompt tokens' logprobs, which "
+            "the nodes do not compute (they return logprobs of sampled tokens only); send echo without "
+            "logprobs, or logprobs without echo", param="echo",
+        )  # fmt: skip
     prompts = _parse_prompt(req.prompt)
     tokenize = Tokenize(_default(req.add_special_tokens, True), req.truncate_prompt_tokens)
     return _spec("completion", req, prompts, (), req.max_tokens, req.logprobs, req.echo, tokenize)
@@ -206,6 +219,7 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         add_generation_prompt=_default(req.add_generation_prompt, not req.continue_final_message),
         continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs or {},
     )
     return _spec("chat", req, (), _parse_messages(req.messages), max_tokens, logprobs, False, tokenize)
 
@@ -264,6 +278,7 @@ def _spec(
     try:
         sampling = SamplingParams(
             max_tokens=1,
+            logit_bias=_logit_bias(req.logit_bias or {}),
             temperature=1.0 if req.temperature is None else req.temperature,
             stop=stop,
             stop_token_ids=tuple(req.stop_token_ids or ()),
@@ -297,6 +312,17 @@ def _spec(
         raise OpenAIError(400, f"{exc} (choice {spec.n - 1} of n={spec.n} uses seed + {spec.n - 1})",
                           param=_param_named_in(str(exc))) from exc  # fmt: skip
     return spec
+
+
+def _logit_bias(bias: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as SamplingParams' pairs; OpenAIError 400 naming a key that is no id."""
+    bad = [k for k in bias if not (k.isascii() and k.isdigit())]
+    if bad:
+        raise OpenAIError(
+            400, f"logit_bias: key {bad[0]!r} is not a token id; keys are token ids as strings, e.g. "
+            '{"50256": -100}', param="logit_bias",
+        )  # fmt: skip
+    return tuple((int(k), float(v)) for k, v in bias.items())
 
 
 _STREAM_OPTIONS_REFUSED = ("continuous_usage_stats", "include_obfuscation")

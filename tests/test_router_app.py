@@ -505,7 +505,6 @@ REFUSED_BOTH: list[tuple[str, Any]] = [
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("prompt_logprobs", 1),
-    ("logit_bias", {"1": 5}),
     ("use_beam_search", True),
     ("length_penalty", 0.5),
     ("allowed_token_ids", [1, 2]),
@@ -539,7 +538,6 @@ REFUSED_CHAT: list[tuple[str, Any]] = [
     ("prompt_cache_key", "k"),
     ("prompt_cache_retention", "24h"),
     ("chat_template", "{{ messages }}"),
-    ("chat_template_kwargs", {"enable_thinking": False}),
     ("documents", [{"title": "t", "text": "x"}]),
     ("mm_processor_kwargs", {"a": 1}),
     ("echo", True),
@@ -607,6 +605,16 @@ def test_chat_template_options_shape_the_prompt(cluster: Cluster, tokenizer: Tok
     sent = [tokenizer.decode(req.prompt_token_ids, False) for _, req in cluster.nodes.generate[n_gen:]]
     assert sent[0] == tokenizer.render_chat(TURNS, False) and sent[0].endswith("<|im_end|>\n")
     assert sent[1] == sent[2] and sent[1].endswith("<|im_start|>assistant\nThe answer is")
+    n_gen = len(cluster.nodes.generate)
+    kwargs = {"chat_template_kwargs": {"greeting": "Bonjour"}}
+    template = "{% for m in messages %}{{ greeting }} {{ m.content }}\n{% endfor %}"
+    saved, tokenizer.chat_template = tokenizer.chat_template, template
+    try:
+        assert cluster.post("/v1/chat/completions", {**CHAT, **kwargs}).status_code == 200
+    finally:
+        tokenizer.chat_template = saved
+    ((_, gen),) = cluster.nodes.generate[n_gen:]
+    assert tokenizer.decode(gen.prompt_token_ids, False) == "Bonjour Hello there\n"
     both = {**CHAT, "messages": TURNS, "continue_final_message": True, "add_generation_prompt": True}
     err = error_of(cluster.post("/v1/chat/completions", both), 400)
     assert err["message"] == "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
@@ -641,6 +649,11 @@ def test_min_tokens_and_truncation_reach_the_nodes(cluster: Cluster, tokenizer: 
     assert r.status_code == 200, r.text
     ((_, gen),), ((_, pre),) = cluster.nodes.generate[n_gen:], cluster.nodes.prefill[n_pre:]
     assert gen.sampling.min_tokens == 2 and pre.sampling.min_tokens == 2  # P samples the first token
+    n_gen, n_pre = len(cluster.nodes.generate), len(cluster.nodes.prefill)
+    r = cluster.post("/v1/chat/completions", {**CHAT, "logit_bias": {"7": -100, "12": 5.5}})
+    assert r.status_code == 200, r.text
+    ((_, gen),), ((_, pre),) = cluster.nodes.generate[n_gen:], cluster.nodes.prefill[n_pre:]
+    assert gen.sampling.logit_bias == pre.sampling.logit_bias == ((7, -100.0), (12, 5.5))
     err = error_of(cluster.post("/v1/completions", {**COMPLETION, "min_tokens": 3}), 400)
     assert err["param"] == "min_tokens" and "max_tokens" in err["message"]
     cluster.set_nodes(["s0"])

@@ -51,7 +51,11 @@ def refused(parse: Any, body: Any) -> OpenAIError:
         ({"seed": 2**64 - 1, "n": 2}, "seed"),
         ({"seed": "7"}, "seed"),
         ({"stop": ["ok", ""]}, "stop"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"five": 10}}, "logit_bias"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+        ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
         ({"model": None}, "model"),
         ({"top_k": -3}, "top_k"),
     ],
@@ -80,6 +84,18 @@ def test_bad_chat_parameters_are_400_naming_the_parameter(patch: dict[str, Any],
 def test_bad_completion_parameters_are_400(patch: dict[str, Any], param: str) -> None:
     err = refused(parse_completion, {**COMPLETION, **patch})
     assert (err.status, err.param) == (400, param), err.message
+
+
+def test_logit_bias_and_chat_template_kwargs_reach_the_spec() -> None:
+    spec = parse_chat({**CHAT, "logit_bias": {"5": 10, "17": -100.0}})
+    assert spec.sampling.logit_bias == ((5, 10.0), (17, -100.0))
+    spec = parse_chat({**CHAT, "chat_template_kwargs": {"enable_thinking": False}})
+    assert spec.tokenize.template_kwargs == {"enable_thinking": False}
+    assert parse_completion({**COMPLETION, "logit_bias": {"3": 1}}).sampling.logit_bias == ((3, 1.0),)
+    assert (
+        "prompt tokens' logprobs"
+        in refused(parse_completion, {**COMPLETION, "echo": True, "logprobs": 0}).message
+    )
 
 
 def test_missing_prompt_and_non_object_body() -> None:

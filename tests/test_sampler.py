@@ -201,3 +201,35 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached() -> None:
     out = Sampler(eos_token_ids=frozenset({7})).sample(logits, states)
     assert out.token_ids[0] == 3 and out.token_ids[1] not in (7, 9) and out.token_ids[2:] == (7, 7)
     assert out.top_logprobs[0] is not None and out.top_logprobs[0][0][0] == 7  # logprobs see EOS still
+
+
+def test_logit_bias_is_added_to_the_row_before_drawing_and_logprobs() -> None:
+    logits = torch.zeros(3, 50)
+    logits[:, 7] = 5.0
+    states = [
+        state(temperature=0.0, logit_bias=((12, 100.0),), logprobs=0),  # +100 forces 12
+        state(temperature=0.0, logit_bias=((7, -100.0),)),  # -100 bans the argmax: the next is id 0
+        state(temperature=0.9, seed=5, logit_bias=((3, 100.0), (7, -100.0))),
+    ]
+    out = Sampler().sample(logits.clone(), states)
+    assert out.token_ids == (12, 0, 3)
+    assert out.logprobs[0] is not None and out.logprobs[0] > -1e-3  # the biased distribution's logprob
+    assert Sampler().sample(logits[:1].clone(), [state(temperature=0.0)]).token_ids == (7,)  # no bias
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"),
+    [
+        (((3, 101.0),), r"logit_bias\[3\]=101.0 .* \[-100, 100\]"),
+        (((-1, 1.0),), "token ids are ints >= 0"),
+        (((3, 1.0), (3, 2.0)), "token id 3 twice"),
+    ],
+)
+def test_logit_bias_names_the_bad_entry(bias: tuple[tuple[int, float], ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_round_trips_on_the_wire() -> None:
+    p = SamplingParams(logit_bias=((5, -2.5), (9, 100.0)))
+    assert SamplingParams.from_dict(json.loads(json.dumps(p.to_dict()))) == p

@@ -8,12 +8,13 @@ Invariants:
   differences between device kinds). A request without a seed gets a key drawn from
   the sampler's own RNG, so only seeded requests are reproducible.
 - Processing order: penalties (repetition over prompt + output, frequency/presence over output) ->
-  min_tokens (EOS and stop token ids at -inf while fewer than min_tokens output tokens exist) ->
-  temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after min_tokens.
-- Logprobs (OpenAI-like): log-softmax of the logits after penalties and before min_tokens, temperature and
-  truncation, so they describe the model's distribution for the context, are finite for every token, and
-  do not change with min_tokens/temperature/top-k/top-p; the sampled token's logprob comes from the same
-  distribution.
+  logit_bias -> min_tokens (EOS and stop token ids at -inf while fewer than min_tokens output tokens
+  exist) -> temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after
+  min_tokens.
+- Logprobs (OpenAI-like): log-softmax of the logits after penalties and logit_bias, before min_tokens,
+  temperature and truncation, so they describe the model's (biased) distribution for the context, are
+  finite for every token, and do not change with min_tokens/temperature/top-k/top-p; the sampled token's
+  logprob comes from the same distribution.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Sampler:
         dev = logits.device
         if num == 0:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=dev), [], [], None)
-        logits = self._apply_penalties(logits, states)  # [S, V]
+        logits = _apply_bias(self._apply_penalties(logits, states), states)  # [S, V]
         scores = self._hold_stops(logits, states)  # [S, V]: what is drawn from; logprobs read `logits`
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_EPS]
         rand = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_EPS]
@@ -250,6 +251,20 @@ def _truncate(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     keep = in_k & (((mass - probs) < top_p) | (top_p >= 1.0))  # the top token has 0 mass before it
     out = torch.full_like(x, float("-inf")).scatter_(1, idx, torch.where(keep, vals, float("-inf")))
     return torch.where(torch.tensor(limited, device=dev)[:, None], out, x)
+
+
+def _apply_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """logits [S, V] plus each row's logit_bias (ids past the logits' width are the router's to refuse and
+    are skipped here); the same tensor when no row has a bias."""
+    vocab = logits.shape[1]
+    rows = [[(t, b) for t, b in s.params.logit_bias if t < vocab] for s in states]
+    if not any(rows):
+        return logits
+    flat = _flat_index([[t for t, _ in r] for r in rows], vocab, logits.device)  # [B]
+    bias = torch.tensor([b for r in rows for _, b in r], dtype=torch.float32, device=logits.device)  # [B]
+    logits = logits.clone()
+    logits.view(-1).index_add_(0, flat, bias)
+    return logits
 
 
 def _flat_index(rows: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

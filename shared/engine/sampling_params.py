@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeGuard
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+"""Most token ids one request may bias (OpenAI states no bound; this one keeps a request's work small)."""
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -54,11 +56,17 @@ class SamplingParams:
     """None: no logprobs; N in 0..20: the sampled token's logprob plus the N most likely."""
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs added to those tokens' logits at every step, on P and D alike
+    (OpenAI's `logit_bias`); the sampler adds them with the penalties, so logprobs see them too."""
 
     def __post_init__(self) -> None:
         # Lists arriving from JSON become tuples so the value stays hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(
+            self, "logit_bias", tuple(tuple(p) if isinstance(p, list | tuple) else p for p in self.logit_bias)
+        )
         self._check_int("max_tokens", self.max_tokens, 1, None, ">= 1")
         self._check_num("temperature", self.temperature, lambda v: v >= 0.0, ">= 0")
         self._check_num("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
@@ -78,6 +86,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids: {t!r} is not accepted; token ids are ints >= 0")
+        self._check_logit_bias()
         if self.logprobs is not None:
             self._check_int(
                 "logprobs", self.logprobs, 0, MAX_LOGPROBS, f"None or an int in [0, {MAX_LOGPROBS}]"
@@ -86,6 +95,24 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is not accepted; it must be true or false")
+
+    def _check_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}")
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(f"logit_bias: {pair!r} is not accepted; each entry is (token id, bias)")
+            token, bias = pair
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias: {token!r} is not accepted; token ids are ints >= 0")
+            if token in seen:
+                raise ValueError(f"logit_bias holds token id {token} twice")
+            seen.add(token)
+            if not _is_num(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"logit_bias[{token}]={bias!r} is not accepted; a bias must be a number in [-100, 100]"
+                )
 
     @staticmethod
     def _check_int(name: str, value: object, lo: int, hi: int | None, accepted: str) -> None:
@@ -111,6 +138,7 @@ class SamplingParams:
         out = asdict(self)
         out["stop"] = list(self.stop)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return out
 
     @classmethod
@@ -121,10 +149,10 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; accepted: {sorted(known)}")
         kwargs = dict(data)
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_token_ids", "logit_bias"):
             if key in kwargs:
                 value = kwargs[key]
                 if isinstance(value, str) or not isinstance(value, list | tuple):
                     raise ValueError(f"{key}={value!r} is not accepted; {key} must be a list")
-                kwargs[key] = tuple(value)
+                kwargs[key] = tuple(tuple(v) if isinstance(v, list | tuple) else v for v in value)
         return cls(**kwargs)

@@ -14,7 +14,7 @@ import hashlib
 import json
 import mmap
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import tokenizers
@@ -85,6 +85,13 @@ class _ByteBackend:
         return json.dumps({"byte_level": self.size, "special": sorted(self.special_ids)}).encode()
 
 
+_TEMPLATE_ARGS = frozenset(
+    ("conversations", "chat_template", "messages", "add_generation_prompt", "continue_final_message", "tools",
+     "documents", "return_assistant_tokens_mask")
+)  # fmt: skip
+"""What render_chat passes to the template itself: a client's template variables may not override them."""
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -130,15 +137,21 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template applied to `messages`, as text; continue_final_message leaves the last message
-        open (its end-of-turn cut) for the model to continue. ValueError if there is no template, or if the
-        final message cannot be continued."""
+        open (its end-of-turn cut) for the model to continue; template_kwargs are more template variables
+        (e.g. Qwen3's enable_thinking). ValueError if there is no template, if the final message cannot be
+        continued, or if a template variable is one this call sets itself."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template; use a completion request")
         from transformers.utils.chat_template_utils import render_jinja_template
 
         template_tokens: dict[str, Any] = dict(self._template_tokens)
+        clash = sorted(set(template_kwargs or {}) & (set(template_tokens) | _TEMPLATE_ARGS))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {clash}: the server sets them itself")
+        template_tokens.update(template_kwargs or {})
         # annotated `-> str`, but returns (rendered conversations, generation indices)
         result: Any = render_jinja_template(
             conversations=[messages],
@@ -155,10 +168,11 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered template; add_special_tokens adds the tokenizer's own (BOS) on top of the
         template's, which already holds them for most models."""
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     @classmethod
