@@ -162,6 +162,7 @@ class LLMEngine:
                 tokenizer_path=cfg.tokenizer,
                 seed=cfg.seed,
                 comm=self.ranks.comm,
+                quantization=cfg.quantization,
             )
             self.ranks.join()
             self.num_blocks = self.ranks.agree_min(
@@ -186,7 +187,7 @@ class LLMEngine:
         self.tier = HostTierCopier(self.runner.kv_cache, self.host_blocks) if self.host_blocks else None
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.fingerprint = model_fingerprint(
-            mc.to_dict(), self.loaded.weights_identity, cfg.dtype_name, cfg.block_size
+            mc.to_dict(), self.loaded.weights_identity, cfg.kv_dtype_name, cfg.block_size
         )
         self.observer: StepObserver | None = None
         self._live: dict[RequestId, _Live] = {}
@@ -337,8 +338,8 @@ class LLMEngine:
         """The KV cache's layout, which a node registers and the transfer handshake compares: rank 0's (its
         KV heads, of `tp_size` ranks)."""
         c, tp = self.loaded.config, self.loaded.model.tp
-        return KVLayout(c.num_layers, tp.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.dtype_name,
-                        tp.size, 0, tp.kv_head_start)  # fmt: skip
+        return KVLayout(c.num_layers, tp.num_kv_heads, c.head_dim, self.cfg.block_size,
+                        self.cfg.kv_dtype_name, tp.size, 0, tp.kv_head_start)  # fmt: skip
 
     def admit_remote(
         self,

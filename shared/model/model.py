@@ -11,7 +11,9 @@ RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer
 residual stream, so the stream is updated in place and only the last add is a separate op.
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
 once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
-until then the handles are the parameters and the product is `F.linear`.
+until then the handles are the parameters and the product is `F.linear`. With `quantization="fp8"` the
+four projections of each layer are FP8 parameters with a rowwise scale each (shared/model/fp8.py), loaded
+through `Fp8Weights` and multiplied by `Fp8Linear`; embeddings, norms and the LM head keep the model dtype.
 Tensor parallelism (shared/model/parallel.py): a model holds one rank's share (`tp`): its query and KV
 heads, its slice of the MLP and of the vocabulary. QKV and gate/up are column-parallel (this rank's rows),
 O and down row-parallel (this rank's columns, partial sums all-reduced through `comm`; a bias is added on
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
+from pdserve.shared.model.fp8 import FP8, SCALE, Fp8Linear, Fp8Weights
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 from pdserve.shared.model.parallel import Collectives, RowSlice, SingleRank, TPPlan, WeightSource, plan
 from torch import nn
@@ -52,6 +55,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _detach(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if scale is None else scale.detach()
+
+
 def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
     """Uninitialised weight; `load_weights` or `dummy_weights` fills it."""
     return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
@@ -71,7 +78,13 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, tp: TPPlan, comm: Collectives, device: torch.device, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        tp: TPPlan,
+        comm: Collectives,
+        device: torch.device,
+        dtype: torch.dtype,
+        quantized: bool = False,
     ) -> None:
         super().__init__()
         # per rank: Hq, Hkv and F are this rank's shares
@@ -80,24 +93,29 @@ class DecoderLayer(nn.Module):
         self.comm = comm
         self.scale = d**-0.5
         self.input_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
-        self.qkv_weight = _param((tp.qkv_size, e), device, dtype)  # rows: q | k | v
+        wdtype = FP8 if quantized else dtype  # the four projections'; *_scale: [rows] fp32 when FP8
+        self.qkv_weight = _param((tp.qkv_size, e), device, wdtype)  # rows: q | k | v
         self.qkv_bias = _param((tp.qkv_size,), device, dtype) if cfg.attention_bias else None
-        self.o_weight = _param((e, hq * d), device, dtype)
+        self.o_weight = _param((e, hq * d), device, wdtype)
         # Llama's attention_bias covers o_proj too; Qwen2's covers only q/k/v. Added once, on rank 0.
         has_o_bias = cfg.attention_bias and cfg.architecture != "qwen2" and tp.rank == 0
         self.o_bias = _param((e,), device, dtype) if has_o_bias else None
         self.post_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
-        self.gate_up_weight = _param((2 * f, e), device, dtype)  # rows: gate | up
-        self.down_weight = _param((e, f), device, dtype)
-        self.prepare(DenseLinear())
+        self.gate_up_weight = _param((2 * f, e), device, wdtype)  # rows: gate | up
+        self.down_weight = _param((e, f), device, wdtype)
+        scale = (lambda rows: _param((rows,), device, torch.float32)) if quantized else (lambda rows: None)
+        self.qkv_scale, self.o_scale = scale(tp.qkv_size), scale(e)
+        self.gate_up_scale, self.down_scale = scale(2 * f), scale(e)
+        if not quantized:
+            self.prepare(DenseLinear())
 
     def prepare(self, linear: Linear) -> None:
         """Make the matmul handles of this layer's current weights (detached: not registered twice)."""
         self.linear = linear
-        self.qkv_w = linear.prepare(self.qkv_weight.detach())
-        self.o_w = linear.prepare(self.o_weight.detach())
-        self.gate_up_w = linear.prepare(self.gate_up_weight.detach())
-        self.down_w = linear.prepare(self.down_weight.detach())
+        self.qkv_w = linear.prepare(self.qkv_weight.detach(), _detach(self.qkv_scale))
+        self.o_w = linear.prepare(self.o_weight.detach(), _detach(self.o_scale))
+        self.gate_up_w = linear.prepare(self.gate_up_weight.detach(), _detach(self.gate_up_scale))
+        self.down_w = linear.prepare(self.down_weight.detach(), _detach(self.down_scale))
 
     def forward(
         self,
@@ -140,8 +158,9 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         tp: TPPlan | None = None,
         comm: Collectives | None = None,
+        quantization: str | None = None,
     ) -> None:
-        """`tp` and `comm` default to the whole model on one rank."""
+        """`tp` and `comm` default to the whole model on one rank; `quantization`: None or "fp8"."""
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or plan(cfg, 0, 1)
@@ -149,7 +168,12 @@ class LlamaModel(nn.Module):
         assert (comm.rank, comm.size) == (tp.rank, tp.size), (comm.rank, comm.size, tp)
         # embed_weight, lm_head_weight: [V / N rounded up, E] this rank's vocabulary rows
         self.embed_weight = _param((tp.vocab_rows, cfg.hidden_size), device, dtype)
-        self.decoder_layers = [DecoderLayer(cfg, tp, comm, device, dtype) for _ in range(cfg.num_layers)]
+        assert quantization in (None, "fp8"), f"quantization={quantization!r}: accepted None, 'fp8'"
+        self.quantization = quantization
+        quantized = quantization == "fp8"
+        self.decoder_layers = [
+            DecoderLayer(cfg, tp, comm, device, dtype, quantized) for _ in range(cfg.num_layers)
+        ]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; `decoder_layers` keeps their type
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head_weight = (
@@ -164,10 +188,13 @@ class LlamaModel(nn.Module):
 
     def prepare_weights(self, linear: Linear | None = None) -> None:
         """Make every matmul's handle from the current weights with `linear` (default: the device's best
-        product); loaders call it once the weights are final (a later in-place change needs another call)."""
+        product; the FP8 product for the layers of an FP8 model); loaders call it once the weights are final
+        (a later in-place change needs another call)."""
         self.linear = linear or select_linear(self.embed_weight.device, self.dtype)
+        fp8 = self.quantization == "fp8" and linear is None
+        layer_linear: Linear = Fp8Linear(self.embed_weight.device) if fp8 else self.linear
         for layer in self.decoder_layers:
-            layer.prepare(self.linear)
+            layer.prepare(layer_linear)
         self.lm_head_w = self.linear.prepare(self.lm_head_weight.detach())
 
     @property
@@ -229,6 +256,8 @@ class LlamaModel(nn.Module):
         ValueError naming a missing, unexpected or misshapen tensor.
         """
         cfg, tp = self.config, self.tp
+        if self.quantization == "fp8":
+            weights = Fp8Weights(weights)
         names = weights.names()
         used: set[str] = set()
 
@@ -266,10 +295,14 @@ class LlamaModel(nn.Module):
             take(p + "post_attention_layernorm.weight", layer.post_norm.weight)
             for proj, start, rows, part in qkv_split:
                 take(f"{p}self_attn.{proj}.weight", layer.qkv_weight[start : start + rows], part)
+                if layer.qkv_scale is not None:
+                    take(f"{p}self_attn.{proj}.weight{SCALE}", layer.qkv_scale[start : start + rows], part)
                 if layer.qkv_bias is not None:
                     bias_part = None if part is None else RowSlice(0, part.start, part.stop)
                     take(f"{p}self_attn.{proj}.bias", layer.qkv_bias[start : start + rows], bias_part)
             take(p + "self_attn.o_proj.weight", layer.o_weight, None if whole else tp.o_cols())
+            if layer.o_scale is not None:
+                take(p + "self_attn.o_proj.weight" + SCALE, layer.o_scale, None if whole else tp.o_cols())
             if layer.o_bias is not None:
                 take(p + "self_attn.o_proj.bias", layer.o_bias)
             elif p + "self_attn.o_proj.bias" in names and tp.rank > 0:
@@ -278,6 +311,10 @@ class LlamaModel(nn.Module):
             take(p + "mlp.gate_proj.weight", layer.gate_up_weight[:f], ffn)
             take(p + "mlp.up_proj.weight", layer.gate_up_weight[f:], ffn)
             take(p + "mlp.down_proj.weight", layer.down_weight, None if whole else tp.ffn_cols())
+            if layer.gate_up_scale is not None and layer.down_scale is not None:
+                take(p + "mlp.gate_proj.weight" + SCALE, layer.gate_up_scale[:f], ffn)
+                take(p + "mlp.up_proj.weight" + SCALE, layer.gate_up_scale[f:], ffn)
+                take(p + "mlp.down_proj.weight" + SCALE, layer.down_scale, None if whole else tp.ffn_cols())
         # a tied checkpoint may still carry lm_head; rotary buffers are recomputed here
         ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         unexpected = sorted(
