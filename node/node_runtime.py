@@ -156,6 +156,7 @@ class NodeRuntime:
                 credential_digest=credential_digest,
                 max_model_len=self.engine.max_model_len,
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
+                quantization=self.engine.loaded.quantization or "none",
             )
             self._info = info
             load = await self.aengine.call(self.load)

@@ -102,7 +102,10 @@ def _write_checkpoint(path: Path, scheme: str) -> dict[str, torch.Tensor]:
             reference[name] = q.float() * _expand(s, *shape)
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic" if scheme == "block" else "static"}
+    quant: dict[str, object] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic" if scheme == "block" else "static",
+    }
     if scheme == "block":
         quant["weight_block_size"] = [128, 128]
     (path / "config.json").write_text(json.dumps({**HF_CONFIG, "quantization_config": quant}))

@@ -51,6 +51,7 @@ from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.model import fp8
 from pdserve.shared.model.loader import LoadedModel, ModelLoadError, load_config, load_model
 from pdserve.shared.model.parallel import check_split
 from pdserve.shared.node.node_protocol import StepOutput, TokenLogprob, TopLogprob
@@ -152,6 +153,10 @@ class LLMEngine:
             check_split(mc, cfg.tensor_parallel_size)  # before any rank starts
         except ValueError as exc:
             raise ModelLoadError(f"cannot load model from {cfg.model}: {exc}") from exc
+        if cfg.kv_cache_dtype == "fp8" and cfg.torch_device.type == "cuda":  # the CPU reads it in torch
+            reason = fp8.unsupported_reason(cfg.torch_device)
+            if reason is not None:
+                raise ModelLoadError(f"--kv-cache-dtype fp8 on {cfg.device}: {reason}")
         # rank 0 (this process) schedules, samples and owns the block pool; the others run its steps
         self.ranks = start_ranks(cfg, self.max_model_len)
         try:

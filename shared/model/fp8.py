@@ -49,7 +49,7 @@ def unsupported_reason(device: torch.device) -> str | None:
         if cap >= _MIN_CAPABILITY:
             return None
         name = torch.cuda.get_device_name(device)
-        return f"FP8 weights need compute capability 8.9 or newer (Ada, Hopper, Blackwell); {name} has {cap}"
+        return f"FP8 needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); {name} has {cap}"
     return f"FP8 weights need a GPU of compute capability 8.9 or newer; the {device.type} has no FP8 product"
 
 
