@@ -16,6 +16,7 @@ import json
 import math
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
@@ -37,7 +38,7 @@ from pdserve.tests.harness.cluster_fixture import (
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
+PROMPTS: list[dict[str, Any]] = [
     {"prompt": "The capital of France is"},
     {"prompt": "Write a haiku about the sea."},
     {"messages": [{"role": "user", "content": "What is a comet?"}]},
