@@ -112,8 +112,10 @@ def load_model(
         identity = fp8.quantized_identity(identity, quant)
     weights_s = time.perf_counter() - start
     n_bytes = sum(t.nbytes for t in model.parameters())
-    log.info("weights of %s: %.2f GiB on %s (%s)", path, n_bytes / 2**30, device,
-             quant or str(dtype).removeprefix("torch."))  # fmt: skip
+    how = quant or str(dtype).removeprefix("torch.")
+    if path.endswith(".gguf"):
+        how += ", every GGUF tensor dequantized"
+    log.info("weights of %s: %.2f GiB on %s (%s)", path, n_bytes / 2**30, device, how)
     start = time.perf_counter()
     tokenizer = load_tokenizer(path, tokenizer_path)
     tokenizer_s = time.perf_counter() - start
