@@ -7,10 +7,9 @@ through real processes (redis-server, two prefill nodes, one decode node, the ro
   only the blocks it lacks, and the router's "remote" hits count what was really fetched;
 - churn: the holder evicts the prefix's last quarter between the lookup and the fetch; the fetch comes back
   short, the miss is counted, the prefill node computes the rest, and the text is still the cold run's.
-Every scenario ends with clean audits on every node, and every scenario runs twice: with the model-dtype KV
-cache and with an FP8 one (--kv-cache-dtype fp8, whose bytes the fetch moves as they are). The placements
-that must land on the node lacking the prefix are made as the router makes them (its /internal/prefill +
-/internal/generate pair), since the router rightly sends a prompt to the node holding its prefix.
+Every scenario ends with clean audits on every node. The placements that must land on the node lacking the
+prefix are made as the router makes them (its /internal/prefill + /internal/generate pair), since the router
+rightly sends a prompt to the node holding its prefix.
 """
 
 from __future__ import annotations
@@ -57,29 +56,23 @@ MAX_TOKENS = 8
 BS = 16
 
 
-@pytest.fixture(scope="module", params=["auto", "fp8"])
-def kv_cache_dtype(request: pytest.FixtureRequest) -> str:
-    dtype: str = request.param
-    return dtype
-
-
 @pytest.fixture(scope="module")
-def live(kv_cache_dtype: str) -> Iterator[LiveCluster]:
-    node_args = ("--kv-cache-gib", "0.125", "--kv-cache-dtype", kv_cache_dtype)
-    with LiveCluster.start(up_config(prefill=2, decode=1, extra_node_args=node_args)) as cluster:
+def live() -> Iterator[LiveCluster]:
+    with LiveCluster.start(
+        up_config(prefill=2, decode=1, extra_node_args=("--kv-cache-gib", "0.125"))
+    ) as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
-def cold(kv_cache_dtype: str) -> list[str]:
+def cold() -> list[str]:
     """Greedy texts of `pdserve generate` for PREFIX + each question (one engine run)."""
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps({"prompt": PREFIX + q}) + "\n" for q in QUESTIONS))
     try:
         lines = generate_offline_lines(
-            "--prompts-file", f.name, "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.125",
-            "--kv-cache-dtype", kv_cache_dtype,
-        )  # fmt: skip
+            "--prompts-file", f.name, "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.125"
+        )
     finally:
         os.unlink(f.name)
     return [line["text"] for line in lines]
