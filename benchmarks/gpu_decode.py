@@ -17,6 +17,13 @@ at batch 1..128 at 2k context, decode-attention bandwidth at batch 64 x 4k, 4,09
 (sdpa, bf16, random weights), HF generate batch-1, the KV pool's size, and the memory left after teardown.
 Weights are seeded dummies drawn on the GPU.
 
+`--quantization fp8` and `--kv-cache-dtype fp8` run the main shape's engine measurements (batch-1 decode,
+throughput, prefill, the KV pool) with FP8 weights and/or an FP8 KV cache, the roofline counting the bytes
+actually read (FP8 weights and their scales, FP8 KV), the attention kernel on FP8 bytes, and add a row
+comparing the FP8 engine's teacher-forced logits with the bf16 reference's on the same weights, against
+the bf16 noise floor (the issue's target: within 2x). Compare batch-1 tok/s and the pool's tokens with a
+bf16 run of the same command on the same machine.
+
 `--overlap-only` measures just the engine loop with async scheduling off and on (one engine each over the
 same weights, runs alternated, three rounds): batch-1 decode at 1k context against the roofline, and
 throughput at batch 8 and 64 at 2k context. `--short-prefill-only` measures one engine step of a short
@@ -290,14 +297,21 @@ def engine_decode(
     return steady_rate(steps, len(prompts), skip)
 
 
-def attention_bandwidth(c: ModelConfig, dev: torch.device, batch: int = 64, ctx: int = 4096) -> float:
-    """KV bytes/s of one layer's Triton decode attention over batch x ctx tokens (random block order)."""
+def attention_bandwidth(
+    c: ModelConfig,
+    dev: torch.device,
+    batch: int = 64,
+    ctx: int = 4096,
+    kv_dtype: torch.dtype = torch.bfloat16,
+) -> float:
+    """KV bytes/s of one layer's Triton decode attention over batch x ctx tokens (random block order), the
+    cache in `kv_dtype` (bytes counted in it)."""
     import triton.testing
     from pdserve.kernels.triton_ops import TritonOps
 
     block = 16
     per_seq = ctx // block
-    kv = torch.randn(2, batch * per_seq, block, c.num_kv_heads, c.head_dim, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(2, batch * per_seq, block, c.num_kv_heads, c.head_dim, device=dev).to(kv_dtype)
     tables = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
     meta = AttentionMetadata(
         positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
@@ -386,7 +400,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the engine loop with async scheduling off vs on")  # fmt: skip
     parser.add_argument("--short-prefill-only", action="store_true",
                         help="only short prefill steps, replayed from prefill graphs vs eager")  # fmt: skip
+    parser.add_argument("--quantization", default="none", choices=("none", "fp8"),
+                        help="the main shape's engine runs with FP8 weights (quantized at load)")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                        help="the main shape's engine runs with an FP8 KV cache")  # fmt: skip
     args = parser.parse_args(argv)
+    quant = None if args.quantization == "none" else args.quantization
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         print(f"gpu_decode: needs a CUDA device, got --device {args.device!r} "
               f"(CUDA available: {torch.cuda.is_available()})")  # fmt: skip
@@ -399,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     release(dev)
     mem_start = torch.cuda.memory_allocated(dev)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-                           "shape": args.shape, "check_shape": args.check_shape}  # fmt: skip
+                           "shape": args.shape, "check_shape": args.check_shape,
+                           "quantization": args.quantization,
+                           "kv_cache_dtype": args.kv_cache_dtype}  # fmt: skip
     rows: list[Row] = []
     log(f"{res['device']}, torch {torch.__version__}: copy bandwidth")
     bw = res["copy_bytes_per_s"] = copy_bandwidth(dev)
@@ -427,9 +449,10 @@ def main(argv: list[str] | None = None) -> int:
 
     c = NAMED_SHAPES[args.shape]
     log("decode attention bandwidth, batch 64 x 4k")
-    att = res["attention_bytes_per_s"] = attention_bandwidth(c, dev)
+    att = res["attention_bytes_per_s"] = attention_bandwidth(c, dev, kv_dtype=kv_dtype)
     release(dev)
-    rows.append(("decode attention kernel, batch 64 x 4k ctx, bf16 (KV bytes / median time)",
+    kv_name = str(kv_dtype).removeprefix("torch.")
+    rows.append((f"decode attention kernel, batch 64 x 4k ctx, {kv_name} KV (KV bytes / median time)",
                  f"{att / GIB:.0f} GiB/s", f"copy {bw / GIB:.0f} GiB/s", f"{att / bw:.0%}"))  # fmt: skip
 
     log("Hugging Face peer: prefill 4096 and generate")
@@ -439,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"loading dummy:{args.shape} bf16 on the GPU")
     loaded = load_model(f"dummy:{args.shape}", device=dev, dtype=torch.bfloat16, seed=0)
     log(f"correctness: {args.shape} bf16, Triton + graphs vs reference")
-    big = res["main_check"] = check_correctness(loaded, dev, gen, greedy=False)
+    tf_tokens = random_tokens(64 + TF_POSITIONS - 1, c.vocab_size, gen)
+    big = res["main_check"] = check_correctness(loaded, dev, gen, greedy=False, tokens=tf_tokens)
     abs_ok = big["top1_agreement"] >= 0.99 and big["min_cosine"] >= 0.999
     rows.append((f"{args.shape} bf16 teacher-forced top-1 agreement / min cosine ({TF_POSITIONS} pos)",
                  f"{big['top1_agreement']:.1%} / {big['min_cosine']:.5f}", ">= 99% / >= 0.999",
@@ -474,9 +498,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{floor['top1_agreement']:.1%} / {floor['min_cosine']:.5f}", "",
                      f"Triton within 2x the floor: {verdict(trained_floor_ok)}"))  # fmt: skip
 
+    if quant is not None or args.kv_cache_dtype != "auto":
+        loaded = fp8_rows(args, loaded, tf_tokens, big["noise_floor"], rows, res)
+        release(dev)
     log("engine: memory plan, KV pool, graph capture")
     cfg = EngineConfig(model=f"dummy:{args.shape}", device=str(dev), dtype="bfloat16", max_num_seqs=128,
-                       max_num_batched_tokens=8192, max_model_len=MAX_MODEL_LEN)  # fmt: skip
+                       max_num_batched_tokens=8192, max_model_len=MAX_MODEL_LEN,
+                       kv_cache_dtype=args.kv_cache_dtype, quantization=quant)  # fmt: skip
     engine = LLMEngine(cfg, loaded)
     graphs = engine.runner.graphs
     res["kv_pool"] = {"blocks": engine.num_blocks, "tokens": engine.num_blocks * cfg.block_size,
@@ -497,8 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     rate, timed = engine_decode(engine, [random_tokens(1024, c.vocab_size, gen)], n_out, skip)
     mean_ctx = 1024 + (skip + n_out) / 2
     step_bytes = (
-        weight_bytes_read(loaded.model, c.tie_word_embeddings)
-        + kv_bytes_per_token(c, torch.bfloat16) * mean_ctx
+        weight_bytes_read(loaded.model, c.tie_word_embeddings) + kv_bytes_per_token(c, kv_dtype) * mean_ctx
     )
     roof = bw / step_bytes
     ratio = rate / roof
@@ -539,6 +566,39 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(res, f, indent=2)
     print(markdown(rows), flush=True)
     return 0 if ok and big_ok and mem_ok else 1
+
+
+def fp8_rows(
+    args: argparse.Namespace,
+    base: LoadedModel,
+    tokens: Sequence[int],
+    floor: dict[str, float],
+    rows: list[Row],
+    res: dict[str, Any],
+) -> LoadedModel:
+    """The FP8 model (weights quantized at load from the same seed, and/or an FP8 cache) through Triton +
+    graphs against the bf16 reference on `base`: teacher-forced logits, judged against the bf16 noise
+    floor. Returns the FP8 model, which replaces `base` for the engine measurements."""
+    dev = base.model.embed_weight.device
+    quant = None if args.quantization == "none" else args.quantization
+    what = f"weights {args.quantization}, KV {args.kv_cache_dtype}"
+    log(f"correctness: {args.shape} {what}, Triton + graphs vs the bf16 reference")
+    fp8 = load_model(f"dummy:{args.shape}", device=dev, dtype=torch.bfloat16, seed=0, quantization=quant)
+    cfg = EngineConfig(model=base.source, device=str(dev), dtype="bfloat16", num_kv_blocks=64, max_num_seqs=1,
+                       max_model_len=MAX_MODEL_LEN, kv_cache_dtype=args.kv_cache_dtype,
+                       quantization=quant)  # fmt: skip
+    fast = ModelRunner(fp8, cfg, 64)
+    got = teacher_forced_logits(fast, tokens, 64)
+    fast.close()
+    eager = dataclasses.replace(cfg, cuda_graphs=False, kv_cache_dtype="auto", quantization=None)
+    want = teacher_forced_logits(ModelRunner(base, eager, 64, ops=ReferenceOps()), tokens, 64)
+    cmp = res["fp8_check"] = compare_logits(got, want)
+    ok = res["fp8_within_noise_floor"] = within_floor(cmp, floor)
+    rows.append((f"{args.shape} {what} vs bf16 reference: top-1 / min cosine ({TF_POSITIONS} pos)",
+                 f"{cmp['top1_agreement']:.1%} / {cmp['min_cosine']:.5f}",
+                 f"bf16 noise floor {floor['top1_agreement']:.1%} / {floor['min_cosine']:.5f}",
+                 f"within 2x the floor: {verdict(ok)}"))  # fmt: skip
+    return fp8
 
 
 def overlap_rows(

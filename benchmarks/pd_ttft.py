@@ -39,7 +39,7 @@ def node_argv(
             "--device", device, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
             "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64),
             "--connector", args.connector, "--transfer-port", str(tport),
-            "--log-level", "WARNING"]  # fmt: skip
+            "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "WARNING"]  # fmt: skip
     if role == "prefill":
         argv += ["--layers-per-frame", str(args.layers_per_frame)]
     if role == "single":
@@ -155,6 +155,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--layers-per-frame", type=int, default=4, help="P's KV-transfer frame size in layers")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="every node's KV cache (fp8: half of bf16's bytes per transfer)")  # fmt: skip
     args = ap.parse_args()
     import random
 
@@ -184,7 +186,8 @@ def main() -> int:
     med = statistics.median
     rows.append(("time to first token p50 (ms)", med(pd_ttft) * 1e3, med(s_ttft) * 1e3))
     rows.append(("time to second token p50 (ms)", med(pd_t2) * 1e3, med(s_t2) * 1e3))
-    print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype}, "
+    print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype} "
+          f"(KV {args.kv_cache_dtype}), "
           f"P {args.device_p} -> D {args.device_d} over {args.connector}, "
           f"{args.layers_per_frame} layer(s) per frame\n")  # fmt: skip
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")

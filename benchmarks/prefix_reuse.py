@@ -337,6 +337,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--connector", default="cuda_ipc")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="every node's KV cache (fp8: half of bf16's bytes per fetch)")  # fmt: skip
     ap.add_argument("--prefix-tokens", type=int, default=16384)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--short-lengths", type=int, nargs="*", default=[16, 64, 256, 1024, 4096])

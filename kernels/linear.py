@@ -15,7 +15,7 @@ ones `F.linear` (cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,12 @@ import torch.nn.functional as F
 class Linear(Protocol):
     name: str
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight: [N, K] -> the handle `linear` takes (may be the weight itself)."""
+    def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
+        """weight: [N, K] -> the handle `linear` takes (may be the weight itself). `scale`: [N] fp32 rowwise
+        scales of a quantized weight (shared/model/fp8.py's Fp8Linear); None for the dense products."""
 
-    def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [T, K] -> [T, N]."""
+    def linear(self, x: torch.Tensor, handle: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [T, K] -> [T, N]; `handle`: what `prepare` returned."""
 
 
 class DenseLinear:
@@ -36,7 +37,8 @@ class DenseLinear:
 
     name = "dense"
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        assert scale is None, f"{self.name} multiplies unquantized weights"
         return weight
 
     def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -48,7 +50,8 @@ class OneDnnPackedLinear:
 
     name = "onednn-packed"
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        assert scale is None, f"{self.name} multiplies unquantized weights"
         assert weight.dim() == 2 and weight.dtype == torch.float32 and weight.device.type == "cpu", (
             f"onednn-packed weights are 2-D fp32 on the CPU, got {tuple(weight.shape)} {weight.dtype} "
             f"on {weight.device}"
@@ -75,7 +78,8 @@ class GemvLinear:
 
         self._gemv, self._max_rows = triton_gemv.gemv, triton_gemv.MAX_ROWS
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        assert scale is None, f"{self.name} multiplies unquantized weights"
         return weight
 
     def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,6 +5,13 @@ Implementations (torch reference, Triton) are chosen once by device in `get_ops`
 branches on the backend. KV layout, one tensor per layer:
     kv_layer: [2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
 A token's slot is `block_id * block_size + offset`; slot -1 means "do not write".
+
+An FP8 cache (float8_e4m3fn) holds K and V at a fixed scale of 1.0 in every layer, as vLLM does without
+calibration: a value is saturated to +-448 and rounded on write (`to_kv`), and widened to the compute dtype
+where it is read (`from_kv`, in registers in the Triton kernels). A fixed scale needs no agreement between
+the nodes that exchange blocks, and stays valid for a block's whole life in any tier; a dynamic one would
+make a block's bytes mean different things on P and D. K and V of the Llama family sit far inside +-448
+(after RMSNorm and RoPE), where e4m3's 3 mantissa bits bound the error relative to each value.
 """
 
 from __future__ import annotations
@@ -13,6 +20,22 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def to_kv(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype: saturated to the FP8 range first for an FP8 cache (a cast alone may give
+    NaN past it), a plain cast otherwise."""
+    if kv_dtype in FP8_KV_DTYPES:
+        fp8_max = torch.finfo(kv_dtype).max
+        return x.float().clamp(-fp8_max, fp8_max).to(kv_dtype)
+    return x.to(kv_dtype)
+
+
+def from_kv(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values to compute with: an FP8 cache's widened to `dtype` (scale 1.0), others as stored."""
+    return kv.to(dtype) if kv.dtype in FP8_KV_DTYPES else kv
 
 
 @dataclass(frozen=True)

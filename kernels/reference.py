@@ -5,14 +5,16 @@ padded gather per layer, one fused SDPA call) because it runs every step; prefil
 because it is compute-bound and its sequences differ in length, each through torch's fused CPU flash
 kernel (`_attend`). The elementwise ops round where Hugging Face's Llama does (RMSNorm in fp32, rounded
 before the weight); RoPE runs in fp32 and is rounded once, which in fp32 is Hugging Face's computation
-exactly.
+exactly. An FP8 cache is written through `to_kv` and read through `from_kv` (kernels/ops.py); torch's CPU
+kernels copy float8 tensors only as bytes (index_copy_ has no float8 kernel), so writes go through uint8
+views.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
+from pdserve.kernels.ops import AttentionMetadata, check_kv_layer, from_kv, to_kv
 
 
 class ReferenceOps:
@@ -31,8 +33,8 @@ class ReferenceOps:
             n_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[s, :n_blocks].long()
             # k, v: [seq_len, Hkv, D]
-            k = kv_layer[0, blocks].flatten(0, 1)[:seq_len]
-            v = kv_layer[1, blocks].flatten(0, 1)[:seq_len]
+            k = from_kv(kv_layer[0, blocks].flatten(0, 1)[:seq_len], q.dtype)
+            v = from_kv(kv_layer[1, blocks].flatten(0, 1)[:seq_len], q.dtype)
             out[q0:q1] = _attend(q[q0:q1], k, v, seq_len - (q1 - q0), scale)
         return out
 
@@ -46,8 +48,8 @@ class ReferenceOps:
         n_blocks = -(-meta.max_seq_len // block_size)
         tables = meta.block_tables[:, :n_blocks].long()
         # k, v: [S, Hkv, L, D] with L = n_blocks * block_size
-        k = kv_layer[0][tables].flatten(1, 2).transpose(1, 2)
-        v = kv_layer[1][tables].flatten(1, 2).transpose(1, 2)
+        k = from_kv(kv_layer[0][tables], q.dtype).flatten(1, 2).transpose(1, 2)
+        v = from_kv(kv_layer[1][tables], q.dtype).flatten(1, 2).transpose(1, 2)
         pos = torch.arange(n_blocks * block_size, device=q.device)
         mask = pos[None, :] < meta.seq_lens[:, None].to(q.device)  # [S, L]
         out = F.scaled_dot_product_attention(
@@ -68,7 +70,8 @@ class ReferenceOps:
     def scatter_blocks(self, src: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
         check_kv_layer(kv_layer)
         assert src.shape == (2, block_ids.shape[0], *kv_layer.shape[2:]), (src.shape, kv_layer.shape)
-        kv_layer.index_copy_(1, block_ids.to(kv_layer.device, torch.int64), src.to(kv_layer.dtype))
+        ids = block_ids.to(kv_layer.device, torch.int64)
+        kv_layer.view(torch.uint8).index_copy_(1, ids, src.to(kv_layer.dtype).view(torch.uint8))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E]
@@ -119,8 +122,9 @@ def write_kv(
     if bool((slot_mapping < 0).any()):  # padding rows (slot -1) are rare: mask only then
         valid = slot_mapping >= 0
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
+    raw = flat.view(torch.uint8)
+    raw[0].index_copy_(0, slot_mapping, to_kv(key, kv_layer.dtype).view(torch.uint8))
+    raw[1].index_copy_(0, slot_mapping, to_kv(value, kv_layer.dtype).view(torch.uint8))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:

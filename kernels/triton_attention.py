@@ -3,8 +3,10 @@
 Both read K/V through the block table one token row at a time (token n of a sequence lives in block
 `table[n // block_size]` at offset `n % block_size`), so tiles need not align with blocks and tables
 need not be contiguous. Softmax runs in base 2 on fp32 scores with fp32 accumulation whatever the cache
-dtype. Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise
-with the device, so decode can be captured in a CUDA graph.
+dtype. An FP8 cache (KV_FP8; kernels/ops.py: scale 1.0) is widened to q's dtype in registers as each tile
+is loaded, and q and P are rounded to q's dtype instead of the cache's: the dots run in bf16 on FP8 bytes.
+Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise with the
+device, so decode can be captured in a CUDA graph.
 
 Split-K, both phases: when too few programs would cover the SMs, each sequence's keys are cut into
 `num_splits` BLOCK_N-aligned ranges, one program each; a split writes its normalised output and base-2
@@ -70,7 +72,10 @@ def _load_kv(
 
 
 @triton.jit
-def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _softmax_step(
+    q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):  # fmt: skip
     # q: [M, D] DOT_DTYPE; k, v: [N, D] cache dtype; valid: [M, N]; m_i, l_i: [M]; acc: [M, D] fp32
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
     if APPLY_MASK:
@@ -79,9 +84,18 @@ def _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.conste
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # P is rounded to the cache dtype before P @ V, as the reference does.
-    pv = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+    # P is rounded to the cache dtype before P @ V, as the reference does (an FP8 cache: to q's, DOT_DTYPE).
+    p_r = p.to(DOT_DTYPE) if KV_FP8 else p.to(v.dtype).to(DOT_DTYPE)
+    pv = tl.dot(p_r, v.to(DOT_DTYPE), input_precision="ieee")
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _round_q(q, k_ptr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
+    # q rounded as the reference rounds it: to the cache dtype, or for an FP8 cache kept in its own
+    if KV_FP8:
+        return q.to(DOT_DTYPE)
+    return q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
 
 
 @triton.jit
@@ -90,6 +104,7 @@ def _decode_split_kernel(
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,7 +126,7 @@ def _decode_split_kernel(
     q = tl.load(
         q_ptr + seq * stride_qs + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
     )
-    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
+    q = _round_q(q, k_ptr, DOT_DTYPE, KV_FP8)
 
     m_i = tl.full([GROUP_PAD], _MASKED_MAX, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -122,7 +137,9 @@ def _decode_split_kernel(
         n_mask = n < end
         k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
                         stride_kh, BLOCK_SIZE)  # fmt: skip
-        m_i, l_i, acc = _softmax_step(q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8
+        )
 
     # Partial result per (seq, head, split): normalised output and log2-sum-exp; an empty split has
     # lse = -inf and so weight 0 in the reduction.
@@ -179,6 +196,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_ot, stride_oh, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     # Grid (num_splits * Hq, S, tiles): the heads of one split side by side, so a KV group's blocks are
     # shared in L2. SPLIT: num_splits > 1 (partials to mid_*), else the single pass writes out directly.
@@ -207,7 +225,7 @@ def _prefill_kernel(
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask, other=0.0
     )
-    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)  # q: [BLOCK_M, DIM_PAD]
+    q = _round_q(q, k_ptr, DOT_DTYPE, KV_FP8)  # q: [BLOCK_M, DIM_PAD]
     q_pos = ctx_len + offs_m
 
     m_i = tl.full([BLOCK_M], _MASKED_MAX, tl.float32)
@@ -238,14 +256,16 @@ def _prefill_kernel(
         )
         k = tl.load(k_ptr + off, mask=d_mask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=d_mask[None, :], other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE)
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE, KV_FP8
+        )
     for n0 in range(masked_start, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < seq_len
         k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
                         stride_kh, BLOCK_SIZE)  # fmt: skip
         valid = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE)
+        m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if not SPLIT:
@@ -262,10 +282,17 @@ def _prefill_kernel(
 
 def dot_dtype(cache_dtype: torch.dtype, device: torch.device) -> tl.dtype:
     """The dtype fed to tl.dot: the cache dtype, except bf16 under the CPU interpreter, whose bf16 dot
-    is wrong (numpy has no bf16); there the operands are widened to fp32, which is exact for bf16."""
+    is wrong (numpy has no bf16); there the operands are widened to fp32, which is exact for bf16. The
+    attention launchers pass q's dtype for an FP8 cache (`_dots`)."""
     if cache_dtype == torch.float32 or (cache_dtype == torch.bfloat16 and device.type == "cpu"):
         return tl.float32
     return tl.bfloat16 if cache_dtype == torch.bfloat16 else tl.float16
+
+
+def _dots(q: torch.Tensor, kv_layer: torch.Tensor) -> tuple[tl.dtype, bool]:
+    """(DOT_DTYPE, KV_FP8) of an attention launch: an FP8 cache computes in q's dtype."""
+    fp8 = kv_layer.dtype == torch.float8_e4m3fn
+    return dot_dtype(q.dtype if fp8 else kv_layer.dtype, q.device), fp8
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
@@ -317,13 +344,14 @@ def paged_decode_attention(
     mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     dim_pad = triton.next_power_of_2(head_dim)
+    dots, kv_fp8 = _dots(q, kv_layer)
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots, KV_FP8=kv_fp8,
+        num_warps=4,
     )  # fmt: skip
     _reduce_splits(mid_o, mid_lse, out)
     return out
@@ -382,13 +410,14 @@ def paged_prefill_attention(
         mid_o = torch.empty((n_tokens, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((n_tokens, n_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (num_splits * n_heads, n_seqs, math.ceil(max_query_len / block_m))
+    dots, kv_fp8 = _dots(q, kv_layer)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, mid_o, mid_lse, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=n_heads // n_kv, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        DOT_DTYPE=dot_dtype(kv_layer.dtype, q.device), num_warps=4, num_stages=2,
+        DOT_DTYPE=dots, KV_FP8=kv_fp8, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits(mid_o, mid_lse, out)

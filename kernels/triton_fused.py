@@ -4,7 +4,8 @@ residual add + RMSNorm, RoPE on q and k with the KV-cache write, and SiLU(gate) 
 Each kernel rounds where the torch reference (kernels/reference.py) rounds, so the two agree to the last
 bit in fp32 up to summation order and fused multiply-adds: the residual sum is rounded to the model
 dtype before it is normalised, the norm runs in fp32 and is rounded before the weight multiply, RoPE
-runs in fp32 on the fp32 cos/sin tables and is rounded once. Launchers take already-checked tensors
+runs in fp32 on the fp32 cos/sin tables and is rounded once (into an FP8 cache: saturated to +-448 first,
+as kernels/ops.py's `to_kv` does). Launchers take already-checked tensors
 (kernels/triton_ops.py checks them) and never synchronise with the device, so decode stays capturable
 in a CUDA graph.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata
 
 _SILU_BLOCK = 1024  # elements of one row per program
 
@@ -41,12 +42,29 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rotate_store(src, dst, c, s, mask, HALF: tl.constexpr):
+def _saturate(x, SAT: tl.constexpr):
+    # x (fp32) clamped to +-SAT before a cast to an FP8 cache; SAT = 0: no bound
+    if SAT > 0:
+        x = tl.minimum(tl.maximum(x, -SAT), SAT)
+    return x
+
+
+@triton.jit
+def _rotate_store(src, dst, c, s, mask, HALF: tl.constexpr, SAT: tl.constexpr):
     # src, dst: [H, HALF] pointers to the first halves of H heads; c, s: [1, HALF] fp32
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst, _saturate(x1 * c - x2 * s, SAT).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, _saturate(x2 * c + x1 * s, SAT).to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _copy_store(src, dst, mask, SAT: tl.constexpr):
+    # src, dst: [H, HALF]; a plain copy, or saturated and rounded into an FP8 cache
+    x = tl.load(src, mask=mask, other=0.0)
+    if SAT > 0:
+        x = _saturate(x.to(tl.float32), SAT).to(dst.dtype.element_ty)
+    tl.store(dst, x, mask=mask)
 
 
 @triton.jit
@@ -54,7 +72,7 @@ def _rope_write_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     stride_t, stride_cos, stride_cslot, stride_ch,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-    Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SAT: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
@@ -65,18 +83,18 @@ def _rope_write_kv_kernel(
     row = qkv_ptr + token * stride_t  # q heads, then k heads, then v heads, each 2 * HALF wide
     offs_q = tl.arange(0, Q_PAD)
     q = row + offs_q[:, None] * (2 * HALF) + offs_d[None, :]
-    _rotate_store(q, q, c, s, (offs_q < N_Q)[:, None] & d_mask[None, :], HALF)  # q rotated in place
+    _rotate_store(q, q, c, s, (offs_q < N_Q)[:, None] & d_mask[None, :], HALF, 0.0)  # q rotated in place
     slot = tl.load(slots_ptr + token)
     if slot >= 0:
         offs_k = tl.arange(0, KV_PAD)
         kv_mask = (offs_k < N_KV)[:, None] & d_mask[None, :]
         k = row + (N_Q + offs_k[:, None]) * (2 * HALF) + offs_d[None, :]
         cache_off = slot * stride_cslot + offs_k[:, None] * stride_ch + offs_d[None, :]
-        _rotate_store(k, k_cache_ptr + cache_off, c, s, kv_mask, HALF)
+        _rotate_store(k, k_cache_ptr + cache_off, c, s, kv_mask, HALF, SAT)
         v = k + N_KV * 2 * HALF
         v_cache = v_cache_ptr + cache_off
-        tl.store(v_cache, tl.load(v, mask=kv_mask, other=0.0), mask=kv_mask)
-        tl.store(v_cache + HALF, tl.load(v + HALF, mask=kv_mask, other=0.0), mask=kv_mask)
+        _copy_store(v, v_cache, kv_mask, SAT)
+        _copy_store(v + HALF, v_cache + HALF, kv_mask, SAT)
 
 
 @triton.jit
@@ -128,7 +146,8 @@ def rope_write_kv(qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
         qkv, meta.positions, meta.rope.cos, meta.rope.sin, k_cache, v_cache, meta.slot_mapping,
         qkv.stride(0), meta.rope.cos.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_Q=num_heads, N_KV=n_kv, HALF=half, Q_PAD=triton.next_power_of_2(num_heads),
-        KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half), num_warps=4,
+        KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half),
+        SAT=torch.finfo(kv_layer.dtype).max if kv_layer.dtype in FP8_KV_DTYPES else 0.0, num_warps=4,
     )  # fmt: skip
 
 

@@ -9,8 +9,10 @@ several rows go through `tl.dot` with x padded to 16 rows (fp32 operands in IEEE
 bf16 widened to fp32 under the CPU interpreter, as in triton_attention.py). No split-K, so no second
 kernel and no atomics: the result is deterministic and each product is one launch.
 
-Invariants: x and W share a dtype (bf16, fp16 or fp32), both have unit stride along K; y is new, x's
-dtype, rounded once from the fp32 sum (+ bias); the launcher never synchronises with the device.
+Invariants: x and W share a dtype (bf16, fp16 or fp32), or W is float8_e4m3fn with one fp32 scale per
+row (shared/model/fp8.py: widened in registers, the scale applied to the fp32 sum); both have unit stride
+along K; y is new, x's dtype, rounded once from the fp32 sum (x scale, + bias); the launcher never
+synchronises with the device.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class GemvConfig:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -51,6 +53,8 @@ def _gemv_kernel(
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if HAS_SCALE:
+            acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -67,6 +71,8 @@ def _gemv_kernel(
             acc2 += tl.dot(
                 x2.to(DOT_DTYPE), tl.trans(w2.to(DOT_DTYPE)), input_precision="ieee", out_dtype=tl.float32
             )
+        if HAS_SCALE:
+            acc2 *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc2 += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -85,25 +91,37 @@ def default_config(n: int, k: int, rows: int) -> GemvConfig:
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None = None,
+    *,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] with M <= MAX_ROWS; weight: [N, K]; bias: [N] or None -> y [M, N] in x's dtype."""
+    """x: [M, K] with M <= MAX_ROWS; weight: [N, K] in x's dtype, or float8_e4m3fn with `scale` [N] fp32
+    (W = weight * scale[:, None]); bias: [N] or None -> y [M, N] in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape == (n, k), (
         f"gemv takes x [M<={MAX_ROWS}, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
     )
-    assert x.dtype == weight.dtype and x.stride(1) == 1 and weight.stride(1) == 1, (
-        f"x and weight must share a dtype and be contiguous along K, got {x.dtype}/{weight.dtype}, "
-        f"strides {x.stride()}/{weight.stride()}"
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    assert (x.dtype == weight.dtype or fp8) and x.stride(1) == 1 and weight.stride(1) == 1, (
+        f"x and weight must share a dtype (or the weight be FP8) and be contiguous along K, got "
+        f"{x.dtype}/{weight.dtype}, strides {x.stride()}/{weight.stride()}"
+    )
+    assert fp8 == (scale is not None), "an FP8 weight comes with its scale, and only an FP8 weight"
+    assert scale is None or (scale.shape == (n,) and scale.dtype == torch.float32 and scale.stride(0) == 1), (
+        f"scale must be [{n}] fp32 contiguous, got {scale if scale is None else (scale.shape, scale.dtype)}"
     )
     assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
     cfg = config or default_config(n, k, m)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, k,
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, m, n, k,
         x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

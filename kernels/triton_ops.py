@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from pdserve.kernels import triton_fused
-from pdserve.kernels.ops import AttentionMetadata, check_kv_layer
+from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata, check_kv_layer
 from pdserve.kernels.triton_attention import (
     choose_num_splits,
     choose_prefill_splits,
@@ -25,6 +25,7 @@ from pdserve.kernels.triton_attention import (
 )
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (*_FLOAT_DTYPES, *FP8_KV_DTYPES)  # an FP8 cache: kernels/ops.py
 _INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; a few splits keep it exercised
 _COPY_CHUNK = 1024  # elements per program of a block copy
 
@@ -169,6 +170,9 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather
     n = ids.shape[0]
     if n == 0:
         return
+    if src.dtype in FP8_KV_DTYPES or dst.dtype in FP8_KV_DTYPES:  # bytes: no conversion on the way
+        assert src.dtype == dst.dtype, f"an FP8 cache copies FP8 blocks, got {src.dtype} into {dst.dtype}"
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     block_elems = src[0, 0].numel()
     _copy_blocks_kernel[(n, 2, triton.cdiv(block_elems, _COPY_CHUNK))](
         src, dst, ids, src.stride(0), dst.stride(0),
@@ -178,8 +182,8 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather
 
 def _check_cache(kv_layer: torch.Tensor) -> None:
     check_kv_layer(kv_layer)
-    assert kv_layer.dtype in _FLOAT_DTYPES, (
-        f"kv_layer dtype must be one of {_FLOAT_DTYPES}, got {kv_layer.dtype}"
+    assert kv_layer.dtype in _CACHE_DTYPES, (
+        f"kv_layer dtype must be one of {_CACHE_DTYPES}, got {kv_layer.dtype}"
     )
 
 
@@ -246,4 +250,5 @@ def _check_block_buffer(name: str, buf: torch.Tensor, kv_layer: torch.Tensor, n:
     want = (2, n, *kv_layer.shape[2:])
     assert tuple(buf.shape) == want, f"{name} must be {want}, got {tuple(buf.shape)}"
     assert buf.is_contiguous(), f"{name} must be contiguous, got strides {buf.stride()}"
-    _check_float(name, buf, kv_layer.device)
+    assert buf.dtype in _CACHE_DTYPES, f"{name} dtype must be one of {_CACHE_DTYPES}, got {buf.dtype}"
+    assert buf.device == kv_layer.device, f"{name} is on {buf.device} but kv_layer is on {kv_layer.device}"

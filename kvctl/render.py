@@ -31,8 +31,8 @@ def _nodes(result: dict[str, Any]) -> str:
         kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
         rows.append([info["node_id"], info["role"], info["epoch"], "draining" if n["draining"] else "ready",
                      load.get("running", "-"), load.get("waiting", "-"), kv, load.get("blocks_held", "-"),
-                     n["blocks_indexed"], f"{n['heartbeat_age_s']:.1f}s", info["http_url"],
-                     info.get("model") or "-"])  # fmt: skip
+                     n["blocks_indexed"], info.get("quantization", "none"), info["kv_layout"]["dtype"],
+                     f"{n['heartbeat_age_s']:.1f}s", info["http_url"], info.get("model") or "-"])  # fmt: skip
     headers = [
         "NODE",
         "ROLE",
@@ -43,6 +43,8 @@ def _nodes(result: dict[str, Any]) -> str:
         "KV USED",
         "HELD",
         "INDEXED",
+        "QUANT",
+        "KV DTYPE",
         "HEARTBEAT",
         "HTTP",
         "MODEL",

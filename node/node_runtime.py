@@ -157,6 +157,7 @@ class NodeRuntime:
                 max_model_len=self.engine.max_model_len,
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
                 model=self.engine.loaded.description,
+                quantization=self.engine.loaded.quantization or "none",
             )
             self._info = info
             load = await self.aengine.call(self.load)

@@ -3,9 +3,9 @@ transfer token (PDSERVE_AUTH_TOKEN) cannot join the prefill node's cluster (test
 shows it refused at registration), so here it runs in a cluster of its own (`--cluster isolated`); the
 prefill node, asked directly to send it a prefill, fails the transfer handshake: the request ends with an
 error well within its deadline (never a hang), both sides log the handshake's refusal, and neither pool keeps
-a block. A decode node with another KV layout (--block-size 32) is refused at registration with a message
-naming the field. The processes are built by hand with `Cluster.spawn` and the command lines
-`start_cluster` uses; teardown asserts none is left.
+a block. A decode node with another KV layout (--block-size 32, or --kv-cache-dtype fp8) is refused at
+registration with a message naming the field. The processes are built by hand with `Cluster.spawn` and the
+command lines `start_cluster` uses; teardown asserts none is left.
 """
 
 from __future__ import annotations
@@ -113,3 +113,22 @@ def test_block_size_refusal_names_the_field(block_size_32: tuple[int, str]) -> N
     _, log = block_size_32
     refusal = next(line for line in log.splitlines() if "refused by cluster" in line)
     assert "block_size is 32" in refusal, refusal
+
+
+def test_a_decode_node_with_another_kv_dtype_is_refused_at_registration(live: LiveCluster) -> None:
+    """A decode node with an FP8 cache beside a prefill node with fp32's: the index's cluster record refuses
+    it before it serves, in one line naming the field and both dtypes."""
+    argv = node_argv(
+        "decode", "decode-fp8", free_port(), live.redis_url, "token-a", "--kv-cache-dtype", "fp8"
+    )
+    proc = live.cluster.spawn("decode-fp8", argv)
+    try:
+        proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a node with an FP8 cache kept running:\n{live.log('decode-fp8')[-2000:]}")
+    log = live.log("decode-fp8")
+    assert proc.returncode != 0
+    refusal = next(line for line in log.splitlines() if "refused by cluster" in line)
+    assert "kv_layout.dtype is float8_e4m3fn on the node but float32 on the live nodes" in refusal, refusal
+    listed = [n["info"]["node_id"] for n in kvctl(live.redis_url, "nodes")["nodes"]]
+    assert "decode-fp8" not in listed

@@ -97,3 +97,8 @@ def test_corrupt_gguf(tmp_path: Path, content: bytes) -> None:
     bad.write_bytes(content)
     line = _generate_fails("--prompt", "hi", "--model", str(bad))
     assert f"cannot load model from {bad}" in line
+
+
+def test_fp8_weights_on_the_cpu() -> None:
+    line = _generate_fails("--prompt", "hi", "--quantization", "fp8")
+    assert "with --quantization fp8: FP8 weights need a GPU of compute capability 8.9 or newer" in line, line

@@ -1,7 +1,7 @@
 """The host-memory KV tier on the CPU build (a second, slower pool), on the real SmolLM2 GGUF: a prefix the
 device pool evicted comes back from the host tier on the next hit (restored blocks counted, prompt tokens
 served as cached instead of computed) and the tokens equal those of an engine that recomputed it; the pool
-ends clean in both tiers' bookkeeping.
+ends clean in both tiers' bookkeeping. The same with an FP8 cache, whose bytes the tier moves as they are.
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ def _prompt(loaded: LoadedModel, topic: str, n: int) -> list[int]:
     return loaded.tokenizer.encode(text)
 
 
-def test_an_evicted_prefix_comes_back_from_the_host_tier(loaded: LoadedModel) -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_an_evicted_prefix_comes_back_from_the_host_tier(loaded: LoadedModel, kv_cache_dtype: str) -> None:
     prefix, filler = _prompt(loaded, "Harbour", 24), _prompt(loaded, "Orchard", 30)
     question = loaded.tokenizer.encode(" Which item is worth the most?")
     # exactly the filler's blocks: running it evicts every block the prefix left cached
     num_blocks = -(-(len(filler) + GREEDY.max_tokens) // BLOCK)
-    cfg = EngineConfig(model=loaded.source, block_size=BLOCK, num_kv_blocks=num_blocks)
+    cfg = EngineConfig(
+        model=loaded.source, block_size=BLOCK, num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+    )
     per_block = kv_bytes_per_block(loaded, cfg)
     tiered = LLMEngine(cfg.__class__(**{**cfg.__dict__, "host_kv_cache_bytes": 64 * per_block}), loaded)
     recompute = LLMEngine(cfg, loaded)

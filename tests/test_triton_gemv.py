@@ -54,3 +54,20 @@ def test_shapes_are_checked() -> None:
         gemv(torch.ones(1, 4, dtype=torch.bfloat16), w, None)
     with pytest.raises(AssertionError, match=r"bias must be \[8\]"):
         gemv(torch.ones(1, 4), w, torch.ones(3))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_with_row_scales(rows: int, dtype: torch.dtype) -> None:
+    # W = q * scale[:, None]: the kernel widens q in registers and scales the fp32 sum (shared/model/fp8.py)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, 100, generator=gen).to(DEV, dtype)
+    q = (torch.randn(70, 100, generator=gen) * 100).to(torch.float8_e4m3fn).to(DEV)
+    scale = (torch.rand(70, generator=gen) * 1e-3 + 1e-4).to(DEV)
+    b = torch.randn(70, generator=gen).to(DEV, dtype)
+    got = gemv(x, q, b, GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2), scale=scale)
+    want = _want(x, q.float() * scale[:, None], b)
+    assert got.dtype == dtype and got.shape == (rows, 70)
+    assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * want.float().abs().max().item()
+    with pytest.raises(AssertionError, match="an FP8 weight comes with its scale"):
+        gemv(x, q, None)

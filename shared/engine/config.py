@@ -11,6 +11,9 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
+"""--kv-cache-dtype: auto stores the KV in the model dtype; fp8 in float8_e4m3fn at a fixed scale of 1.0."""
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks (one process each) that split the model's heads, MLP and vocabulary; rank r of a CUDA engine
     runs on GPU `index + r` (shared/engine/parallel/)."""
+    kv_cache_dtype: str = "auto"
+    """auto: the model dtype; fp8: float8_e4m3fn (half the bytes of bf16 per token, in the pool, the host
+    tier and every transfer; kernels/ quantizes on write at a fixed scale of 1.0)."""
+    quantization: str | None = None
+    """fp8: the linear layers' weights in float8_e4m3fn with per-output-channel scales (a bf16 checkpoint is
+    quantized at load; an FP8 checkpoint's `quantization_config` turns it on by itself). None: as stored."""
     async_scheduling: bool | None = None
     """Launch step n+1 before step n's tokens reach the host (vLLM's async scheduling): the host schedules,
     prepares and launches the next step, then reads, detokenizes and emits this one while the device
@@ -68,15 +77,29 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= block_size")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: accepted {', '.join(KV_CACHE_DTYPES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}: accepted {', '.join(QUANTIZATIONS)}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
 
     @property
     def dtype_name(self) -> str:
-        """The resolved dtype name (what the fingerprint and the KV layout record)."""
+        """The resolved dtype name of the weights and activations (and of the KV cache under auto)."""
         if self.dtype == "auto":
             return "float32" if self.device == "cpu" else "bfloat16"
         return self.dtype
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The KV cache's dtype (torch's name): what the fingerprint and the KV layout record."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype_name
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.kv_dtype_name)
+        return dtype
 
     @property
     def overlap(self) -> bool:

@@ -304,16 +304,18 @@ def plan_gpu_memory(
     max_model_len: int,
     utilization: float,
     cuda_graphs: bool,
+    kv_dtype: torch.dtype,
 ) -> GpuMemoryPlan:
-    """Runs a prefill of the whole token budget and a decode at max_num_seqs over a scratch KV cache,
-    measures their peak allocation, frees the scratch, and says how many bytes the KV pool may take."""
+    """Runs a prefill of the whole token budget and a decode at max_num_seqs over a scratch KV cache (in
+    the pool's dtype, so the kernels profiled are the ones served), measures their peak allocation, frees
+    the scratch, and says how many bytes the KV pool may take."""
     c = model.config
     dev = model.embed_weight.device
     prefill_len = min(max_num_batched_tokens, max_model_len)
     scratch_blocks = -(-prefill_len // block_size) + 1
     scratch = torch.zeros(
         (c.num_layers, 2, scratch_blocks, block_size, model.tp.num_kv_heads, c.head_dim),
-        dtype=model.dtype,
+        dtype=kv_dtype,
         device=dev,
     )
     prefill = _profile_peak(model, ops, scratch, [prefill_len], min(max_num_seqs, prefill_len))

@@ -51,6 +51,7 @@ from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.shared.model import fp8
 from pdserve.shared.model.loader import LoadedModel, ModelLoadError, load_config, load_model
 from pdserve.shared.model.parallel import check_split
 from pdserve.shared.node.node_protocol import StepOutput, TokenLogprob, TopLogprob
@@ -152,6 +153,10 @@ class LLMEngine:
             check_split(mc, cfg.tensor_parallel_size)  # before any rank starts
         except ValueError as exc:
             raise ModelLoadError(f"cannot load model from {cfg.model}: {exc}") from exc
+        if cfg.kv_cache_dtype == "fp8" and cfg.torch_device.type == "cuda":  # the CPU reads it in torch
+            reason = fp8.unsupported_reason(cfg.torch_device)
+            if reason is not None:
+                raise ModelLoadError(f"--kv-cache-dtype fp8 on {cfg.device}: {reason}")
         # rank 0 (this process) schedules, samples and owns the block pool; the others run its steps
         self.ranks = start_ranks(cfg, self.max_model_len)
         try:
@@ -162,6 +167,7 @@ class LLMEngine:
                 tokenizer_path=cfg.tokenizer,
                 seed=cfg.seed,
                 comm=self.ranks.comm,
+                quantization=cfg.quantization,
             )
             self.ranks.join()
             self.num_blocks = self.ranks.agree_min(
@@ -186,7 +192,7 @@ class LLMEngine:
         self.tier = HostTierCopier(self.runner.kv_cache, self.host_blocks) if self.host_blocks else None
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.fingerprint = model_fingerprint(
-            mc.to_dict(), self.loaded.weights_identity, cfg.dtype_name, cfg.block_size
+            mc.to_dict(), self.loaded.weights_identity, cfg.kv_dtype_name, cfg.block_size
         )
         self.observer: StepObserver | None = None
         self._live: dict[RequestId, _Live] = {}
@@ -337,8 +343,8 @@ class LLMEngine:
         """The KV cache's layout, which a node registers and the transfer handshake compares: rank 0's (its
         KV heads, of `tp_size` ranks)."""
         c, tp = self.loaded.config, self.loaded.model.tp
-        return KVLayout(c.num_layers, tp.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.dtype_name,
-                        tp.size, 0, tp.kv_head_start)  # fmt: skip
+        return KVLayout(c.num_layers, tp.num_kv_heads, c.head_dim, self.cfg.block_size,
+                        self.cfg.kv_dtype_name, tp.size, 0, tp.kv_head_start)  # fmt: skip
 
     def admit_remote(
         self,

@@ -54,12 +54,15 @@ class HostTierCopier:
     def _copy_run(self, run: list[CopyOp]) -> None:
         s0, n = run[0].slot, len(run)
         ids = torch.tensor([op.block_id for op in run], dtype=torch.int64, device=self.kv.device)
-        host = self.host[s0 : s0 + n]  # [n, L, 2, B, Hkv, D], contiguous
+        # bytes, whatever the cache's dtype (torch's CPU index_copy_ has no float8 kernel): the last dim is
+        # D * element size uint8
+        kv = self.kv.view(torch.uint8)
+        host = self.host[s0 : s0 + n].view(torch.uint8)  # [n, L, 2, B, Hkv, D'], contiguous
         if run[0].to_host:
             # gathered on the device into the host's layout, then one copy (DMA from pinned memory)
-            host.copy_(self.kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5), non_blocking=self.kv.is_cuda)
+            host.copy_(kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5), non_blocking=kv.is_cuda)
             self.offloaded += n
         else:
-            dev = host.to(self.kv.device, non_blocking=self.kv.is_cuda)
-            self.kv.index_copy_(2, ids, dev.permute(1, 2, 0, 3, 4, 5))
+            dev = host.to(kv.device, non_blocking=kv.is_cuda)
+            kv.index_copy_(2, ids, dev.permute(1, 2, 0, 3, 4, 5))
             self.restored += n

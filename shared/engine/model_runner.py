@@ -46,7 +46,7 @@ class BatchItem:
 def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
     """Bytes of one block on this rank (its KV heads: all of them at TP=1)."""
     c = loaded.config
-    elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
+    elem = torch.empty((), dtype=cfg.torch_kv_dtype).element_size()
     return c.num_layers * 2 * cfg.block_size * loaded.model.tp.num_kv_heads * c.head_dim * elem
 
 
@@ -65,6 +65,7 @@ def size_kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int) -> 
             max_model_len=max_model_len,
             utilization=cfg.gpu_memory_utilization,
             cuda_graphs=cfg.cuda_graphs,
+            kv_dtype=cfg.torch_kv_dtype,
         )
         n = max(2, plan.num_blocks(per_block))
         log.info(
@@ -122,7 +123,7 @@ class ModelRunner:
         # kv_cache: [L, 2, N, B, Hkv, D], Hkv: this rank's KV heads
         self.kv_cache = _zeroed(
             (c.num_layers, 2, num_blocks, cfg.block_size, loaded.model.tp.num_kv_heads, c.head_dim),
-            cfg.torch_dtype,
+            cfg.torch_kv_dtype,
             self.device,
         )
         # Pure-decode steps without a layer hook replay CUDA graphs; they hold kv_cache's address, which

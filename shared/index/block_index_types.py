@@ -127,6 +127,10 @@ class _Record(JsonMessage):
     codec = CODEC
 
 
+QUANTIZATIONS = ("none", "fp8")
+"""What `NodeInfo.quantization` may say."""
+
+
 @dataclass(frozen=True)
 class NodeInfo(_Record):
     """A node's registration. epoch is assigned by `BlockIndex.register` (0 before)."""
@@ -149,6 +153,9 @@ class NodeInfo(_Record):
     """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""
     model: str = ""
     """What the node serves, for operators: `<architecture> <checkpoint name>` ("" from an older node)."""
+    quantization: str = "none"
+    """The weights' quantization: "fp8" (shared/model/fp8.py) or "none" (the model dtype; a node that
+    predates the field)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.node_id):
@@ -163,6 +170,8 @@ class NodeInfo(_Record):
             raise ValueError(
                 f"tokenizer_fingerprint={self.tokenizer_fingerprint!r}: need 64 lowercase hex digits or ''"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r}: accepted {list(QUANTIZATIONS)}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
         if self.capacity_blocks < 0 or self.protocol_version < 0 or self.epoch < 0:

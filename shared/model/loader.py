@@ -5,6 +5,10 @@ Invariants: weights stream into the model one tensor at a time (never a second f
 tensor-parallel rank keeps only its share of each (shared/model/parallel.py); every
 failure to read a checkpoint surfaces as one `ModelLoadError` line naming the path and the problem;
 the tokenizer is loaded (and timed) apart from the weights, and `load_tokenizer` alone never reads them.
+FP8 (shared/model/fp8.py) is refused on a device without it before any weight is read; a model quantized
+at load has its own weights identity (the checkpoint's, hashed with the method), an FP8 checkpoint the
+checkpoint's. The log says how much device memory the weights take (a GGUF's quantized tensors are
+dequantized to the model dtype, so it is the unquantized model's size).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from pdserve.shared.model import fp8
 from pdserve.shared.model.dummy_weights import dummy_weights_identity, fill_dummy_weights
 from pdserve.shared.model.gguf_loader import WeightThunks, read_gguf
 from pdserve.shared.model.hf_loader import read_hf_config, read_hf_dir
@@ -45,6 +50,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     weights_identity: bytes
     source: str
+    quantization: str | None = None
+    """"fp8" for FP8 weights (an FP8 checkpoint, or quantized at load); None: the model dtype."""
     weights_load_s: float = 0.0  # wall seconds to read, dequantize and place the weights
     tokenizer_load_s: float = 0.0
 
@@ -80,25 +87,44 @@ def load_model(
     seed: int = 0,
     comm: Collectives | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer. `seed` only matters for dummy weights. With `comm` (a tensor-parallel
     group) the model holds rank `comm.rank`'s share; a split the model does not allow raises ModelLoadError
     naming its heads and the size. `progress`: a progress bar on stderr (a node's rank 0 draws the node's
-    one bar). Raises ModelLoadError."""
+    one bar). `quantization`: "fp8" quantizes the weights at load (an FP8 checkpoint is FP8 without it).
+    Raises ModelLoadError."""
     start = time.perf_counter()
     comm = comm or SingleRank()
+    try:
+        stored = fp8.checkpoint_quantization(path)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load model from {path}: {_one_line(e)}") from e
+    quant = stored or quantization
+    if quant is not None:
+        reason = fp8.unsupported_reason(device)
+        if reason is not None:
+            what = "an FP8 checkpoint" if stored else "--quantization fp8"
+            raise ModelLoadError(f"cannot load model from {path} with {what}: {reason}")
     if path.startswith(DUMMY_PREFIX):
         config = _dummy_config(path)
-        model = LlamaModel(config, device, dtype, _plan(path, config, comm), comm)
+        model = LlamaModel(config, device, dtype, _plan(path, config, comm), comm, quant)
         fill_dummy_weights(model, seed)
         identity = dummy_weights_identity(config, seed, device)
     else:
-        config, model, identity = _load_checkpoint(path, device, dtype, comm, progress)
+        config, model, identity = _load_checkpoint(path, device, dtype, comm, progress, quant)
+    if quant is not None and stored is None:
+        identity = fp8.quantized_identity(identity, quant)
     weights_s = time.perf_counter() - start
+    n_bytes = sum(t.nbytes for t in model.parameters())
+    how = quant or str(dtype).removeprefix("torch.")
+    if path.endswith(".gguf"):
+        how += ", every GGUF tensor dequantized"
+    log.info("weights of %s: %.2f GiB on %s (%s)", path, n_bytes / 2**30, device, how)
     start = time.perf_counter()
     tokenizer = load_tokenizer(path, tokenizer_path)
     tokenizer_s = time.perf_counter() - start
-    return LoadedModel(config, model, tokenizer, identity, path, weights_s, tokenizer_s)
+    return LoadedModel(config, model, tokenizer, identity, path, quant, weights_s, tokenizer_s)
 
 
 def load_config(path: str) -> ModelConfig:
@@ -154,7 +180,7 @@ def _plan(path: str, config: ModelConfig, comm: Collectives) -> TPPlan:
 
 
 def _load_checkpoint(
-    path: str, device: torch.device, dtype: torch.dtype, comm: Collectives, progress: bool
+    path: str, device: torch.device, dtype: torch.dtype, comm: Collectives, progress: bool, quant: str | None
 ) -> tuple[ModelConfig, LlamaModel, bytes]:
     try:
         if path.endswith(".gguf"):
@@ -167,7 +193,7 @@ def _load_checkpoint(
                 f"cannot load model from {path}: not a .gguf file, an HF directory, or "
                 f"dummy:<shape>|<config.json> (named shapes: {sorted(NAMED_SHAPES)})"
             )
-        model = LlamaModel(config, device, dtype, _plan(path, config, comm), comm)
+        model = LlamaModel(config, device, dtype, _plan(path, config, comm), comm, quant)
         threads = torch.get_num_threads()
         # dequantizing and copying are small memory-bound ops: on a shared 2-core CI machine, 2 OpenMP
         # threads under contention made the load many times slower than 1 thread

@@ -14,7 +14,9 @@ per-head q/k RMSNorm runs between the QKV product and RoPE, in place in qkv, in 
 fused kernel). A sparse layer's MLP is shared/model/moe.py's `SparseMoE`, picked at construction.
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
 once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
-until then the handles are the parameters and the product is `F.linear`.
+until then the handles are the parameters and the product is `F.linear`. With `quantization="fp8"` the
+four projections of each layer are FP8 parameters with a rowwise scale each (shared/model/fp8.py), loaded
+through `Fp8Weights` and multiplied by `Fp8Linear`; embeddings, norms and the LM head keep the model dtype.
 Tensor parallelism (shared/model/parallel.py): a model holds one rank's share (`tp`): its query and KV
 heads, its slice of the MLP and of the vocabulary. QKV and gate/up are column-parallel (this rank's rows),
 O and down row-parallel (this rank's columns, partial sums all-reduced through `comm`; a bias is added on
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
+from pdserve.shared.model.fp8 import FP8, SCALE, Fp8Linear, Fp8Weights
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 from pdserve.shared.model.moe import SparseMoE
 from pdserve.shared.model.parallel import Collectives, RowSlice, SingleRank, TPPlan, WeightSource, plan
@@ -54,6 +57,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _detach(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return None if scale is None else scale.detach()
 
 
 def _param(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> nn.Parameter:
@@ -82,6 +89,7 @@ class DecoderLayer(nn.Module):
         device: torch.device,
         dtype: torch.dtype,
         sparse: bool = False,
+        quantized: bool = False,
     ) -> None:
         """`sparse`: the MLP is the mixture of experts (`self.moe`) instead of the dense SwiGLU."""
         super().__init__()
@@ -91,34 +99,41 @@ class DecoderLayer(nn.Module):
         self.comm = comm
         self.scale = d**-0.5
         self.input_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
-        self.qkv_weight = _param((tp.qkv_size, e), device, dtype)  # rows: q | k | v
+        wdtype = FP8 if quantized else dtype  # the four projections'; *_scale: [rows] fp32 when FP8
+        self.qkv_weight = _param((tp.qkv_size, e), device, wdtype)  # rows: q | k | v
         self.qkv_bias = _param((tp.qkv_size,), device, dtype) if cfg.attention_bias else None
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, device, dtype) if cfg.qk_norm else None
-        self.o_weight = _param((e, hq * d), device, dtype)
+        self.o_weight = _param((e, hq * d), device, wdtype)
         # Llama's attention_bias covers o_proj too; Qwen2's covers only q/k/v. Added once, on rank 0.
         self.o_bias = _param((e,), device, dtype) if cfg.o_bias and tp.rank == 0 else None
         self.post_norm = RMSNorm(e, cfg.rms_norm_eps, device, dtype)
-        self.moe = SparseMoE(cfg, tp, device, dtype) if sparse else None
+        self.moe = SparseMoE(cfg, tp, device, dtype) if sparse else None  # experts stay in the model dtype
         # a bound method, not the module: registering `moe` twice would name its weights twice
         self.mlp: Callable[[torch.Tensor, AttentionOps], torch.Tensor] = (
             self._dense_mlp if self.moe is None else self.moe.forward
         )
+        scale = (lambda rows: _param((rows,), device, torch.float32)) if quantized else (lambda rows: None)
+        self.qkv_scale, self.o_scale = scale(tp.qkv_size), scale(e)
+        self.gate_up_scale: nn.Parameter | None = None
+        self.down_scale: nn.Parameter | None = None
         if not sparse:
-            self.gate_up_weight = _param((2 * f, e), device, dtype)  # rows: gate | up
-            self.down_weight = _param((e, f), device, dtype)
-        self.prepare(DenseLinear())
+            self.gate_up_weight = _param((2 * f, e), device, wdtype)  # rows: gate | up
+            self.down_weight = _param((e, f), device, wdtype)
+            self.gate_up_scale, self.down_scale = scale(2 * f), scale(e)
+        if not quantized:
+            self.prepare(DenseLinear())
 
     def prepare(self, linear: Linear) -> None:
         """Make the matmul handles of this layer's current weights (detached: not registered twice)."""
         self.linear = linear
-        self.qkv_w = linear.prepare(self.qkv_weight.detach())
-        self.o_w = linear.prepare(self.o_weight.detach())
+        self.qkv_w = linear.prepare(self.qkv_weight.detach(), _detach(self.qkv_scale))
+        self.o_w = linear.prepare(self.o_weight.detach(), _detach(self.o_scale))
         if self.moe is not None:
             self.moe.prepare(linear)
         else:
-            self.gate_up_w = linear.prepare(self.gate_up_weight.detach())
-            self.down_w = linear.prepare(self.down_weight.detach())
+            self.gate_up_w = linear.prepare(self.gate_up_weight.detach(), _detach(self.gate_up_scale))
+            self.down_w = linear.prepare(self.down_weight.detach(), _detach(self.down_scale))
 
     def _dense_mlp(self, normed: torch.Tensor, ops: AttentionOps) -> torch.Tensor:
         """normed: [T, E] -> [T, E] this rank's partial sum."""
@@ -175,8 +190,9 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         tp: TPPlan | None = None,
         comm: Collectives | None = None,
+        quantization: str | None = None,
     ) -> None:
-        """`tp` and `comm` default to the whole model on one rank."""
+        """`tp` and `comm` default to the whole model on one rank; `quantization`: None or "fp8"."""
         super().__init__()
         self.config = cfg
         self.tp = tp = tp or plan(cfg, 0, 1)
@@ -184,8 +200,12 @@ class LlamaModel(nn.Module):
         assert (comm.rank, comm.size) == (tp.rank, tp.size), (comm.rank, comm.size, tp)
         # embed_weight, lm_head_weight: [V / N rounded up, E] this rank's vocabulary rows
         self.embed_weight = _param((tp.vocab_rows, cfg.hidden_size), device, dtype)
+        assert quantization in (None, "fp8"), f"quantization={quantization!r}: accepted None, 'fp8'"
+        self.quantization = quantization
+        quantized = quantization == "fp8"
         self.decoder_layers = [
-            DecoderLayer(cfg, tp, comm, device, dtype, cfg.is_sparse_layer(i)) for i in range(cfg.num_layers)
+            DecoderLayer(cfg, tp, comm, device, dtype, cfg.is_sparse_layer(i), quantized)
+            for i in range(cfg.num_layers)
         ]
         self.layers = nn.ModuleList(self.decoder_layers)  # registers them; `decoder_layers` keeps their type
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
@@ -201,10 +221,13 @@ class LlamaModel(nn.Module):
 
     def prepare_weights(self, linear: Linear | None = None) -> None:
         """Make every matmul's handle from the current weights with `linear` (default: the device's best
-        product); loaders call it once the weights are final (a later in-place change needs another call)."""
+        product; the FP8 product for the layers of an FP8 model); loaders call it once the weights are final
+        (a later in-place change needs another call)."""
         self.linear = linear or select_linear(self.embed_weight.device, self.dtype)
+        fp8 = self.quantization == "fp8" and linear is None
+        layer_linear: Linear = Fp8Linear(self.embed_weight.device) if fp8 else self.linear
         for layer in self.decoder_layers:
-            layer.prepare(self.linear)
+            layer.prepare(layer_linear)
         self.lm_head_w = self.linear.prepare(self.lm_head_weight.detach())
 
     @property
@@ -266,6 +289,8 @@ class LlamaModel(nn.Module):
         ValueError naming a missing, unexpected or misshapen tensor.
         """
         cfg, tp = self.config, self.tp
+        if self.quantization == "fp8":
+            weights = Fp8Weights(weights)
         names = weights.names()
         used: set[str] = set()
 
@@ -303,10 +328,14 @@ class LlamaModel(nn.Module):
             take(p + "post_attention_layernorm.weight", layer.post_norm.weight)
             for proj, start, rows, part in qkv_split:
                 take(f"{p}self_attn.{proj}.weight", layer.qkv_weight[start : start + rows], part)
+                if layer.qkv_scale is not None:
+                    take(f"{p}self_attn.{proj}.weight{SCALE}", layer.qkv_scale[start : start + rows], part)
                 if layer.qkv_bias is not None:
                     bias_part = None if part is None else RowSlice(0, part.start, part.stop)
                     take(f"{p}self_attn.{proj}.bias", layer.qkv_bias[start : start + rows], bias_part)
             take(p + "self_attn.o_proj.weight", layer.o_weight, None if whole else tp.o_cols())
+            if layer.o_scale is not None:
+                take(p + "self_attn.o_proj.weight" + SCALE, layer.o_scale)  # per output row: whole
             if layer.o_bias is not None:
                 take(p + "self_attn.o_proj.bias", layer.o_bias)
             elif p + "self_attn.o_proj.bias" in names and tp.rank > 0:
@@ -321,6 +350,10 @@ class LlamaModel(nn.Module):
             take(p + "mlp.gate_proj.weight", layer.gate_up_weight[:f], ffn)
             take(p + "mlp.up_proj.weight", layer.gate_up_weight[f:], ffn)
             take(p + "mlp.down_proj.weight", layer.down_weight, None if whole else tp.ffn_cols())
+            if layer.gate_up_scale is not None and layer.down_scale is not None:
+                take(p + "mlp.gate_proj.weight" + SCALE, layer.gate_up_scale[:f], ffn)
+                take(p + "mlp.up_proj.weight" + SCALE, layer.gate_up_scale[f:], ffn)
+                take(p + "mlp.down_proj.weight" + SCALE, layer.down_scale)  # per output row: whole
         # a tied checkpoint may still carry lm_head; rotary buffers are recomputed here
         ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         unexpected = sorted(

@@ -243,12 +243,13 @@ def generate_offline_lines(*args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
-def reference_texts(prompts: list[dict[str, Any]], max_tokens: int) -> list[str]:
-    """Greedy texts of `pdserve generate --prompts-file` (one engine run for all prompts), in their order."""
+def reference_texts(prompts: list[dict[str, Any]], max_tokens: int, *args: str) -> list[str]:
+    """Greedy texts of `pdserve generate --prompts-file` (one engine run for all prompts, with `args`), in
+    their order."""
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps(p) + "\n" for p in prompts))
     try:
-        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", str(max_tokens))
+        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", str(max_tokens), *args)
     finally:
         os.unlink(f.name)
     return [line["text"] for line in lines]

@@ -43,7 +43,7 @@ def serve(args: dict[str, Any]) -> None:
         torch.cuda.set_device(device)  # the memory plan and Triton's launches use the current device
     comm = DistCollectives(rank, cfg.tensor_parallel_size, device, dtype=cfg.torch_dtype)
     loaded = load_model(cfg.model, device=device, dtype=cfg.torch_dtype, tokenizer_path=cfg.tokenizer,
-                        seed=cfg.seed, comm=comm, progress=False)  # fmt: skip
+                        seed=cfg.seed, comm=comm, progress=False, quantization=cfg.quantization)  # fmt: skip
     store = dist.TCPStore(
         "127.0.0.1", int(args["store_port"]), is_master=False, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     )
