@@ -109,7 +109,7 @@ class NodeRuntime:
         self.engine = engine
         self.keys = keys
         self.aengine = AsyncEngine(engine)
-        self.metrics = NodeMetrics(settings.role)
+        self.metrics = NodeMetrics(settings.role, tp_size=len(engine.devices), devices=engine.devices)
         self.index = BlockIndex(settings.redis, keys) if settings.redis is not None else None
         held = functools.partial(self.aengine.call, engine.held_hashes)
         self.truth = (
@@ -156,6 +156,7 @@ class NodeRuntime:
                 credential_digest=credential_digest,
                 max_model_len=self.engine.max_model_len,
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
+                devices=self.engine.devices,
             )
             self._info = info
             load = await self.aengine.call(self.load)

@@ -63,6 +63,17 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             await rt.aengine.stop()
             await teardown()
             return
+        loop = asyncio.get_running_loop()
+
+        def rank_died(why: str) -> None:  # the watchdog's thread: the node leaves the cluster and exits
+            def stop() -> None:
+                log.error("node %s: tensor-parallel %s; deregistering and exiting", cfg.node.node_id, why)
+                down.append(why)
+                server.should_exit = True
+
+            loop.call_soon_threadsafe(stop)
+
+        engine.on_rank_failure(rank_died)
         stats = asyncio.create_task(stats_loop(rt, log_stats_interval_s))
         try:
             yield
@@ -88,7 +99,13 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     )
     server = uvicorn.Server(config)
     failure: list[BlockIndexError] = []
-    asyncio.run(server.serve())
+    down: list[str] = []
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.close()  # the other tensor-parallel ranks end with rank 0's node, on every path
     if failure:
         raise StartupError(f"node {cfg.node.node_id}: {type(failure[0]).__name__}: {failure[0]}")
+    if down:
+        raise StartupError(f"node {cfg.node.node_id}: tensor-parallel {down[0]}; the node stopped")
     return 0

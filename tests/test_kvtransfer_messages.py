@@ -83,9 +83,13 @@ def test_malformed_headers_are_refused_by_name(msg_type: int, body: dict[str, ob
 
 
 def test_layout_names_the_first_difference() -> None:
-    other = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=0, kv_head_start=0)
-    assert LAYOUT.first_difference(other) == "tp_rank: local 1, peer 0"
+    other = KVLayout(30, 3, 64, 32, "bfloat16", tp_size=2)
+    assert LAYOUT.first_difference(other) == (
+        "block_size: local 16, peer 32 (local 30 layers x 3 KV heads x 64, block 16, bfloat16 at TP 2; "
+        "peer 30 layers x 3 KV heads x 64, block 32, bfloat16 at TP 2)"
+    )
     assert LAYOUT.first_difference(LAYOUT) is None
+    assert LAYOUT.first_difference(KVLayout(30, 3, 64, 16, "bfloat16", tp_size=3)) is None  # any TP pair
     with pytest.raises(ValueError, match="dtype 'int8'"):
         KVLayout(1, 1, 1, 1, "int8")
 

@@ -168,7 +168,7 @@ def test_receiver_checks_the_senders_proof(kind: str) -> None:
         ({"fingerprint": b"\x22" * 32}, "fingerprint", "fingerprint"),
         ({"layout": KVLayout(4, 3, 8, 16, "bfloat16")}, "layout", "block_size"),
         ({"layout": KVLayout(4, 3, 8, 4, "float16")}, "layout", "dtype"),
-        ({"layout": KVLayout(4, 3, 8, 4, "bfloat16", tp_size=2, tp_rank=1)}, "layout", "tp_size"),
+        ({"layout": KVLayout(4, 1, 8, 4, "bfloat16", tp_size=3)}, "layout", "num_kv_heads"),
     ],
 )
 def test_incompatible_peer_is_refused_naming_the_field(

@@ -147,6 +147,9 @@ class NodeInfo(_Record):
     epoch: int = 0
     tokenizer_fingerprint: str = ""
     """64 lowercase hex digits: shared.tokenizer.Tokenizer.fingerprint ("" from a node that predates it)."""
+    devices: tuple[str, ...] = ()
+    """The device of each tensor-parallel rank, rank 0 first (`kv_layout.tp_size` of them; () from a node
+    that predates it)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.node_id):
