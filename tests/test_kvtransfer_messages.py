@@ -184,8 +184,8 @@ def test_prefix_is_24_bytes_and_checked() -> None:
         len(header),
         0,
     )
-    channel.parts += [prefix[:4] + b"\x07" + prefix[5:], header]
-    with pytest.raises(VersionMismatch, match="v7"):
+    channel.parts += [prefix[:4] + bytes([PROTOCOL_VERSION + 1]) + prefix[5:], header]
+    with pytest.raises(VersionMismatch, match=f"v{PROTOCOL_VERSION + 1}"):
         asyncio.run(conn.recv())
     channel.parts = [PREFIX.pack(b"PDKV", 1, Data.TYPE, 0, 10, 1 << 30, 0)]
     with pytest.raises(ProtocolError, match="too large"):
