@@ -133,7 +133,7 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
         kind=opts.connector,
         auth_token=token,
         checksum=False if opts.no_checksum else None,  # None: the connector's default (off on NVLink)
-        device=opts.device,
+        device=opts.device.split(",")[0],  # rank 0's GPU: the transfer runs there
         listen_host=opts.host,
         listen_port=opts.transfer_port,
         liveness_s=opts.transfer_liveness_s,

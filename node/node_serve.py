@@ -64,12 +64,15 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             await teardown()
             return
         loop = asyncio.get_running_loop()
+        leaving: list[asyncio.Future[None]] = []
 
         def rank_died(why: str) -> None:  # the watchdog's thread: the node leaves the cluster and exits
             def stop() -> None:
                 log.error("node %s: tensor-parallel %s; deregistering and exiting", cfg.node.node_id, why)
                 down.append(why)
+                leaving.append(asyncio.ensure_future(rt.leave()))  # out of the index before the shutdown
                 server.should_exit = True
+                server.force_exit = True  # no waiting for open streams: their requests fail with the engine
 
             loop.call_soon_threadsafe(stop)
 
@@ -81,6 +84,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             stats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await stats
+            for left in leaving:
+                await left
             await rt.stop()
             await teardown()
 

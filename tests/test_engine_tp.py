@@ -241,3 +241,21 @@ def test_a_node_refuses_tp_above_one_in_one_line(tmp_path: Path) -> None:
     lines = done.stderr.splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert lines[0].startswith("pdserve: error: --tensor-parallel-size 3: nodes serve at 1 rank"), lines[0]
+
+
+def test_devices_name_one_gpu_per_rank_and_tp_turns_async_scheduling_off() -> None:
+    from pdserve.shared.engine.config import EngineConfig
+
+    def ranks(device: str, size: int) -> list[str]:
+        cfg = EngineConfig(model="dummy:x", device=device, tensor_parallel_size=size)
+        assert not cfg.overlap or size == 1  # auto: off at TP > 1 (the workers read tokens from the host)
+        return [str(cfg.rank_device(r)) for r in range(size)]
+
+    assert ranks("cpu", 3) == ["cpu"] * 3
+    assert ranks("cuda", 2) == ["cuda:0", "cuda:1"]  # the first N visible
+    assert ranks("cuda:2", 2) == ["cuda:2", "cuda:3"]
+    assert ranks("cuda:0,1", 2) == ["cuda:0", "cuda:1"]
+    assert ranks("cuda:3,1", 2) == ["cuda:3", "cuda:1"]
+    assert EngineConfig(model="dummy:x", device="cuda").overlap
+    with pytest.raises(ValueError, match="names 2 GPUs for tensor_parallel_size=3"):
+        EngineConfig(model="dummy:x", device="cuda:0,1", tensor_parallel_size=3)

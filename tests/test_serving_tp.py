@@ -132,19 +132,23 @@ def test_killing_one_worker_rank_under_load_takes_its_node_out(live: LiveCluster
         time.sleep(2.0)  # requests are in flight on both nodes
         os.kill(workers[0], signal.SIGKILL)
         killed = time.monotonic()
-        while not all(_gone(pid) for pid in [*workers, node.pid]) and time.monotonic() - killed < 30:
-            time.sleep(0.05)
+        while not _gone(workers[1]) and time.monotonic() - killed < 30:
+            time.sleep(0.02)
         others_gone = time.monotonic() - killed
-        assert _gone(workers[1]) and others_gone < 5.0, f"the other ranks took {others_gone:.1f}s"
         while name in tp_sizes(live) and time.monotonic() - killed < 30:
             time.sleep(0.05)
-        assert name not in tp_sizes(live)
-        assert _gone(node.pid) and node.wait(10) != 0
+        deregistered = time.monotonic() - killed
+        node.wait(30)
+        exited = time.monotonic() - killed
+        print(f"rank kill: others gone {others_gone:.2f}s, unlisted {deregistered:.2f}s, exit {exited:.2f}s")
+        assert others_gone < 5.0, f"the other ranks took {others_gone:.1f}s"
+        assert deregistered < 5.0, f"the node stayed in the index for {deregistered:.1f}s"
+        assert node.returncode != 0
         results = [r.result() for r in replies]
     live.nodes.pop(name)
-    for reply in results:  # each ended: the full text (finished or migrated), or a clean OpenAI error
+    for i, reply in enumerate(results):  # each ended: the right text (finished, migrated) or a clean error
         if reply.status_code == 200:
-            assert reply.json()["choices"][0]["text"]
+            assert reply.json()["choices"][0]["text"].startswith(want[i % len(PROMPTS)]), reply.text
         else:
             assert reply.status_code >= 400, reply.text
             assert reply.json()["error"]["message"], reply.text
