@@ -1,11 +1,11 @@
 """Prefill and decode nodes of different tensor-parallel sizes, through real processes, the router and the
 real SmolLM2 weights on the CPU (gloo): P TP=1 -> D TP=3 and P TP=3 -> D TP=1 give `pdserve generate`'s
-greedy text, for a fresh prompt, for a second prompt sharing its long prefix (D holds it), and after D's
-cache is evicted (P sends the prefix it holds); `kvctl nodes` and /metrics state each node's size and
-devices; a node whose KV layout differs is refused at registration in one line naming both layouts; and
-`kill -9` of one worker rank under load takes its node out of the cluster (the other ranks and the node
-process exit, the index drops it at once), every request in flight ends with a clean error or the right
-text, and no process is left.
+greedy text, for a fresh prompt, for a second prompt sharing its long prefix (D holds it), after D's cache
+is evicted (P sends the prefix it holds), and after P's is (P fetches the prefix from D); `kvctl nodes`
+and /metrics state each node's size and devices; a node whose KV layout differs is refused at registration
+in one line naming both layouts; and `kill -9` of one worker rank under load takes its node out of the
+cluster (the other ranks and the node process exit, the index drops it at once), every request in flight
+ends with a clean error or the right text, and no process is left.
 """
 
 from __future__ import annotations
@@ -91,6 +91,23 @@ def test_greedy_text_across_tp_sizes_with_and_without_a_held_prefix(
     assert live.metric("decode-0", "pdserve_node_prefix_hit_tokens_total", {"kind": "local"}) >= 16 * 16
     kvctl_main(live.redis_url, "evict", "--node", "decode-0", "--all")  # P holds the prefix, D no longer
     assert text(live, PROMPTS[1]) == want[1]
+    live.wait_clean()
+
+
+def test_a_prefix_only_d_holds_is_fetched_across_tp_sizes(live: LiveCluster, want: list[str]) -> None:
+    """P (one size) fetches the prefix from D (the other size): D exports every rank's heads, P imports them
+    onto its ranks (node/kv_fetch.py over the same remote-KV port)."""
+    for _ in range(150):  # D's blocks reach the index in the node's next publish batch
+        rows = kvctl_main(live.redis_url, "where", "--prompt", DOCUMENT)["nodes"]
+        if {r["node_id"]: r["prefix_blocks"] for r in rows}.get("decode-0", 0) >= 16:
+            break
+        time.sleep(0.2)
+    kvctl_main(live.redis_url, "evict", "--node", "prefill-0", "--all")
+    fetched = live.metric("prefill-0", "pdserve_node_fetched_blocks_total")
+    exported = live.metric("decode-0", "pdserve_node_exported_blocks_total")
+    assert text(live, PROMPTS[0]) == want[0]
+    got = live.metric("prefill-0", "pdserve_node_fetched_blocks_total") - fetched
+    assert got >= 16 and live.metric("decode-0", "pdserve_node_exported_blocks_total") - exported == got
     live.wait_clean()
 
 

@@ -62,8 +62,8 @@ class KVPools:
 
     @property
     def whole(self) -> bool:
-        """One rank holds every head (TP=1): the plain kernels copy straight between pool and buffer."""
-        return len(self._readers) == 1
+        """One pool (TP=1): the plain kernels copy straight between it and the buffer."""
+        return len(self.parts) == 1
 
     def gather(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies `layer`'s KV of `block_ids` into out [2, n, B, H, D] (on rank 0's device)."""
@@ -72,6 +72,7 @@ class KVPools:
             return
         for p in self._readers:
             src = p.kv[layer]  # [2, N, B, Hkv_r, D]
+            _follow(out.device, src.device)
             part = src.index_select(1, block_ids.to(src.device, torch.int64))
             out[:, :, :, p.head_start : p.head_start + p.heads].copy_(part, non_blocking=True)
 
@@ -85,10 +86,12 @@ class KVPools:
             dst = p.kv[layer]
             heads = src[:, :, :, p.head_start : p.head_start + p.heads].to(dst.device, dst.dtype)
             dst.index_copy_(1, block_ids.to(dst.device, torch.int64), heads)
+        self._landed()
 
     def read_blocks(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Every layer of `block_ids` into out [n, L, 2, B, H, D] (the host tier's slot layout)."""
         for p in self._readers:
+            _follow(self.device, p.kv.device)
             src = p.kv.index_select(2, block_ids.to(p.kv.device, torch.int64))  # [L, 2, n, B, h, D]
             heads = out[:, :, :, :, p.head_start : p.head_start + p.heads]
             heads.copy_(src.permute(2, 0, 1, 3, 4, 5), non_blocking=True)
@@ -99,6 +102,25 @@ class KVPools:
             heads = src[:, :, :, :, p.head_start : p.head_start + p.heads]
             dev = heads.to(p.kv.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
             p.kv.index_copy_(2, block_ids.to(p.kv.device, torch.int64), dev)
+        self._landed()
+
+    def _landed(self) -> None:
+        """Waits until the writes queued on the other ranks' GPUs are done: those ranks read the blocks on
+        their own streams, which nothing in this process can order after ours (rank 0's own writes are
+        ordered on its stream, as at TP=1)."""
+        for p in self.parts:
+            if p.kv.device.type == "cuda" and p.kv.device != self.device:
+                torch.cuda.current_stream(p.kv.device).synchronize()
+
+
+def _follow(first: torch.device, then: torch.device) -> None:
+    """Work queued next on `then`'s current stream starts after what `first`'s current stream holds now (a
+    worker's pool is read after rank 0's all-reduce of the layer, which every rank reaches only after
+    writing that layer's KV). Nothing to order on the CPU or on one device."""
+    if first != then and first.type == "cuda" and then.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(first))
+        torch.cuda.current_stream(then).wait_event(event)
 
 
 def pool_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
