@@ -259,3 +259,22 @@ def test_devices_name_one_gpu_per_rank_and_tp_turns_async_scheduling_off() -> No
     assert EngineConfig(model="dummy:x", device="cuda").overlap
     with pytest.raises(ValueError, match="names 2 GPUs for tensor_parallel_size=3"):
         EngineConfig(model="dummy:x", device="cuda:0,1", tensor_parallel_size=3)
+
+
+def test_the_host_tier_of_a_tp_engine_holds_whole_blocks_within_its_bytes() -> None:
+    """A host-tier slot holds every KV head of a block (a rank's pool holds a third of them at TP=3), so the
+    slots are counted in whole-block bytes: before the fix the tier took 3x --host-kv-cache-gib."""
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import LLMEngine
+
+    budget = 8 << 20
+    cfg = EngineConfig(model=model_path(), tensor_parallel_size=3, kv_cache_bytes=4 << 20,
+                       host_kv_cache_bytes=budget)  # fmt: skip
+    engine = LLMEngine(cfg)
+    try:
+        assert engine.tier is not None
+        host = engine.tier.host  # [slots, L, 2, B, H, D] with all 3 KV heads
+        assert host.shape[-2] == 3
+        assert budget // 2 < host.numel() * host.element_size() <= budget
+    finally:
+        engine.close()

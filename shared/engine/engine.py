@@ -174,7 +174,10 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:  # before anything reads the tokenizer's fingerprint
             self.tokenizer.chat_template = cfg.chat_template
-        per_block = kv_bytes_per_block(self.loaded, cfg)
+        # a host-tier slot holds a whole block, every KV head of the model (a rank's pool holds its share)
+        per_block = (
+            kv_bytes_per_block(self.loaded, cfg) * mc.num_kv_heads // self.loaded.model.tp.num_kv_heads
+        )
         self.host_blocks = cfg.host_kv_cache_bytes // per_block
         self.pool = BlockPool(self.num_blocks, cfg.block_size, self.host_blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
