@@ -24,7 +24,8 @@ Remote-KV port invariants: a `RemoteReservation` holds one reference on each of 
 one of `admit_remote` (the scheduler takes them over) or `release_remote` (idempotent) ends it; its
 `held` blocks are committed blocks of this pool matching the prompt's leading hashes (never the last
 prompt block, so the sender always sends at least the final token's KV) and are never written; its
-`dst` blocks are RESERVED (not matchable) until admission.
+`dst` blocks are RESERVED (not matchable) until admission. Export and import move blocks in the model's
+full KV-head layout, every rank's heads (parallel/kv_pools.py), so a frame is the same at any TP size.
 
 Why one module of about 600 lines: the step loop and the ports (remote KV, prefix fetch, what the node
 runtime reads) keep the same invariants over the same pool and in-flight step (a reserved or held block is
@@ -188,7 +189,11 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.loaded, cfg, self.num_blocks, max_model_len=self.max_model_len)
         # every rank's pool, reached from here: the remote-KV port and the host tier move whole blocks
-        others = self.ranks.open_pools(tuple(self.runner.kv_cache.shape), self.runner.kv_cache.dtype)
+        try:
+            others = self.ranks.open_pools(tuple(self.runner.kv_cache.shape), self.runner.kv_cache.dtype)
+        except BaseException:
+            self.close()
+            raise
         size = cfg.tensor_parallel_size
         self.pools = KVPools(
             [

@@ -1,5 +1,6 @@
 """Rank 0's side of the tensor-parallel group: it starts one process per other rank, broadcasts every
-step's batch to them, watches them, and stops them.
+step's batch to them, maps their KV pools (kv_pools.py), watches them, calls back when one dies, and stops
+them.
 
 Invariants: the worker processes are children of rank 0, started before it loads its own share (they load
 in parallel) and ended on every path: `close` (idempotent) shuts the step channel, so each worker reads end
