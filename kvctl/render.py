@@ -29,13 +29,17 @@ def _nodes(result: dict[str, Any]) -> str:
         info, load = n["info"], n["load"] or {}
         total, used = load.get("kv_total_blocks", 0), load.get("kv_used_blocks", 0)
         kv = f"{used}/{total} ({100 * used / total:.0f}%)" if total else "-"
-        rows.append([info["node_id"], info["role"], info["epoch"], "draining" if n["draining"] else "ready",
+        tp, devices = info["kv_layout"].get("tp_size", 1), ",".join(info.get("devices", ())) or "-"
+        rows.append([info["node_id"], info["role"], tp, devices, info["epoch"],
+                     "draining" if n["draining"] else "ready",
                      load.get("running", "-"), load.get("waiting", "-"), kv, load.get("blocks_held", "-"),
                      n["blocks_indexed"], info.get("quantization", "none"), info["kv_layout"]["dtype"],
                      f"{n['heartbeat_age_s']:.1f}s", info["http_url"], info.get("model") or "-"])  # fmt: skip
     headers = [
         "NODE",
         "ROLE",
+        "TP",
+        "DEVICES",
         "EPOCH",
         "STATE",
         "RUN",

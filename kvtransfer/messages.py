@@ -16,7 +16,7 @@ from pdserve.kvtransfer.common import ProtocolError
 from pdserve.shared.types import BlockHash, FirstToken, KVLayout, RequestId
 from pdserve.shared.wire import Codec, WireError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 @dataclass(frozen=True)

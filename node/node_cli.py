@@ -133,7 +133,7 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
         kind=opts.connector,
         auth_token=token,
         checksum=False if opts.no_checksum else None,  # None: the connector's default (off on NVLink)
-        device=opts.device,
+        device=opts.device.split(",")[0],  # rank 0's GPU: the transfer runs there
         listen_host=opts.host,
         listen_port=opts.transfer_port,
         liveness_s=opts.transfer_liveness_s,
@@ -144,11 +144,6 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
         parse_address(opts.transfer_advertise, opts.connector)  # ValueError naming the expected form
     frames = opts.layers_per_frame if isinstance(opts, PrefillOptions) else 4
     policy = opts.kv_load_failure_policy if isinstance(opts, DecodeOptions) else "recompute"
-    if opts.tensor_parallel_size != 1:
-        raise SettingsError(
-            f"--tensor-parallel-size {opts.tensor_parallel_size}: nodes serve at 1 rank for now (KV transfer "
-            "does not map heads across ranks yet); `pdserve generate` runs any size"
-        )
     engine = engine_config(opts)
     name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
     return NodeConfigs(engine, node, connector, name, frames, policy, opts.transfer_advertise)

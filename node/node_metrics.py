@@ -41,7 +41,9 @@ class RequestTiming:
 
 
 class NodeMetrics(MetricsRegistry):
-    def __init__(self, role: Role, model_name: str = "") -> None:
+    def __init__(
+        self, role: Role, model_name: str = "", tp_size: int = 1, devices: tuple[str, ...] = ("cpu",)
+    ) -> None:
         super().__init__()
         r = self.registry
         hist, counter, gauge = self.histogram, self.counter, self.gauge
@@ -88,8 +90,12 @@ class NodeMetrics(MetricsRegistry):
             "pdserve_kv_transfer_seconds", "First send to acknowledgement", LATENCY_BUCKETS, ["connector"]
         )
         self.transfers = counter("pdserve_kv_transfers", "Transfers by outcome", ["connector", "outcome"])
-        self.role = gauge("pdserve_node_info", "Node role", ["role"])
-        self.role.labels(role).set(1)
+        self.role = gauge(
+            "pdserve_node_info",
+            "Node role, tensor-parallel size and each rank's device (comma-separated, rank 0 first)",
+            ["role", "tp_size", "devices"],
+        )
+        self.role.labels(role, str(tp_size), ",".join(devices)).set(1)
         self._vllm = _VllmRequestSeries(r)
         r.register(_VllmEngineView(self))
 

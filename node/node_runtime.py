@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pdserve.node.node_metrics import NodeMetrics
-from pdserve.shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.async_engine import AsyncEngine, EngineDead
 from pdserve.shared.engine.block_pool import BlockEvent
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.index.block_digest import IndexTruth
@@ -109,7 +109,7 @@ class NodeRuntime:
         self.engine = engine
         self.keys = keys
         self.aengine = AsyncEngine(engine)
-        self.metrics = NodeMetrics(settings.role)
+        self.metrics = NodeMetrics(settings.role, tp_size=len(engine.devices), devices=engine.devices)
         self.index = BlockIndex(settings.redis, keys) if settings.redis is not None else None
         held = functools.partial(self.aengine.call, engine.held_hashes)
         self.truth = (
@@ -158,6 +158,7 @@ class NodeRuntime:
                 tokenizer_fingerprint=self.engine.tokenizer.fingerprint,
                 model=self.engine.loaded.description,
                 quantization=self.engine.loaded.quantization or "none",
+                devices=self.engine.devices,
             )
             self._info = info
             load = await self.aengine.call(self.load)
@@ -167,16 +168,28 @@ class NodeRuntime:
             self._tasks.append(asyncio.create_task(self._publish_loop()))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        await self.leave()
+        if self.index is not None:
+            await self.index.close()
+        await self.aengine.stop()
+
+    async def leave(self) -> None:
+        """Stops the heartbeat and publishing and deregisters, so routers stop choosing this node at once;
+        idempotent (a node whose engine died leaves before its server shuts down)."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+        for t in tasks:
+            try:
                 await t
+            except asyncio.CancelledError:
+                pass
+            except EngineDead as exc:  # a loop that met the dead engine first: leaving must still happen
+                log.warning("node %s: %s", self.node_id, exc)
         if self.index is not None:
             with contextlib.suppress(BlockIndexError):
                 await self.index.deregister(self.node_id)
-            await self.index.close()
-        await self.aengine.stop()
+            self.deregistered = True
 
     def load(self) -> NodeLoad:
         """Read on the loop thread (engine.call) so counts are consistent."""

@@ -63,6 +63,20 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             await rt.aengine.stop()
             await teardown()
             return
+        loop = asyncio.get_running_loop()
+        leaving: list[asyncio.Future[None]] = []
+
+        def rank_died(why: str) -> None:  # the watchdog's thread: the node leaves the cluster and exits
+            def stop() -> None:
+                log.error("node %s: tensor-parallel %s; deregistering and exiting", cfg.node.node_id, why)
+                down.append(why)
+                leaving.append(asyncio.ensure_future(rt.leave()))  # out of the index before the shutdown
+                server.should_exit = True
+                server.force_exit = True  # no waiting for open streams: their requests fail with the engine
+
+            loop.call_soon_threadsafe(stop)
+
+        engine.on_rank_failure(rank_died)
         stats = asyncio.create_task(stats_loop(rt, log_stats_interval_s))
         try:
             yield
@@ -70,6 +84,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             stats.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await stats
+            for left in leaving:
+                await left
             await rt.stop()
             await teardown()
 
@@ -88,7 +104,13 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     )
     server = uvicorn.Server(config)
     failure: list[BlockIndexError] = []
-    asyncio.run(server.serve())
+    down: list[str] = []
+    try:
+        asyncio.run(server.serve())
+    finally:
+        engine.close()  # the other tensor-parallel ranks end with rank 0's node, on every path
     if failure:
         raise StartupError(f"node {cfg.node.node_id}: {type(failure[0]).__name__}: {failure[0]}")
+    if down:
+        raise StartupError(f"node {cfg.node.node_id}: tensor-parallel {down[0]}; the node stopped")
     return 0

@@ -6,7 +6,7 @@ and a request id is not a node id. All are plain values at run time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal, NewType
 
@@ -56,12 +56,12 @@ KV_DTYPE_BYTES: dict[str, int] = {
 
 @dataclass(frozen=True)
 class KVLayout:
-    """One rank's paged KV cache: `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`.
+    """A node's KV blocks as they travel: `[num_layers, 2, block_size, num_kv_heads, head_dim]` per block,
+    every KV head of the model in the model's order, whatever the node's tensor-parallel size.
 
-    `num_kv_heads` counts the heads this rank holds: heads [kv_head_start, kv_head_start + num_kv_heads)
-    of the model, rank `tp_rank` of `tp_size`. The engine states it, a node registers it in the index (whose
-    cluster record compares the fields of `KV_LAYOUT_FIELDS`) and the KV-transfer handshake compares it:
-    two ends exchange KV only if every field is equal.
+    `tp_size` is how many ranks hold the node's pool (each rank its share of the heads; rank 0 gathers and
+    scatters them, shared/engine/parallel/kv_pools.py); it is stated, not compared: two nodes exchange KV,
+    and share a cluster, when the fields of `KV_LAYOUT_FIELDS` are equal, at any pair of sizes.
     """
 
     num_layers: int
@@ -70,8 +70,6 @@ class KVLayout:
     block_size: int
     dtype: str
     tp_size: int = 1
-    tp_rank: int = 0
-    kv_head_start: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
@@ -80,28 +78,43 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(KV_DTYPE_BYTES)}")
-        if type(self.tp_rank) is not int or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"KVLayout.tp_rank {self.tp_rank!r} must be in [0, {self.tp_size})")
-        if type(self.kv_head_start) is not int or self.kv_head_start < 0:
-            raise ValueError(f"KVLayout.kv_head_start must be a non-negative int, got {self.kv_head_start!r}")
 
     @property
     def layer_block_bytes(self) -> int:
         """Bytes of K and V of one block in one layer."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[self.dtype]
 
+    def describe(self) -> str:
+        """The model's KV layout in one phrase: `30 layers x 3 KV heads x 64, block 16, bfloat16`."""
+        return (
+            f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim}, block "
+            f"{self.block_size}, {self.dtype}"
+        )
+
+    @classmethod
+    def from_fields(cls, values: dict[str, str]) -> KVLayout:
+        """The layout of `KV_LAYOUT_FIELDS` given as strings (the index's cluster record), at TP 1."""
+        v = values
+        return cls(
+            int(v["num_layers"]), int(v["num_kv_heads"]), int(v["head_dim"]), int(v["block_size"]), v["dtype"]
+        )
+
     def first_difference(self, other: KVLayout) -> str | None:
-        """`"field: local X, peer Y"` for the first differing field, or None when the layouts match."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+        """`"field: local X, peer Y (local <layout>; peer <layout>)"` for the first differing field of
+        `KV_LAYOUT_FIELDS`, or None when the blocks of the two layouts map onto each other."""
+        for name in KV_LAYOUT_FIELDS:
+            mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
-                return f"{f.name}: local {mine!r}, peer {theirs!r}"
+                return (
+                    f"{name}: local {mine!r}, peer {theirs!r} (local {self.describe()} at TP "
+                    f"{self.tp_size}; peer {other.describe()} at TP {other.tp_size})"
+                )
         return None
 
 
-KV_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tp_size")
-"""The fields of a KVLayout every node of a cluster shares (the rank's own, tp_rank and kv_head_start, may
-differ): the index's cluster record holds these."""
+KV_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+"""The fields of a KVLayout two nodes must share to exchange blocks (and every node of a cluster shares, the
+index's cluster record holds them): the model's KV layout. `tp_size` may differ."""
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,6 @@ def test_register_gives_new_epochs_and_drops_old_records(redis_server: LocalRedi
         (node("x", fingerprint="cd" * 32), "model_fingerprint", "cd" * 32, FP),
         (node("x", head_dim=128), "kv_layout.head_dim", "128", "64"),
         (node("x", dtype="bfloat16"), "kv_layout.dtype", "bfloat16", "float32"),
-        (node("x", tp_size=2), "kv_layout.tp_size", "2", "1"),
         (node("x", protocol=2), "protocol_version", "2", "1"),
     ],
 )
@@ -121,7 +120,25 @@ def test_incompatible_node_is_refused_naming_the_field(
             with pytest.raises(IncompatibleNode) as err:
                 await index.register(other, IDLE)
             assert f"{field} is {mine} on the node but {recorded}" in str(err.value)
+            if field.startswith("kv_layout."):  # one line naming both layouts
+                assert "\n" not in str(err.value)
+                assert f"node: {other.kv_layout.describe()}; live nodes: {LAYOUT.describe()}" in str(
+                    err.value
+                )
             assert [s.info.node_id for s in await index.nodes()] == ["p0"]
+
+    run(body())
+
+
+def test_nodes_of_other_tensor_parallel_sizes_join_one_cluster(redis_server: LocalRedis) -> None:
+    """Blocks travel in the model's full head layout, so the TP size is stated, not compared."""
+
+    async def body() -> None:
+        async with make_index(redis_server) as index:
+            await index.register(node("p0"), IDLE)
+            await index.register(node("d0", "decode", tp_size=3), IDLE)
+            sizes = {s.info.node_id: s.info.kv_layout.tp_size for s in await index.nodes()}
+            assert sizes == {"p0": 1, "d0": 3}
 
     run(body())
 

@@ -26,7 +26,14 @@ from pdserve.tests.harness.manifests import DEPLOY, K8S, Obj, objs, pod_spec, re
 
 KUBE_VERSION = "1.37.0"
 """The newest Kubernetes release whose API schemas kubernetes-validate ships."""
-RENDERS = ("base", "overlays/cpu-demo", "overlays/gpu", "cpu-demo+redis-tls", "cpu-demo+redis-no-aof")
+RENDERS = (
+    "base",
+    "overlays/cpu-demo",
+    "overlays/gpu",
+    "overlays/gpu-tp2",
+    "cpu-demo+redis-tls",
+    "cpu-demo+redis-no-aof",
+)
 CRD_KINDS = {"ServiceMonitor"}
 """prometheus-operator's kinds: no schema ships offline; test_service_monitor_selects_every_component
 checks them."""
@@ -244,6 +251,18 @@ def test_gpu_overlay_places_nodes_on_gpus_and_configures_the_connector() -> None
         connectors.add(data["PDSERVE_CONNECTOR"])
     assert len(connectors) == 1 and connectors <= {"tcp", "ucx", "nccl"}, "P and D share one connector"
     assert "pdserve-models" in objs("overlays/gpu", "PersistentVolumeClaim")
+
+
+def test_gpu_tp2_overlay_gives_decode_pods_two_gpus_and_two_ranks() -> None:
+    deployments = objs("overlays/gpu-tp2", "Deployment")
+    config_maps = objs("overlays/gpu-tp2", "ConfigMap")
+    for role, gpus, ranks in (("prefill", "1", None), ("decode", "2", "2")):
+        container = pod_spec(deployments[f"pdserve-{role}"])["containers"][0]
+        resources = container["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus
+        (ref,) = container["envFrom"]
+        data = config_maps[ref["configMapRef"]["name"]]["data"]
+        assert data.get("PDSERVE_TENSOR_PARALLEL_SIZE") == ranks and data["PDSERVE_DEVICE"] == "cuda"
 
 
 def test_redis_asks_for_auth_and_tls_is_an_option() -> None:

@@ -232,12 +232,49 @@ def test_step_message_round_trip() -> None:
         )
 
 
-def test_a_node_refuses_tp_above_one_in_one_line(tmp_path: Path) -> None:
-    """Nodes serve at one rank until KV transfer maps heads across ranks."""
-    cmd = [sys.executable, "-m", "pdserve.cli", "decode", "--model", str(tmp_path), "--node-id", "d0",
-           "--port", "1", "-tp", "3"]  # fmt: skip
+def test_a_node_refuses_a_split_that_is_not_exact_in_one_line() -> None:
+    """Nodes serve at any exact size (tests/test_serving_tp.py); 9 query heads do not split over 2."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "decode", "--model", model_path(), "--node-id", "d0",
+           "--port", "1", "-tp", "2"]  # fmt: skip
     env = {**os.environ, "PDSERVE_AUTH_TOKEN": "t" * 16}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
-    lines = done.stderr.splitlines()
+    lines = [line for line in done.stderr.splitlines() if line.startswith("pdserve: error:")]
     assert done.returncode != 0 and len(lines) == 1, done.stderr
-    assert lines[0].startswith("pdserve: error: --tensor-parallel-size 3: nodes serve at 1 rank"), lines[0]
+    assert "tensor_parallel_size=2 does not divide the model's 9 query heads" in lines[0], lines[0]
+
+
+def test_devices_name_one_gpu_per_rank_and_tp_turns_async_scheduling_off() -> None:
+    from pdserve.shared.engine.config import EngineConfig
+
+    def ranks(device: str, size: int) -> list[str]:
+        cfg = EngineConfig(model="dummy:x", device=device, tensor_parallel_size=size)
+        assert not cfg.overlap or size == 1  # auto: off at TP > 1 (the workers read tokens from the host)
+        return [str(cfg.rank_device(r)) for r in range(size)]
+
+    assert ranks("cpu", 3) == ["cpu"] * 3
+    assert ranks("cuda", 2) == ["cuda:0", "cuda:1"]  # the first N visible
+    assert ranks("cuda:2", 2) == ["cuda:2", "cuda:3"]
+    assert ranks("cuda:0,1", 2) == ["cuda:0", "cuda:1"]
+    assert ranks("cuda:3,1", 2) == ["cuda:3", "cuda:1"]
+    assert EngineConfig(model="dummy:x", device="cuda").overlap
+    with pytest.raises(ValueError, match="names 2 GPUs for tensor_parallel_size=3"):
+        EngineConfig(model="dummy:x", device="cuda:0,1", tensor_parallel_size=3)
+
+
+def test_the_host_tier_of_a_tp_engine_holds_whole_blocks_within_its_bytes() -> None:
+    """A host-tier slot holds every KV head of a block (a rank's pool holds a third of them at TP=3), so the
+    slots are counted in whole-block bytes: before the fix the tier took 3x --host-kv-cache-gib."""
+    from pdserve.shared.engine.config import EngineConfig
+    from pdserve.shared.engine.engine import LLMEngine
+
+    budget = 8 << 20
+    cfg = EngineConfig(model=model_path(), tensor_parallel_size=3, kv_cache_bytes=4 << 20,
+                       host_kv_cache_bytes=budget)  # fmt: skip
+    engine = LLMEngine(cfg)
+    try:
+        assert engine.tier is not None
+        host = engine.tier.host  # [slots, L, 2, B, H, D] with all 3 KV heads
+        assert host.shape[-2] == 3
+        assert budget // 2 < host.numel() * host.element_size() <= budget
+    finally:
+        engine.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -83,9 +84,10 @@ def cluster() -> Iterator[Cluster]:
     async def setup(url: str) -> None:
         config = RedisConfig(url=url, heartbeat_ttl_s=600, records_ttl_s=600)
         async with BlockIndex(config, ClusterKeys(TOKEN)) as index:
-            for name, role in (("p0", "prefill"), ("d0", "decode")):
-                info = NodeInfo(NodeId(name), role, fake.url, "127.0.0.1:1", FP, LAYOUT, 1, 1000, "ef" * 32,  # type: ignore[arg-type]
-                                8192)  # fmt: skip
+            for name, role, tp in (("p0", "prefill", 1), ("d0", "decode", 2)):  # d0: two ranks
+                layout = dataclasses.replace(LAYOUT, tp_size=tp)
+                info = NodeInfo(NodeId(name), role, fake.url, "127.0.0.1:1", FP, layout, 1, 1000, "ef" * 32,  # type: ignore[arg-type]
+                                8192, devices=("cpu",) * tp)  # fmt: skip
                 epoch = await index.register(info, NodeLoad(1, 0, 30, 1000, 8))
                 if name == "p0":
                     stored = (*chain[:3], *(BlockHash(os.urandom(32)) for _ in range(5)))
@@ -132,7 +134,12 @@ def test_nodes_blocks_stats(cluster: Cluster, capsys: Any) -> None:
     assert stats["overall"]["total_tokens"] == 100
     assert main(["nodes", "--redis", server.url]) == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0].split()[:4] == ["NODE", "ROLE", "EPOCH", "STATE"] and "30/1000 (3%)" in table
+    lines = table.splitlines()
+    assert (
+        lines[0].split()[:6] == ["NODE", "ROLE", "TP", "DEVICES", "EPOCH", "STATE"]
+        and "30/1000 (3%)" in table
+    )
+    assert lines[1].split()[:4] == ["d0", "decode", "2", "cpu,cpu"], lines
 
 
 def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> None:

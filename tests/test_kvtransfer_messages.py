@@ -83,9 +83,13 @@ def test_malformed_headers_are_refused_by_name(msg_type: int, body: dict[str, ob
 
 
 def test_layout_names_the_first_difference() -> None:
-    other = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=0, kv_head_start=0)
-    assert LAYOUT.first_difference(other) == "tp_rank: local 1, peer 0"
+    other = KVLayout(30, 3, 64, 32, "bfloat16", tp_size=2)
+    assert LAYOUT.first_difference(other) == (
+        "block_size: local 16, peer 32 (local 30 layers x 3 KV heads x 64, block 16, bfloat16 at TP 2; "
+        "peer 30 layers x 3 KV heads x 64, block 32, bfloat16 at TP 2)"
+    )
     assert LAYOUT.first_difference(LAYOUT) is None
+    assert LAYOUT.first_difference(KVLayout(30, 3, 64, 16, "bfloat16", tp_size=3)) is None  # any TP pair
     with pytest.raises(ValueError, match="dtype 'int8'"):
         KVLayout(1, 1, 1, 1, "int8")
 
@@ -180,8 +184,8 @@ def test_prefix_is_24_bytes_and_checked() -> None:
         len(header),
         0,
     )
-    channel.parts += [prefix[:4] + b"\x07" + prefix[5:], header]
-    with pytest.raises(VersionMismatch, match="v7"):
+    channel.parts += [prefix[:4] + bytes([PROTOCOL_VERSION + 1]) + prefix[5:], header]
+    with pytest.raises(VersionMismatch, match=f"v{PROTOCOL_VERSION + 1}"):
         asyncio.run(conn.recv())
     channel.parts = [PREFIX.pack(b"PDKV", 1, Data.TYPE, 0, 10, 1 << 30, 0)]
     with pytest.raises(ProtocolError, match="too large"):

@@ -8,6 +8,7 @@ cross-process tests run tests/harness/transfer.py, where the scenarios' parts li
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -168,7 +169,7 @@ def test_receiver_checks_the_senders_proof(kind: str) -> None:
         ({"fingerprint": b"\x22" * 32}, "fingerprint", "fingerprint"),
         ({"layout": KVLayout(4, 3, 8, 16, "bfloat16")}, "layout", "block_size"),
         ({"layout": KVLayout(4, 3, 8, 4, "float16")}, "layout", "dtype"),
-        ({"layout": KVLayout(4, 3, 8, 4, "bfloat16", tp_size=2, tp_rank=1)}, "layout", "tp_size"),
+        ({"layout": KVLayout(4, 1, 8, 4, "bfloat16", tp_size=3)}, "layout", "num_kv_heads"),
     ],
 )
 def test_incompatible_peer_is_refused_naming_the_field(
@@ -184,6 +185,22 @@ def test_incompatible_peer_is_refused_naming_the_field(
                 await sender.session(server.address, RequestId("r"))
             assert err.value.code == code and named in str(err.value)
             audit(receiver, server, 4)
+
+    run(scenario())
+
+
+def test_ends_of_other_tensor_parallel_sizes_exchange_blocks() -> None:
+    """Frames carry every KV head whatever either end's size: the handshake states tp_size only."""
+
+    async def scenario() -> None:
+        p3 = identity("prefill-0", layout=dataclasses.replace(LAYOUT, tp_size=3))
+        async with pair("tcp", 8, sender_identity=p3) as (receiver, server, sender):
+            src = random_cache(LAYOUT, 4, seed=2)
+            session = await sender.session(server.address, RequestId("r"))
+            reply, _ = await push(session, src, [1, 3], block_hashes(1), layers_per_frame=2)
+            for j, b in enumerate([1, 3]):
+                assert torch.equal(receiver.kv[:, :, reply.dst_block_ids[j]], src[:, :, b])
+            audit(receiver, server, 8)
 
     run(scenario())
 

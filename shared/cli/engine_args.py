@@ -27,7 +27,12 @@ class EngineOptions(Settings):
         description="a Jinja chat template, or a file holding one, instead of the model's (the router and "
         "every node need the same one)",
     )
-    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="cpu, cuda or cuda:N")
+    device: str = Field(
+        "cpu",
+        pattern=r"^(cpu|cuda(:\d+(,\d+)*)?)$",
+        description="cpu; cuda (the first N visible GPUs at -tp N); cuda:N (GPUs N, N+1, ...); cuda:A,B,... "
+        "(one GPU per tensor-parallel rank, rank 0 first)",
+    )
     dtype: Dtype = Field(
         "auto", description="weights and KV dtype; auto: float32 on the CPU, bfloat16 on a GPU"
     )

@@ -6,6 +6,7 @@ never here. Nothing in this module reads the environment; the CLI builds the con
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +53,22 @@ class EngineConfig:
     async_scheduling: bool | None = None
     """Launch step n+1 before step n's tokens reach the host (vLLM's async scheduling): the host schedules,
     prepares and launches the next step, then reads, detokenizes and emits this one while the device
-    computes. None: on for a GPU, off on the CPU (whose steps are synchronous: nothing to overlap)."""
+    computes. None: on for one GPU, off on the CPU (whose steps are synchronous: nothing to overlap) and at
+    tensor_parallel_size > 1."""
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model: a path or dummy:<shape> is required")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: accepted auto, {', '.join(sorted(_DTYPES))}")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
-            raise ValueError(f"device={self.device!r}: accepted 'cpu' or 'cuda[:N]'")
+        if not re.fullmatch(r"cpu|cuda(:\d+(,\d+)*)?", self.device):
+            raise ValueError(f"device={self.device!r}: accepted 'cpu', 'cuda', 'cuda:N' or 'cuda:A,B,...'")
+        listed = self.device.count(",") + 1
+        if listed > 1 and listed != self.tensor_parallel_size:
+            raise ValueError(
+                f"device={self.device!r} names {listed} GPUs for tensor_parallel_size="
+                f"{self.tensor_parallel_size}: name one per rank, or 'cuda:N' for N, N+1, ..."
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size}: accepted 8, 16, 32, 64, 128")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -103,7 +111,8 @@ class EngineConfig:
 
     @property
     def overlap(self) -> bool:
-        """async_scheduling, resolved."""
+        """async_scheduling, resolved: auto is on on GPUs (at every tensor-parallel size: the other ranks
+        get each step's sampled tokens on the device) and off on the CPU."""
         if self.async_scheduling is None:
             return self.device != "cpu"
         return self.async_scheduling
@@ -114,11 +123,14 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        """The device; a bare "cuda" means GPU 0 (the engine binds its threads to one GPU by index)."""
-        device = torch.device(self.device)
-        return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+        """Rank 0's device; a bare "cuda" means GPU 0 (the engine binds its threads to one GPU by index)."""
+        return self.rank_device(0)
 
     def rank_device(self, rank: int) -> torch.device:
-        """Tensor-parallel rank `rank`'s device: the CPU, or the GPU `rank` places after the configured."""
-        device = self.torch_device
-        return device if device.type == "cpu" else torch.device("cuda", (device.index or 0) + rank)
+        """Tensor-parallel rank `rank`'s device: the CPU; the rank-th GPU of 'cuda:A,B,...'; or the GPU `rank`
+        places after 'cuda:N' (after GPU 0 for a bare 'cuda': the first N visible)."""
+        if self.device == "cpu":
+            return torch.device("cpu")
+        _, _, indices = self.device.partition(":")
+        gpus = [int(i) for i in indices.split(",")] if indices else [0]
+        return torch.device("cuda", gpus[rank] if len(gpus) > 1 else gpus[0] + rank)

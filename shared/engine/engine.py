@@ -24,7 +24,8 @@ Remote-KV port invariants: a `RemoteReservation` holds one reference on each of 
 one of `admit_remote` (the scheduler takes them over) or `release_remote` (idempotent) ends it; its
 `held` blocks are committed blocks of this pool matching the prompt's leading hashes (never the last
 prompt block, so the sender always sends at least the final token's KV) and are never written; its
-`dst` blocks are RESERVED (not matchable) until admission.
+`dst` blocks are RESERVED (not matchable) until admission. Export and import move blocks in the model's
+full KV-head layout, every rank's heads (parallel/kv_pools.py), so a frame is the same at any TP size.
 
 Why one module of about 600 lines: the step loop and the ports (remote KV, prefix fetch, what the node
 runtime reads) keep the same invariants over the same pool and in-flight step (a reserved or held block is
@@ -35,7 +36,7 @@ sampler they glue are their own modules.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,6 +47,7 @@ from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
 from pdserve.shared.engine.host_copy import HostTierCopier
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block, size_kv_pool
+from pdserve.shared.engine.parallel.kv_pools import KVPools, RankPool
 from pdserve.shared.engine.parallel.ranks import start_ranks
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
@@ -53,7 +55,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.shared.model import fp8
 from pdserve.shared.model.loader import LoadedModel, ModelLoadError, load_config, load_model
-from pdserve.shared.model.parallel import check_split
+from pdserve.shared.model.parallel import check_split, plan
 from pdserve.shared.node.node_protocol import StepOutput, TokenLogprob, TopLogprob
 from pdserve.shared.types import BlockHash, BlockId, FinishReason, FirstToken, KVLayout, RequestId
 
@@ -179,7 +181,10 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         if cfg.chat_template is not None:  # before anything reads the tokenizer's fingerprint
             self.tokenizer.chat_template = cfg.chat_template
-        per_block = kv_bytes_per_block(self.loaded, cfg)
+        # a host-tier slot holds a whole block, every KV head of the model (a rank's pool holds its share)
+        per_block = (
+            kv_bytes_per_block(self.loaded, cfg) * mc.num_kv_heads // self.loaded.model.tp.num_kv_heads
+        )
         self.host_blocks = cfg.host_kv_cache_bytes // per_block
         self.pool = BlockPool(self.num_blocks, cfg.block_size, self.host_blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
@@ -189,7 +194,22 @@ class LLMEngine:
             self.eos_token_ids,
         )
         self.runner = ModelRunner(self.loaded, cfg, self.num_blocks, max_model_len=self.max_model_len)
-        self.tier = HostTierCopier(self.runner.kv_cache, self.host_blocks) if self.host_blocks else None
+        # every rank's pool, reached from here: the remote-KV port and the host tier move whole blocks
+        try:
+            others = self.ranks.open_pools(tuple(self.runner.kv_cache.shape), self.runner.kv_cache.dtype)
+        except BaseException:
+            self.close()
+            raise
+        size = cfg.tensor_parallel_size
+        self.pools = KVPools(
+            [
+                RankPool(kv, plan(mc, rank, size).kv_head_start)
+                for rank, kv in enumerate([self.runner.kv_cache, *others])
+            ],
+            mc.num_kv_heads,
+            self.runner.ops,
+        )
+        self.tier = HostTierCopier(self.pools, self.host_blocks) if self.host_blocks else None
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
         self.fingerprint = model_fingerprint(
             mc.to_dict(), self.loaded.weights_identity, cfg.kv_dtype_name, cfg.block_size
@@ -210,6 +230,11 @@ class LLMEngine:
         ranks; the engine must not step after."""
         self.runner.close()
         self.ranks.close()
+
+    def on_rank_failure(self, callback: Callable[[str], None]) -> None:
+        """Calls `callback(why)` once, from another thread, when a tensor-parallel rank of this engine dies
+        (the engine is down: its next step raises); never at size 1."""
+        self.ranks.on_failure(callback)
 
     def hash_seed(self, cache_salt: str | None) -> BlockHash:
         seed = self._seeds.get(cache_salt)
@@ -317,34 +342,39 @@ class LLMEngine:
             self.pool.commit(block, block_hashes[i], block_hashes[i - 1] if i else None)
 
     def import_layers(self, layer_start: int, dst_block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
-        """Scatters a frame into reserved blocks. buffer: [n_layers, 2, n, B, Hkv, D] (or one layer without
-        the leading dim), on the host or already on the cache's device; queued on the current stream."""
-        runner = self.runner
+        """Scatters a frame into reserved blocks of every rank. buffer: [n_layers, 2, n, B, H, D] (or one
+        layer without the leading dim; H: every KV head of the model), on the host or already on the cache's
+        device; queued on the current stream."""
         layers = buffer if buffer.dim() == 6 else buffer.unsqueeze(0)
-        ids = dst_block_ids.to(runner.device)
         for i in range(layers.shape[0]):
-            runner.ops.scatter_blocks(layers[i].to(runner.device), runner.kv_cache[layer_start + i], ids)
+            self.pools.scatter(layer_start + i, dst_block_ids, layers[i])
 
     def export_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copies `layer`'s KV of `block_ids` (on the cache's device) into out [2, n, B, Hkv, D]."""
-        self.runner.ops.gather_blocks(self.runner.kv_cache[layer], block_ids, out)
+        """Copies `layer`'s KV of `block_ids` (on the cache's device), every rank's heads, into out
+        [2, n, B, H, D]."""
+        self.pools.gather(layer, block_ids, out)
 
     def export_buffer(self, n_layers: int, n_blocks: int) -> torch.Tensor:
-        """An empty [n_layers, 2, n_blocks, B, Hkv, D] buffer on the cache's device for export_layer."""
-        kv = self.runner.kv_cache
-        return torch.empty((n_layers, 2, n_blocks, *kv.shape[3:]), dtype=kv.dtype, device=self.runner.device)
+        """An empty [n_layers, 2, n_blocks, B, H, D] buffer on the cache's device for export_layer."""
+        p = self.pools
+        return torch.empty((n_layers, 2, n_blocks, *p.block_shape), dtype=p.dtype, device=p.device)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Each tensor-parallel rank's device, rank 0 first."""
+        return tuple(str(self.cfg.rank_device(r)) for r in range(self.cfg.tensor_parallel_size))
 
     @property
     def num_layers(self) -> int:
-        return int(self.runner.kv_cache.shape[0])
+        return self.pools.num_layers
 
     @property
     def kv_layout(self) -> KVLayout:
-        """The KV cache's layout, which a node registers and the transfer handshake compares: rank 0's (its
-        KV heads, of `tp_size` ranks)."""
-        c, tp = self.loaded.config, self.loaded.model.tp
-        return KVLayout(c.num_layers, tp.num_kv_heads, c.head_dim, self.cfg.block_size,
-                        self.cfg.kv_dtype_name, tp.size, 0, tp.kv_head_start)  # fmt: skip
+        """The KV layout a node registers and the transfer handshake compares: the model's (every KV head,
+        as export and import move them), and how many ranks hold it here."""
+        c = self.loaded.config
+        return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, self.cfg.block_size, self.cfg.kv_dtype_name,
+                        self.cfg.tensor_parallel_size)  # fmt: skip
 
     def admit_remote(
         self,

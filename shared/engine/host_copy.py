@@ -2,8 +2,10 @@
 so copies are DMA at the link's speed; plain memory on the CPU build, a second, slower pool) and the copies
 the block pool queues (block_pool.CopyOp), run in queue order.
 
-Layout: slot-major, `[num_slots, L, 2, B, Hkv, D]`, so a run of consecutive slots is one contiguous host
-range: a batch gathers its device blocks into one contiguous device buffer and moves it with one copy.
+Layout: slot-major, `[num_slots, L, 2, B, H, D]` with every KV head of the model (a tensor-parallel node's
+tier holds whole blocks, gathered from and scattered to every rank's pool through `KVPools`), so a run of
+consecutive slots is one contiguous host range: a batch gathers its blocks on each rank's device and moves
+them with one copy per distinct head range.
 Invariant: copies are queued in order on the cache device's current stream, the stream every later forward
 and fill of those blocks runs on (so a device block is read before it is overwritten, and a host slot is
 written by a copy out only after the copies in queued before it have read it); the host bytes are read by
@@ -16,14 +18,16 @@ from collections.abc import Sequence
 
 import torch
 from pdserve.shared.engine.block_pool import CopyOp
+from pdserve.shared.engine.parallel.kv_pools import KVPools
 
 
 class HostTierCopier:
-    def __init__(self, kv_cache: torch.Tensor, num_slots: int) -> None:
-        # kv_cache: [L, 2, N, B, Hkv, D]; host: [num_slots, L, 2, B, Hkv, D]
-        self.kv = kv_cache
-        shape = (num_slots, *kv_cache.shape[:2], *kv_cache.shape[3:])
-        self.host = torch.empty(shape, dtype=kv_cache.dtype, pin_memory=kv_cache.is_cuda)
+    def __init__(self, pools: KVPools, num_slots: int) -> None:
+        # host: [num_slots, L, 2, B, H, D]
+        self.pools = pools
+        self.cuda = pools.device.type == "cuda"
+        shape = (num_slots, pools.num_layers, 2, *pools.block_shape)
+        self.host = torch.empty(shape, dtype=pools.dtype, pin_memory=self.cuda)
         self.offloaded = 0
         self.restored = 0
 
@@ -53,16 +57,12 @@ class HostTierCopier:
 
     def _copy_run(self, run: list[CopyOp]) -> None:
         s0, n = run[0].slot, len(run)
-        ids = torch.tensor([op.block_id for op in run], dtype=torch.int64, device=self.kv.device)
-        # bytes, whatever the cache's dtype (torch's CPU index_copy_ has no float8 kernel): the last dim is
-        # D * element size uint8
-        kv = self.kv.view(torch.uint8)
-        host = self.host[s0 : s0 + n].view(torch.uint8)  # [n, L, 2, B, Hkv, D'], contiguous
+        ids = torch.tensor([op.block_id for op in run], dtype=torch.int64)
+        host = self.host[s0 : s0 + n]  # [n, L, 2, B, H, D], contiguous
         if run[0].to_host:
-            # gathered on the device into the host's layout, then one copy (DMA from pinned memory)
-            host.copy_(kv.index_select(2, ids).permute(2, 0, 1, 3, 4, 5), non_blocking=kv.is_cuda)
+            # gathered on each device into the host's layout, then one copy per rank (DMA from pinned memory)
+            self.pools.read_blocks(ids, host)
             self.offloaded += n
         else:
-            dev = host.to(kv.device, non_blocking=kv.is_cuda)
-            kv.index_copy_(2, ids, dev.permute(1, 2, 0, 3, 4, 5))
+            self.pools.write_blocks(ids, host)
             self.restored += n

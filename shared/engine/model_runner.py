@@ -50,6 +50,12 @@ def kv_bytes_per_block(loaded: LoadedModel, cfg: EngineConfig) -> int:
     return c.num_layers * 2 * cfg.block_size * loaded.model.tp.num_kv_heads * c.head_dim * elem
 
 
+def kv_pool_shape(loaded: LoadedModel, cfg: EngineConfig, num_blocks: int) -> tuple[int, ...]:
+    """This rank's KV pool: [L, 2, num_blocks, B, Hkv, D] (Hkv: its KV heads)."""
+    c = loaded.config
+    return (c.num_layers, 2, num_blocks, cfg.block_size, loaded.model.tp.num_kv_heads, c.head_dim)
+
+
 def size_kv_pool(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
     """Blocks of this rank's KV pool: from `kv_cache_bytes` on the CPU, from free memory on a GPU (after the
     weights, before the pool and the graphs: activations measured, capture reserved)."""
@@ -104,9 +110,11 @@ class ModelRunner:
         max_model_len: int | None = None,
         ops: AttentionOps | None = None,
         device: torch.device | None = None,
+        kv_cache: torch.Tensor | None = None,
     ) -> None:
         """`max_model_len` defaults to the config's (capped by the model's); `ops` to `get_ops(device)`;
-        `device` to the config's (a tensor-parallel rank's is `cfg.rank_device(rank)`)."""
+        `device` to the config's (a tensor-parallel rank's is `cfg.rank_device(rank)`); `kv_cache` to a
+        fresh zeroed pool (a tensor-parallel worker's lies in memory rank 0 maps too)."""
         c = loaded.config
         self.model = loaded.model
         self.config = c
@@ -121,11 +129,9 @@ class ModelRunner:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         # kv_cache: [L, 2, N, B, Hkv, D], Hkv: this rank's KV heads
-        self.kv_cache = _zeroed(
-            (c.num_layers, 2, num_blocks, cfg.block_size, loaded.model.tp.num_kv_heads, c.head_dim),
-            cfg.torch_kv_dtype,
-            self.device,
-        )
+        shape = kv_pool_shape(loaded, cfg, num_blocks)
+        assert kv_cache is None or tuple(kv_cache.shape) == shape, (kv_cache.shape, shape)
+        self.kv_cache = _zeroed(shape, cfg.torch_kv_dtype, self.device) if kv_cache is None else kv_cache
         # Pure-decode steps without a layer hook replay CUDA graphs; they hold kv_cache's address, which
         # is why the pool is allocated once, before capture, and never moves.
         # Short single-sequence prefills replay graphs too (their eager launches cost more than their GPU

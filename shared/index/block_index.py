@@ -50,7 +50,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
-from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, NodeId
+from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, KVLayout, NodeId
 from pdserve.shared.wire import WireError
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -206,9 +206,15 @@ class BlockIndex:
                     "its KV-transfer token (PDSERVE_AUTH_TOKEN or --auth-token-file) differs from the live "
                     f"nodes' (token digests {mine[:12]}... vs {recorded[:12]}...)"
                 )
+            layouts = ""
+            if field.startswith("kv_layout."):  # name both layouts: the operator sees which model differs
+                theirs = KVLayout.from_fields(
+                    {k.removeprefix("kv_layout."): v for k, v in (await self.cluster_record()).items()}
+                )
+                layouts = f" (node: {info.kv_layout.describe()}; live nodes: {theirs.describe()})"
             raise IncompatibleNode(
                 f"node {info.node_id!r} refused by cluster {self.config.cluster!r}: {field} is {mine} on the "
-                f"node but {recorded} on the live nodes already registered"
+                f"node but {recorded} on the live nodes already registered{layouts}"
             )
         epoch = int(reply[1])
         await self.heartbeat(info, load, epoch)

@@ -156,6 +156,9 @@ class NodeInfo(_Record):
     quantization: str = "none"
     """The weights' quantization: "fp8" (shared/model/fp8.py) or "none" (the model dtype; a node that
     predates the field)."""
+    devices: tuple[str, ...] = ()
+    """The device of each tensor-parallel rank, rank 0 first (`kv_layout.tp_size` of them; () from a node
+    that predates it)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.node_id):

@@ -20,7 +20,7 @@ from pdserve.kvtransfer.messages import (
 )
 from pdserve.shared.types import BlockHash, FirstToken, RequestId
 
-LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2, tp_rank=1, kv_head_start=3)
+LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2)
 EXAMPLES: list[Message] = [
     Hello(1, "decode-0", b"\x01" * 32, LAYOUT, b"\x02" * 32, True, b"\x03" * 32, 5.0),
     Hello(1, "prefill-0", b"fp", KVLayout(2, 1, 8, 4, "float32"), b"\x04" * 32, False),

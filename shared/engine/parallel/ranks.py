@@ -1,5 +1,6 @@
 """Rank 0's side of the tensor-parallel group: it starts one process per other rank, broadcasts every
-step's batch to them, watches them, and stops them.
+step's batch to them, maps their KV pools (kv_pools.py), watches them, calls back when one dies, and stops
+them.
 
 Invariants: the worker processes are children of rank 0, started before it loads its own share (they load
 in parallel) and ended on every path: `close` (idempotent) shuts the step channel, so each worker reads end
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.model_runner import BatchItem
 from pdserve.shared.engine.parallel.dist import COLLECTIVE_TIMEOUT_S, DistCollectives, RankFailure
+from pdserve.shared.engine.parallel.kv_pools import map_shared_pool, open_cuda_pool
 from pdserve.shared.engine.parallel.step_channel import StepWriter, capacity_bytes
 from pdserve.shared.model.parallel import Collectives, SingleRank
 
@@ -58,6 +60,13 @@ class Ranks(Protocol):
         """With async scheduling: a step's sampled tokens [S] (on the device) to the other ranks, whose next
         step reads its placeholders from them (every step that samples, in launch order)."""
 
+    def open_pools(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        """The KV pools of ranks 1..N-1 (each of `shape`), mapped into this process (kv_pools.py)."""
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Calls `callback(why)` once, from the watchdog's thread, when a rank exits while the group is open
+        (at once if one already has): an idle engine would not notice until its next step."""
+
     def close(self) -> None:
         """Stops the other ranks; idempotent."""
 
@@ -80,6 +89,12 @@ class SoloRank:
     def share_tokens(self, tokens: torch.Tensor) -> None:
         return None
 
+    def open_pools(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        return []
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
@@ -96,6 +111,8 @@ class TPRanks:
     def __init__(self, cfg: EngineConfig, max_model_len: int) -> None:
         self.size = size = cfg.tensor_parallel_size
         self._failure: str | None = None
+        self._callbacks: list[Callable[[str], None]] = []
+        self._lock = threading.Lock()
         self._closing = False
         self._stop_r, self._stop_w = os.pipe()
         self.dist = DistCollectives(0, size, cfg.torch_device, self._why, cfg.torch_dtype)
@@ -113,20 +130,27 @@ class TPRanks:
             capacity_bytes(cfg.max_num_seqs, cfg.max_num_batched_tokens, blocks_per_seq), size - 1
         )
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.devices = [cfg.rank_device(rank) for rank in range(size)]
+        # on the CPU, each worker's KV pool lies on a memfd rank 0 keeps open and maps too (kv_pools.py)
+        cpu = cfg.torch_device.type == "cpu"
+        self._kv_fds = [os.memfd_create(f"pdserve-tp-kv-{r}") if cpu else -1 for r in range(1, size)]
         try:
             for rank in range(1, size):
                 region_fd, bell_fd = self.channel.fds(rank - 1)
+                kv_fd = self._kv_fds[rank - 1]
                 args = {
                     "config": dataclasses.asdict(cfg),
                     "rank": rank,
                     "store_port": store.port,
                     "region_fd": region_fd,
                     "bell_fd": bell_fd,
+                    "kv_fd": kv_fd,
                     "capacity": self.channel.capacity,
                     "threads": torch.get_num_threads(),
                 }
                 cmd = [sys.executable, "-m", "pdserve.shared.engine.parallel.worker", json.dumps(args)]
-                proc = subprocess.Popen(cmd, pass_fds=(region_fd, bell_fd), stdin=subprocess.DEVNULL)
+                fds = (region_fd, bell_fd) if kv_fd < 0 else (region_fd, bell_fd, kv_fd)
+                proc = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.DEVNULL)
                 self.procs.append(proc)
             self.channel.started()
             threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
@@ -152,6 +176,24 @@ class TPRanks:
     def share_tokens(self, tokens: torch.Tensor) -> None:
         self.dist.broadcast_tokens(tokens)
 
+    def open_pools(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        pools = []
+        for rank in range(1, self.size):
+            fd = self._kv_fds[rank - 1]
+            if fd >= 0:
+                pools.append(map_shared_pool(fd, shape, dtype))
+            else:  # published once the worker allocated it; the store's get waits for it, under its timeout
+                pools.append(open_cuda_pool(self.store, rank, self.devices[rank], shape, dtype))
+        return pools
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            failure = self._failure
+            if failure is None:
+                self._callbacks.append(callback)
+        if failure is not None:
+            callback(failure)
+
     def _why(self) -> str | None:
         """The watchdog's account of a failed collective: a rank that exited (it notices within moments)."""
         deadline = time.monotonic() + _WHY_WAIT_S
@@ -166,11 +208,13 @@ class TPRanks:
             for fd in ready:
                 if fd in pidfds and not self._closing:
                     rank, proc = pidfds[fd]
-                    self._failure = f"rank {rank} (pid {proc.pid}) exited with code {proc.wait()}"
-                    log.error(
-                        "tensor parallel: %s; stopping the other ranks, the engine is down", self._failure
-                    )
+                    failure = f"rank {rank} (pid {proc.pid}) exited with code {proc.wait()}"
+                    log.error("tensor parallel: %s; stopping the other ranks, the engine is down", failure)
                     self._kill_all()
+                    with self._lock:
+                        self._failure, callbacks = failure, self._callbacks
+                    for callback in callbacks:
+                        callback(failure)
                     return
         finally:
             for fd in [*pidfds, self._stop_r]:
@@ -186,6 +230,9 @@ class TPRanks:
             return
         self._closing = True
         self.channel.close()
+        for fd in self._kv_fds:  # a mapping keeps its pages; the workers hold their own descriptors
+            if fd >= 0:
+                os.close(fd)
         os.close(self._stop_w)
         if self._failure is None:  # with a peer gone, the group's teardown can hang: the exit does it
             self.dist.close()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.parallel.dist import COLLECTIVE_TIMEOUT_S, DistCollectives
+from pdserve.shared.engine.parallel.kv_pools import map_shared_pool, publish_cuda_pool
 from pdserve.shared.engine.parallel.ranks import loaded_key
 from pdserve.shared.engine.parallel.step_channel import StepReader
 
@@ -30,7 +31,7 @@ log = logging.getLogger("pdserve.tp.worker")
 def serve(args: dict[str, Any]) -> None:
     from datetime import timedelta
 
-    from pdserve.shared.engine.model_runner import ModelRunner, size_kv_pool
+    from pdserve.shared.engine.model_runner import ModelRunner, kv_pool_shape, size_kv_pool
     from pdserve.shared.model.loader import load_model
 
     cfg = EngineConfig(**args["config"])
@@ -52,7 +53,14 @@ def serve(args: dict[str, Any]) -> None:
     mc = loaded.config
     max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     num_blocks = comm.agree_min(cfg.num_kv_blocks or size_kv_pool(cfg, loaded, max_model_len))
-    runner = ModelRunner(loaded, cfg, num_blocks, max_model_len=max_model_len, device=device)
+    shape = kv_pool_shape(loaded, cfg, num_blocks)
+    if device.type == "cpu":  # rank 0 maps the same pages (kv_pools.py)
+        kv = map_shared_pool(int(args["kv_fd"]), shape, cfg.torch_kv_dtype)
+        os.close(int(args["kv_fd"]))
+    else:
+        kv = torch.zeros(shape, dtype=cfg.torch_kv_dtype, device=device)
+        publish_cuda_pool(store, rank, kv)
+    runner = ModelRunner(loaded, cfg, num_blocks, max_model_len=max_model_len, device=device, kv_cache=kv)
     prev: torch.Tensor | None = None  # async scheduling: the last sampling step's tokens, from rank 0
     while (items := reader.receive()) is not None:
         runner.execute(items, prev_tokens=prev, wait=not cfg.overlap)

@@ -1,0 +1,174 @@
+"""Rank 0's reach into every rank's KV pool, so that a node exports and imports blocks in the model's full
+KV-head layout (the wire's: heads in the model's order) whatever its tensor-parallel size, and its host tier
+holds whole blocks.
+
+How the pools are shared: on the CPU rank 0 creates one memfd per worker before starting it; the worker
+maps its pool from it (both ends size it to the agreed block count), so rank 0 maps the same pages. On CUDA
+a worker allocates its pool on its own GPU and publishes the allocation's IPC handle in rank 0's store;
+rank 0 opens it as that GPU's memory, so a gather or scatter of a worker's heads is a kernel on that GPU and
+a peer copy (NVLink) to or from rank 0's buffer.
+Invariants: `parts` covers every KV head of the model; a head replicated on several ranks (fewer KV heads
+than ranks) is read from the first rank that holds it and written to every rank that holds it; rank 0 only
+reads blocks whose KV every rank has written (a layer hook runs after the layer's all-reduce, which no rank
+reaches before writing that layer's KV) and only writes blocks no step reads (reserved blocks, or blocks a
+host-tier copy brings back before the step that reads them is broadcast).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from pdserve.kernels.ops import AttentionOps
+
+
+@dataclass(frozen=True)
+class RankPool:
+    """One rank's KV pool as rank 0 sees it: kv [L, 2, N, B, Hkv_r, D] holding the model's KV heads
+    [head_start, head_start + Hkv_r)."""
+
+    kv: torch.Tensor
+    head_start: int
+
+    @property
+    def heads(self) -> int:
+        return int(self.kv.shape[4])
+
+
+class KVPools:
+    """Every rank's pool, read and written in the full head layout: [2, n, B, H, D] per layer."""
+
+    def __init__(self, parts: Sequence[RankPool], num_kv_heads: int, ops: AttentionOps) -> None:
+        covered = sorted({(p.head_start, p.heads) for p in parts})
+        starts = [s for s, _ in covered]
+        assert starts == list(range(0, num_kv_heads, covered[0][1])), (covered, num_kv_heads)
+        self.parts = tuple(parts)
+        self.num_kv_heads = num_kv_heads
+        self.ops = ops
+        first: dict[int, RankPool] = {}
+        for p in self.parts:
+            first.setdefault(p.head_start, p)
+        self._readers = tuple(first.values())  # one rank per distinct head range
+        self.device = parts[0].kv.device
+        self.dtype = parts[0].kv.dtype
+        self.num_layers = int(parts[0].kv.shape[0])
+        self.block_shape = (*parts[0].kv.shape[3:4], num_kv_heads, *parts[0].kv.shape[5:])  # (B, H, D)
+
+    @property
+    def whole(self) -> bool:
+        """One pool (TP=1): the plain kernels copy straight between it and the buffer."""
+        return len(self.parts) == 1
+
+    def gather(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies `layer`'s KV of `block_ids` into out [2, n, B, H, D] (on rank 0's device)."""
+        if self.whole:
+            self.ops.gather_blocks(self._readers[0].kv[layer], block_ids, out)
+            return
+        for p in self._readers:
+            src = _bytes(p.kv[layer])  # [2, N, B, Hkv_r, D bytes]
+            _follow(out.device, src.device)
+            part = src.index_select(1, block_ids.to(src.device, torch.int64))
+            _bytes(out)[:, :, :, p.head_start : p.head_start + p.heads].copy_(part, non_blocking=True)
+
+    def scatter(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Writes src [2, n, B, H, D] (host or device) into `layer`'s blocks `block_ids` of every rank."""
+        if self.whole:
+            kv = self._readers[0].kv
+            self.ops.scatter_blocks(src.to(kv.device), kv[layer], block_ids.to(kv.device))
+            return
+        for p in self.parts:
+            dst = p.kv[layer]
+            heads = src[:, :, :, p.head_start : p.head_start + p.heads].to(dst.device, dst.dtype)
+            _bytes(dst).index_copy_(1, block_ids.to(dst.device, torch.int64), _bytes(heads))
+        self._landed()
+
+    def read_blocks(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Every layer of `block_ids` into out [n, L, 2, B, H, D] (the host tier's slot layout)."""
+        for p in self._readers:
+            _follow(self.device, p.kv.device)
+            src = _bytes(p.kv).index_select(2, block_ids.to(p.kv.device, torch.int64))  # [L, 2, n, B, h, D']
+            heads = _bytes(out)[:, :, :, :, p.head_start : p.head_start + p.heads]
+            heads.copy_(src.permute(2, 0, 1, 3, 4, 5), non_blocking=True)
+
+    def write_blocks(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """The inverse of read_blocks: src [n, L, 2, B, H, D] into every rank's blocks `block_ids`."""
+        for p in self.parts:
+            heads = src[:, :, :, :, p.head_start : p.head_start + p.heads]
+            dev = _bytes(heads).to(p.kv.device, non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+            _bytes(p.kv).index_copy_(2, block_ids.to(p.kv.device, torch.int64), dev)
+        self._landed()
+
+    def _landed(self) -> None:
+        """Waits until the writes queued on the other ranks' GPUs are done: those ranks read the blocks on
+        their own streams, which nothing in this process can order after ours (rank 0's own writes are
+        ordered on its stream, as at TP=1)."""
+        for p in self.parts:
+            if p.kv.device.type == "cuda" and p.kv.device != self.device:
+                torch.cuda.current_stream(p.kv.device).synchronize()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` as bytes (the last dim times the element size): the copies move bytes whatever the KV dtype, and
+    torch's CPU index_copy_ / index_select have no float8 kernels."""
+    return t.view(torch.uint8)
+
+
+def _follow(first: torch.device, then: torch.device) -> None:
+    """Work queued next on `then`'s current stream starts after what `first`'s current stream holds now (a
+    worker's pool is read after rank 0's all-reduce of the layer, which every rank reaches only after
+    writing that layer's KV). Nothing to order on the CPU or on one device."""
+    if first != then and first.type == "cuda" and then.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(first))
+        torch.cuda.current_stream(then).wait_event(event)
+
+
+def pool_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def map_shared_pool(fd: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU pool of `shape` on memfd `fd`, mapped shared: rank 0 and the worker that owns it call this
+    with the same fd's file and shape (each sizes the file alike, so the order does not matter), and see
+    the same pages. Pages are committed on first write, as a rank's own pool."""
+    nbytes = pool_bytes(shape, dtype)
+    os.ftruncate(fd, nbytes)
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    return torch.frombuffer(mapping, dtype=dtype).view(tuple(shape))  # the tensor keeps the mapping
+
+
+def pool_key(rank: int) -> str:
+    """The store key under which a CUDA worker publishes its pool's IPC handle."""
+    return f"pdserve-tp/kv/{rank}"
+
+
+def publish_cuda_pool(store: dist.Store, rank: int, kv: torch.Tensor) -> None:
+    """A CUDA worker's side: its pool's allocation as torch shares it between processes (hex in JSON)."""
+    device, handle, size, offset, rc, rc_offset, event, event_sync = kv.untyped_storage()._share_cuda_()
+    record = {
+        "device": int(device), "handle": bytes(handle).hex(), "size": int(size), "offset": int(offset),
+        "rc": bytes(rc).hex(), "rc_offset": int(rc_offset), "event": bytes(event or b"").hex(),
+        "event_sync": bool(event_sync), "storage_offset": kv.storage_offset(),
+    }  # fmt: skip
+    store.set(pool_key(rank), json.dumps(record))
+
+
+def open_cuda_pool(
+    store: dist.Store, rank: int, device: torch.device, shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Rank 0's side: rank `rank`'s pool, opened as memory of its own GPU `device`."""
+    r = json.loads(store.get(pool_key(rank)))
+    with torch.cuda.device(device):
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device.index, bytes.fromhex(r["handle"]), r["size"], r["offset"], bytes.fromhex(r["rc"]),
+            r["rc_offset"], bytes.fromhex(r["event"]), r["event_sync"],
+        )  # fmt: skip
+        flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage).view(dtype)
+    start, count = r["storage_offset"], math.prod(shape)
+    return flat[start : start + count].view(tuple(shape))
