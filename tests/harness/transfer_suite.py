@@ -1,6 +1,6 @@
 """The KV-transfer protocol suite: connector-independent scenarios, each run unchanged over every connector
-kind (tests/test_kvtransfer_protocol.py runs them over tcp and ucx, tests/test_kvtransfer_pair_group.py over
-the gloo stand-in of the nccl connector's pair group). A scenario is a coroutine over a connector `kind` and
+kind (the protocol tests run them over tcp and ucx, the pair-group tests over the gloo stand-in of the nccl
+connector's pair group). A scenario is a coroutine over a connector `kind` and
 its case's parameters; CASES lists every case, and run_case runs one under the harness's timeout. Every
 scenario ends by auditing that D's blocks are back where they started.
 """
