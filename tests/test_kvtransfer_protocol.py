@@ -35,6 +35,7 @@ from pdserve.tests.harness.transfer import (
     audit,
     block_hashes,
     config,
+    hung_sender,
     identity,
     needs_ucx,
     pair,
@@ -90,23 +91,13 @@ def test_killed_sender_process_aborts_exactly_once(kind: str, caplog: pytest.Log
     that nobody read."""
 
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started(kind, receiver)
-        proc = await spawn_sender(kind, server.address, "hang")
-        try:
-            assert proc.stdout is not None
-            assert await proc.stdout.readline() == b"sent\n"
-            await until(lambda: receiver.data_calls == 1)
+        async with hung_sender(kind) as (receiver, server, proc):
             proc.send_signal(signal.SIGKILL)
             await proc.wait()
             await until(lambda: receiver.aborts)
             await asyncio.sleep(0.3)
             assert [t for t, _ in receiver.aborts] == ["xproc"]
             audit(receiver, server, 16)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-            await server.stop()
 
     run(scenario())
     gc.collect()  # a task whose exception nobody read reports it when collected
@@ -120,13 +111,7 @@ def test_a_stopped_sender_is_cut_by_liveness_not_by_the_deadline(kind: str) -> N
     window, cuts the connection, aborts the transfer once and says which peer went silent."""
 
     async def scenario() -> None:
-        receiver = PagedReceiver(LAYOUT, num_blocks=16)
-        server = await started(kind, receiver, liveness_s=1.0)
-        proc = await spawn_sender(kind, server.address, "hang")
-        try:
-            assert proc.stdout is not None
-            assert await proc.stdout.readline() == b"sent\n"
-            await until(lambda: receiver.data_calls == 1)
+        async with hung_sender(kind, liveness_s=1.0) as (receiver, server, proc):
             proc.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
             await until(lambda: receiver.silent)
@@ -135,10 +120,6 @@ def test_a_stopped_sender_is_cut_by_liveness_not_by_the_deadline(kind: str) -> N
             assert "silent" in receiver.aborts[0][1]
             assert [p for p, _ in receiver.silent] == ["prefill-proc"]
             audit(receiver, server, 16)
-        finally:
-            proc.kill()
-            await proc.wait()
-            await server.stop()
 
     run(scenario())
 

@@ -272,5 +272,27 @@ async def spawn_sender(kind: str, address: str, mode: str) -> asyncio.subprocess
     )
 
 
+@asynccontextmanager
+async def hung_sender(
+    kind: str, **server_config: Any
+) -> AsyncIterator[tuple[PagedReceiver, KVReceiverServer, asyncio.subprocess.Process]]:
+    """D's receiver of 16 blocks behind a started server, and P's process (sender_process `hang`) once D has
+    taken the first layer of its transfer "xproc"; the process is killed and the server stopped on every
+    path."""
+    receiver = PagedReceiver(LAYOUT, num_blocks=16)
+    server = await started(kind, receiver, **server_config)
+    proc = await spawn_sender(kind, server.address, "hang")
+    try:
+        assert proc.stdout is not None
+        assert await proc.stdout.readline() == b"sent\n"
+        await until(lambda: receiver.data_calls == 1)
+        yield receiver, server, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await server.stop()
+
+
 if __name__ == "__main__":
     asyncio.run(sender_process(*sys.argv[1:4]))
