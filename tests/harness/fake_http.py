@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.client import HTTPMessage
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -18,7 +18,7 @@ class Seen:
 
     method: str
     path: str
-    headers: HTTPMessage
+    headers: Message[str, str]
     """Read by name, in any case, as HTTP headers are."""
     body: bytes
 
