@@ -32,6 +32,7 @@ from pdserve.kvtransfer.common import (
     TransferStats,
 )
 from pdserve.kvtransfer.messages import Open
+from pdserve.shared import checks
 from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
 
 _O = TypeVar("_O", bound="ConnectorOptions")
@@ -180,13 +181,9 @@ class ConnectorConfig:
             raise ValueError(f"unknown connector kind {self.kind!r}; registered: {connector_kinds()}")
         if not self.auth_token:
             raise ValueError("ConnectorConfig.auth_token must be a non-empty shared secret")
-        if not 0 <= self.listen_port < 65536:
-            raise ValueError(f"listen_port {self.listen_port} must be in [0, 65536)")
-        for name in ("connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "liveness_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ConnectorConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_payload_bytes <= 0:
-            raise ValueError(f"max_payload_bytes must be > 0, got {self.max_payload_bytes}")
+        checks.port(self, "listen_port")
+        checks.above(self, 0, "connect_timeout_s", "handshake_timeout_s", "ack_grace_s", "liveness_s",
+                     "max_payload_bytes")  # fmt: skip
         # only a config that carries options imports its connector's module (a light one, never its library)
         expected = _connector(self.kind).options if self.options is not None else None
         if self.options is not None and type(self.options) is not expected:

@@ -13,6 +13,7 @@ from pdserve.router.breaker import BreakerConfig
 from pdserve.router.policy import PolicyConfig
 from pdserve.router.reasoning import REASONING_PARSERS
 from pdserve.router.tenants import RateLimit
+from pdserve.shared import checks
 from pdserve.shared.index.block_index_types import RedisConfig
 
 
@@ -99,29 +100,19 @@ class RouterConfig:
             raise ValueError("node_token is empty: give the cluster's KV-transfer token (PDSERVE_AUTH_TOKEN)")
         if not self.served_model_name or not all(self.served_model_aliases):
             raise ValueError("served_model_name and every alias must be non-empty")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port {self.port} is outside 0..65535")
-        for name in ("default_deadline_s", "max_deadline_s", "node_list_ttl_s", "disconnect_poll_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        checks.port(self, "port")
+        checks.above(self, 0, "default_deadline_s", "max_deadline_s", "node_list_ttl_s", "disconnect_poll_s",
+                     "header_timeout_s", "body_timeout_s", "node_connect_timeout_s")  # fmt: skip
         if self.default_deadline_s > self.max_deadline_s:
             raise ValueError(f"default_deadline_s {self.default_deadline_s} exceeds max_deadline_s")
-        if self.migration_limit < 0:
-            raise ValueError(f"migration_limit must be >= 0, got {self.migration_limit}")
-        for name in ("header_timeout_s", "body_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_connections_per_client < 0:
-            raise ValueError("max_connections_per_client must be >= 0")
-        for name in ("max_request_bytes", "max_request_bytes_per_token", "max_n", "max_connections_per_node"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        checks.at_least(self, 0, "migration_limit", "max_connections_per_client")
+        checks.at_least(
+            self, 1, "max_request_bytes", "max_request_bytes_per_token", "max_n", "max_connections_per_node"
+        )
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r} is not one of {list(REASONING_PARSERS)}"
             )
-        if self.node_connect_timeout_s <= 0:
-            raise ValueError(f"node_connect_timeout_s must be > 0, got {self.node_connect_timeout_s}")
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ from pdserve.shared.node.node_protocol import (
 )
 from pdserve.shared.node.node_sign import ClusterKeys, SignedRequests
 from pdserve.shared.types import NodeId, RequestId
+from pdserve.shared.wire import JsonMessage
 
 _JSON = {"content-type": "application/json"}
 _ABORT_TIMEOUT_S = 5.0
@@ -107,6 +108,13 @@ class NodeClient:
         remaining = max(deadline - time.time(), 0.001)
         return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
 
+    def _within(self, seconds: float) -> httpx.Timeout:
+        """A call's fixed timeout (not the request's deadline); the connect within the client's own."""
+        return httpx.Timeout(seconds, connect=self._connect_timeout_s)
+
+    async def _post(self, path: str, message: JsonMessage, timeout: httpx.Timeout) -> httpx.Response:
+        return await self._http.post(path, content=message.to_json(), headers=_JSON, timeout=timeout)
+
     def _failed(self, what: str, exc: Exception, deadline: float | None = None) -> NodeError:
         """The NodeError of a failed call; a transport failure is reported to on_down first. A connect
         timeout counts as one only while the deadline (if any) had time left for the connect."""
@@ -134,12 +142,8 @@ class NodeClient:
         cluster's credential (a copied record pointing elsewhere fails). Never raises."""
         nonce = secrets.token_hex(16)
         try:
-            resp = await self._http.post(
-                "/internal/challenge",
-                content=ChallengeRequest(nonce).to_json(),
-                headers=_JSON,
-                timeout=httpx.Timeout(_CHALLENGE_TIMEOUT_S, connect=self._connect_timeout_s),
-            )
+            timeout = self._within(_CHALLENGE_TIMEOUT_S)
+            resp = await self._post("/internal/challenge", ChallengeRequest(nonce), timeout)
             reply = ChallengeReply.from_json(resp.content) if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return False
@@ -179,12 +183,7 @@ class NodeClient:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         try:
-            resp = await self._http.post(
-                "/internal/prefill",
-                content=request.to_json(),
-                headers=_JSON,
-                timeout=self._timeout(request.deadline),
-            )
+            resp = await self._post("/internal/prefill", request, self._timeout(request.deadline))
             if resp.status_code == 502:  # P's transfer to D failed: its PrefillResult says why
                 with contextlib.suppress(ValueError):
                     return PrefillResult.from_json(resp.content)
@@ -195,12 +194,8 @@ class NodeClient:
 
     async def abort(self, request_id: RequestId) -> None:
         try:
-            resp = await self._http.post(
-                "/internal/abort",
-                content=AbortRequest(request_id).to_json(),
-                headers=_JSON,
-                timeout=httpx.Timeout(_ABORT_TIMEOUT_S, connect=self._connect_timeout_s),
-            )
+            timeout = self._within(_ABORT_TIMEOUT_S)
+            resp = await self._post("/internal/abort", AbortRequest(request_id), timeout)
             self._check(resp.status_code, resp.text)
         except httpx.HTTPError as exc:
             raise self._failed(f"/internal/abort of {request_id}", exc) from exc

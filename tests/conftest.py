@@ -7,7 +7,8 @@ nothing is set and the kernels compile. A CPU install without triton (`make test
 which `make test-extras` and CI add) collects none of the Triton kernels' test modules, and says so in the
 header. Every test that needs triton or ucxx carries the `extras` marker: `make test-extras` runs `-m extras`.
 `hf_smollm2`, the Hugging Face reference of the SmolLM2 GGUF (tests/harness/hf_reference.py), is loaded once
-per session (on first use) for the modules that compare against it.
+per session (on first use) for the modules that compare against it; `loaded`, the default model on the CPU in
+float32, once per module that asks for it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from pdserve.shared.cli.default_model import default_model_path
+from pdserve.shared.model.loader import LoadedModel, load_model
 from pdserve.tests.harness.hf_reference import HFSmolLM2, load_hf_smollm2
 
 
@@ -64,3 +67,10 @@ def hf_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], HFSmolL
     """Loads on the first call, not when a test asks for the fixture: pytest sets up session fixtures before
     module ones, and the parity module starts its own runs first so that they overlap the load."""
     return functools.cache(lambda: load_hf_smollm2(str(tmp_path_factory.mktemp("smollm2-safetensors"))))
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    """The default model (SmolLM2) on the CPU in float32, on one torch thread."""
+    torch.set_num_threads(1)
+    return load_model(default_model_path(), device=torch.device("cpu"), dtype=torch.float32)

@@ -25,10 +25,10 @@ from pdserve.router.json_body import MAX_JSON_DEPTH
 from pdserve.router.openai_protocol import MAX_STOP_STRINGS
 from pdserve.shared.node.node_sign import signed
 from pdserve.tests.harness import openai_schema as schema
+from pdserve.tests.harness.chaos_faults import start_router
 from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     kvctl,
-    router_argv,
     secret_file,
     served_model_name,
     up_config,
@@ -46,17 +46,10 @@ RATE, BURST = 2.0, 3
 def live() -> Iterator[tuple[LiveCluster, str]]:
     """The cluster (its router takes KEYS) and the base URL of the rate-limited router."""
     keys_file = secret_file("\n".join(KEYS))
-    cluster = LiveCluster.start(up_config(prefill=0, decode=1, router_args=("--api-keys-file", keys_file)))
-    try:
-        port = free_port()
-        limits = ["--rate-limit", str(RATE), "--rate-limit-burst", str(BURST)]
-        argv = [*router_argv(port, cluster.redis_url), "--api-keys-file", keys_file, *limits]
-        cluster.cluster.spawn("router-limited", argv, env=cluster.cluster.secret_env)
-        limited = f"http://127.0.0.1:{port}"
-        cluster.cluster.wait_http(f"{limited}/health", timeout_s=120)
-        yield cluster, limited
-    finally:
-        cluster.stop()
+    keys = ("--api-keys-file", keys_file)
+    limits = ("--rate-limit", str(RATE), "--rate-limit-burst", str(BURST))
+    with LiveCluster.start(up_config(prefill=0, decode=1, router_args=keys)) as cluster:
+        yield cluster, start_router(cluster, "router-limited", free_port(), *keys, *limits)
 
 
 def post(base: str, path: str, body: bytes | dict[str, Any], key: str | None = KEYS[0]) -> httpx.Response:

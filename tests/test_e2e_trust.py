@@ -5,49 +5,18 @@ the router's membership with a malformed record; a captured signed node request 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
 import pytest
 import redis
 from pdserve.shared.node.node_sign import signed
 from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl, served_model_name, up_config
+from pdserve.tests.harness.fake_http import FakeHTTP
 
 PREFIX = "pdserve:{default}:"
 CMPL = {"model": served_model_name(), "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-
-
-class Recorder(ThreadingHTTPServer):
-    """The rogue's HTTP server: records every request's path and headers, answers 200 {}."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, dict[str, str]]] = []
-        super().__init__(("127.0.0.1", 0), _Record)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Record(BaseHTTPRequestHandler):
-    def _any(self) -> None:
-        server = self.server
-        assert isinstance(server, Recorder)
-        server.seen.append((self.path, dict(self.headers.items())))
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    do_GET = do_POST = _any
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +43,7 @@ def test_a_rogue_copy_of_a_node_record_gets_nothing(live: LiveCluster) -> None:
     r = redis.Redis.from_url(live.redis_url)
     real = {k.decode(): v for k, v in r.hgetall(PREFIX + "node:single-0").items()}  # type: ignore[union-attr]
     info = json.loads(real["info"])
-    rogue = Recorder()
+    rogue = FakeHTTP(lambda _: b"{}")  # the rogue's server: answers 200 {} to anything
     info["node_id"], info["http_url"] = "single-9", rogue.url
     before = router_metric(live, "pdserve_router_invalid_node_records_total")
     stop = time.monotonic() + 4.0

@@ -7,25 +7,17 @@ ends clean in both tiers' bookkeeping. The same with an FP8 cache, whose bytes t
 from __future__ import annotations
 
 import pytest
-import torch
-from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.cli.offline import generate
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.model_runner import kv_bytes_per_block
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.loader import LoadedModel
 from pdserve.shared.types import RequestId
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    torch.set_num_threads(1)
-    return load_model(default_model_path(), device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _prompt(loaded: LoadedModel, topic: str, n: int) -> list[int]:

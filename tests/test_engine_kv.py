@@ -12,22 +12,15 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.cli.offline import Completion, generate
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.loader import LoadedModel
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    torch.set_num_threads(1)
-    return load_model(default_model_path(), device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _engine(loaded: LoadedModel, num_kv_blocks: int, **kw: int) -> LLMEngine:

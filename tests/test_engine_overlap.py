@@ -12,12 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-import torch
-from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.loader import LoadedModel
 from pdserve.shared.node.node_protocol import StepOutput
 from pdserve.shared.types import RequestId
 
@@ -31,12 +29,6 @@ TEXTS = (
     "My favourite city in the world is",
     "Q: What is the capital of France?\nA:",
 )
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    torch.set_num_threads(1)
-    return load_model(default_model_path(), device=torch.device("cpu"), dtype=torch.float32)
 
 
 def _engine(loaded: LoadedModel, overlap: bool, num_kv_blocks: int = 128, budget: int = 2048) -> LLMEngine:

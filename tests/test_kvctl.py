@@ -8,9 +8,7 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -24,6 +22,7 @@ from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConf
 from pdserve.shared.model.loader import load_tokenizer
 from pdserve.shared.node.node_sign import SCHEME, ClusterKeys
 from pdserve.shared.types import BlockHash, KVLayout, NodeId
+from pdserve.tests.harness.fake_http import FakeHTTP, Seen
 
 FP = "cd" * 32
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
@@ -37,49 +36,28 @@ def credential(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_AUTH_TOKEN", TOKEN)
 
 
-class FakeNode(ThreadingHTTPServer):
-    """A real HTTP server recording POST /internal/* bodies and Authorization headers; answers
-    {"ok": true, "path": ...}."""
-
-    def __init__(self) -> None:
-        self.posts: list[tuple[str, Any]] = []
-        self.auth: list[str | None] = []
-        super().__init__(("127.0.0.1", 0), _Handler)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+def node_reply(seen: Seen) -> bytes:
+    """What the stand-in nodes answer every call with."""
+    return json.dumps({"ok": True, "path": seen.path}).encode()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        server = self.server
-        assert isinstance(server, FakeNode)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
-        server.posts.append((self.path, body))
-        server.auth.append(self.headers.get("Authorization"))
-        reply = json.dumps({"ok": True, "path": self.path}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+def posts(fake: FakeHTTP) -> list[tuple[str, Any]]:
+    return [(s.path, json.loads(s.body or b"null")) for s in fake.seen]
 
 
-Cluster = tuple[LocalRedis, FakeNode, list[BlockHash]]
+def authorizations(fake: FakeHTTP) -> list[str | None]:
+    return [s.headers.get("Authorization") for s in fake.seen]
+
+
+Cluster = tuple[LocalRedis, FakeHTTP, list[BlockHash]]
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    """Redis with p0 (holding PROMPT's first 3 blocks and 5 random ones) and d0, both behind FakeNode."""
+    """Redis with p0 (holding PROMPT's first 3 blocks and 5 random ones) and d0, both behind one FakeHTTP."""
     tokens = load_tokenizer(default_model_path()).encode(PROMPT)
     chain = hash_blocks(tokens, 16, hash_seed(bytes.fromhex(FP), None))
-    fake = FakeNode()
-    thread = threading.Thread(target=fake.serve_forever, daemon=True)
-    thread.start()
+    fake = FakeHTTP(node_reply)
 
     async def setup(url: str) -> None:
         config = RedisConfig(url=url, heartbeat_ttl_s=600, records_ttl_s=600)
@@ -99,9 +77,7 @@ def cluster() -> Iterator[Cluster]:
     with LocalRedis() as server:
         asyncio.run(setup(server.url))
         yield server, fake, chain
-    fake.shutdown()
-    fake.server_close()
-    thread.join()
+    fake.stop()
 
 
 def kvctl(capsys: pytest.CaptureFixture[str], server: LocalRedis, *argv: str) -> tuple[int, Any, str]:
@@ -163,20 +139,20 @@ def test_where_tokenizes_hashes_and_looks_up(cluster: Cluster, capsys: Any) -> N
 
 def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
     server, fake, chain = cluster
-    fake.posts.clear()
+    fake.seen.clear()
     rc, out, _ = kvctl(capsys, server, "evict", "--node", "p0", "--prompt", PROMPT)
     assert rc == 0 and out["requested_blocks"] == len(chain)
     rc, _, _ = kvctl(capsys, server, "evict", "--node", "p0", "--all")
-    assert fake.posts == [
+    assert posts(fake) == [
         ("/internal/evict", {"block_hashes": [h.hex() for h in chain]}),
         ("/internal/evict", {"all": True}),
     ]
     rc, out, _ = kvctl(capsys, server, "evict", "--node", "d0", "--all", "--index-only")
-    assert rc == 0 and out["index_records_removed"] == 0 and len(fake.posts) == 2
+    assert rc == 0 and out["index_records_removed"] == 0 and len(posts(fake)) == 2
     rc, out, _ = kvctl(capsys, server, "drain", "d0")
     assert rc == 0 and out["node_reply"] == {"ok": True, "path": "/internal/drain"}
-    assert all(a is not None and a.startswith(SCHEME) and TOKEN not in a for a in fake.auth[-3:])
-    assert len(set(fake.auth)) == len(fake.auth)  # a fresh nonce each
+    assert all(a is not None and a.startswith(SCHEME) and TOKEN not in a for a in authorizations(fake)[-3:])
+    assert len(set(authorizations(fake))) == len(authorizations(fake))  # a fresh nonce each
     _, nodes, _ = kvctl(capsys, server, "nodes")  # kvctl writes no drain flag: the node signs its own
     assert [n["draining"] for n in nodes["nodes"]] == [False, False] and nodes["invalid"] == []
 
@@ -199,13 +175,13 @@ def test_node_actions_without_the_credential_exit_2(
 ) -> None:
     server, fake, _ = cluster
     monkeypatch.delenv("PDSERVE_AUTH_TOKEN")
-    sent = len(fake.posts)
+    sent = len(posts(fake))
     for argv in (["drain", "d0"], ["undrain", "d0"], ["evict", "--node", "p0", "--all"]):
         with pytest.raises(SystemExit) as exit_info:
             main([*argv, "--redis", server.url])
         assert exit_info.value.code == 2, argv
         assert "PDSERVE_AUTH_TOKEN" in capsys.readouterr().err
-    assert len(fake.posts) == sent
+    assert len(posts(fake)) == sent
 
 
 def test_bad_arguments_exit_2(capsys: Any) -> None:
@@ -227,12 +203,12 @@ def test_console_script_runs(cluster: Cluster) -> None:
 
 def test_undrain_calls_the_node_and_json_or_table_everywhere(cluster: Cluster, capsys: Any) -> None:
     server, fake, _ = cluster
-    fake.posts.clear()
+    fake.seen.clear()
     rc, out, _ = kvctl(capsys, server, "undrain", "d0")
     assert rc == 0 and out == {"node_id": "d0", "draining": False,
                                "node_reply": {"ok": True, "path": "/internal/undrain"}}  # fmt: skip
     rc, out, _ = kvctl(capsys, server, "undrain", "gone", "--url", fake.url)  # a node that left the index
-    assert rc == 0 and fake.posts == [("/internal/undrain", {}), ("/internal/undrain", {})]
+    assert rc == 0 and posts(fake) == [("/internal/undrain", {}), ("/internal/undrain", {})]
     rc, _, err = kvctl(capsys, server, "undrain", "gone")
     assert rc == 1 and err.endswith("a drained node that left the index needs --url\n")
     for argv in (["nodes"], ["blocks"], ["stats"], ["where", "--prompt", PROMPT], ["undrain", "d0"],

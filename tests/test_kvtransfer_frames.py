@@ -34,79 +34,71 @@ class HeldReceiver(transfer.PagedReceiver):
         await super().on_data(transfer_id, layer_start, dst_block_ids, buffer)
 
 
-def test_payload_sends_are_pipelined_and_land_in_order() -> None:
+@transfer.coroutine_test
+async def test_payload_sends_are_pipelined_and_land_in_order() -> None:
     """P's send_layers returns once a payload is posted: while D is stuck in its first on_data, P still
     hands over more frames; released, D gets every layer bit for bit, and nothing is left in flight."""
     layers = transfer.LAYOUT.num_layers
     assert layers <= MAX_IN_FLIGHT
-
-    async def scenario() -> None:
-        receiver = HeldReceiver(transfer.LAYOUT, 8)
-        server = await transfer.started(KIND, receiver)
-        sender = create_sender(transfer.config(KIND), transfer.identity("prefill-0"))
-        src = transfer.random_cache(transfer.LAYOUT, 6, seed=9)
-        try:
-            session = await sender.session(server.address, RequestId("piped"))
-            assert isinstance(session, ChannelSession)
-            push = asyncio.ensure_future(transfer.push(session, src, [5, 2, 0], []))
-            await transfer.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)  # type: ignore[attr-defined]
-            await asyncio.sleep(0.5)
-            assert not push.done(), "COMPLETE was acknowledged while D held the first frame"
-            assert session._payload_bytes == layers * 3 * transfer.LAYOUT.layer_block_bytes, "P waited"
-            receiver.release.set()
-            reply, stats = await push
-            for j, b in enumerate(reply.dst_block_ids):
-                assert torch.equal(receiver.kv[:, :, b], src[:, :, [5, 2, 0][j]])
-            assert receiver.data_calls == layers and stats.payload_bytes == session._payload_bytes
-            transfer.audit(receiver, server, 8)
-        finally:
-            await sender.close()
-            await server.stop()
-        await asyncio.to_thread(wait_aborted, 5.0)
-        assert live_groups() == 0
-
-    transfer.run(scenario())
+    receiver = HeldReceiver(transfer.LAYOUT, 8)
+    server = await transfer.started(KIND, receiver)
+    sender = create_sender(transfer.config(KIND), transfer.identity("prefill-0"))
+    src = transfer.random_cache(transfer.LAYOUT, 6, seed=9)
+    try:
+        session = await sender.session(server.address, RequestId("piped"))
+        assert isinstance(session, ChannelSession)
+        push = asyncio.ensure_future(transfer.push(session, src, [5, 2, 0], []))
+        await transfer.until(lambda: receiver.data_calls == 0 and len(server._connections) == 1)  # type: ignore[attr-defined]
+        await asyncio.sleep(0.5)
+        assert not push.done(), "COMPLETE was acknowledged while D held the first frame"
+        assert session._payload_bytes == layers * 3 * transfer.LAYOUT.layer_block_bytes, "P waited"
+        receiver.release.set()
+        reply, stats = await push
+        for j, b in enumerate(reply.dst_block_ids):
+            assert torch.equal(receiver.kv[:, :, b], src[:, :, [5, 2, 0][j]])
+        assert receiver.data_calls == layers and stats.payload_bytes == session._payload_bytes
+        transfer.audit(receiver, server, 8)
+    finally:
+        await sender.close()
+        await server.stop()
+    await asyncio.to_thread(wait_aborted, 5.0)
+    assert live_groups() == 0
 
 
-def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
+@transfer.coroutine_test
+async def test_frames_naming_scattered_blocks_land_where_they_say() -> None:
     """Frames whose blocks are not one consecutive run take the per-block path and still land exactly."""
-
-    async def scenario() -> None:
-        async with transfer.pair("tcp", 8) as (receiver, server, sender):
-            src = transfer.random_cache(transfer.LAYOUT, 4, seed=3)
-            session = await sender.session(server.address, RequestId("scattered"))
-            reply = await session.open([], 4, time.time() + 30)
-            dst = reply.dst_block_ids
-            for layer in range(transfer.LAYOUT.num_layers):
-                for order in ([3, 0], [2, 1]):
-                    ids = tuple(BlockId(i) for i in order)
-                    blocks = FrameBlocks(tuple(order), ids, tuple(dst[i] for i in order))
-                    # buf: [2, n, B, Hkv, D]
-                    await session.send_layers(layer, blocks, src[layer][:, order].contiguous())
-            with pytest.raises(ValueError, match="is not in the reservation"):  # P checks first
-                await session.send_layers(0, FrameBlocks((0,), (BlockId(0),), (dst[1],)), src[0][:, :1])
-            await session.complete(FirstToken(1))
-            for i, b in enumerate(dst):
-                assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
-            transfer.audit(receiver, server, 8)
-
-    transfer.run(scenario())
+    async with transfer.pair("tcp", 8) as (receiver, server, sender):
+        src = transfer.random_cache(transfer.LAYOUT, 4, seed=3)
+        session = await sender.session(server.address, RequestId("scattered"))
+        reply = await session.open([], 4, time.time() + 30)
+        dst = reply.dst_block_ids
+        for layer in range(transfer.LAYOUT.num_layers):
+            for order in ([3, 0], [2, 1]):
+                ids = tuple(BlockId(i) for i in order)
+                blocks = FrameBlocks(tuple(order), ids, tuple(dst[i] for i in order))
+                # buf: [2, n, B, Hkv, D]
+                await session.send_layers(layer, blocks, src[layer][:, order].contiguous())
+        with pytest.raises(ValueError, match="is not in the reservation"):  # P checks first
+            await session.send_layers(0, FrameBlocks((0,), (BlockId(0),), (dst[1],)), src[0][:, :1])
+        await session.complete(FirstToken(1))
+        for i, b in enumerate(dst):
+            assert torch.equal(receiver.kv[:, :, b], src[:, :, i])
+        transfer.audit(receiver, server, 8)
 
 
-def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
-    async def scenario() -> None:
-        async with transfer.pair("tcp", 4) as (receiver, server, sender):
-            src = transfer.random_cache(transfer.LAYOUT, 1, seed=5)
-            session = await sender.session(server.address, RequestId("late"))
-            reply = await session.open([], 1, time.time() + 0.3)
-            await asyncio.sleep(0.5)
-            with pytest.raises(TransferAborted, match="deadline"):
-                await session.send_layers(0, FrameBlocks.run(reply, 0, [BlockId(0)]), src[0])
-            await transfer.until(lambda: receiver.aborts)
-            assert receiver.aborts[0][0] == "late" and "deadline" in receiver.aborts[0][1]
-            transfer.audit(receiver, server, 4)
-
-    transfer.run(scenario())
+@transfer.coroutine_test
+async def test_send_after_the_deadline_is_refused_and_d_frees_the_blocks() -> None:
+    async with transfer.pair("tcp", 4) as (receiver, server, sender):
+        src = transfer.random_cache(transfer.LAYOUT, 1, seed=5)
+        session = await sender.session(server.address, RequestId("late"))
+        reply = await session.open([], 1, time.time() + 0.3)
+        await asyncio.sleep(0.5)
+        with pytest.raises(TransferAborted, match="deadline"):
+            await session.send_layers(0, FrameBlocks.run(reply, 0, [BlockId(0)]), src[0])
+        await transfer.until(lambda: receiver.aborts)
+        assert receiver.aborts[0][0] == "late" and "deadline" in receiver.aborts[0][1]
+        transfer.audit(receiver, server, 4)
 
 
 def test_frame_blocks_columns_and_runs() -> None:

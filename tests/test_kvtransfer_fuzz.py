@@ -26,7 +26,6 @@ from pdserve.kvtransfer.framing import (
     MAX_HANDSHAKE_HEADER_BYTES,
     PREFIX,
     PREFIX_SIZE,
-    ByteChannel,
     Frame,
     FramedConnection,
     encode_frame,
@@ -44,6 +43,7 @@ from pdserve.kvtransfer.messages import (
 from pdserve.kvtransfer.receiver import ChannelServer
 from pdserve.kvtransfer.tcp import TcpTransport
 from pdserve.shared.types import FirstToken, NodeId, RequestId
+from pdserve.tests.harness.memory_channel import InMemoryChannel
 from pdserve.tests.harness.messages import EXAMPLES
 from pdserve.tests.harness.transfer import LAYOUT, PagedReceiver, config, identity
 
@@ -51,8 +51,10 @@ MAX_PAYLOAD = 1 << 16
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-class StreamChannel(ByteChannel):
+class StreamChannel(InMemoryChannel):
     """A peer's bytes as a stream: reads past the end raise ConnectionLost; records what was read how."""
+
+    peer_name = "fuzz"
 
     def __init__(self, data: bytes) -> None:
         self.data = data
@@ -60,19 +62,8 @@ class StreamChannel(ByteChannel):
         self.payload_reads = 0
         self.sent: list[bytes] = []
 
-    @property
-    def peer(self) -> str:
-        return "fuzz"
-
-    @property
-    def heard_at(self) -> float:
-        return 0.0
-
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         self.sent.append(prefix + header)
-
-    async def authenticated(self) -> None:
-        return None
 
     async def recv_exact(self, nbytes: int) -> bytes:
         assert nbytes > 0, "framing never asks for 0 bytes"
@@ -85,13 +76,7 @@ class StreamChannel(ByteChannel):
 
     async def recv_payload(self, nbytes: int) -> torch.Tensor:
         self.payload_reads += 1
-        return torch.frombuffer(bytearray(await self.recv_exact(nbytes)), dtype=torch.uint8)
-
-    def abort(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
+        return await super().recv_payload(nbytes)
 
 
 def frame_bytes(msg: Message, payload: bytes | None, checksum: bool) -> bytes:

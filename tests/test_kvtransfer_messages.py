@@ -16,7 +16,6 @@ from pdserve.kvtransfer.framing import (
     FLAG_PAYLOAD_FIRST,
     PREFIX,
     PREFIX_SIZE,
-    ByteChannel,
     FramedConnection,
     VersionMismatch,
     encode_frame,
@@ -34,6 +33,7 @@ from pdserve.kvtransfer.messages import (
     encode_header,
 )
 from pdserve.shared.types import BlockHash, RequestId
+from pdserve.tests.harness.memory_channel import InMemoryChannel
 from pdserve.tests.harness.messages import EXAMPLES, LAYOUT
 
 ids = st.text(min_size=1, max_size=40)
@@ -94,19 +94,11 @@ def test_layout_names_the_first_difference() -> None:
         KVLayout(1, 1, 1, 1, "int8")
 
 
-class MemoryChannel(ByteChannel):
+class MemoryChannel(InMemoryChannel):
     """Frame parts in a queue: enough of a ByteChannel to test the framing codec without a transport."""
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
-
-    @property
-    def peer(self) -> str:
-        return "memory"
-
-    @property
-    def heard_at(self) -> float:
-        return 0.0
 
     async def send(self, prefix: bytes, header: bytes, payload: torch.Tensor | None) -> None:
         # an empty header is no part: framing never reads 0 bytes
@@ -114,16 +106,10 @@ class MemoryChannel(ByteChannel):
             [prefix] + ([header] if header else []) + ([] if payload is None else [payload.numpy().tobytes()])
         )
 
-    async def authenticated(self) -> None:
-        return None
-
     async def recv_exact(self, nbytes: int) -> bytes:
         part = self.parts.pop(0)
         assert len(part) == nbytes
         return part
-
-    async def recv_payload(self, nbytes: int) -> torch.Tensor:
-        return torch.frombuffer(bytearray(await self.recv_exact(nbytes)), dtype=torch.uint8)
 
     def abort(self) -> None:
         self.parts.clear()

@@ -5,19 +5,16 @@ one group per connection, payload ordering, payload timeout, cut control connect
 torch.distributed's *gloo* backend standing in for NCCL (a test-only `GroupBackend`, in
 tests/harness/gloo_pair.py), because this machine has no GPU. It is no claim that NCCL works: NCCL itself
 (ProcessGroupNCCL, abort, GPU buffers) is exercised only by benchmarks/kv_transfer.py on two GPUs. The
-protocol suite of test_kvtransfer_protocol.py runs unchanged over the stand-in.
+protocol suite (tests/harness/transfer_suite.py) runs unchanged over the stand-in.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
 import os
 import re
 import time
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -33,47 +30,35 @@ from pdserve.kvtransfer.pair_group import PairGroupChannel, PairGroupTransport, 
 from pdserve.shared.types import RequestId
 from pdserve.tests.harness import transfer
 from pdserve.tests.harness.gloo_pair import KIND, GlooBackend, GlooPairGroup
+from pdserve.tests.harness.transfer_suite import (
+    CASE_IDS,
+    CASES,
+    Scenario,
+    a_hello_announcing_a_payload_is_refused_from_its_prefix,
+    an_idle_connection_stays_up_on_pings,
+    run_case,
+)
+
+# The suite over the stand-in, less two cases that exercise nothing of the pair group: a HELLO refused
+# before any group exists, and idle pings on the control connection (the tcp run covers both).
+NOT_OVER_GLOO = {
+    a_hello_announcing_a_payload_is_refused_from_its_prefix,
+    an_idle_connection_stays_up_on_pings,
+}
 
 
-def _protocol_suite() -> ModuleType:
-    path = Path(__file__).with_name("test_kvtransfer_protocol.py")
-    spec = importlib.util.spec_from_file_location("kvtransfer_protocol_suite", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SUITE = _protocol_suite()
-SCENARIOS: list[tuple[str, dict[str, Any]]] = [
-    ("test_full_transfer_is_bit_identical", {"checksum": True}),
-    ("test_full_transfer_is_bit_identical", {"checksum": False}),
-    ("test_sessions_are_multiplexed_on_one_connection", {}),
-    ("test_wrong_token_is_refused", {"wrong_side": "sender"}),
-    ("test_wrong_token_is_refused", {"wrong_side": "receiver"}),
-    ("test_receiver_checks_the_senders_proof", {}),
-    (
-        "test_incompatible_peer_is_refused_naming_the_field",
-        {"change": {"fingerprint": b"\x22" * 32}, "code": "fingerprint", "named": "fingerprint"},
-    ),
-    ("test_sender_abort_frees_the_reservation", {}),
-    ("test_open_refusal_reserves_nothing", {}),
-    ("test_receiver_aborts_at_the_deadline", {}),
-    ("test_connection_cut_midway_aborts_exactly_once", {}),
-    ("test_corrupted_frame_aborts_that_transfer", {}),
-    ("test_other_protocol_version_is_refused", {}),
-    ("test_server_stop_aborts_open_transfers_and_sender_reconnects", {}),
-]
-
-
-@pytest.mark.parametrize(("name", "kwargs"), SCENARIOS, ids=[f"{n}-{k}" for n, k in SCENARIOS])
+@pytest.mark.parametrize(
+    ("scenario", "params"),
+    [
+        pytest.param(*case, id=i)
+        for i, case in zip(CASE_IDS, CASES, strict=True)
+        if case[0] not in NOT_OVER_GLOO
+    ],
+)
 def test_protocol_suite_over_the_gloo_stand_in(
-    name: str, kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
+    scenario: Scenario, params: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    scenario = getattr(SUITE, name)
-    if "caplog" in scenario.__code__.co_varnames[: scenario.__code__.co_argcount]:
-        kwargs = {**kwargs, "caplog": caplog}
-    scenario(KIND, **kwargs)
+    run_case(KIND, scenario, params, caplog)
     wait_aborted(5.0)
     assert live_groups() == 0, "a pair group outlived its connection"
 

@@ -2,7 +2,7 @@
 
 D (a paged cache on the GPU) runs in this process and P as this file's script in a second process, on the
 first GPU or, with two, the second one (UCX moves the bytes with cuda_ipc). CI has no GPU and skips these;
-it covers the ucx connector over host memory with the protocol suite (test_kvtransfer_protocol.py).
+it covers the ucx connector over host memory with the protocol suite (tests/harness/transfer_suite.py).
 """
 
 from __future__ import annotations

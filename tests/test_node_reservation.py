@@ -14,17 +14,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-import torch
 from pdserve.decode_node.server import DecodeHandler
 from pdserve.kvtransfer.connector import Open, OpenRefused
 from pdserve.node.kv_fetch import FetchReceiver, PrefixFetcher
 from pdserve.node.node_runtime import NodeRuntime, NodeSettings
-from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.block_pool import PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.model.loader import LoadedModel, load_model
+from pdserve.shared.model.loader import LoadedModel
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import BlockHash, NodeId, RequestId
@@ -33,12 +31,6 @@ pytestmark = pytest.mark.slow
 BLOCKS = 12
 PROMPT = tuple(range(300, 345))  # 45 tokens: 3 blocks of 16, 2 of them full
 P = NodeId("prefill-0")
-
-
-@pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    torch.set_num_threads(1)
-    return load_model(default_model_path(), device=torch.device("cpu"), dtype=torch.float32)
 
 
 @contextlib.asynccontextmanager

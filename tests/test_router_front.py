@@ -20,9 +20,9 @@ import httpx
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.tests.harness import openai_schema as schema
+from pdserve.tests.harness.chaos_faults import start_router
 from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
-    router_argv,
     sample,
     secret_file,
     served_model_name,
@@ -45,19 +45,11 @@ def live() -> Iterator[tuple[LiveCluster, str]]:
     keys_file = secret_file(KEY)
     front = ("--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
              "--max-connections-per-client", str(PER_CLIENT))  # fmt: skip
-    cluster = LiveCluster.start(
+    with LiveCluster.start(
         up_config(prefill=0, decode=1, router_args=("--api-keys-file", keys_file, *front))
-    )
-    try:
-        port = free_port()
-        argv = [*router_argv(port, cluster.redis_url), "--api-keys-file", keys_file, "--metrics-public",
-                "--api-docs"]  # fmt: skip
-        cluster.cluster.spawn("router-open", argv, env=cluster.cluster.secret_env)
-        other = f"http://127.0.0.1:{port}"
-        cluster.cluster.wait_http(f"{other}/health", timeout_s=120)
-        yield cluster, other
-    finally:
-        cluster.stop()
+    ) as cluster:
+        open_args = ("--api-keys-file", keys_file, "--metrics-public", "--api-docs")
+        yield cluster, start_router(cluster, "router-open", free_port(), *open_args)
 
 
 def _auth() -> dict[str, str]:

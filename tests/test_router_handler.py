@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -27,6 +25,7 @@ from pdserve.shared.node.node_protocol import ChallengeReply, ChallengeRequest
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.types import KVLayout, NodeId
 from pdserve.tests.harness.cluster_fixture import model_path
+from pdserve.tests.harness.fake_http import FakeHTTP, Seen
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 
@@ -61,53 +60,36 @@ def _error(reply: Reply, status: int) -> dict[str, Any]:
     return error
 
 
-class _Prover(ThreadingHTTPServer):
-    """Answers the router's challenge as the node registered at its URL, and cuts every other call (a node
+_EPOCHS: dict[str, int] = {}
+"""The epoch each node registered under, as the prover answers for it."""
+
+
+def _prove(seen: Seen) -> bytes | None:
+    """Answers the router's challenge as the node registered at the URL, and cuts every other call (a node
     that proved itself, then died)."""
-
-    def __init__(self) -> None:
-        self.epochs: dict[str, int] = {}
-        super().__init__(("127.0.0.1", 0), _ProverHandler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
-class _ProverHandler(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        server = self.server
-        assert isinstance(server, _Prover)
-        node = self.path.split("/")[1]
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        if not self.path.endswith("/internal/challenge"):
-            self.close_connection = True
-            return
-        nonce = ChallengeRequest.from_json(body).nonce
-        epoch = server.epochs[node]
-        reply = ChallengeReply(NodeId(node), epoch, KEYS.challenge_answer(nonce, node, epoch)).to_json()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+    node = seen.path.split("/")[1]
+    if not seen.path.endswith("/internal/challenge"):
+        return None
+    nonce = ChallengeRequest.from_json(seen.body).nonce
+    epoch = _EPOCHS[node]
+    return ChallengeReply(NodeId(node), epoch, KEYS.challenge_answer(nonce, node, epoch)).to_json()
 
 
-_PROVER: list[_Prover] = []
+_PROVER: list[FakeHTTP] = []
 
 
 async def _register(redis: RedisConfig, node: str, fingerprint: str) -> None:
     if not _PROVER:
-        _PROVER.append(_Prover())
+        _PROVER.append(FakeHTTP(_prove))
     prover = _PROVER[0]
     async with BlockIndex(redis, KEYS) as index:
         for status in await index.nodes():
             await index.deregister(status.info.node_id)
-        url = f"http://127.0.0.1:{prover.server_address[1]}/{node}"
+        url = f"{prover.url}/{node}"
         info = NodeInfo(
             NodeId(node), "single", url, "127.0.0.1:1", fingerprint, LAYOUT, 1, 1000, "ab" * 32, 256
         )
-        prover.epochs[node] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
+        _EPOCHS[node] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
 
 
 async def _in_view(handler: RequestHandler, node: str) -> None:

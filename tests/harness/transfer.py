@@ -7,13 +7,14 @@ sender process of the cross-process scenarios (sender_process).
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ if UCX:
 needs_ucx = pytest.mark.skipif(not UCX, reason="ucxx not installed: the [ucx] extra (make test-extras)")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=3, head_dim=8, block_size=4, dtype="bfloat16")
 FINGERPRINT = b"\x11" * 32
 TOKEN = "shared-secret-token"
@@ -62,6 +64,17 @@ def run(coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
             return await coro
 
     return asyncio.run(bounded())
+
+
+def coroutine_test(test: Callable[P, Coroutine[Any, Any, None]]) -> Callable[P, None]:
+    """A test written as a coroutine, run to its end under `run`'s timeout; pytest still sees the test's own
+    parameters (fixtures, parametrize) through functools.wraps."""
+
+    @functools.wraps(test)
+    def sync_test(*args: P.args, **kwargs: P.kwargs) -> None:
+        run(test(*args, **kwargs))
+
+    return sync_test
 
 
 def config(kind: str, **overrides: Any) -> ConnectorConfig:
@@ -270,6 +283,28 @@ async def spawn_sender(kind: str, address: str, mode: str) -> asyncio.subprocess
     return await asyncio.create_subprocess_exec(
         sys.executable, __file__, kind, address, mode, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
     )
+
+
+@asynccontextmanager
+async def hung_sender(
+    kind: str, **server_config: Any
+) -> AsyncIterator[tuple[PagedReceiver, KVReceiverServer, asyncio.subprocess.Process]]:
+    """D's receiver of 16 blocks behind a started server, and P's process (sender_process `hang`) once D has
+    taken the first layer of its transfer "xproc"; the process is killed and the server stopped on every
+    path."""
+    receiver = PagedReceiver(LAYOUT, num_blocks=16)
+    server = await started(kind, receiver, **server_config)
+    proc = await spawn_sender(kind, server.address, "hang")
+    try:
+        assert proc.stdout is not None
+        assert await proc.stdout.readline() == b"sent\n"
+        await until(lambda: receiver.data_calls == 1)
+        yield receiver, server, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await server.stop()
 
 
 if __name__ == "__main__":
