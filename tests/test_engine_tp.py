@@ -243,12 +243,12 @@ def test_a_node_refuses_a_split_that_is_not_exact_in_one_line() -> None:
     assert "tensor_parallel_size=2 does not divide the model's 9 query heads" in lines[0], lines[0]
 
 
-def test_devices_name_one_gpu_per_rank_and_tp_turns_async_scheduling_off() -> None:
+def test_devices_name_one_gpu_per_rank_and_async_scheduling_is_on_on_gpus_at_any_size() -> None:
     from pdserve.shared.engine.config import EngineConfig
 
     def ranks(device: str, size: int) -> list[str]:
         cfg = EngineConfig(model="dummy:x", device=device, tensor_parallel_size=size)
-        assert not cfg.overlap or size == 1  # auto: off at TP > 1 (the workers read tokens from the host)
+        assert cfg.overlap == (device != "cpu")  # auto: the workers get the sampled tokens on the device
         return [str(cfg.rank_device(r)) for r in range(size)]
 
     assert ranks("cpu", 3) == ["cpu"] * 3
