@@ -50,6 +50,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
+from pdserve.shared.index.redis_url import SENTINEL_SCHEME, parse_sentinel, sentinel_client
 from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, NodeId
 from pdserve.shared.wire import WireError
 from redis.asyncio.retry import Retry
@@ -75,6 +76,8 @@ def connect(config: RedisConfig) -> aioredis.Redis:
         "ssl_cert_reqs": "required" if config.tls_verify else "none",
         "ssl_check_hostname": config.tls_verify,
     }
+    if config.url is not None and config.url.startswith(SENTINEL_SCHEME + "://"):
+        return sentinel_client(parse_sentinel(config.url), config.password, config.username, common)
     if config.url is not None:
         extra = tls if config.url.startswith("rediss://") else {}
         return aioredis.Redis.from_url(config.url, **common, **extra)
@@ -158,6 +161,11 @@ class BlockIndex:
             ) from exc
         except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
             raise IndexUnavailable(f"Redis at {where} is unreachable during {what}: {exc}") from exc
+        except rexc.AskError as exc:  # MOVED or ASK: a Redis Cluster node that does not hold the index's slot
+            raise IndexUnavailable(
+                f"Redis at {where} is a Redis Cluster node ({exc}): pdserve needs one primary holding every "
+                "key (a single server, or a Sentinel group: redis+sentinel://host:26379/mymaster)"
+            ) from exc
         except rexc.RedisError as exc:  # OOM, READONLY replica, a busy script: Redis cannot serve the index
             raise IndexUnavailable(f"Redis at {where} failed {what}: {exc}") from exc
         if task is not None and task.cancelling() > cancels:
