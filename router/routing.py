@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.router.admission import Booking, InFlight
+from pdserve.router.admission import Booking, InFlight, NodeFull
 from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
 from pdserve.router.cost_model import CostModel, Estimate, Inputs
@@ -166,35 +166,43 @@ class Router:
                 hits = await self._index.lookup(hashes)
             except IndexUnavailable:
                 self._membership.index_failed()
-        # From the room check to the bookings nothing awaits (no suspension while there is room), so a burst
-        # cannot pass the check all at once; time spent waiting for room is not routing time.
-        waited = time.perf_counter()
-        statuses = await self._with_room(deadline)
-        started += time.perf_counter() - waited
-        if not statuses:
-            raise NoNodes("no serving node is available")
-        self._rotation += 1
+        # From the room check to the bookings nothing else awaits with the local ledger, so a burst cannot
+        # pass the check all at once; the fleet's ledger checks the cap again in Redis as it books, and a node
+        # another router filled meanwhile (NodeFull) sends the placement back to the room check. Time spent
+        # waiting for room is not routing time.
         ledger = self._ledger
-        try:
-            selection = select(
-                len(prompt), block_size, hits, [ledger.view(NodeView.from_status(s)) for s in statuses],
-                {s.info.node_id for s in known}, self._policy, self.cost, self.cost_decides,
-                lambda node_id: ledger.load(node_id).prefill_tokens, self._rotation,
-            )  # fmt: skip
-        except NoNodeAvailable as exc:
-            raise NoNodes(str(exc)) from exc
-        live = {s.info.node_id: s.info for s in known}
-        decode = live[selection.decode]
-        prefill = None if selection.prefill is None else live[selection.prefill]
-        nodes = [node for node in (decode, prefill) if node is not None]
-        for node in nodes:
-            self._model_check.check(node)  # ModelMismatch: the router's model is not theirs
+        while True:
+            waited = time.perf_counter()
+            statuses = await self._with_room(deadline)
+            started += time.perf_counter() - waited
+            if not statuses:
+                raise NoNodes("no serving node is available")
+            self._rotation += 1
+            try:
+                selection = select(
+                    len(prompt), block_size, hits, [ledger.view(NodeView.from_status(s)) for s in statuses],
+                    {s.info.node_id for s in known}, self._policy, self.cost, self.cost_decides,
+                    lambda node_id: ledger.load(node_id).prefill_tokens, self._rotation,
+                )  # fmt: skip
+            except NoNodeAvailable as exc:
+                raise NoNodes(str(exc)) from exc
+            live = {s.info.node_id: s.info for s in known}
+            decode = live[selection.decode]
+            prefill = None if selection.prefill is None else live[selection.prefill]
+            nodes = [node for node in (decode, prefill) if node is not None]
+            for node in nodes:
+                self._model_check.check(node)  # ModelMismatch: the router's model is not theirs
+            tokens = selection.estimate.compute_tokens
+            try:
+                bookings = await ledger.acquire(selection.decode, selection.prefill, tokens, n)
+            except NodeFull:
+                self._metrics.admission_waits.inc()
+                continue
+            break
         fetch_from = None if selection.fetch_from is None else live[selection.fetch_from]
         route = Route(selection.kind, decode, prefill, selection.cached_blocks, fetch_from,
                       selection.fetch_blocks, selection.estimate, selection.inputs)  # fmt: skip
         self.telemetry.emit(Decided(selection, time.perf_counter() - started))
-        tokens = selection.estimate.compute_tokens
-        bookings = tuple(ledger.book(selection.decode, selection.prefill, tokens) for _ in range(n))
         return Placement(route, min(node.max_model_len for node in nodes), first.model_fingerprint, bookings)
 
     async def _with_room(self, deadline: float) -> list[NodeStatus]:
