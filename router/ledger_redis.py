@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -94,7 +96,8 @@ class RedisLedger:
         self._seen: set[NodeId] = set()
         self._held: dict[Member, None] = {}
         """This router's live lease entries (insertion-ordered set): what the refresh extends."""
-        self._router = secrets.token_hex(6)
+        # host and pid name the router whose leases they are (kvctl, a test checking a killed router's)
+        self._router = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
         self._seq = 0
         self._degraded = False
         self._read_at = 0.0

@@ -2,7 +2,8 @@
 per-node cap holds for the fleet (router/ledger_redis.py reads and writes it; schema in docs/redis_index.md).
 
 Keys (beside the block index's, under the cluster's hash tag `P = pdserve:{<cluster>}:`):
-- `P lease:<node>`: sorted set, member = lease id (`<router id>:<n>`), score = its expiry (Redis clock, ms).
+- `P lease:<node>`: sorted set, member = lease id (`<host>.<pid>.<random>:<placement>:<choice>`: the
+  router that holds it first), score = its expiry (Redis clock, ms).
   One member per request a router placed on the node and has not seen end.
 - `P ptok:<node>`: sorted set, member = `<lease id>|<tokens>`, score = its expiry: prompt tokens a lease's
   request is predicted to compute on the node, until its prefill ends.
