@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Protocol
@@ -90,6 +91,25 @@ class Booking(Protocol):
     ) -> None: ...
 
 
+@dataclass(eq=False)
+class Turn:
+    """One placement's place in line while it waits for room, held for the placement's whole life
+    (`with ledger.turn() as turn`). The fleet's ledger keeps the placement's ticket in its queue here (the
+    arrival order across routers) and gives it up when the turn ends; the local ledger needs none."""
+
+    ticket: str | None = None
+    ended: Callable[[Turn], None] | None = None
+
+    def __enter__(self) -> Turn:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.ended is not None:
+            self.ended(self)
+
+
 class InFlight(Protocol):
     """The in-flight ledger as placement, admission and the cost model's inputs read it."""
 
@@ -104,14 +124,18 @@ class InFlight(Protocol):
 
     def full(self, node_id: NodeId) -> bool: ...
 
+    def turn(self) -> Turn:
+        """A placement's place in line (a context manager around the placement)."""
+
     async def acquire(
-        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int
+        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int, turn: Turn | None = None
     ) -> tuple[Booking, ...]:
         """n bookings of one request on `decode`; and one request on `prefill` (P/D) with `prefill_tokens`
         on the prefilling node (`prefill`, or `decode` when it prefills) until `prefill_done`. NodeFull when
-        a node turned out to be at its cap (nothing is booked then)."""
+        a node turned out to be at its cap, or placements that waited longer must go first (nothing is
+        booked then: wait for room, then place again)."""
 
-    async def wait_for_room(self, deadline: float) -> None:
+    async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
         """Waits for some booking to end; QueueFull when the queue is full, NoRoom at the deadline."""
 
     async def start(self) -> None:
@@ -193,8 +217,11 @@ class Ledger:
         self._add(prefilling, 0, prefill_tokens)
         return _Booking(self, decode, prefill, prefilling, prefill_tokens)
 
+    def turn(self) -> Turn:
+        return Turn()
+
     async def acquire(
-        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int
+        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int, turn: Turn | None = None
     ) -> tuple[Booking, ...]:
         # never suspends: from the caller's room check to the bookings no other placement runs
         return tuple(self.book(decode, prefill, prefill_tokens) for _ in range(n))
@@ -205,7 +232,7 @@ class Ledger:
     async def close(self) -> None:
         return None
 
-    async def wait_for_room(self, deadline: float) -> None:
+    async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
         if len(self._waiters) >= self.config.max_queued:
             raise QueueFull(
                 f"every node is at its limit of {self.config.max_requests_per_node} requests and "

@@ -6,9 +6,12 @@ How: a placement books its leases with one script that refuses a node at its cap
 looks again and waits). Each router refreshes all its live leases in one call every third of the lease TTL
 (3 s by default), so the leases of a router that dies free within that TTL. A booking ends exactly once
 (`release`, `prefill_done`, as the local ledger's) and its leases are removed in the background.
-Fairness: within a router, waiters retry in arrival order (the local ledger's queue, woken by this
-router's own releases); places freed by other routers are seen by re-reading the counts, at most every
-_POLL_S, so across routers there is no global order: whichever router's waiter books first gets the place.
+Fairness: a placement that has to wait takes a ticket in the fleet's queue in Redis (its arrival on
+Redis's clock); a booking goes through only if fewer tickets are older than its own than the node has free
+places, so the fleet admits in arrival order, whichever router a waiter is on. Waiters notice a free
+place when this router releases one (at once) or by re-reading the fleet's counts (every _POLL_S). With
+several nodes of a role, an older waiter for a full node can hold a younger one back from a free node
+(head-of-line) for as long as the older one waits.
 Redis down: the router falls back to its own counts and caps (this router's local ledger) until a refresh
 succeeds again, counts the bookings it made so, and shows `pdserve_router_admission_fleet_degraded` 1;
 nothing waits on Redis longer than its socket timeout.
@@ -29,12 +32,27 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from pdserve.router.admission import AdmissionConfig, Booking, InFlight, Ledger, Load, NodeFull, booked_view
+from pdserve.router.admission import (
+    AdmissionConfig,
+    Booking,
+    InFlight,
+    Ledger,
+    Load,
+    NodeFull,
+    Turn,
+    booked_view,
+)
 from pdserve.router.background import Background
 from pdserve.router.errors import NoRoom
 from pdserve.router.policy import NodeView
 from pdserve.shared.index.block_index_types import IndexUnavailable, RedisConfig
-from pdserve.shared.index.lease_table import LeaseTable, NodeLeases, lease_member, tokens_member
+from pdserve.shared.index.lease_table import (
+    LeaseTable,
+    NodeLeases,
+    lease_member,
+    ticket_entries,
+    tokens_member,
+)
 from pdserve.shared.metrics import MetricsRegistry
 from pdserve.shared.types import NodeId
 
@@ -134,16 +152,20 @@ class RedisLedger:
         limit = self.config.max_requests_per_node
         return limit > 0 and self.load(node_id).requests >= limit
 
+    def turn(self) -> Turn:
+        return Turn(ended=self._turn_ended)
+
     async def acquire(
-        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int
+        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int, turn: Turn | None = None
     ) -> tuple[Booking, ...]:
         if self._degraded:
             return self._fallback(decode, prefill, prefill_tokens, n)
-        self._seq += 1
-        base = f"{self._router}:{self._seq}"
+        base = self._next_id()
+        ticket = None if turn is None else turn.ticket
+        cap = self.config.max_requests_per_node
         try:
             booked = await self._table.book(
-                self._ttl_ms, self.config.max_requests_per_node, n, base, prefill_tokens, decode, prefill
+                self._ttl_ms, cap, n, base, prefill_tokens, decode, prefill, ticket
             )
         except IndexUnavailable as exc:
             self._degrade(exc)
@@ -151,6 +173,9 @@ class RedisLedger:
         self._note(booked.counts)
         if booked.full is not None:
             raise NodeFull(booked.full)
+        if turn is not None and turn.ticket is not None:  # the booking took it out of the queue
+            self._held.pop(ticket_entries(turn.ticket)[1], None)
+            turn.ticket = None
         prefilling = decode if prefill is None else prefill
         leases = []
         for i in range(1, n + 1):
@@ -172,10 +197,17 @@ class RedisLedger:
         books = (self._local.book(decode, prefill, prefill_tokens) for _ in range(n))
         return tuple(_Lease(self, inner, decode, None, (), None) for inner in books)
 
-    async def wait_for_room(self, deadline: float) -> None:
+    async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
         if self._degraded:
             await self._local.wait_for_room(deadline)
             return
+        if turn is not None and turn.ticket is None:  # from now on it waits in the fleet's queue
+            turn.ticket = self._next_id()
+            try:
+                await self._table.enqueue(self._ttl_ms, turn.ticket)
+                self._held[ticket_entries(turn.ticket)[1]] = None
+            except IndexUnavailable as exc:
+                self._degrade(exc)
         try:  # woken by this router's own release, or by the poll: then the fleet's counts are read again
             await self._local.wait_for_room(min(deadline, time.time() + _POLL_S))
         except NoRoom:
@@ -196,6 +228,18 @@ class RedisLedger:
         await self._table.close()
 
     # --- inside ---------------------------------------------------------------------------------------------
+
+    def _next_id(self) -> str:
+        self._seq += 1
+        return f"{self._router}:{self._seq}"
+
+    def _turn_ended(self, turn: Turn) -> None:
+        """A placement ended (booked, refused, cancelled): a ticket it still holds leaves the queue."""
+        if turn.ticket is not None:
+            entries = ticket_entries(turn.ticket)
+            self._held.pop(entries[1], None)
+            self._background.spawn(self._remove(entries))
+            turn.ticket = None
 
     def _ended(self, members: tuple[Member, ...], node: NodeId | None) -> None:
         """A booking's part ended: its lease entries leave the refresh and Redis; the node's fleet count

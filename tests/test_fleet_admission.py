@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from typing import cast
 
 import httpx
 import pytest
@@ -85,7 +86,8 @@ def live_leases(client: redis.Redis, node: str) -> list[str]:
     """The lease ids Redis holds for `node` that have not expired (Redis's clock)."""
     seconds, micros = client.time()
     now_ms = seconds * 1000 + micros // 1000
-    return [m.decode() for m in client.zrangebyscore(f"pdserve:{{default}}:lease:{node}", now_ms, "+inf")]
+    members = cast(list[bytes], client.zrangebyscore(f"pdserve:{{default}}:lease:{node}", now_ms, "+inf"))
+    return [m.decode() for m in members]
 
 
 def test_three_routers_hold_the_cap_for_the_fleet_and_a_killed_routers_leases_expire(
@@ -114,18 +116,15 @@ def test_three_routers_hold_the_cap_for_the_fleet_and_a_killed_routers_leases_ex
         while not any(f".{router3.pid}." in lease for lease in live_leases(redis_client, "decode-0")):
             assert time.monotonic() < deadline, "router-3 never held a lease on decode-0"
             time.sleep(0.05)
-        seconds, micros = redis_client.time()
+        seconds, micros = cast(tuple[int, int], redis_client.time())
         os.killpg(router3.pid, signal.SIGKILL)
         router3.wait(10)
         live.cluster.procs.remove(("router-3", router3))
         killed_ms = seconds * 1000 + micros // 1000
         # every lease it held expires at most one lease TTL after its death (it refreshed them last then)
         key = "pdserve:{default}:lease:decode-0"
-        theirs = [
-            (m, s)
-            for m, s in redis_client.zrange(key, 0, -1, withscores=True)
-            if f".{router3.pid}.".encode() in m
-        ]
+        scored = cast(list[tuple[bytes, float]], redis_client.zrange(key, 0, -1, withscores=True))
+        theirs = [(m, s) for m, s in scored if f".{router3.pid}.".encode() in m]
         assert all(score <= killed_ms + LEASE_TTL_S * 1000 + 50 for _, score in theirs), (killed_ms, theirs)
         gone_after = time.monotonic()
         while any(f".{router3.pid}." in lease for lease in live_leases(redis_client, "decode-0")):

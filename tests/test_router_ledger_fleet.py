@@ -120,3 +120,31 @@ def test_without_redis_a_router_admits_by_its_own_counts_and_says_so() -> None:
             await ledger.close()
 
     asyncio.run(scenario())
+
+
+def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis_server: LocalRedis) -> None:
+    async def scenario() -> None:
+        (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="fifo") for _ in range(2))
+        await a.start()
+        await b.start()
+        try:
+            held = (await a.acquire(D, None, 5, 1))[0]
+            with b.turn() as waiting:
+                with pytest.raises(NodeFull):
+                    await b.acquire(D, None, 5, 1, waiting)
+                await b.wait_for_room(time.time() + 1, waiting)  # b's placement queues from here
+                await asyncio.sleep(1.5)  # waiting longer than the TTL: the refresh keeps its place
+                held.release()
+                await a._background.drain()
+                with a.turn() as late, pytest.raises(NodeFull):  # a place is free, but b waited first
+                    await a.acquire(D, None, 5, 1, late)
+                first = (await b.acquire(D, None, 5, 1, waiting))[0]
+            first.release()
+            await b._background.drain()
+            with a.turn() as turn:  # the queue is empty again: the next placement books at once
+                (await a.acquire(D, None, 5, 1, turn))[0].release()
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())

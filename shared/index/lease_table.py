@@ -7,6 +7,10 @@ Keys (beside the block index's, under the cluster's hash tag `P = pdserve:{<clus
   One member per request a router placed on the node and has not seen end.
 - `P ptok:<node>`: sorted set, member = `<lease id>|<tokens>`, score = its expiry: prompt tokens a lease's
   request is predicted to compute on the node, until its prefill ends.
+- `P admq`: sorted set, member = a waiting placement's ticket, score = when it began to wait (Redis clock,
+  ms); `P admq_exp`: the same tickets, score = expiry (refreshed with the leases). A placement may book
+  only if fewer tickets are older than its own (all of them, when it has none) than its node has free
+  places: the fleet admits in arrival order.
 Invariants: booking is one script that first drops expired members and then adds the leases only if the
 node holds fewer than the cap (so two routers can never both pass a cap with one free place); a lease
 lives until released or until `ttl` after its router's last refresh, so a router that dies leaks nothing
@@ -45,19 +49,36 @@ local function count(p, node, now)
 end
 """
 
+_AHEAD = """
+local function ahead(p, ticket, now)
+  local q, qx = p .. 'admq', p .. 'admq_exp'
+  for _, dead in ipairs(redis.call('ZRANGEBYSCORE', qx, '-inf', now)) do
+    redis.call('ZREM', q, dead)
+    redis.call('ZREM', qx, dead)
+  end
+  local mine = ticket ~= '' and redis.call('ZSCORE', q, ticket)
+  if not mine then return redis.call('ZCARD', q) end
+  return redis.call('ZCOUNT', q, '-inf', '(' .. mine)
+end
+"""
+
 BOOK = (
     _NOW
     + _COUNT
+    + _AHEAD
     + """
--- ARGV: prefix, ttl_ms, cap, n, lease base id, tokens, decode node, prefill node ('' when D prefills)
+-- ARGV: prefix, ttl_ms, cap, n, lease base id, tokens, decode node, prefill node ('' when D prefills),
+-- the placement's ticket in the queue ('' when it never waited)
 local p, ttl, cap, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local base, tokens, decode, prefill = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+local base, tokens, decode, prefill, ticket = ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9]
 local nodes = {decode}
 if prefill ~= '' then nodes[2] = prefill end
+local before = 0
+if cap > 0 then before = ahead(p, ticket, now) end
 local out = {}
 for _, node in ipairs(nodes) do
   local held, tok = count(p, node, now)
-  if cap > 0 and held >= cap then return {'FULL', node, held, tok} end
+  if cap > 0 and (held >= cap or before >= cap - held) then return {'FULL', node, held, tok} end
   out[#out + 1] = node
   out[#out + 1] = held + n
   out[#out + 1] = tok
@@ -74,8 +95,25 @@ for _, node in ipairs(nodes) do
   redis.call('PEXPIRE', p .. 'lease:' .. node, ttl)
   redis.call('PEXPIRE', p .. 'ptok:' .. node, ttl)
 end
+if ticket ~= '' then
+  redis.call('ZREM', p .. 'admq', ticket)
+  redis.call('ZREM', p .. 'admq_exp', ticket)
+end
 table.insert(out, 1, 'OK')
 return out
+"""
+)
+
+ENQUEUE = (
+    _NOW
+    + """
+-- ARGV: prefix, ttl_ms, ticket: the placement waits from now (Redis's clock) in the fleet's queue
+local p, ttl, ticket = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+redis.call('ZADD', p .. 'admq', 'NX', now, ticket)
+redis.call('ZADD', p .. 'admq_exp', now + ttl, ticket)
+redis.call('PEXPIRE', p .. 'admq', ttl)
+redis.call('PEXPIRE', p .. 'admq_exp', ttl)
+return 0
 """
 )
 
@@ -92,6 +130,7 @@ for i = 3, #ARGV, 2 do
   touched[key] = true
 end
 for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
+if touched[p .. 'admq_exp'] then redis.call('PEXPIRE', p .. 'admq', ttl) end
 return 0
 """
 )
@@ -138,6 +177,12 @@ def tokens_member(node: NodeId) -> str:
     return f"ptok:{node}"
 
 
+def ticket_entries(ticket: str) -> tuple[tuple[str, str], tuple[str, str]]:
+    """A queued placement's two entries (key suffix, member): its arrival, then its expiry (the one a
+    refresh extends)."""
+    return ("admq", ticket), ("admq_exp", ticket)
+
+
 class LeaseTable:
     """The Redis side of the fleet's leases; one per router process. Its own connection pool, so a slow
     index call never holds up a lease (and the reverse)."""
@@ -149,6 +194,7 @@ class LeaseTable:
         self._key = [config.prefix + "nodes"]  # declared so a script runs where the cluster's keys live
         reg = self._redis.register_script
         self._book, self._refresh, self._counts = reg(BOOK), reg(REFRESH), reg(COUNTS)
+        self._enqueue = reg(ENQUEUE)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -169,10 +215,13 @@ class LeaseTable:
         tokens: int,
         decode: NodeId,
         prefill: NodeId | None,
+        ticket: str | None,
     ) -> Booked:
-        """n leases on `decode` (and `prefill`), `tokens` each on the prefilling node, ids `<base>:1..n`; none
-        when a node holds `cap` leases already (cap 0: no cap)."""
-        args: list[Any] = [self._p, ttl_ms, cap, n, lease_base, tokens, decode, prefill or ""]
+        """n leases on `decode` (and `prefill`), `tokens` each on the prefilling node, ids `<base>:1..n`;
+        none when a node holds `cap` leases already (cap 0: no cap and no queue), or when at least as many
+        placements queued before `ticket` (before now, without one) as the node has free places. A booking
+        takes its ticket out of the queue."""
+        args: list[Any] = [self._p, ttl_ms, cap, n, lease_base, tokens, decode, prefill or "", ticket or ""]
         async with self._guard("booking a lease"):
             reply = await self._book(keys=self._key, args=args)
         if reply[0] == b"FULL":
@@ -183,6 +232,11 @@ class LeaseTable:
             NodeId(rows[i].decode()): NodeLeases(rows[i + 1], rows[i + 2]) for i in range(0, len(rows), 3)
         }
         return Booked(None, counts)
+
+    async def enqueue(self, ttl_ms: int, ticket: str) -> None:
+        """The placement `ticket` waits from now in the fleet's queue (again: keeps its first arrival)."""
+        async with self._guard("queueing"):
+            await self._enqueue(keys=self._key, args=[self._p, ttl_ms, ticket])
 
     async def refresh(self, ttl_ms: int, members: Sequence[tuple[str, str]]) -> None:
         """Extends every (key suffix, member) that still exists to `ttl_ms` from now: one call for all."""
