@@ -18,7 +18,7 @@ import pytest
 from pdserve.tests.harness.chaos_faults import reference, wait_index_clean
 from pdserve.tests.harness.chaos_load import Load, metric_of
 from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl_main, served_model_name
-from pdserve.tests.harness.sentinel_group import primary_port, start_cluster
+from pdserve.tests.harness.sentinel_group import primary_port, redis_client, start_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -82,3 +82,27 @@ def test_the_primary_dies_under_load_and_serving_and_the_index_carry_on(live: Li
     assert not wrong, wrong
     print(f"{len(outcomes)} streams: {sum(o.kind == 'ok' for o in outcomes)} ok, the rest failed cleanly")
     live.wait_clean()
+
+
+def test_a_node_whose_last_registration_the_failover_lost_registers_again(live: LiveCluster) -> None:
+    """Replication is asynchronous: a failover can lose a node's last registration, so the new primary holds
+    an older epoch than the node's own. The node's writes are refused as stale; it must register again above
+    its own epoch (as after Redis lost everything), not take the refusal as a newer process's."""
+    node = "decode-0"
+    (status,) = [n for n in kvctl_main(live.redis_url, "nodes")["nodes"] if n["info"]["node_id"] == node]
+    epoch = int(status["info"]["epoch"])
+    client = redis_client(live.redis_url)
+    try:
+        client.hset(f"pdserve:{{default}}:node:{node}", "epoch", str(epoch - 1))  # as the replica had it
+    finally:
+        client.close()
+    deadline = time.monotonic() + 30
+    while True:
+        listed = {
+            n["info"]["node_id"]: n["info"]["epoch"] for n in kvctl_main(live.redis_url, "nodes")["nodes"]
+        }
+        if listed.get(node, 0) > epoch:
+            break
+        assert time.monotonic() < deadline, f"{node} not listed again above epoch {epoch} in 30 s: {listed}"
+        time.sleep(0.2)
+    wait_index_clean(live, time.monotonic(), HEARTBEAT_S + 2.0)

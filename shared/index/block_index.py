@@ -181,9 +181,9 @@ class BlockIndex:
         if status == "UNREGISTERED":
             raise NodeNotRegistered(f"node {node_id!r} is not registered in the index: register it again")
         if status == "STALE":
-            raise StaleEpoch(
-                f"node {node_id!r}: epoch {epoch} is stale, the current epoch is {int(reply[1])}"
-            )
+            current = int(reply[1])
+            message = f"node {node_id!r}: epoch {epoch} is stale, the current epoch is {current}"
+            raise StaleEpoch(message, current)
         return int(reply[1])
 
     # --- registry -------------------------------------------------------------------------------------------

@@ -54,7 +54,13 @@ class IncompatibleNode(BlockIndexError):
 
 
 class StaleEpoch(BlockIndexError):
-    """A write carried an epoch that is not the node's current one (the node restarted since)."""
+    """A write carried an epoch that is not the node's current one in the index (`current`): higher, the
+    node registered again since (another process of it); lower, the index lost the node's last
+    registration (a failover to a replica that had not received it, an old append-only file)."""
+
+    def __init__(self, message: str, current: int) -> None:
+        super().__init__(message)
+        self.current = current
 
 
 class NodeNotRegistered(BlockIndexError):

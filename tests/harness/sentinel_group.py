@@ -78,6 +78,13 @@ def primary_port(url: str) -> int | None:
     return None
 
 
+def redis_client(url: str) -> redis.Redis:
+    """A client of the group's current primary (the sentinels of `url`, a redis+sentinel:// URL)."""
+    hosts = url.split("://", 1)[1].split("/", 1)[0].split(",")
+    group = redis.Sentinel([(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1])) for h in hosts], socket_timeout=2)
+    return group.master_for(SERVICE, socket_timeout=2)
+
+
 def start_cluster(router_extra: tuple[str, ...] = (), node_extra: tuple[str, ...] = ()) -> LiveCluster:
     """The group, one prefill and one decode node and a router, all given the group's URL as `--redis`."""
     cluster = Cluster()
