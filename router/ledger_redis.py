@@ -251,6 +251,10 @@ class RedisLedger:
         if node is not None and node in self._fleet:
             old = self._fleet[node]
             self._fleet[node] = Load(max(0, old.requests - 1), old.prefill_tokens)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # ended outside the event loop (a dropped response finalized by the GC): its
+            return  # leases are no longer refreshed and expire within the TTL
         self._background.spawn(self._remove(members))
 
     async def _remove(self, members: tuple[Member, ...]) -> None:

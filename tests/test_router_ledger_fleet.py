@@ -1,26 +1,36 @@
 """The fleet's admission ledger (router/ledger_redis.py over shared/index/lease_table.py) against a real
 redis-server: two ledgers stand for two routers of one cluster. The cap holds across them, a booking ends
 exactly once, a dead router's leases expire within the lease TTL, and with Redis gone a router admits by
-its own counts (and says so on its metrics) instead of blocking."""
+its own counts (and says so on its metrics) instead of blocking; a state machine checks Redis's counts
+against a model of every live booking under any interleaving of two routers' bookings and releases."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from pdserve.cli.redis_launch import LocalRedis, free_port
-from pdserve.router.admission import AdmissionConfig, NodeFull
+from pdserve.router.admission import AdmissionConfig, Booking, NodeFull
 from pdserve.router.background import Background
 from pdserve.router.ledger_redis import RedisLedger
 from pdserve.router.metrics import RouterMetrics
 from pdserve.shared.index.block_index_types import RedisConfig
-from pdserve.shared.index.lease_table import LeaseTable
+from pdserve.shared.index.lease_table import LeaseTable, NodeLeases
 from pdserve.shared.types import NodeId
 
 D, P = NodeId("decode-0"), NodeId("prefill-0")
+NODES = tuple(NodeId(n) for n in ("p0", "p1", "d0", "d1"))
+CAP = 3
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +158,105 @@ def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis
             await b.close()
 
     asyncio.run(scenario())
+
+
+@dataclass
+class Held:
+    booking: Booking
+    decode: NodeId
+    prefill: NodeId | None
+    tokens: int
+    prefilling: bool = True
+    live: bool = True
+
+
+class FleetMachine(RuleBasedStateMachine):
+    """Two routers' ledgers over one Redis against a model of what each live booking holds: after every
+    step the leases Redis counts per node are the model's, never above the cap, and a booking is refused
+    exactly when one of its nodes holds the cap already."""
+
+    bookings = Bundle("bookings")
+    url = ""
+    examples = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        cluster = f"prop{next(self.examples)}"
+        self.routers = [_ledger(self.url, CAP, cluster=cluster)[0] for _ in range(2)]
+        self.held: list[Held] = []
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def in_loop(self, call: Callable[[], None]) -> None:
+        """A booking's end, inside the event loop, as the router's requests end."""
+
+        async def ended() -> None:
+            call()
+
+        self.run(ended())
+
+    @rule(
+        target=bookings,
+        router=st.integers(0, 1),
+        decode=st.sampled_from(NODES[2:]),
+        prefill=st.none() | st.sampled_from(NODES[:2]),
+        tokens=st.integers(0, 5000),
+    )
+    def acquire(self, router: int, decode: NodeId, prefill: NodeId | None, tokens: int) -> Held | None:
+        full = self._requests(decode) >= CAP or (prefill is not None and self._requests(prefill) >= CAP)
+        try:
+            (booking,) = self.run(self.routers[router].acquire(decode, prefill, tokens, 1))
+        except NodeFull:
+            assert full
+            return None
+        assert not full
+        held = Held(booking, decode, prefill, tokens)
+        self.held.append(held)
+        return held
+
+    @rule(held=bookings)
+    def prefill_done(self, held: Held | None) -> None:
+        if held is not None:
+            self.in_loop(held.booking.prefill_done)
+            held.prefilling = False
+
+    @rule(held=bookings)
+    def release(self, held: Held | None) -> None:
+        if held is not None:
+            self.in_loop(held.booking.release)
+            held.prefilling = held.live = False
+
+    def _requests(self, node: NodeId) -> int:
+        return sum(h.live and h.decode == node for h in self.held) + sum(
+            h.prefilling and h.prefill == node for h in self.held
+        )
+
+    @invariant()
+    def redis_counts_are_the_models(self) -> None:
+        for router in self.routers:
+            self.run(router._background.drain())
+        counts = self.run(self.routers[0]._table.counts(list(NODES)))
+        for node in NODES:
+            tokens = sum(h.tokens for h in self.held if h.prefilling and (h.prefill or h.decode) == node)
+            assert counts[node] == NodeLeases(self._requests(node), tokens), node
+            assert counts[node].requests <= CAP
+
+    def teardown(self) -> None:
+        for held in self.held:
+            self.in_loop(held.booking.release)
+        for router in self.routers:
+            self.run(router._background.drain())
+        counts = self.run(self.routers[0]._table.counts(list(NODES)))
+        assert all(c == NodeLeases() for c in counts.values()), counts
+        for router in self.routers:
+            self.run(router.close())
+        self.loop.close()
+
+
+def test_any_interleaving_of_two_routers_keeps_redis_counts_exact(redis_server: LocalRedis) -> None:
+    FleetMachine.url = redis_server.url
+    run_state_machine_as_test(
+        FleetMachine, settings=settings(max_examples=25, stateful_step_count=25, deadline=None)
+    )
