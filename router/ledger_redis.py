@@ -114,6 +114,9 @@ class RedisLedger:
         self._seen: set[NodeId] = set()
         self._held: dict[Member, None] = {}
         """This router's live lease entries (insertion-ordered set): what the refresh extends."""
+        self._releasing: list[Member] = []
+        """Entries of ended bookings not yet deleted from Redis (one flush at a time deletes them)."""
+        self._flushing = False
         # host and pid name the router whose leases they are (kvctl, a test checking a killed router's)
         self._router = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
         self._seq = 0
@@ -224,7 +227,7 @@ class RedisLedger:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
         with contextlib.suppress(IndexUnavailable):  # else they expire within the TTL
-            await self._table.release(list(self._held))
+            await self._table.release([*self._held, *self._releasing])
         await self._table.close()
 
     # --- inside ---------------------------------------------------------------------------------------------
@@ -255,7 +258,19 @@ class RedisLedger:
             asyncio.get_running_loop()
         except RuntimeError:  # ended outside the event loop (a dropped response finalized by the GC): its
             return  # leases are no longer refreshed and expire within the TTL
-        self._background.spawn(self._remove(members))
+        self._releasing.extend(members)
+        if not self._flushing:
+            self._flushing = True
+            self._background.spawn(self._flush())
+
+    async def _flush(self) -> None:
+        """Deletes the ended leases in batches: one call for all that ended since the last one."""
+        try:
+            while self._releasing:
+                batch, self._releasing = tuple(self._releasing), []
+                await self._remove(batch)
+        finally:
+            self._flushing = False
 
     async def _remove(self, members: tuple[Member, ...]) -> None:
         try:

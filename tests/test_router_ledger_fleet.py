@@ -39,10 +39,13 @@ def redis_server() -> Iterator[LocalRedis]:
         yield server
 
 
-def _ledger(url: str, cap: int, ttl_s: float = 3.0, cluster: str = "x") -> tuple[RedisLedger, RouterMetrics]:
+def _ledger(
+    url: str, cap: int, ttl_s: float = 3.0, cluster: str = "x", connections: int = 64
+) -> tuple[RedisLedger, RouterMetrics]:
     metrics = RouterMetrics()
     config = AdmissionConfig(max_requests_per_node=cap, fleet=True, lease_ttl_s=ttl_s)
-    table = LeaseTable(RedisConfig(url=url, cluster=cluster, socket_timeout_s=0.5))
+    redis_config = RedisConfig(url=url, cluster=cluster, socket_timeout_s=0.5, max_connections=connections)
+    table = LeaseTable(redis_config)
     return RedisLedger(config, table, metrics, Background()), metrics
 
 
@@ -156,6 +159,34 @@ def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis
         finally:
             await a.close()
             await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_more_placements_at_once_than_redis_connections_never_fall_back(redis_server: LocalRedis) -> None:
+    """redis-py's pool refuses a call when all its connections are busy ("Too many connections"): a burst of
+    placements must wait for a connection, not take Redis for down and admit by one router's counts."""
+
+    async def scenario() -> None:
+        ledger, metrics = _ledger(redis_server.url, 0, cluster="burst", connections=4)
+        await ledger.start()
+
+        async def place(i: int) -> None:
+            (booking,) = await ledger.acquire(NODES[2 + i % 2], NODES[i % 2], 100, 1)
+            await asyncio.sleep(0)
+            booking.prefill_done()
+            booking.release()
+
+        try:
+            await asyncio.gather(*(place(i) for i in range(200)))
+            await ledger._background.drain()
+            page = metrics.render().decode()
+            assert "pdserve_router_admission_local_fallbacks_total 0.0" in page
+            assert "pdserve_router_admission_fleet_degraded 0.0" in page
+            counts = await ledger._table.counts(list(NODES))
+            assert all(c == NodeLeases() for c in counts.values()), counts
+        finally:
+            await ledger.close()
 
     asyncio.run(scenario())
 

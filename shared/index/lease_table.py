@@ -16,11 +16,13 @@ node holds fewer than the cap (so two routers can never both pass a cap with one
 lives until released or until `ttl` after its router's last refresh, so a router that dies leaks nothing
 for longer than `ttl`; a refresh only extends members that still exist (ZADD XX), never revives a released
 one; every key's own TTL is reset to `ttl` on each write, so a node nobody books on leaves no key behind.
-Redis failures raise the index's `IndexUnavailable`, as block_index.py's calls do.
+Redis failures raise the index's `IndexUnavailable`, as block_index.py's calls do; at most
+`max_connections` calls run at once (the others wait for a connection instead of failing).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -195,16 +197,19 @@ class LeaseTable:
         reg = self._redis.register_script
         self._book, self._refresh, self._counts = reg(BOOK), reg(REFRESH), reg(COUNTS)
         self._enqueue = reg(ENQUEUE)
+        # redis-py's pool fails a call at once when every connection is busy: calls queue here instead
+        self._slots = asyncio.Semaphore(config.max_connections)
 
     async def close(self) -> None:
         await self._redis.aclose()
 
     @asynccontextmanager
     async def _guard(self, what: str) -> AsyncIterator[None]:
-        try:
-            yield
-        except (rexc.RedisError, OSError) as exc:
-            raise IndexUnavailable(f"Redis at {self._config.address}: {what} failed: {exc}") from exc
+        async with self._slots:
+            try:
+                yield
+            except (rexc.RedisError, OSError) as exc:
+                raise IndexUnavailable(f"Redis at {self._config.address}: {what} failed: {exc}") from exc
 
     async def book(
         self,
