@@ -23,6 +23,7 @@ is full when either says so (only the local counts while degraded).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
@@ -43,7 +44,7 @@ from pdserve.router.admission import (
     booked_view,
 )
 from pdserve.router.background import Background
-from pdserve.router.errors import NoRoom
+from pdserve.router.errors import NoRoom, QueueFull
 from pdserve.router.policy import NodeView
 from pdserve.shared.index.block_index_types import IndexUnavailable, RedisConfig
 from pdserve.shared.index.lease_table import (
@@ -124,6 +125,11 @@ class RedisLedger:
         self._read_at = 0.0
         self._reading: asyncio.Task[None] | None = None
         self._loop: asyncio.Task[None] | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        """Placements waiting for room, by arrival (a placement sent back keeps its first arrival)."""
+        self._arrival: dict[str, int] = {}
+        """A waiting placement's ticket -> its arrival order in this router."""
         self._ttl_ms = int(config.lease_ttl_s * 1000)
         self._degraded_gauge = metrics.gauge(
             "pdserve_router_admission_fleet_degraded",
@@ -137,7 +143,7 @@ class RedisLedger:
 
     @property
     def queued(self) -> int:
-        return self._local.queued
+        return self._local.queued + len(self._waiting)
 
     def load(self, node_id: NodeId) -> Load:
         self._seen.add(node_id)
@@ -163,6 +169,7 @@ class RedisLedger:
     ) -> tuple[Booking, ...]:
         if self._degraded:
             return self._fallback(decode, prefill, prefill_tokens, n)
+        self._seen.update(n for n in (decode, prefill) if n is not None)
         base = self._next_id()
         ticket = None if turn is None else turn.ticket
         cap = self.config.max_requests_per_node
@@ -178,6 +185,7 @@ class RedisLedger:
             raise NodeFull(booked.full)
         if turn is not None and turn.ticket is not None:  # the booking took it out of the queue
             self._held.pop(ticket_entries(turn.ticket)[1], None)
+            self._arrival.pop(turn.ticket, None)
             turn.ticket = None
         prefilling = decode if prefill is None else prefill
         leases = []
@@ -204,28 +212,48 @@ class RedisLedger:
         if self._degraded:
             await self._local.wait_for_room(deadline)
             return
+        if len(self._waiting) >= self.config.max_queued:
+            raise QueueFull(
+                f"every node is at its limit of {self.config.max_requests_per_node} requests and "
+                f"{len(self._waiting)} requests are waiting; retry later",
+                self.config.retry_after_s,
+            )
+        self._seq += 1
+        order = self._seq
         if turn is not None and turn.ticket is None:  # from now on it waits in the fleet's queue
             turn.ticket = self._next_id()
+            self._arrival[turn.ticket] = order
             try:
                 await self._table.enqueue(self._ttl_ms, turn.ticket)
                 self._held[ticket_entries(turn.ticket)[1]] = None
             except IndexUnavailable as exc:
                 self._degrade(exc)
-        try:  # woken by this router's own release, or by the poll: then the fleet's counts are read again
-            await self._local.wait_for_room(min(deadline, time.time() + _POLL_S))
-        except NoRoom:
-            if time.time() >= deadline:
-                raise
-        await self._read()
+        if turn is not None and turn.ticket is not None:
+            order = self._arrival.get(turn.ticket, order)  # a placement sent back keeps its place in line
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (order, id(waiter), waiter)
+        bisect.insort(self._waiting, entry)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.time())):
+                await waiter
+        except TimeoutError:
+            message = "no node had room before the request's deadline"
+            raise NoRoom(message, self.config.retry_after_s) from None
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(entry)
 
     async def start(self) -> None:
         self._loop = asyncio.create_task(self._refresh_loop())
+        self._poller = asyncio.create_task(self._poll_loop())
 
     async def close(self) -> None:
-        if self._loop is not None:
-            self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
+        for task in (self._loop, self._poller):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self._background.drain()  # deletions in flight end before the connections close
         with contextlib.suppress(IndexUnavailable):  # else they expire within the TTL
             await self._table.release([*self._held, *self._releasing])
         await self._table.close()
@@ -239,6 +267,7 @@ class RedisLedger:
     def _turn_ended(self, turn: Turn) -> None:
         """A placement ended (booked, refused, cancelled): a ticket it still holds leaves the queue."""
         if turn.ticket is not None:
+            self._arrival.pop(turn.ticket, None)
             entries = ticket_entries(turn.ticket)
             self._held.pop(entries[1], None)
             self._background.spawn(self._remove(entries))
@@ -251,9 +280,11 @@ class RedisLedger:
             return
         for member in members:
             self._held.pop(member, None)
-        if node is not None and node in self._fleet:
-            old = self._fleet[node]
-            self._fleet[node] = Load(max(0, old.requests - 1), old.prefill_tokens)
+        if node is not None:
+            if node in self._fleet:
+                old = self._fleet[node]
+                self._fleet[node] = Load(max(0, old.requests - 1), old.prefill_tokens)
+            self._wake(1)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # ended outside the event loop (a dropped response finalized by the GC): its
@@ -287,6 +318,29 @@ class RedisLedger:
             log.warning("fleet admission ledger unreachable (%s): admitting by this router's own counts", exc)
             self._degraded = True
             self._degraded_gauge.set(1)
+            self._wake(len(self._waiting))  # they look again, by this router's counts
+
+    def _wake(self, n: int) -> None:
+        """Wakes the `n` longest-waiting placements (they look for room and book, or wait again)."""
+        woken = 0
+        for _, _, waiter in self._waiting:
+            if woken >= n:
+                break
+            if not waiter.done():
+                waiter.set_result(None)
+                woken += 1
+
+    async def _poll_loop(self) -> None:
+        """While placements wait: every _POLL_S, the fleet's counts again, and as many of the longest-waiting
+        placements woken as the nodes have free places (not all of them: a retry storm)."""
+        cap = self.config.max_requests_per_node
+        while True:
+            await asyncio.sleep(_POLL_S)
+            if not self._waiting or self._degraded:
+                continue
+            await self._read()
+            free = sum(max(0, cap - self.load(node).requests) for node in list(self._seen))
+            self._wake(free)
 
     async def _read(self) -> None:
         """The fleet's counts of the nodes this router looks at; one read at a time, at most every _POLL_S."""

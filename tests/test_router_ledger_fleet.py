@@ -21,6 +21,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, 
 from pdserve.cli.redis_launch import LocalRedis, free_port
 from pdserve.router.admission import AdmissionConfig, Booking, NodeFull
 from pdserve.router.background import Background
+from pdserve.router.errors import NoRoom
 from pdserve.router.ledger_redis import RedisLedger
 from pdserve.router.metrics import RouterMetrics
 from pdserve.shared.index.block_index_types import RedisConfig
@@ -72,7 +73,8 @@ def test_the_cap_holds_across_routers_and_a_release_frees_one_place_once(redis_s
                 await a.acquire(D, P, 10, 1)
             assert a.full(D)  # the refusal tells the node it found full
             a.full(P)  # a node the router looks at is in its next read of the fleet's counts
-            await a.wait_for_room(time.time() + 1)  # no room comes: returns after one poll and a read
+            with pytest.raises(NoRoom):  # no room comes; meanwhile the router reads the fleet's counts
+                await a.wait_for_room(time.time() + 0.3)
             assert a.full(P) and a.load(P).prefill_tokens == 150  # the fleet's: the routing score reads them
             second.prefill_done()
             await b._background.drain()
@@ -82,7 +84,7 @@ def test_the_cap_holds_across_routers_and_a_release_frees_one_place_once(redis_s
             second.release()  # exactly once: a second release gives back nothing
             await b._background.drain()
             assert await _live_leases(redis_server.url, "cap", D) == 1
-            await a.wait_for_room(time.time() + 5)  # re-reads the fleet's counts
+            await a.wait_for_room(time.time() + 5)  # woken once the fleet's counts show the free place
             assert not a.full(D)
             third = (await a.acquire(D, P, 10, 1))[0]
             with pytest.raises(NodeFull):
@@ -145,7 +147,8 @@ def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis
             with b.turn() as waiting:
                 with pytest.raises(NodeFull):
                     await b.acquire(D, None, 5, 1, waiting)
-                await b.wait_for_room(time.time() + 1, waiting)  # b's placement queues from here
+                with pytest.raises(NoRoom):  # b's placement queues from here
+                    await b.wait_for_room(time.time() + 0.3, waiting)
                 await asyncio.sleep(1.5)  # waiting longer than the TTL: the refresh keeps its place
                 held.release()
                 await a._background.drain()
