@@ -6,7 +6,9 @@ Keys (beside the block index's, under the cluster's hash tag `P = pdserve:{<clus
   router that holds it first), score = its expiry (Redis clock, ms).
   One member per request a router placed on the node and has not seen end.
 - `P ptok:<node>`: sorted set, member = `<lease id>|<tokens>`, score = its expiry: prompt tokens a lease's
-  request is predicted to compute on the node, until its prefill ends.
+  request is predicted to compute on the node, until its prefill ends; `P ptoksum`: hash, node -> the sum
+  of its `ptok` members' tokens, kept by every script that adds or drops one (so a count is O(expired), not
+  O(leases)).
 - `P admq`: sorted set, member = a waiting placement's ticket, score = when it began to wait (Redis clock,
   ms); `P admq_exp`: the same tickets, score = expiry (refreshed with the leases). A placement may book
   only if fewer tickets are older than its own (all of them, when it has none) than its node has free
@@ -40,14 +42,18 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 _COUNT = """
 local function count(p, node, now)
-  local lk, tk = p .. 'lease:' .. node, p .. 'ptok:' .. node
+  local lk, tk, sums = p .. 'lease:' .. node, p .. 'ptok:' .. node, p .. 'ptoksum'
   redis.call('ZREMRANGEBYSCORE', lk, '-inf', now)
-  redis.call('ZREMRANGEBYSCORE', tk, '-inf', now)
-  local tokens = 0
-  for _, m in ipairs(redis.call('ZRANGE', tk, 0, -1)) do
-    tokens = tokens + tonumber(string.match(m, '|(%d+)$'))
+  local gone = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', tk, '-inf', now)) do
+    gone = gone + tonumber(string.match(m, '|(%d+)$'))
   end
-  return redis.call('ZCARD', lk), tokens
+  if gone > 0 then
+    redis.call('ZREMRANGEBYSCORE', tk, '-inf', now)
+    redis.call('HINCRBY', sums, node, -gone)
+  end
+  if redis.call('ZCARD', tk) == 0 then redis.call('HDEL', sums, node) end
+  return redis.call('ZCARD', lk), tonumber(redis.call('HGET', sums, node) or '0')
 end
 """
 
@@ -92,6 +98,8 @@ for i = 1, n do
   for _, node in ipairs(nodes) do redis.call('ZADD', p .. 'lease:' .. node, expiry, id) end
   redis.call('ZADD', p .. 'ptok:' .. prefilling, expiry, id .. '|' .. tokens)
 end
+redis.call('HINCRBY', p .. 'ptoksum', prefilling, n * tonumber(tokens))
+redis.call('PEXPIRE', p .. 'ptoksum', ttl)
 out[#out] = out[#out] + n * tonumber(tokens)
 for _, node in ipairs(nodes) do
   redis.call('PEXPIRE', p .. 'lease:' .. node, ttl)
@@ -133,9 +141,22 @@ for i = 3, #ARGV, 2 do
 end
 for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
 if touched[p .. 'admq_exp'] then redis.call('PEXPIRE', p .. 'admq', ttl) end
+redis.call('PEXPIRE', p .. 'ptoksum', ttl)
 return 0
 """
 )
+
+RELEASE = """
+-- ARGV: prefix, then pairs (key suffix, member): removes them; a removed token entry leaves the node's sum
+local p = ARGV[1]
+for i = 2, #ARGV, 2 do
+  local removed = redis.call('ZREM', p .. ARGV[i], ARGV[i + 1])
+  local node = string.match(ARGV[i], '^ptok:(.+)$')
+  local tokens = node and tonumber(string.match(ARGV[i + 1], '|(%d+)$')) or 0
+  if removed == 1 and tokens > 0 then redis.call('HINCRBY', p .. 'ptoksum', node, -tokens) end
+end
+return 0
+"""
 
 COUNTS = (
     _NOW
@@ -196,7 +217,7 @@ class LeaseTable:
         self._key = [config.prefix + "nodes"]  # declared so a script runs where the cluster's keys live
         reg = self._redis.register_script
         self._book, self._refresh, self._counts = reg(BOOK), reg(REFRESH), reg(COUNTS)
-        self._enqueue = reg(ENQUEUE)
+        self._enqueue, self._release = reg(ENQUEUE), reg(RELEASE)
         # redis-py's pool fails a call at once when every connection is busy: calls queue here instead
         self._slots = asyncio.Semaphore(config.max_connections)
 
@@ -256,10 +277,8 @@ class LeaseTable:
         if not members:
             return
         async with self._guard("releasing leases"):
-            pipe = self._redis.pipeline(transaction=True)
-            for suffix, member in members:
-                pipe.zrem(self._p + suffix, member)
-            await pipe.execute()
+            flat = [x for pair in members for x in pair]
+            await self._release(keys=self._key, args=[self._p, *flat])
 
     async def counts(self, nodes: Sequence[NodeId]) -> dict[NodeId, NodeLeases]:
         """The fleet's live leases per node (expired ones dropped first)."""
