@@ -331,16 +331,18 @@ class RedisLedger:
                 woken += 1
 
     async def _poll_loop(self) -> None:
-        """While placements wait: every _POLL_S, the fleet's counts again, and as many of the longest-waiting
-        placements woken as the nodes have free places (not all of them: a retry storm)."""
+        """While placements wait: every _POLL_S, the fleet's counts again, and every waiting placement woken
+        when some node has a free place. All of them, not the `free` longest-waiting: this router's order
+        is not the fleet's, and waking only its oldest starved its placements whose turn it was (a
+        three-router run stalled so)."""
         cap = self.config.max_requests_per_node
         while True:
             await asyncio.sleep(_POLL_S)
             if not self._waiting or self._degraded:
                 continue
             await self._read()
-            free = sum(max(0, cap - self.load(node).requests) for node in list(self._seen))
-            self._wake(free)
+            if any(self.load(node).requests < cap for node in list(self._seen)):
+                self._wake(len(self._waiting))
 
     async def _read(self) -> None:
         """The fleet's counts of the nodes this router looks at; one read at a time, at most every _POLL_S."""

@@ -58,14 +58,21 @@ end
 """
 
 _AHEAD = """
-local function ahead(p, ticket, now)
+local function ahead(p, ticket, now, ttl)
   local q, qx = p .. 'admq', p .. 'admq_exp'
   for _, dead in ipairs(redis.call('ZRANGEBYSCORE', qx, '-inf', now)) do
     redis.call('ZREM', q, dead)
     redis.call('ZREM', qx, dead)
   end
-  local mine = ticket ~= '' and redis.call('ZSCORE', q, ticket)
-  if not mine then return redis.call('ZCARD', q) end
+  if ticket == '' then return redis.call('ZCARD', q) end
+  local mine = redis.call('ZSCORE', q, ticket)
+  if not mine then  -- its ticket is gone (it expired while its router stalled): it waits again from now
+    mine = tostring(now)
+    redis.call('ZADD', q, now, ticket)
+    redis.call('ZADD', qx, now + ttl, ticket)
+    redis.call('PEXPIRE', q, ttl)
+    redis.call('PEXPIRE', qx, ttl)
+  end
   return redis.call('ZCOUNT', q, '-inf', '(' .. mine)
 end
 """
@@ -82,7 +89,7 @@ local base, tokens, decode, prefill, ticket = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
 local nodes = {decode}
 if prefill ~= '' then nodes[2] = prefill end
 local before = 0
-if cap > 0 then before = ahead(p, ticket, now) end
+if cap > 0 then before = ahead(p, ticket, now, ttl) end
 local out = {}
 for _, node in ipairs(nodes) do
   local held, tok = count(p, node, now)
