@@ -100,6 +100,8 @@ class LocalRedis:
     """Keep an append-only file in this directory (created if missing; kept after stop), loaded at start."""
     die_with_parent: bool = False
     """The server is killed when the thread that started it ends (a launcher killed with SIGKILL)."""
+    extra_args: tuple[str, ...] = ()
+    """More redis-server flags (e.g. `--replicaof HOST PORT` for a replica)."""
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _dir: str | None = field(default=None, init=False, repr=False)
 
@@ -152,7 +154,7 @@ class LocalRedis:
         with open(os.open(conf, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write("" if self.password is None else f'requirepass "{self.password}"\n')
         args = [self.binary, conf, *listen, "--bind", "127.0.0.1", "--save", ""]
-        args += [*persist, "--daemonize", "no", "--loglevel", "warning"]
+        args += [*persist, "--daemonize", "no", "--loglevel", "warning", *self.extra_args]
         assert self.log_path is not None
         with open(self.log_path, "wb") as log:
             hook = die_with_parent() if self.die_with_parent else None

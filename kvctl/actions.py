@@ -30,7 +30,9 @@ _CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 class Common(SecretFiles):
     redis: str | None = Field(
-        None, description="redis:// or rediss:// URL of the index (default: the running `pdserve up`'s)"
+        None,
+        description="redis://, rediss:// or redis+sentinel://host:port[,host:port]/service URL of the index "
+        "(default: the running `pdserve up`'s)",
     )
     cluster: str | None = Field(
         None,

@@ -30,7 +30,9 @@ class NodeOptions(EngineOptions, SecretFiles):
     host: str = Field("127.0.0.1", description="address of the internal HTTP API and the transfer listener")
     port: int = Field(ge=1, le=65535, description="port of the node's internal HTTP API")
     redis: str | None = Field(
-        None, description="redis://, rediss:// or unix:// URL of the block index (default: no index)"
+        None,
+        description="redis://, rediss://, unix:// or redis+sentinel://host:port[,host:port]/service URL of "
+        "the block index (default: no index)",
     )
     cluster: str = Field("default", description="the cluster name of the index's keys")
     transfer_port: int = Field(0, ge=0, le=65535, description="KV-transfer listener port (0: a free one)")

@@ -237,6 +237,11 @@ class NodeRuntime:
             except NodeNotRegistered:
                 what = "registering again"
                 await self._register_again(epoch)  # its first heartbeat carries the load, for the router
+            except StaleEpoch as exc:
+                if exc.current >= epoch:  # a newer registration of this node id: not this process's to undo
+                    raise
+                what = "registering again"  # the index lost the last registration (a failover)
+                await self._register_again(epoch)
             self._link.answered()
         except StaleEpoch as exc:
             if epoch == self.epoch:  # not the other loop's re-registration racing this beat
@@ -246,9 +251,9 @@ class NodeRuntime:
             self._need_resync = True
 
     async def _register_again(self, seen_epoch: int) -> None:
-        """The index lost this node (Redis restarted empty): register with a new epoch, draining if the node
-        is, and have the publish loop resync every block it holds. A no-op if the other loop already did it
-        since `seen_epoch`."""
+        """The index lost this node (Redis restarted empty, or a failover lost its last registration):
+        register with a new epoch, draining if the node is, and have the publish loop resync every block it
+        holds. A no-op if the other loop already did it since `seen_epoch`."""
         assert self.index is not None and self._info is not None
         async with self._register_lock:
             if self.epoch != seen_epoch or self.deregistered:
@@ -288,6 +293,12 @@ class NodeRuntime:
                     await self.index.publish(self.node_id, epoch, events)
             except NodeNotRegistered:
                 what = "registering again"
+                self._need_resync = True
+                await self._register_again(epoch)
+            except StaleEpoch as exc:
+                if exc.current >= epoch:
+                    raise
+                what = "registering again"  # the index lost the last registration (a failover)
                 self._need_resync = True
                 await self._register_again(epoch)
             self._link.answered()

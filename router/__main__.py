@@ -45,7 +45,10 @@ class RouterOptions(SecretFiles):
         description="the model id(s) clients pass as `model` (repeat or comma-separate for aliases; "
         "the first is the id responses carry; default: the model's file name)",
     )
-    redis: str = Field(description="redis://, rediss:// or unix:// URL of the block index")
+    redis: str = Field(
+        description="redis://, rediss://, unix:// or redis+sentinel://host:port[,host:port]/service URL of "
+        "the block index and of the fleet's admission ledger"
+    )
     redis_cluster: str = Field("default", description="the cluster name of the index's keys")
     host: str = Field("127.0.0.1", description="address the OpenAI API listens on")
     port: int = Field(8000, ge=0, le=65535, description="port of the OpenAI API")
@@ -116,8 +119,14 @@ class RouterOptions(SecretFiles):
     max_requests_per_node: int = Field(
         0,
         ge=0,
-        description="requests this router keeps in flight on one node at most; more wait in the router's "
-        "queue (0: no limit)",
+        description="requests kept in flight on one node at most (by this router, or by the fleet with "
+        "--admission redis); more wait in the router's queue (0: no limit)",
+    )
+    admission: Literal["local", "redis"] = Field(
+        "local",
+        description="where --max-requests-per-node is counted: local (this router's own requests; one "
+        "router) or redis (leases in the index's Redis shared by every router of the cluster, so the cap "
+        "holds for the fleet; give it to every router behind one load balancer)",
     )
     max_queued_requests: int = Field(
         1024,
@@ -176,7 +185,9 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         migration_limit=opts.migration_limit,
         cost_model=opts.cost_model,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
-        admission=AdmissionConfig(opts.max_requests_per_node, opts.max_queued_requests),
+        admission=AdmissionConfig(
+            opts.max_requests_per_node, opts.max_queued_requests, fleet=opts.admission == "redis"
+        ),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_public=opts.metrics_public,
         node_token=token or "",  # required=True: never empty here

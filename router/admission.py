@@ -17,8 +17,9 @@ client: an admitted request never fails for load.
 
 Invariants: a Booking gives back exactly what it took, once (`release` and `prefill_done` are idempotent;
 `release` includes `prefill_done`); counts never go negative and a node with nothing booked has no entry;
-waiters are woken in arrival order, one per booking that ends. `InFlight` is the seam a ledger shared by
-several routers (in Redis) implements; `Ledger` is this process's own.
+waiters are woken in arrival order, one per booking that ends. `InFlight` is the seam both ledgers
+implement: `Ledger` is this process's own (`--admission local`, one router); router/ledger_redis.py's is
+the fleet's, leases in Redis shared by every router of a cluster (`--admission redis`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Protocol
@@ -43,10 +45,26 @@ class AdmissionConfig:
     """Requests that may wait for room at once; beyond it the router answers 429."""
     retry_after_s: int = 1
     """The Retry-After a refused client gets."""
+    fleet: bool = False
+    """The caps hold for every router of the cluster (leases in Redis, router/ledger_redis.py), not for this
+    router alone."""
+    lease_ttl_s: float = 3.0
+    """A fleet lease's life after its router's last refresh (refreshed every third of it): how long the
+    leases of a router that died keep their places."""
 
     def __post_init__(self) -> None:
         if self.max_requests_per_node < 0 or self.max_queued < 0 or self.retry_after_s < 1:
             raise ValueError(f"admission limits must be >= 0 (retry_after_s >= 1), got {self}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+
+
+class NodeFull(Exception):
+    """A booking found `node_id` at its cap (another router of the fleet filled it since the last look)."""
+
+    def __init__(self, node_id: NodeId) -> None:
+        super().__init__(f"node {node_id} is at its in-flight limit")
+        self.node_id = node_id
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,25 @@ class Booking(Protocol):
     ) -> None: ...
 
 
+@dataclass(eq=False)
+class Turn:
+    """One placement's place in line while it waits for room, held for the placement's whole life
+    (`with ledger.turn() as turn`). The fleet's ledger keeps the placement's ticket in its queue here (the
+    arrival order across routers) and gives it up when the turn ends; the local ledger needs none."""
+
+    ticket: str | None = None
+    ended: Callable[[Turn], None] | None = None
+
+    def __enter__(self) -> Turn:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.ended is not None:
+            self.ended(self)
+
+
 class InFlight(Protocol):
     """The in-flight ledger as placement, admission and the cost model's inputs read it."""
 
@@ -87,12 +124,33 @@ class InFlight(Protocol):
 
     def full(self, node_id: NodeId) -> bool: ...
 
-    def book(self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int) -> Booking:
-        """One request on `decode`; and one request on `prefill` (P/D) with `prefill_tokens` on the
-        prefilling node (`prefill`, or `decode` when it prefills) until `prefill_done`."""
+    def turn(self) -> Turn:
+        """A placement's place in line (a context manager around the placement)."""
 
-    async def wait_for_room(self, deadline: float) -> None:
+    async def acquire(
+        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int, turn: Turn | None = None
+    ) -> tuple[Booking, ...]:
+        """n bookings of one request on `decode`; and one request on `prefill` (P/D) with `prefill_tokens`
+        on the prefilling node (`prefill`, or `decode` when it prefills) until `prefill_done`. NodeFull when
+        a node turned out to be at its cap, or placements that waited longer must go first (nothing is
+        booked then: wait for room, then place again)."""
+
+    async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
         """Waits for some booking to end; QueueFull when the queue is full, NoRoom at the deadline."""
+
+    async def start(self) -> None:
+        """Starts what the ledger runs in the background (a shared ledger's lease refresh)."""
+
+    async def close(self) -> None:
+        """Stops it and gives back what is still held where others can see it."""
+
+
+def booked_view(node: NodeView, count: Load) -> NodeView:
+    """The node with its heartbeat's load raised to what is booked on it (`count`), where that is larger."""
+    waiting = max(node.waiting, count.requests - node.running)
+    return replace(
+        node, waiting=waiting, queued_prefill_tokens=max(node.queued_prefill_tokens, count.prefill_tokens)
+    )
 
 
 @dataclass(eq=False)
@@ -144,12 +202,7 @@ class Ledger:
 
     def view(self, node: NodeView) -> NodeView:
         count = self._counts.get(node.node_id)
-        if count is None:
-            return node
-        waiting = max(node.waiting, count.requests - node.running)
-        return replace(
-            node, waiting=waiting, queued_prefill_tokens=max(node.queued_prefill_tokens, count.prefill_tokens)
-        )
+        return node if count is None else booked_view(node, count)
 
     def full(self, node_id: NodeId) -> bool:
         limit = self.config.max_requests_per_node
@@ -164,7 +217,22 @@ class Ledger:
         self._add(prefilling, 0, prefill_tokens)
         return _Booking(self, decode, prefill, prefilling, prefill_tokens)
 
-    async def wait_for_room(self, deadline: float) -> None:
+    def turn(self) -> Turn:
+        return Turn()
+
+    async def acquire(
+        self, decode: NodeId, prefill: NodeId | None, prefill_tokens: int, n: int, turn: Turn | None = None
+    ) -> tuple[Booking, ...]:
+        # never suspends: from the caller's room check to the bookings no other placement runs
+        return tuple(self.book(decode, prefill, prefill_tokens) for _ in range(n))
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
         if len(self._waiters) >= self.config.max_queued:
             raise QueueFull(
                 f"every node is at its limit of {self.config.max_requests_per_node} requests and "

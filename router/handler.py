@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pdserve.router.admission import Ledger
 from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
 from pdserve.router.config import RouterConfig
@@ -32,6 +31,7 @@ from pdserve.router.cost_model import CostModel
 from pdserve.router.dispatch import ChoiceEvent, ChoiceJob, RequestRun
 from pdserve.router.errors import ClientGone, DeadlineExceeded, RouterError, to_openai
 from pdserve.router.json_body import parse_json_body
+from pdserve.router.ledger_redis import ledger_for
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
@@ -114,9 +114,10 @@ class RequestHandler:
             index, self.clients, self.breakers, self.metrics, config.node_list_ttl_s, config.seed_nodes
         )
         self.model_check = ModelCheck(config.model_path, tokenizer)
+        self.ledger = ledger_for(config.admission, config.redis, self.metrics, self.background)
         self.router = Router(
             index, config.policy, self.membership, self.metrics, self.background, self.breakers,
-            Ledger(config.admission), self.model_check, CostModel(), config.cost_model,
+            self.ledger, self.model_check, CostModel(), config.cost_model,
         )  # fmt: skip
         self.tenants = Tenants(config.api_keys, config.rate_limit)
         self._served = set(config.served_model_names)
@@ -125,6 +126,7 @@ class RequestHandler:
 
     async def start(self) -> None:
         await self.model_check.prepare()
+        await self.ledger.start()
         self._watch = asyncio.create_task(self.membership.run())
 
     async def stop(self) -> None:
@@ -134,6 +136,7 @@ class RequestHandler:
                 await self._watch
         await self.breakers.aclose()
         await self.background.drain()
+        await self.ledger.close()
         await self.clients.aclose()
         await self.index.close()
 

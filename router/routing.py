@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.router.admission import Booking, InFlight
+from pdserve.router.admission import Booking, InFlight, NodeFull, Turn
 from pdserve.router.background import Background
 from pdserve.router.breaker import Breakers
 from pdserve.router.cost_model import CostModel, Estimate, Inputs
@@ -27,7 +27,7 @@ from pdserve.router.errors import NoNodes
 from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
-from pdserve.router.placement import select
+from pdserve.router.placement import Selection, select
 from pdserve.router.policy import NodeView, NoNodeAvailable, PolicyConfig
 from pdserve.router.telemetry import (
     Decided,
@@ -166,38 +166,62 @@ class Router:
                 hits = await self._index.lookup(hashes)
             except IndexUnavailable:
                 self._membership.index_failed()
-        # From the room check to the bookings nothing awaits (no suspension while there is room), so a burst
-        # cannot pass the check all at once; time spent waiting for room is not routing time.
-        waited = time.perf_counter()
-        statuses = await self._with_room(deadline)
-        started += time.perf_counter() - waited
+        # From the room check to the bookings nothing else awaits with the local ledger, so a burst cannot
+        # pass the check all at once; the fleet's ledger checks the cap (and whose turn it is) again in
+        # Redis as it books, and a refusal (NodeFull) sends the placement back to wait and to the room
+        # check. Time spent waiting for room is not routing time.
+        with self._ledger.turn() as turn:
+            while True:
+                waited = time.perf_counter()
+                statuses = await self._with_room(deadline, turn)
+                started += time.perf_counter() - waited
+                selection, live = self._select(len(prompt), block_size, hits, statuses, known)
+                want = (selection.decode, selection.prefill, selection.estimate.compute_tokens, n, turn)
+                try:
+                    bookings = await self._ledger.acquire(*want)
+                except NodeFull:  # filled by another router, or it is an earlier placement's turn
+                    self._metrics.admission_waits.inc()
+                    await self._ledger.wait_for_room(deadline, turn)
+                    continue
+                break
+        decode = live[selection.decode]
+        prefill = None if selection.prefill is None else live[selection.prefill]
+        fetch_from = None if selection.fetch_from is None else live[selection.fetch_from]
+        route = Route(selection.kind, decode, prefill, selection.cached_blocks, fetch_from,
+                      selection.fetch_blocks, selection.estimate, selection.inputs)  # fmt: skip
+        self.telemetry.emit(Decided(selection, time.perf_counter() - started))
+        max_len = min(node.max_model_len for node in (decode, prefill) if node is not None)
+        return Placement(route, max_len, first.model_fingerprint, bookings)
+
+    def _select(
+        self,
+        prompt_tokens: int,
+        block_size: int,
+        hits: dict[NodeId, int],
+        statuses: list[NodeStatus],
+        known: list[NodeStatus],
+    ) -> tuple[Selection, dict[NodeId, NodeInfo]]:
+        """The one decision over the nodes with room (NoNodes when none fits, ModelMismatch when the chosen
+        nodes serve another model), and the live nodes' registrations by id."""
         if not statuses:
             raise NoNodes("no serving node is available")
         self._rotation += 1
         ledger = self._ledger
         try:
             selection = select(
-                len(prompt), block_size, hits, [ledger.view(NodeView.from_status(s)) for s in statuses],
+                prompt_tokens, block_size, hits, [ledger.view(NodeView.from_status(s)) for s in statuses],
                 {s.info.node_id for s in known}, self._policy, self.cost, self.cost_decides,
                 lambda node_id: ledger.load(node_id).prefill_tokens, self._rotation,
             )  # fmt: skip
         except NoNodeAvailable as exc:
             raise NoNodes(str(exc)) from exc
         live = {s.info.node_id: s.info for s in known}
-        decode = live[selection.decode]
-        prefill = None if selection.prefill is None else live[selection.prefill]
-        nodes = [node for node in (decode, prefill) if node is not None]
-        for node in nodes:
-            self._model_check.check(node)  # ModelMismatch: the router's model is not theirs
-        fetch_from = None if selection.fetch_from is None else live[selection.fetch_from]
-        route = Route(selection.kind, decode, prefill, selection.cached_blocks, fetch_from,
-                      selection.fetch_blocks, selection.estimate, selection.inputs)  # fmt: skip
-        self.telemetry.emit(Decided(selection, time.perf_counter() - started))
-        tokens = selection.estimate.compute_tokens
-        bookings = tuple(ledger.book(selection.decode, selection.prefill, tokens) for _ in range(n))
-        return Placement(route, min(node.max_model_len for node in nodes), first.model_fingerprint, bookings)
+        for node_id in (selection.decode, selection.prefill):
+            if node_id is not None:
+                self._model_check.check(live[node_id])  # ModelMismatch: the router's model is not theirs
+        return selection, live
 
-    async def _with_room(self, deadline: float) -> list[NodeStatus]:
+    async def _with_room(self, deadline: float, turn: Turn) -> list[NodeStatus]:
         """The usable nodes below their in-flight limit, once every role among the usable nodes has one."""
         while True:
             statuses = await self.nodes()
@@ -205,7 +229,7 @@ class Router:
             if {s.info.role for s in room} == {s.info.role for s in statuses}:
                 return room
             self._metrics.admission_waits.inc()
-            await self._ledger.wait_for_room(deadline)
+            await self._ledger.wait_for_room(deadline, turn)
 
     def usable(self, status: NodeStatus, now: float) -> bool:
         """Whether a live node may get new work: not draining, not refusing, its breaker closed."""

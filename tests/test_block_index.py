@@ -613,3 +613,17 @@ def test_the_documented_least_privilege_acl_user_runs_the_index(redis_server: Lo
         await admin.aclose()
 
     run(body())
+
+
+def test_more_calls_at_once_than_connections_wait_for_one(redis_server: LocalRedis) -> None:
+    """redis-py's pool fails a call at once ("Too many connections") when every connection is busy; a burst
+    of lookups larger than the pool must wait for a connection, not report the index unavailable (the
+    router would route load-only)."""
+
+    async def scenario() -> None:
+        async with make_index(redis_server, max_connections=2) as index:
+            hashes = [BlockHash(bytes([i]) * 32) for i in range(64)]
+            answers = await asyncio.gather(*(index.lookup(hashes) for _ in range(50)))
+            assert answers == [{}] * 50
+
+    asyncio.run(scenario())

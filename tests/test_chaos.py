@@ -25,6 +25,7 @@ from pdserve.tests.harness.chaos_faults import (
     reference,
     restart_redis,
     start_router,
+    wait_index_clean,
 )
 from pdserve.tests.harness.chaos_load import Load, Outcome, metric_of
 from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl_main, served_model_name, up_config
@@ -123,35 +124,9 @@ def listed(live: LiveCluster) -> set[str]:
         return set()
 
 
-def index_diff(live: LiveCluster) -> dict[str, object] | None:
-    """kvctl diff's rows of the surviving nodes; None when every one is listed, answers and agrees."""
-    try:
-        rows = kvctl_main(live.redis_url, "diff", "--timeout", "60")["nodes"]
-    except AssertionError as exc:  # Redis unreachable: kvctl exits 1
-        return {"kvctl": str(exc)}
-    survivors = {n: rows.get(n) for n in live.nodes}
-    ok = all(
-        r is not None and "error" not in r and r["extra"] == r["missing"] == 0 for r in survivors.values()
-    )
-    return None if ok else survivors
-
-
 def migrations(live: LiveCluster) -> float:
     """Streams the router has migrated (its counter: a restarted router starts again from 0)."""
     return metric_of(live.base, "pdserve_router_aborts_total", {"reason": "migrated"})
-
-
-def wait_index_clean(live: LiveCluster, since: float, budget_s: float) -> float:
-    """Seconds from `since` to the start of the first kvctl diff that came back clean; asserts one that
-    started within budget_s did. (A node answers between engine steps: on the 2-core CPU a step of long
-    prefills takes seconds, so an answer may come later than the question.)"""
-    while True:
-        asked = time.monotonic()
-        diff = index_diff(live)
-        if diff is None:
-            return asked - since
-        assert asked - since < budget_s, f"kvctl diff not clean {budget_s:.1f} s after the fault: {diff}"
-        time.sleep(0.1)
 
 
 def run(

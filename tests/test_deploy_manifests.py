@@ -22,6 +22,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pdserve.shared.index.redis_url import parse_sentinel
 from pdserve.tests.harness.manifests import DEPLOY, K8S, Obj, objs, pod_spec, render
 
 KUBE_VERSION = "1.37.0"
@@ -31,6 +32,7 @@ RENDERS = (
     "overlays/cpu-demo",
     "overlays/gpu",
     "overlays/gpu-tp2",
+    "overlays/cpu-demo-sentinel",
     "cpu-demo+redis-tls",
     "cpu-demo+redis-no-aof",
 )
@@ -297,6 +299,26 @@ def test_redis_keeps_an_append_only_file(name: str) -> None:
     (redis,) = objs(name, "StatefulSet").values()
     mounts = {m["mountPath"] for m in pod_spec(redis)["containers"][0]["volumeMounts"]}
     assert "/data" in mounts
+
+
+def test_the_sentinel_overlay_runs_a_replica_three_sentinels_and_points_every_client_at_them() -> None:
+    name = "overlays/cpu-demo-sentinel"
+    sets = objs(name, "StatefulSet")
+    assert [sets[n]["spec"]["replicas"] for n in ("pdserve-redis", "pdserve-sentinel")] == [2, 3]
+    config_maps = objs(name, "ConfigMap")
+    redis_conf = next(c for n, c in config_maps.items() if n.startswith("pdserve-redis"))
+    assert {"redis-start.sh", "redis.conf"} <= set(redis_conf["data"])
+    sentinels = {f"pdserve-sentinel-{i}.pdserve-sentinel" for i in range(3)}
+    for w in workloads(name):
+        if component(w) not in COMPONENTS:
+            continue
+        (ref,) = pod_spec(w)["containers"][0]["envFrom"]
+        target = parse_sentinel(config_maps[ref["configMapRef"]["name"]]["data"]["PDSERVE_REDIS"])
+        assert target.service == "mymaster" and {h for h, _ in target.sentinels} == sentinels
+    policy = objs(name, "NetworkPolicy")["pdserve-sentinel"]
+    peers = [p["podSelector"]["matchLabels"] for rule in policy["spec"]["ingress"] for p in rule["from"]]
+    assert {"app.kubernetes.io/component": "router"} in peers and {"pdserve.dev/node": "true"} in peers
+    assert objs(name, "PodDisruptionBudget")["pdserve-sentinel"]["spec"]["minAvailable"] == 2
 
 
 def test_redis_aof_is_an_option() -> None:

@@ -15,7 +15,8 @@ Owns every Redis key under `RedisConfig.prefix`. Invariants (the Lua scripts kee
   until its first signed heartbeat.
 - A node's records list the blocks it holds in any tier; `blkhost:<id>:<epoch>` lists those of them that
   sit in its host-memory tier (BlockTiered events), kept beside the records with the same TTL.
-Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
+At most `max_connections` calls run at once; the others wait for a connection (redis-py's pool would fail
+them). Redis unreachable or unable to serve (OOM, read-only replica) raises `IndexUnavailable`; refused
 credentials raise its subclass `IndexAuthError`. A call cancelled while redis-py sends a command (its
 `asyncio.wait_for` swallows a cancellation that lands as the send completes, Python 3.11) raises
 `CancelledError` when it returns: a cancelled caller is never left running.
@@ -50,6 +51,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
+from pdserve.shared.index.redis_url import SENTINEL_SCHEME, parse_sentinel, sentinel_client
 from pdserve.shared.types import KV_LAYOUT_FIELDS, BlockHash, KVLayout, NodeId
 from pdserve.shared.wire import WireError
 from redis.asyncio.retry import Retry
@@ -75,6 +77,8 @@ def connect(config: RedisConfig) -> aioredis.Redis:
         "ssl_cert_reqs": "required" if config.tls_verify else "none",
         "ssl_check_hostname": config.tls_verify,
     }
+    if config.url is not None and config.url.startswith(SENTINEL_SCHEME + "://"):
+        return sentinel_client(parse_sentinel(config.url), config.password, config.username, common)
     if config.url is not None:
         extra = tls if config.url.startswith("rediss://") else {}
         return aioredis.Redis.from_url(config.url, **common, **extra)
@@ -133,6 +137,8 @@ class BlockIndex:
         self._deregister = reg(lua.DEREGISTER)
         self._evict = reg(lua.EVICT_RECORDS)
         self._digest, self._rebuild = reg(lua.DIGEST), reg(lua.REBUILD_DIGEST)
+        # redis-py's pool fails a call at once when every connection is busy: calls queue here instead
+        self._slots = asyncio.Semaphore(config.max_connections)
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -148,18 +154,25 @@ class BlockIndex:
         where = self.config.address
         task = asyncio.current_task()
         cancels = task.cancelling() if task is not None else 0
-        try:
-            yield
-        except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
-            raise IndexAuthError(f"Redis at {where} refused the credentials during {what}: {exc}") from exc
-        except rexc.NoPermissionError as exc:
-            raise IndexAuthError(
-                f"Redis at {where} denied {what} to user {self.config.username}: {exc}"
-            ) from exc
-        except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
-            raise IndexUnavailable(f"Redis at {where} is unreachable during {what}: {exc}") from exc
-        except rexc.RedisError as exc:  # OOM, READONLY replica, a busy script: Redis cannot serve the index
-            raise IndexUnavailable(f"Redis at {where} failed {what}: {exc}") from exc
+        async with self._slots:
+            try:
+                yield
+            except (rexc.AuthenticationError, rexc.AuthenticationWrongNumberOfArgsError) as exc:
+                message = f"Redis at {where} refused the credentials during {what}: {exc}"
+                raise IndexAuthError(message) from exc
+            except rexc.NoPermissionError as exc:
+                raise IndexAuthError(
+                    f"Redis at {where} denied {what} to user {self.config.username}: {exc}"
+                ) from exc
+            except (rexc.ConnectionError, rexc.TimeoutError, OSError) as exc:
+                raise IndexUnavailable(f"Redis at {where} is unreachable during {what}: {exc}") from exc
+            except rexc.AskError as exc:  # MOVED or ASK: a Redis Cluster node without the index's slot
+                raise IndexUnavailable(
+                    f"Redis at {where} is a Redis Cluster node ({exc}): pdserve needs one primary holding "
+                    "every key (a single server, or a Sentinel group: redis+sentinel://host:26379/mymaster)"
+                ) from exc
+            except rexc.RedisError as exc:  # OOM, READONLY replica, a busy script: Redis cannot serve
+                raise IndexUnavailable(f"Redis at {where} failed {what}: {exc}") from exc
         if task is not None and task.cancelling() > cancels:
             raise asyncio.CancelledError(f"{what} was cancelled while Redis answered")
 
@@ -173,9 +186,9 @@ class BlockIndex:
         if status == "UNREGISTERED":
             raise NodeNotRegistered(f"node {node_id!r} is not registered in the index: register it again")
         if status == "STALE":
-            raise StaleEpoch(
-                f"node {node_id!r}: epoch {epoch} is stale, the current epoch is {int(reply[1])}"
-            )
+            current = int(reply[1])
+            message = f"node {node_id!r}: epoch {epoch} is stale, the current epoch is {current}"
+            raise StaleEpoch(message, current)
         return int(reply[1])
 
     # --- registry -------------------------------------------------------------------------------------------

@@ -17,9 +17,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
-from urllib.parse import urlsplit
 
 import numpy as np
+from pdserve.shared.index.redis_url import address, check_url
 from pdserve.shared.types import ROLES, BlockHash, KVLayout, NodeId, Role
 from pdserve.shared.wire import Codec, JsonMessage
 
@@ -54,7 +54,13 @@ class IncompatibleNode(BlockIndexError):
 
 
 class StaleEpoch(BlockIndexError):
-    """A write carried an epoch that is not the node's current one (the node restarted since)."""
+    """A write carried an epoch that is not the node's current one in the index (`current`): higher, the
+    node registered again since (another process of it); lower, the index lost the node's last
+    registration (a failover to a replica that had not received it, an old append-only file)."""
+
+    def __init__(self, message: str, current: int) -> None:
+        super().__init__(message)
+        self.current = current
 
 
 class NodeNotRegistered(BlockIndexError):
@@ -65,9 +71,10 @@ class NodeNotRegistered(BlockIndexError):
 class RedisConfig:
     """How to reach the index's Redis and which cluster's keys to use.
 
-    url (redis://, rediss:// or unix://) wins over host/port/db when given; credentials and TLS files given
-    here are added to it. Every key of one cluster starts with `pdserve:{<cluster>}:` (one hash tag, so a
-    Redis Cluster keeps them in one slot, as the Lua scripts need).
+    url (redis://, rediss://, unix://, or redis+sentinel:// for a Sentinel group: shared/index/redis_url.py)
+    wins over host/port/db when given; credentials and TLS files given here are added to it.
+    Every key of one cluster starts with `pdserve:{<cluster>}:` (one hash tag: a Redis Cluster would keep
+    them in one slot, as the Lua scripts need; redis+cluster:// is refused all the same, docs/redis_index.md).
     """
 
     url: str | None = None
@@ -90,8 +97,8 @@ class RedisConfig:
     max_connections: int = 64
 
     def __post_init__(self) -> None:
-        if self.url is not None and urlsplit(self.url).scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"url={self.url!r}: accepted schemes redis://, rediss://, unix://")
+        if self.url is not None:
+            check_url(self.url)
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port}: must be in 1..65535")
         if not _NAME_RE.fullmatch(self.cluster):
@@ -115,10 +122,7 @@ class RedisConfig:
         """Where Redis is, for messages: never contains the password."""
         if self.url is None:
             return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/{self.db}"
-        parts = urlsplit(self.url)
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-        return f"{parts.scheme}://{host}{port}{parts.path}"
+        return address(self.url)
 
 
 class _Record(JsonMessage):

@@ -1,5 +1,6 @@
 """Faults for the chaos tests, done to a LiveCluster's real processes: kill -9 of a node, of Redis or of the
-router, and starting each again where it was (same port, same id), so the cluster's own cleanup stops it.
+router, and starting each again where it was (same port, same id), so the cluster's own cleanup stops it;
+and how the index is checked after one (`kvctl diff` until clean).
 
 Owns nothing beyond the LiveCluster it is given: a killed process is reaped here, a restarted one is
 registered with the cluster (`Cluster.spawn`, `Cluster.redis`), and `LiveCluster.nodes` always lists the
@@ -18,7 +19,14 @@ from typing import Any
 
 import httpx
 from pdserve.cli.up import start_redis
-from pdserve.tests.harness.cluster_fixture import LiveCluster, NodeProc, node_argv, router_argv, up_config
+from pdserve.tests.harness.cluster_fixture import (
+    LiveCluster,
+    NodeProc,
+    kvctl_main,
+    node_argv,
+    router_argv,
+    up_config,
+)
 
 SMALL_KV = ("--kv-cache-gib", "0.125")
 """182 blocks of 16 tokens: plenty for 16 short streams, and 0.9 GiB less memory per node."""
@@ -104,3 +112,29 @@ def restart_redis(live: LiveCluster, port: int, aof_dir: str | None = None) -> f
     start_redis(live.cluster, aof_dir=aof_dir, port=port)
     live.cluster.redis.insert(0, live.cluster.redis.pop())
     return time.monotonic()
+
+
+def index_diff(live: LiveCluster) -> dict[str, object] | None:
+    """kvctl diff's rows of the surviving nodes; None when every one is listed, answers and agrees."""
+    try:
+        rows = kvctl_main(live.redis_url, "diff", "--timeout", "60")["nodes"]
+    except AssertionError as exc:  # Redis unreachable: kvctl exits 1
+        return {"kvctl": str(exc)}
+    survivors = {n: rows.get(n) for n in live.nodes}
+    ok = all(
+        r is not None and "error" not in r and r["extra"] == r["missing"] == 0 for r in survivors.values()
+    )
+    return None if ok else survivors
+
+
+def wait_index_clean(live: LiveCluster, since: float, budget_s: float) -> float:
+    """Seconds from `since` to the start of the first kvctl diff that came back clean; asserts one that
+    started within budget_s did. (A node answers between engine steps: on the 2-core CPU a step of long
+    prefills takes seconds, so an answer may come later than the question.)"""
+    while True:
+        asked = time.monotonic()
+        diff = index_diff(live)
+        if diff is None:
+            return asked - since
+        assert asked - since < budget_s, f"kvctl diff not clean {budget_s:.1f} s after the fault: {diff}"
+        time.sleep(0.1)
