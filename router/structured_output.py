@@ -38,16 +38,25 @@ def constraint_of(body: dict[str, Any]) -> Constraint | None:
         if name in body:
             c = _one(name, body[name])
             if c is not None:
-                found.append((name, c))
+                found.append((_where(name, body[name]), c))
     if not found:
         return None
     if len(found) > 1:
-        names = ", ".join(n for n, _ in found)
+        names = ", ".join(n.split(".")[0] for n, _ in found)
         raise OpenAIError(400, f"at most one structured output constraint per request; got {names}",
-                          param=found[1][0])  # fmt: skip
+                          param=found[1][0].split(".")[0])  # fmt: skip
     name, constraint = found[0]
     checked(constraint, name)
     return constraint
+
+
+def _where(name: str, value: Any) -> str:
+    """The parameter that holds the grammar of field `name` (a valid value: `_one` checked its shape)."""
+    if name == "response_format" and value.get("type") == "json_schema":
+        return "response_format.json_schema.schema"
+    if name == "structured_outputs":
+        return "structured_outputs." + next(k for k, v in value.items() if v is not None and v is not False)
+    return name
 
 
 def checked(constraint: Constraint, param: str) -> Constraint:
