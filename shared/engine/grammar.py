@@ -106,8 +106,9 @@ class Matcher:
         self.consumed = len(output_token_ids)
 
     @property
-    def is_terminated(self) -> bool:
-        return self._m.is_terminated()
+    def ended(self) -> bool:
+        """The grammar accepted its end token, or refused one: it has no next-token mask of its own."""
+        return self.failed or self._m.is_terminated()
 
 
 class Grammars:
@@ -153,16 +154,18 @@ class Grammars:
         """Bitmask [S, ceil(V / 32)] int32 on the host, row i for matchers[i]; a None row allows everything.
         One call fills every constrained row (xgrammar's threads)."""
         mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all bits set: allow all
-        rows = [i for i, m in enumerate(matchers) if m is not None and not m.failed]
-        if rows:
+        live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.ended]
+        if live:
             self.batcher.batch_fill_next_token_bitmask(
-                [m._m for m in matchers if m is not None and not m.failed], mask, indices=rows
+                [m._m for _, m in live], mask, indices=[i for i, _ in live]
             )
-        failed = [i for i, m in enumerate(matchers) if m is not None and m.failed]
-        if failed:
-            mask[failed] = 0
+        # Ended: a speculative step (async scheduling) after the end token, whose token is dropped, or a
+        # refused token: only an end token may follow.
+        ended = [i for i, m in enumerate(matchers) if m is not None and m.ended]
+        if ended:
+            mask[ended] = 0
             for t in self.stop_ids:
-                mask[failed, t // 32] |= 1 << (t % 32)
+                mask[ended, t // 32] |= 1 << (t % 32)
         return mask
 
 
