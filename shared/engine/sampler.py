@@ -9,7 +9,7 @@ Invariants:
   the sampler's own RNG, so only seeded requests are reproducible.
 - Processing order: penalties (repetition over prompt + output, frequency/presence over output) ->
   the grammar mask of constrained rows (tokens it forbids at -inf) -> min_tokens (EOS and stop token ids
-  at -inf while fewer than min_tokens output tokens exist) ->
+  at -inf while fewer than min_tokens output tokens exist, unless the grammar allows nothing else) ->
   temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after min_tokens.
 - Logprobs (OpenAI-like): log-softmax of the logits after penalties and the grammar mask (a forbidden token's
   logprob is -inf, clamped on the wire) and before min_tokens, temperature and
@@ -101,6 +101,10 @@ class Sampler:
         if bitmask is not None:
             logits = apply_masks(logits.clone(), bitmask)  # [S, V]; the runner's buffer stays as it was
         scores = self._hold_stops(logits, states)  # [S, V]: what is drawn from; logprobs read `logits`
+        if bitmask is not None and scores is not logits:
+            # a complete grammar allows only the end tokens min_tokens holds back: the grammar wins
+            nothing = (scores == float("-inf")).all(dim=-1, keepdim=True)  # [S, 1]
+            scores = torch.where(nothing, logits, scores)
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_EPS]
         rand = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_EPS]
         if not rand:
