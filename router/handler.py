@@ -36,7 +36,7 @@ from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
 from pdserve.router.node_client import NodeClients
-from pdserve.router.openai_builders import ResponseHead, models_response
+from pdserve.router.openai_builders import ChoiceFinish, ResponseHead, models_response
 from pdserve.router.openai_protocol import (
     GenerationSpec,
     OpenAIError,
@@ -370,14 +370,15 @@ class RequestHandler:
             req.run.cancel("error")
             raise
         self.metrics.e2e.observe(time.perf_counter() - req.arrival)
-        fmt = tool_format(req.spec.tools, self.tokenizer.chat_template)
+        plan = req.spec.tools
+        fmt = tool_format(plan, self.tokenizer.chat_template)
         choices = []
         for i, c in req.choices.items():
             text: str | None = "".join(c.text)
             calls: list[dict[str, Any]] = []
-            if fmt is not None and text is not None:
-                text, calls = parse_tool_calls(fmt, text, req.spec.tools.name)  # type: ignore[union-attr]
-            finish = (
+            if fmt is not None and plan is not None:
+                text, calls = parse_tool_calls(fmt, "".join(c.text), plan.name)
+            finish: ChoiceFinish = (
                 "tool_calls" if calls and c.finish_reason in (None, "stop") else c.finish_reason or "stop"
             )
             logprobs = c.logprobs if req.spec.sampling.logprobs is not None else None
@@ -399,7 +400,7 @@ class RequestHandler:
                 offset = sum(len(t) for t in choice.text) if choice.text else choice.offset
                 text, logprobs = req.record(event, self.metrics)
                 assert event.step is not None
-                finish: str | None = event.step.finish_reason
+                finish: ChoiceFinish | None = event.step.finish_reason
                 calls: list[dict[str, Any]] = []
                 parser = parsers.get(event.index)
                 if parser is not None:
@@ -409,8 +410,8 @@ class RequestHandler:
                         text, calls = text + more_text, calls + more_calls
                         finish = "tool_calls" if parser.called and finish == "stop" else finish
                 if text or logprobs or calls or finish is not None:
-                    yield _sse(req.head.chunk(event.index, text, finish, logprobs,  # type: ignore[arg-type]
-                                              include_usage, offset, tool_calls=calls))  # fmt: skip
+                    yield _sse(req.head.chunk(event.index, text, finish, logprobs, include_usage, offset,
+                                              tool_calls=calls))  # fmt: skip
             if include_usage:
                 yield _sse(req.head.usage_chunk(req.usage()))
             metrics.e2e.observe(time.perf_counter() - req.arrival)

@@ -19,6 +19,9 @@ from pdserve.router.openai_protocol import Kind
 from pdserve.shared.node.node_protocol import TokenLogprob
 from pdserve.shared.types import FinishReason
 
+ChoiceFinish = FinishReason | Literal["tool_calls"]
+"""A choice's finish_reason as the client sees it: the node's, or "tool_calls" when it called tools."""
+
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {
@@ -99,7 +102,7 @@ class ResponseHead:
         self,
         index: int,
         text: str | None,
-        finish_reason: FinishReason | Literal["tool_calls"],
+        finish_reason: ChoiceFinish,
         logprobs: Sequence[TokenLogprob] | None,
         offset: int = 0,
         tool_calls: list[dict[str, Any]] | None = None,
@@ -127,7 +130,7 @@ class ResponseHead:
         self,
         index: int,
         text: str,
-        finish_reason: FinishReason | Literal["tool_calls"] | None,
+        finish_reason: ChoiceFinish | None,
         logprobs: Sequence[TokenLogprob] | None,
         include_usage: bool,
         offset: int = 0,
