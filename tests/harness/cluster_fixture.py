@@ -126,7 +126,7 @@ class LiveCluster:
             dirty = {
                 n: a
                 for n, a in audits.items()
-                if a["in_use"] or a["reserved"] or a["live_requests"] or a.get("grammar_matchers")
+                if a["in_use"] or a["reserved"] or a["live_requests"] or a["grammar_matchers"]
             }
             if not dirty:
                 return audits
