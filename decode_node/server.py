@@ -240,7 +240,10 @@ def add_decode_routes(
     async def generate(request: Request) -> Any:
         try:
             gen = NodeGenerateRequest.from_json(await request.body())
-            rt.engine.validate(gen.prompt_token_ids, gen.sampling)
+            if gen.sampling.constraint is None:
+                rt.engine.validate(gen.prompt_token_ids, gen.sampling)
+            else:  # compiles the grammar (cached): up to a second for a new one, off the event loop
+                await asyncio.to_thread(rt.engine.validate, gen.prompt_token_ids, gen.sampling)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         if rt.draining:

@@ -365,7 +365,8 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
 
     @app.get("/internal/audit")
     async def audit() -> JSONResponse:
-        a, live = await rt.aengine.call(lambda: (rt.engine.audit(), rt.engine.num_requests()))
+        e = rt.engine
+        a, live, matchers = await rt.aengine.call(lambda: (e.audit(), e.num_requests(), e.grammar_matchers()))
         return JSONResponse(
             {
                 "num_blocks": a.num_blocks,
@@ -374,6 +375,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
                 "in_use": a.in_use,
                 "reserved": a.reserved,
                 "live_requests": live,
+                "grammar_matchers": matchers,
             }
         )
 

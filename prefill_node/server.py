@@ -273,7 +273,10 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
     async def prefill(request: Request) -> Response:
         try:
             req = PrefillRequest.from_json(await request.body())
-            service.rt.engine.validate(req.prompt_token_ids, req.sampling)
+            if req.sampling.constraint is None:
+                service.rt.engine.validate(req.prompt_token_ids, req.sampling)
+            else:  # compiles the grammar (cached): up to a second for a new one, off the event loop
+                await asyncio.to_thread(service.rt.engine.validate, req.prompt_token_ids, req.sampling)
         except ValueError as exc:
             return Response(
                 PrefillResult(RequestId("invalid"), None, 0, 0, 0, error=str(exc)).to_json(),

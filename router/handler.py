@@ -36,7 +36,7 @@ from pdserve.router.membership import Membership
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_check import ModelCheck
 from pdserve.router.node_client import NodeClients
-from pdserve.router.openai_builders import ResponseHead, models_response
+from pdserve.router.openai_builders import ChoiceFinish, ResponseHead, models_response
 from pdserve.router.openai_protocol import (
     GenerationSpec,
     OpenAIError,
@@ -49,6 +49,7 @@ from pdserve.router.request_log import REQUEST_ID
 from pdserve.router.request_state import ChoiceState, ServedRequest, check_length
 from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
+from pdserve.router.tool_calls import ToolCallStream, parse_tool_calls, template_input, tool_format
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.node.node_sign import ClusterKeys
@@ -319,10 +320,11 @@ class RequestHandler:
         tokenizer, how = self.tokenizer, spec.tokenize
         t0 = time.perf_counter()
         if spec.kind == "chat":
+            messages, tools = template_input(spec.messages, spec.tools, tokenizer.chat_template)
             try:
                 ids = await asyncio.to_thread(
-                    tokenizer.apply_chat_template, list(spec.messages), how.add_generation_prompt,
-                    how.continue_final_message, how.add_special_tokens, how.template_kwargs,
+                    tokenizer.apply_chat_template, messages, how.add_generation_prompt,
+                    how.continue_final_message, how.add_special_tokens, how.template_kwargs, tools,
                 )  # fmt: skip
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param="messages") from exc
@@ -383,17 +385,27 @@ class RequestHandler:
             req.run.cancel("error")
             raise
         self.metrics.e2e.observe(time.perf_counter() - req.arrival)
-        choices = [
-            req.head.choice(i, "".join(c.text), c.finish_reason or "stop",
-                            c.logprobs if req.spec.sampling.logprobs is not None else None, c.offset)
-            for i, c in req.choices.items()
-        ]  # fmt: skip
+        plan = req.spec.tools
+        fmt = tool_format(plan, self.tokenizer.chat_template)
+        choices = []
+        for i, c in req.choices.items():
+            text: str | None = "".join(c.text)
+            calls: list[dict[str, Any]] = []
+            if fmt is not None and plan is not None:
+                text, calls = parse_tool_calls(fmt, "".join(c.text), plan.name)
+            finish: ChoiceFinish = (
+                "tool_calls" if calls and c.finish_reason in (None, "stop") else c.finish_reason or "stop"
+            )
+            logprobs = c.logprobs if req.spec.sampling.logprobs is not None else None
+            choices.append(req.head.choice(i, text, finish, logprobs, c.offset, calls))
         return req.head.response(choices, req.usage())
 
     async def _stream(self, req: ServedRequest, incoming: Incoming, endpoint: str) -> AsyncIterator[bytes]:
         metrics = self.metrics
         status, finished = "200", False
         include_usage = req.spec.include_usage
+        plan, fmt = req.spec.tools, tool_format(req.spec.tools, self.tokenizer.chat_template)
+        parsers = {i: ToolCallStream(fmt, plan.name) for i in req.choices} if fmt and plan else {}
         try:
             if req.spec.kind == "chat":
                 for index in req.choices:
@@ -403,9 +415,18 @@ class RequestHandler:
                 offset = sum(len(t) for t in choice.text) if choice.text else choice.offset
                 text, logprobs = req.record(event, self.metrics)
                 assert event.step is not None
-                if text or logprobs or event.step.finish_reason is not None:
-                    yield _sse(req.head.chunk(event.index, text, event.step.finish_reason, logprobs,
-                                              include_usage, offset))  # fmt: skip
+                finish: ChoiceFinish | None = event.step.finish_reason
+                calls: list[dict[str, Any]] = []
+                parser = parsers.get(event.index)
+                if parser is not None:
+                    text, calls = parser.feed(text)
+                    if finish is not None:
+                        more_text, more_calls = parser.finish()
+                        text, calls = text + more_text, calls + more_calls
+                        finish = "tool_calls" if parser.called and finish == "stop" else finish
+                if text or logprobs or calls or finish is not None:
+                    yield _sse(req.head.chunk(event.index, text, finish, logprobs, include_usage, offset,
+                                              tool_calls=calls))  # fmt: skip
             if include_usage:
                 yield _sse(req.head.usage_chunk(req.usage()))
             metrics.e2e.observe(time.perf_counter() - req.arrival)

@@ -6,7 +6,8 @@ Invariants:
   (in order); its max_tokens is what remains. Sampling randomness is a function of (seed, absolute position)
   (engine/sampler.py), and positions are unchanged by moving tokens from output to prompt, so a greedy or
   seeded choice continues with the text an undisturbed run gives (frequency and presence penalties count
-  output tokens only: a choice that uses them is not migrated).
+  output tokens only: a choice that uses them is not migrated; nor is a constrained one, whose grammar state
+  the new node would start at the streamed tokens).
 - Every step the client sees after a migration is rewritten to the original request's view: its prompt
   length, its cached tokens, and completion tokens counted from the original start.
 - Pure bookkeeping over plain data; router/dispatch.py decides when to migrate and sends the requests.
@@ -41,6 +42,7 @@ class Continuation:
             self.migrations < limit
             and not s.frequency_penalty
             and not s.presence_penalty
+            and s.constraint is None
             and len(self.streamed) < s.max_tokens
         )
 

@@ -4,18 +4,23 @@ Shapes follow the schemas in openai-schemas.json (CreateCompletionResponse, Crea
 CreateChatCompletionStreamResponse, CompletionUsage, ChatCompletionTokenLogprob, ListModelsResponse).
 One departure, shared with OpenAI's own API: streamed completion chunks carry `finish_reason: null` until
 the last chunk of a choice, which that schema (a single shape for both) does not allow. Logprobs are
-finite and >= -9999.0 (node_protocol clamps them).
+finite and >= -9999.0 (node_protocol clamps them). A chat choice that called tools carries
+`message.tool_calls` (content null when it wrote nothing else) and finish_reason "tool_calls"; its stream
+carries `delta.tool_calls` (router/tool_calls.py reads them from the text).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pdserve.router.openai_protocol import Kind
 from pdserve.shared.node.node_protocol import TokenLogprob
 from pdserve.shared.types import FinishReason
+
+ChoiceFinish = FinishReason | Literal["tool_calls"]
+"""A choice's finish_reason as the client sees it: the node's, or "tool_calls" when it called tools."""
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -96,18 +101,23 @@ class ResponseHead:
     def choice(
         self,
         index: int,
-        text: str,
-        finish_reason: FinishReason,
+        text: str | None,
+        finish_reason: ChoiceFinish,
         logprobs: Sequence[TokenLogprob] | None,
         offset: int = 0,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """A finished choice of a non-streaming response; offset: completions' text_offset start."""
+        """A finished choice of a non-streaming response; offset: completions' text_offset start; text None:
+        a chat message that only calls tools."""
         if self.kind == "completion":
             lp = None if logprobs is None else completion_logprobs(logprobs, offset)
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": None if logprobs is None else chat_logprobs(logprobs),
             "finish_reason": finish_reason,
         }
@@ -120,13 +130,15 @@ class ResponseHead:
         self,
         index: int,
         text: str,
-        finish_reason: FinishReason | None,
+        finish_reason: ChoiceFinish | None,
         logprobs: Sequence[TokenLogprob] | None,
         include_usage: bool,
         offset: int = 0,
         role: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One streamed chunk of one choice. role: the chat stream's opening delta for this choice."""
+        """One streamed chunk of one choice. role: the chat stream's opening delta for this choice;
+        tool_calls: its `delta.tool_calls` entries."""
         if self.kind == "completion":
             lp = None if logprobs is None else completion_logprobs(logprobs, offset)
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
@@ -134,6 +146,8 @@ class ResponseHead:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if role else {}
         if text and not role:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {
             "index": index,
             "delta": delta,

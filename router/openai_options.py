@@ -3,8 +3,9 @@ decoding) that it does not carry out, each with the values that ask for nothing 
 
 The rule (docs/operations.md, "Request options"): every field the request models in router/openai_protocol.py
 accept is honoured; a field named here gets a 400 naming it unless its value is one of its no-op values; any
-other field is unknown and ignored, as vLLM does, and named in one log line. Structured output and tools
-arrive with the API issue (35); until then they are refused here rather than silently ignored.
+other field is unknown and ignored, as vLLM does, and named in one log line. Structured output
+(response_format, guided_*, structured_outputs) and tools are honoured (router/structured_output.py,
+router/tool_calls.py); what is left of them here is refused.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-_STRUCTURED = "structured output (JSON schema, regex, choice, grammar) is not available yet; send plain text"
-_TOOLS = "tool calling is not available yet"
+_STRUCTURED = "send the constraint as response_format, guided_json/regex/choice/grammar or structured_outputs"
 _STATELESS = "this server stores nothing"
 
 
@@ -27,23 +27,9 @@ class Refused:
 
 
 _BOTH: dict[str, Refused] = {
-    **{
-        name: Refused(_STRUCTURED)
-        for name in (
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "guided_decoding_backend",
-            "guided_whitespace_pattern",
-            "structured_outputs",
-            "structural_tag",
-            "regex",
-            "ebnf",
-            "json_schema",
-        )
-    },
-    "response_format": Refused(_STRUCTURED, ({"type": "text"},)),
+    "guided_decoding_backend": Refused("the grammar engine is xgrammar", ("xgrammar", "auto")),
+    "guided_whitespace_pattern": Refused("JSON is written without free whitespace; " + _STRUCTURED),
+    "structural_tag": Refused(_STRUCTURED),
     "prompt_logprobs": Refused("prompt logprobs are not computed; leave it out", (0,)),
     "use_beam_search": Refused("there is no beam search; sample with n instead", (False,)),
     "length_penalty": Refused("it applies to beam search, which this server does not do", (1, 1.0)),
@@ -61,11 +47,10 @@ _BOTH: dict[str, Refused] = {
 
 CHAT: Mapping[str, Refused] = {
     **_BOTH,
-    "tools": Refused(_TOOLS, ([],)),
-    "tool_choice": Refused(_TOOLS, ("none", "auto")),
-    "parallel_tool_calls": Refused(_TOOLS, (True, False)),
-    "functions": Refused(_TOOLS, ([],)),
-    "function_call": Refused(_TOOLS, ("none", "auto")),
+    "functions": Refused("the deprecated functions field is not read; send tools", ([],)),
+    "function_call": Refused(
+        "the deprecated function_call field is not read; send tool_choice", ("none", "auto")
+    ),
     "audio": Refused("output is text only"),
     "modalities": Refused("output is text only", (["text"],)),
     "prediction": Refused("predicted outputs are not used"),

@@ -6,7 +6,9 @@ out is refused naming it (router/openai_options.py), and unknown fields are igno
 every refusal is an OpenAIError carrying the HTTP status and OpenAI's ErrorResponse body, naming the bad
 parameter. Bodies arrive as strict JSON (router/json_body.py). Every list a client sends is bounded (stop
 strings, stop token ids, logprobs; prompts and n by RouterConfig.max_n, prompt tokens by the context).
-Response and chunk objects are built in router/openai_builders.py.
+Response and chunk objects are built in router/openai_builders.py. Structured output fields become one
+checked Constraint in the sampling params (router/structured_output.py); tools become a ToolPlan whose
+`required` or named choice is such a constraint too (router/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -18,53 +20,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.router import openai_options
-from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.router import openai_options, structured_output, tool_calls
+from pdserve.router.openai_errors import OpenAIError
+from pdserve.router.tool_calls import ToolPlan
+from pdserve.shared.engine.sampling_params import Constraint, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 log = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
 Prompt = str | tuple[int, ...]
-ChatMessages = tuple[dict[str, str], ...]
+ChatMessages = tuple[dict[str, Any], ...]
 _MESSAGE_REFUSED = {
-    "tool_calls": "tool calling is not available yet",
-    "function_call": "tool calling is not available yet",
+    "function_call": "the deprecated function_call is not read; send tool_calls",
     "audio": "input and output are text only",
 }
-"""Message fields refused when set (a null or empty value asks for nothing). `name` and `tool_call_id` reach
-the chat template; other message fields are ignored like unknown body fields."""
+"""Message fields refused when set (a null or empty value asks for nothing). `name`, `tool_call_id` and an
+assistant's `tool_calls` reach the chat template; other message fields are ignored like unknown body
+fields."""
 _MESSAGE_PASSED = ("name", "tool_call_id")
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 64
-
-
-class OpenAIError(Exception):
-    """A refusal with OpenAI's ErrorResponse shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-        self.headers = headers
-        """HTTP headers the refusal carries (Retry-After on 429)."""
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Body(BaseModel):
@@ -98,6 +77,17 @@ class _Body(BaseModel):
     timeout: float | None = Field(default=None, gt=0.0)
     add_special_tokens: bool | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # Structured output (router/structured_output.py reads them from the body; typed loosely here so that
+    # its messages, not pydantic's, name what is wrong)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
 
 
 class CompletionBody(_Body):
@@ -117,6 +107,9 @@ class ChatBody(_Body):
     add_generation_prompt: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,6 +149,8 @@ class GenerationSpec:
     cache_salt: str | None
     timeout_s: float | None
     tokenize: Tokenize
+    tools: ToolPlan | None = None
+    """Chat: the functions the model may call and how (None: none)."""
 
     def sampling_for(self, max_tokens: int, choice: int) -> SamplingParams:
         """Sampling of choice `choice` (0..n-1): seeded requests fan out with seeds seed + choice."""
@@ -199,7 +194,9 @@ def parse_completion(body: dict[str, Any]) -> GenerationSpec:
         )  # fmt: skip
     prompts = _parse_prompt(req.prompt)
     tokenize = Tokenize(_default(req.add_special_tokens, True), req.truncate_prompt_tokens)
-    return _spec("completion", req, prompts, (), req.max_tokens, req.logprobs, req.echo, tokenize)
+    constraint = structured_output.constraint_of(req.model_dump(include=set(structured_output.FIELDS),
+                                                                exclude_none=True))  # fmt: skip
+    return _spec("completion", req, prompts, (), req.max_tokens, req.logprobs, req.echo, tokenize, constraint)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationSpec:
@@ -221,7 +218,23 @@ def parse_chat(body: dict[str, Any]) -> GenerationSpec:
         continue_final_message=req.continue_final_message,
         template_kwargs=req.chat_template_kwargs or {},
     )
-    return _spec("chat", req, (), _parse_messages(req.messages), max_tokens, logprobs, False, tokenize)
+    body_fields = req.model_dump(exclude_none=True)
+    constraint = structured_output.constraint_of(
+        {k: body_fields[k] for k in structured_output.FIELDS if k in body_fields}
+    )
+    plan = tool_calls.parse_plan(body_fields)
+    tool_constraint = None if plan is None else plan.constraint()
+    if plan is not None and tool_constraint is not None:
+        if constraint is not None:
+            raise OpenAIError(
+                400, f"tool_choice {plan.choice!r} constrains the output to a tool call: it cannot be "
+                "combined with a structured output field", param="tool_choice",
+            )  # fmt: skip
+        constraint = tool_constraint
+    spec = _spec(
+        "chat", req, (), _parse_messages(req.messages), max_tokens, logprobs, False, tokenize, constraint
+    )
+    return dataclasses.replace(spec, tools=plan)
 
 
 def _default(value: bool | None, default: bool) -> bool:
@@ -237,6 +250,7 @@ def _spec(
     logprobs: int | None,
     echo: bool,
     tokenize: Tokenize,
+    constraint: Constraint | None,
 ) -> GenerationSpec:
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise OpenAIError(
@@ -287,6 +301,7 @@ def _spec(
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             skip_special_tokens=req.skip_special_tokens,
+            constraint=constraint,
             **{k: v for k, v in optional.items() if v is not None},
         )
     except ValueError as exc:
@@ -418,7 +433,12 @@ def _parse_messages(messages: list[dict[str, Any]]) -> ChatMessages:
                 f"messages[{i}].content must be a string or text parts, got {content!r}"[:200],
                 param=f"messages[{i}].content",
             )
-        passed = {k: msg[k] for k in _MESSAGE_PASSED if isinstance(msg.get(k), str)}
+        passed: dict[str, Any] = {k: msg[k] for k in _MESSAGE_PASSED if isinstance(msg.get(k), str)}
+        if msg.get("tool_calls"):
+            if role != "assistant":
+                raise OpenAIError(400, f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                                  param=f"messages[{i}].tool_calls")  # fmt: skip
+            passed["tool_calls"] = tool_calls.check_message_tool_calls(i, msg["tool_calls"])
         out.append({"role": _ROLES[role], "content": content, **passed})
     return tuple(out)
 

@@ -240,9 +240,9 @@ def test_chat_options_through_the_openai_client(client: openai.OpenAI) -> None:
     assert cont.usage.prompt_tokens < fresh.usage.prompt_tokens  # no end-of-turn, no new assistant header
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
-            model=MODEL, messages=turns, max_tokens=4, extra_body={"guided_json": {"type": "object"}}
+            model=MODEL, messages=turns, max_tokens=4, extra_body={"guided_whitespace_pattern": " "}
         )
-    assert "`guided_json` is not supported by this server" in str(exc.value)
+    assert "`guided_whitespace_pattern` is not supported by this server" in str(exc.value)
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,13 @@ object validated against OpenAI's published schemas (tests/harness/openai_schema
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from pdserve.router.openai_builders import ResponseHead, models_response, usage
 from pdserve.router.openai_protocol import OpenAIError, parse_chat, parse_completion
+from pdserve.shared.engine.sampling_params import Constraint
 from pdserve.shared.node.node_protocol import TokenLogprob, TopLogprob
 from pdserve.tests.harness import openai_schema
 
@@ -42,10 +44,20 @@ def refused(parse: Any, body: Any) -> OpenAIError:
             "messages[0].content",
         ),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_regex": "(("}, "guided_regex"),
+        ({"guided_json": {"type": 5}}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"structured_outputs": {"xml": "x"}}, "structured_outputs.xml"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"seed": 2**64}, "seed"),
         ({"seed": 2**64 - 1, "n": 2}, "seed"),
@@ -202,3 +214,60 @@ def test_models_and_errors_match_schemas() -> None:
     validate(models_response(["SmolLM2"], 1700000000, 8192), "ListModelsResponse")
     validate(models_response(["SmolLM2"], 1700000000, None), "ListModelsResponse")
     validate(OpenAIError(503, "no serving node", "server_error", code="no_nodes").body(), "ErrorResponse")
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("patch", "kind", "spec"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json_schema",
+            json.dumps(SCHEMA),
+        ),
+        ({"guided_json": SCHEMA}, "json_schema", json.dumps(SCHEMA)),
+        ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+        ({"guided_regex": "[a-z]+"}, "regex", "[a-z]+"),
+        ({"guided_choice": ["yes", "no"]}, "choice", '["yes", "no"]'),
+        ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+        ({"structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
+        ({"structured_outputs": {"regex": "a+"}}, "regex", "a+"),
+        ({"structured_outputs": {"choice": ["a"]}}, "choice", '["a"]'),
+        ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
+        ({"ebnf": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+    ],
+)
+def test_structured_output_fields_become_one_constraint(patch: dict[str, Any], kind: str, spec: str) -> None:
+    for parse, body in ((parse_chat, CHAT), (parse_completion, {"model": "m", "prompt": "x"})):
+        constraint = parse({**body, **patch}).sampling.constraint
+        assert constraint == Constraint(kind, spec)  # type: ignore[arg-type]
+    assert parse_chat({**CHAT, "response_format": {"type": "text"}}).sampling.constraint is None
+
+
+def test_tool_choice_required_and_named_constrain_and_auto_does_not() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+    auto = parse_chat({**CHAT, "tools": [tool]})
+    assert auto.tools is not None and auto.tools.choice == "auto" and auto.sampling.constraint is None
+    named = parse_chat(
+        {**CHAT, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    )
+    assert named.sampling.constraint == Constraint("json_schema", json.dumps(SCHEMA))
+    required = parse_chat({**CHAT, "tools": [tool], "tool_choice": "required"})
+    assert required.sampling.constraint is not None and required.sampling.constraint.kind == "json_schema"
+    err = refused(parse_chat, {**CHAT, "tools": [tool], "tool_choice": "required", "guided_regex": "a"})
+    assert err.param == "tool_choice"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    turns = [
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ]
+    spec = parse_chat({**CHAT, "messages": [*CHAT["messages"], *turns]})
+    assert spec.messages[-2]["tool_calls"] == [call] and spec.messages[-1]["tool_call_id"] == "c1"

@@ -27,6 +27,14 @@ prompt block, so the sender always sends at least the final token's KV) and are 
 `dst` blocks are RESERVED (not matchable) until admission. Export and import move blocks in the model's
 full KV-head layout, every rank's heads (parallel/kv_pools.py), so a frame is the same at any TP size.
 
+Structured output: a request with a constraint holds a grammar `Matcher` (shared/engine/grammar.py) from
+`_track` until its `_Live` entry is dropped (finish or abort: nothing else to release). At every launch its
+matcher is brought to the request's output tokens (on D the first token P sampled is replayed this way) and
+the batch's bitmask is filled in one call while the step's forward runs on the device; the sampler applies it
+on the device. With overlap, a constrained row's previous token is still on the device at launch: the host
+waits for the previous step's sampled tokens (queued before the forward just launched, so the device never
+idles for it) and the mask is built under this step's forward.
+
 Why one module of about 600 lines: the step loop and the ports (remote KV, prefix fetch, what the node
 runtime reads) keep the same invariants over the same pool and in-flight step (a reserved or held block is
 never one an in-flight step writes), so they are read and changed together; the pool, scheduler, runner and
@@ -45,6 +53,7 @@ from pdserve.shared.engine.block_hash import hash_seed, model_fingerprint
 from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
+from pdserve.shared.engine.grammar import Grammars, Matcher
 from pdserve.shared.engine.host_copy import HostTierCopier
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block, size_kv_pool
 from pdserve.shared.engine.parallel.kv_pools import KVPools, RankPool
@@ -114,6 +123,7 @@ class _Live:
     detok: IncrementalDetokenizer
     emitted: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: Matcher | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,7 @@ class LLMEngine:
         )
         self.tier = HostTierCopier(self.pools, self.host_blocks) if self.host_blocks else None
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size)
         self.fingerprint = model_fingerprint(
             mc.to_dict(), self.loaded.weights_identity, cfg.kv_dtype_name, cfg.block_size
         )
@@ -262,6 +273,8 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
                 f"blocks; this node's pool has {self.num_blocks}"
             )
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)  # GrammarError (a ValueError) names the problem
 
     def new_request(
         self,
@@ -407,8 +420,11 @@ class LLMEngine:
             self.pool.release(reservation.block_ids[::-1])
 
     def _track(self, request: Request) -> _Live:
+        constraint = request.params.constraint
         live = _Live(
-            request, IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
+            request,
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params),
+            grammar=None if constraint is None else self.grammars.matcher(constraint),
         )
         self._live[request.request_id] = live
         return live
@@ -503,10 +519,34 @@ class LLMEngine:
             for s in sampling
         ]
         rows = {s.request.request_id: i for i, s in enumerate(sampling)}
-        sample = self.sampler.launch(logits, states)
+        bitmask = self._grammar_masks(sampling, prev)
+        sample = self.sampler.launch(logits, states, bitmask)
         if self.cfg.overlap and sampling:
             self.ranks.share_tokens(sample.tokens)  # the other ranks' next step reads its placeholders there
         return _InFlight(out, sampling, sample, rows)
+
+    def _grammar_masks(
+        self, sampling: Sequence[ScheduledRequest], prev: _InFlight | None
+    ) -> torch.Tensor | None:
+        """The grammar bitmask of a step's sampling rows ([S, ceil(V / 32)] on the host), None when no row is
+        constrained. A placeholder row's previous token comes from the step in flight (a wait for its sampled
+        tokens, which the device produced before this step's forward)."""
+        matchers: list[Matcher | None] = []
+        pending: tuple[int, ...] | None = None
+        for s in sampling:
+            live = self._live.get(s.request.request_id)
+            matcher = None if live is None else live.grammar
+            if matcher is not None:
+                output: Sequence[int] = s.request.output_token_ids
+                if s.placeholder and prev is not None:
+                    if pending is None:
+                        pending = prev.sample.result().token_ids
+                    output = [*output, pending[prev.rows[s.request.request_id]]]
+                matcher.advance_to(output)
+            matchers.append(matcher)
+        if all(m is None for m in matchers):
+            return None
+        return self.grammars.fill_masks(matchers)
 
     def _apply(self, step: _InFlight) -> list[StepOutput]:
         """Waits for a launched step's tokens, applies them, and emits the outputs of its live requests."""
@@ -611,6 +651,10 @@ class LLMEngine:
         """Drops these cached-free blocks and host-tier entries (None: all of them) from this node; returns
         how many."""
         return self.pool.evict(hashes)
+
+    def grammar_matchers(self) -> int:
+        """Grammar matchers live requests hold (0 once every constrained request has ended)."""
+        return sum(live.grammar is not None for live in self._live.values())
 
     def num_requests(self) -> int:
         """Requests the scheduler holds (waiting, running or preempted)."""

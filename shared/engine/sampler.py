@@ -8,13 +8,15 @@ Invariants:
   differences between device kinds). A request without a seed gets a key drawn from
   the sampler's own RNG, so only seeded requests are reproducible.
 - Processing order: penalties (repetition over prompt + output, frequency/presence over output) ->
-  logit_bias -> min_tokens (EOS and stop token ids at -inf while fewer than min_tokens output tokens
-  exist) -> temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after
+  logit_bias -> the grammar mask of constrained rows (tokens it forbids at -inf) -> min_tokens (EOS and stop
+  token ids at -inf while fewer than min_tokens output tokens exist, unless the grammar allows nothing
+  else) -> temperature -> top-k -> top-p -> min-p -> draw. Temperature below 1e-5 is greedy: argmax after
   min_tokens.
-- Logprobs (OpenAI-like): log-softmax of the logits after penalties and logit_bias, before min_tokens,
-  temperature and truncation, so they describe the model's (biased) distribution for the context, are
-  finite for every token, and do not change with min_tokens/temperature/top-k/top-p; the sampled token's
-  logprob comes from the same distribution.
+- Logprobs (OpenAI-like): log-softmax of the logits after penalties, logit_bias and the grammar mask (a
+  forbidden token's logprob is -inf, clamped on the wire) and before min_tokens, temperature and
+  truncation, so they describe the model's (biased) distribution for the context, are finite for every
+  token, and do not change with min_tokens/temperature/top-k/top-p; the sampled token's logprob comes from
+  the same distribution.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from pdserve.shared.engine.grammar import apply_masks
 from pdserve.shared.engine.sampling_params import SamplingParams
 
 GREEDY_EPS = 1e-5
@@ -73,15 +76,20 @@ class Sampler:
         self._rng = random.Random(seed)
         self._eos = eos_token_ids
 
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SampleOutput:
+    def sample(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None = None
+    ) -> SampleOutput:
         """logits: [S, V] float32, one row per state, in the order of states."""
-        return self.launch(logits, states).result()
+        return self.launch(logits, states, bitmask).result()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> PendingSample:
+    def launch(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None = None
+    ) -> PendingSample:
         """Queues the sampling of `logits` [S, V] float32 on their device and returns at once (unless a
         top-p row needs a wider candidate list); the tokens stay on the device for the next step's input
-        and reach the host through `PendingSample.result()`."""
+        and reach the host through `PendingSample.result()`. bitmask: [S, ceil(V / 32)] int32 on the host,
+        the grammar's allowed tokens per row (shared/engine/grammar.py), or None."""
         if logits.dim() != 2 or logits.dtype != torch.float32 or logits.shape[0] != len(states):
             raise ValueError(
                 f"logits must be float32 [{len(states)}, V]; got {logits.dtype} {list(logits.shape)}"
@@ -91,7 +99,13 @@ class Sampler:
         if num == 0:
             return PendingSample(torch.zeros(0, dtype=torch.int64, device=dev), [], [], None)
         logits = _apply_bias(self._apply_penalties(logits, states), states)  # [S, V]
+        if bitmask is not None:
+            logits = apply_masks(logits.clone(), bitmask)  # [S, V]; the runner's buffer stays as it was
         scores = self._hold_stops(logits, states)  # [S, V]: what is drawn from; logprobs read `logits`
+        if bitmask is not None and scores is not logits:
+            # a complete grammar allows only the end tokens min_tokens holds back: the grammar wins
+            nothing = (scores == float("-inf")).all(dim=-1, keepdim=True)  # [S, 1]
+            scores = torch.where(nothing, logits, scores)
         greedy = [i for i, s in enumerate(states) if s.params.temperature < GREEDY_EPS]
         rand = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_EPS]
         if not rand:

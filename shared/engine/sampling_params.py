@@ -3,6 +3,8 @@
 Invariants: every instance is valid (checked in __post_init__, so a bad value fails where it is made, with
 the field, the value and the accepted range in the message); the JSON form `to_dict()` round-trips
 exactly through `from_dict()`, which refuses unknown keys so a typo on the wire is an error, not a default.
+A `Constraint` (structured output) travels inside the params as plain text (a JSON schema, a regex, a list
+of choices or an EBNF grammar); the node compiles it (shared/engine/grammar.py), nothing is pickled.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard, get_args
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
@@ -24,6 +26,29 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 def _is_num(value: object) -> TypeGuard[float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+CONSTRAINT_KINDS: tuple[str, ...] = get_args(ConstraintKind)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What every sampled token must keep valid: the output is a prefix of a sentence of this language until
+    it is complete, and then only an end token may follow."""
+
+    kind: ConstraintKind
+    spec: str
+    """json_schema: the schema as JSON text; json_object: empty (any JSON object); regex: the pattern;
+    choice: a JSON array of the accepted strings; grammar: EBNF text (xgrammar's dialect, GBNF-like)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise ValueError(
+                f"constraint kind {self.kind!r} is not accepted; accepted: {list(CONSTRAINT_KINDS)}"
+            )
+        if not isinstance(self.spec, str) or (not self.spec and self.kind != "json_object"):
+            raise ValueError(f"constraint {self.kind}: its spec must be a non-empty string")
 
 
 @dataclass(frozen=True)
@@ -59,6 +84,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     """(token id, bias in [-100, 100]) pairs added to those tokens' logits at every step, on P and D alike
     (OpenAI's `logit_bias`); the sampler adds them with the penalties, so logprobs see them too."""
+    constraint: Constraint | None = None
+    """Structured output: every token is sampled under this grammar's mask (P's first token too)."""
 
     def __post_init__(self) -> None:
         # Lists arriving from JSON become tuples so the value stays hashable and immutable.
@@ -95,6 +122,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is not accepted; it must be true or false")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError(f"constraint={self.constraint!r:.80} is not accepted; it must be a Constraint")
 
     def _check_logit_bias(self) -> None:
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
@@ -155,4 +184,9 @@ class SamplingParams:
                 if isinstance(value, str) or not isinstance(value, list | tuple):
                     raise ValueError(f"{key}={value!r} is not accepted; {key} must be a list")
                 kwargs[key] = tuple(tuple(v) if isinstance(v, list | tuple) else v for v in value)
+        constraint = kwargs.get("constraint")
+        if isinstance(constraint, Mapping):
+            if set(constraint) != {"kind", "spec"}:
+                raise ValueError(f"constraint={dict(constraint)!r:.80} must hold exactly 'kind' and 'spec'")
+            kwargs["constraint"] = Constraint(constraint["kind"], constraint["spec"])
         return cls(**kwargs)

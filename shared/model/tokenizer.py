@@ -113,6 +113,17 @@ class Tokenizer:
         """Ids the tokenizer can produce (may be below the model's padded vocab_size)."""
         return self._backend.vocab_size()
 
+    @property
+    def rust_tokenizer(self) -> tokenizers.Tokenizer | None:
+        """The Rust tokenizer behind this one (None for the byte-level fallback): what a grammar engine reads
+        the vocabulary from."""
+        return self._backend.tok if isinstance(self._backend, _RustBackend) else None
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The byte-level fallback's special ids (EOS, BOS); empty for a Rust tokenizer (it knows its own)."""
+        return self._backend.special_ids if isinstance(self._backend, _ByteBackend) else frozenset()
+
     @functools.cached_property
     def fingerprint(self) -> str:
         """SHA-256 (hex) of what turns text into ids and back: the backend's vocabulary, merges, normalizer
@@ -138,11 +149,13 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[Any, Any]] | None = None,
     ) -> str:
         """The chat template applied to `messages`, as text; continue_final_message leaves the last message
         open (its end-of-turn cut) for the model to continue; template_kwargs are more template variables
-        (e.g. Qwen3's enable_thinking). ValueError if there is no template, if the final message cannot be
-        continued, or if a template variable is one this call sets itself."""
+        (e.g. Qwen3's enable_thinking); `tools` (OpenAI's tool definitions) reach a template that renders
+        them. ValueError if there is no template, if the final message cannot be continued, or if a template
+        variable is one this call sets itself."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template; use a completion request")
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -158,6 +171,7 @@ class Tokenizer:
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=list(tools) if tools is not None else None,
             **template_tokens,
         )
         return str(result[0][0])
@@ -169,10 +183,13 @@ class Tokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered template; add_special_tokens adds the tokenizer's own (BOS) on top of the
         template's, which already holds them for most models."""
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message, template_kwargs)
+        text = self.render_chat(
+            messages, add_generation_prompt, continue_final_message, template_kwargs, tools
+        )
         return self.encode(text, add_special_tokens=add_special_tokens)
 
     @classmethod

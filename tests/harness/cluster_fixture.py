@@ -118,12 +118,16 @@ class LiveCluster:
         return audit
 
     def wait_clean(self, timeout_s: float = 30.0) -> dict[str, dict[str, int]]:
-        """Polls every node's pool audit until in_use == reserved == 0 and no request is live;
-        asserts that within timeout_s."""
+        """Polls every node's pool audit until in_use == reserved == 0 and no request (nor grammar matcher)
+        is live; asserts that within timeout_s."""
         deadline = time.monotonic() + timeout_s
         while True:
             audits = {n: self.audit(n, max(1.0, deadline - time.monotonic())) for n in self.nodes}
-            dirty = {n: a for n, a in audits.items() if a["in_use"] or a["reserved"] or a["live_requests"]}
+            dirty = {
+                n: a
+                for n, a in audits.items()
+                if a["in_use"] or a["reserved"] or a["live_requests"] or a["grammar_matchers"]
+            }
             if not dirty:
                 return audits
             assert time.monotonic() < deadline, f"KV blocks still held after {timeout_s:.0f}s: {dirty}"
