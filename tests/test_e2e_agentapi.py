@@ -33,7 +33,6 @@ KEY = "agent-api-key-1"
 AUTH = {"authorization": f"Bearer {KEY}"}
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-NEEDS_TOOLS = pytest.mark.xfail(strict=True, reason="needs the chat path's tools")
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +159,6 @@ def test_anthropic_client_leaving_mid_stream_frees_the_nodes(live: LiveCluster) 
     live.wait_clean()
 
 
-@NEEDS_TOOLS
 def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     tools: Any = [{"name": "weather", "description": "The weather in a city", "input_schema": WEATHER}]
     ask: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -251,7 +249,6 @@ def test_responses_stateless_and_bad_input_are_400(live: LiveCluster, oai: opena
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
 
 
-@NEEDS_TOOLS
 def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     tools: Any = [
         {"type": "function", "name": "weather", "description": "The weather in a city", "parameters": WEATHER}
