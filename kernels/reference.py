@@ -5,7 +5,9 @@ padded gather per layer, one fused SDPA call) because it runs every step; prefil
 because it is compute-bound and its sequences differ in length, each through torch's fused CPU flash
 kernel (`_attend`). The elementwise ops round where Hugging Face's Llama does (RMSNorm in fp32, rounded
 before the weight); RoPE runs in fp32 and is rounded once, which in fp32 is Hugging Face's computation
-exactly.
+exactly. On the CPU they are memory-bound passes over [T, E]-sized tensors, so each writes into the
+buffer it allocated (no concatenation, no copy back into qkv), and RoPE leaves q head-major, the layout the
+flash kernel reads.
 """
 
 from __future__ import annotations
@@ -20,19 +22,16 @@ class ReferenceOps:
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         check_kv_layer(kv_layer)
-        block_size = kv_layer.shape[2]
-        out = torch.empty_like(q)
         starts = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
+        if len(lens) == 1:  # one sequence (a lone prompt's chunk): its output is the whole result
+            return _attend(q, *_context(kv_layer, meta.block_tables[0], lens[0]), lens[0] - q.shape[0], scale)
+        out = torch.empty_like(q)
         for s, seq_len in enumerate(lens):
             q0, q1 = starts[s], starts[s + 1]
             if q1 == q0:
                 continue
-            n_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[s, :n_blocks].long()
-            # k, v: [seq_len, Hkv, D]
-            k = kv_layer[0, blocks].flatten(0, 1)[:seq_len]
-            v = kv_layer[1, blocks].flatten(0, 1)[:seq_len]
+            k, v = _context(kv_layer, meta.block_tables[s], seq_len)
             out[q0:q1] = _attend(q[q0:q1], k, v, seq_len - (q1 - q0), scale)
         return out
 
@@ -71,8 +70,8 @@ class ReferenceOps:
         kv_layer.index_copy_(1, block_ids.to(kv_layer.device, torch.int64), src.to(kv_layer.dtype))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E]
-        return normed * weight
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E], a new tensor
+        return normed.mul_(weight)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -93,17 +92,22 @@ class ReferenceOps:
         half = head_dim // 2
         rope, positions = meta.rope, meta.positions
         c, s = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # [T, 1, D/2] fp32
-        x1, x2 = qk[..., :half].float(), qk[..., half:].float()  # [T, Hq + Hkv, D/2] each
-        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)  # [T, Hq + Hkv, D]
-        q = qk[:, :num_heads]  # q: [T, Hq, D], a view of qkv
-        q.copy_(rotated[:, :num_heads])
+        x1, x2 = qk[..., :half], qk[..., half:]  # [T, Hq + Hkv, D/2] each, views of qkv
+        # rotated: [T, Hq + Hkv, D] fp32, laid out head-major ([H, T, D] in memory), so q's heads reach the
+        # flash kernel contiguous; each half is written in place, with HF's roundings (x1 c - x2 s, ...)
+        rotated = torch.empty((num_heads + n_kv, n_tokens, head_dim), dtype=torch.float32, device=qkv.device)
+        rotated = rotated.transpose(0, 1)
+        r1, r2 = rotated[..., :half], rotated[..., half:]
+        torch.mul(x1, c, out=r1).sub_(x2 * s)
+        torch.mul(x2, c, out=r2).add_(x1 * s)
+        rotated = rotated.to(qkv.dtype)  # no copy in fp32; keeps the head-major layout otherwise
         v = qkv[:, q_cols + n_kv * head_dim :].view(n_tokens, n_kv, head_dim)  # v: [T, Hkv, D]
         write_kv(rotated[:, num_heads:], v, kv_layer, meta.slot_mapping)
-        return q
+        return rotated[:, :num_heads]  # q: [T, Hq, D]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         f = gate_up.shape[-1] // 2
-        return F.silu(gate_up[:, :f]) * gate_up[:, f:]
+        return F.silu(gate_up[:, :f]).mul_(gate_up[:, f:])  # silu's output is new: multiplied in place
 
 
 def write_kv(
@@ -121,6 +125,13 @@ def write_kv(
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     flat[0].index_copy_(0, slot_mapping, key.to(kv_layer.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(kv_layer.dtype))
+
+
+def _context(kv_layer: torch.Tensor, table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's K and V, [seq_len, Hkv, D] each, gathered in one copy from its block-table row."""
+    n_blocks = -(-seq_len // kv_layer.shape[2])
+    kv = kv_layer[:, table[:n_blocks].long()].flatten(1, 2)[:, :seq_len]  # [2, seq_len, Hkv, D]
+    return kv[0], kv[1]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
