@@ -123,9 +123,10 @@ class AttentionOps(Protocol):
         self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:
         """Rotate-half RoPE in fp32 at meta.positions, then the KV write. qkv: [T, (Hq + 2 Hkv) * D]
-        (q | k | v heads). Rotates q in place in qkv and writes rotated k and v to slot
-        meta.slot_mapping[t] (skips -1); qkv's k and v columns are left as they were. Returns q:
-        [T, Hq, D], a view of qkv."""
+        (q | k | v heads). Writes rotated k and v to slot meta.slot_mapping[t] (skips -1); qkv's k and v
+        columns are left as they were. Returns the rotated q: [T, Hq, D], laid out as the implementation's
+        attention reads it (Triton: rotated in place, a view of qkv; the CPU reference: its own head-major
+        buffer)."""
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2F] (gate | up) -> silu(gate) * up: [T, F], silu rounded before the product."""

@@ -5,9 +5,11 @@ padded gather per layer, one fused SDPA call) because it runs every step; prefil
 because it is compute-bound and its sequences differ in length, each through torch's fused CPU flash
 kernel (`_attend`). The elementwise ops round where Hugging Face's Llama does (RMSNorm in fp32, rounded
 before the weight); RoPE runs in fp32 and is rounded once, which in fp32 is Hugging Face's computation
-exactly. An FP8 cache is written through `to_kv` and read through `from_kv` (kernels/ops.py); torch's CPU
-kernels copy float8 tensors only as bytes (index_copy_ has no float8 kernel), so writes go through uint8
-views.
+exactly. On the CPU they are memory-bound passes over [T, E]-sized tensors, so each writes into the
+buffer it allocated (no concatenation, no copy back into qkv), and RoPE leaves q head-major, the layout the
+flash kernel reads; an FP8 cache is written through `to_kv` and read through
+`from_kv` (kernels/ops.py); torch's CPU kernels copy float8 tensors only as bytes (index_copy_ has no
+float8 kernel), so writes go through uint8 views.
 """
 
 from __future__ import annotations
@@ -22,19 +24,17 @@ class ReferenceOps:
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         check_kv_layer(kv_layer)
-        block_size = kv_layer.shape[2]
-        out = torch.empty_like(q)
         starts = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
+        if len(lens) == 1:  # one sequence (a lone prompt's chunk): its output is the whole result
+            k, v = _context(kv_layer, meta.block_tables[0], lens[0], q.dtype)
+            return _attend(q, k, v, lens[0] - q.shape[0], scale)
+        out = torch.empty_like(q)
         for s, seq_len in enumerate(lens):
             q0, q1 = starts[s], starts[s + 1]
             if q1 == q0:
                 continue
-            n_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[s, :n_blocks].long()
-            # k, v: [seq_len, Hkv, D]
-            k = from_kv(kv_layer[0, blocks].flatten(0, 1)[:seq_len], q.dtype)
-            v = from_kv(kv_layer[1, blocks].flatten(0, 1)[:seq_len], q.dtype)
+            k, v = _context(kv_layer, meta.block_tables[s], seq_len, q.dtype)
             out[q0:q1] = _attend(q[q0:q1], k, v, seq_len - (q1 - q0), scale)
         return out
 
@@ -74,8 +74,8 @@ class ReferenceOps:
         kv_layer.view(torch.uint8).index_copy_(1, ids, src.to(kv_layer.dtype).view(torch.uint8))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E]
-        return normed * weight
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E], a new tensor
+        return normed.mul_(weight)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -96,17 +96,22 @@ class ReferenceOps:
         half = head_dim // 2
         rope, positions = meta.rope, meta.positions
         c, s = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # [T, 1, D/2] fp32
-        x1, x2 = qk[..., :half].float(), qk[..., half:].float()  # [T, Hq + Hkv, D/2] each
-        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)  # [T, Hq + Hkv, D]
-        q = qk[:, :num_heads]  # q: [T, Hq, D], a view of qkv
-        q.copy_(rotated[:, :num_heads])
+        x1, x2 = qk[..., :half], qk[..., half:]  # [T, Hq + Hkv, D/2] each, views of qkv
+        # rotated: [T, Hq + Hkv, D] fp32, laid out head-major ([H, T, D] in memory), so q's heads reach the
+        # flash kernel contiguous; each half is written in place, with HF's roundings (x1 c - x2 s, ...)
+        rotated = torch.empty((num_heads + n_kv, n_tokens, head_dim), dtype=torch.float32, device=qkv.device)
+        rotated = rotated.transpose(0, 1)
+        r1, r2 = rotated[..., :half], rotated[..., half:]
+        torch.mul(x1, c, out=r1).sub_(x2 * s)
+        torch.mul(x2, c, out=r2).add_(x1 * s)
+        rotated = rotated.to(qkv.dtype)  # no copy in fp32; keeps the head-major layout otherwise
         v = qkv[:, q_cols + n_kv * head_dim :].view(n_tokens, n_kv, head_dim)  # v: [T, Hkv, D]
         write_kv(rotated[:, num_heads:], v, kv_layer, meta.slot_mapping)
-        return q
+        return rotated[:, :num_heads]  # q: [T, Hq, D]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         f = gate_up.shape[-1] // 2
-        return F.silu(gate_up[:, :f]) * gate_up[:, f:]
+        return F.silu(gate_up[:, :f]).mul_(gate_up[:, f:])  # silu's output is new: multiplied in place
 
 
 def write_kv(
@@ -127,11 +132,22 @@ def write_kv(
     raw[1].index_copy_(0, slot_mapping, to_kv(value, kv_layer.dtype).view(torch.uint8))
 
 
+def _context(
+    kv_layer: torch.Tensor, table: torch.Tensor, seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's K and V, [seq_len, Hkv, D] each, gathered in one copy from its block-table row (an FP8
+    cache's widened to `dtype`)."""
+    n_blocks = -(-seq_len // kv_layer.shape[2])
+    kv = kv_layer[:, table[:n_blocks].long()].flatten(1, 2)[:, :seq_len]  # [2, seq_len, Hkv, D]
+    kv = from_kv(kv, dtype)
+    return kv[0], kv[1]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, scale: float) -> torch.Tensor:
     """q: [Lq, Hq, D] at positions q_offset.. ; k, v: [Lk, Hkv, D] with Lk = q_offset + Lq -> [Lq, Hq, D],
     causal, GQA.
 
-    Always torch's fused CPU flash kernel: it needs 4-D inputs (3-D ones fall to the math path, which
+    On the CPU, always torch's fused flash kernel: it needs 4-D inputs (3-D ones fall to the math path, which
     materializes every head's [Lq, Lk] scores) and skips the masked half only under `is_causal`, whose
     diagonal is top-left. So a chunk after a cached prefix is two flash calls, the new tokens over the
     prefix (no mask) and over themselves (causal), merged by their log-sum-exps: exact, and no score the
@@ -142,6 +158,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, sc
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, Lk, D]
     if q_offset == 0 or n_q == 1:  # a fresh prompt; or one token, which sees every key
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n_q > 1, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1).to(q.dtype)
+    if qh.device.type != "cpu":  # the reference on a GPU (tests, benchmarks' checks): one masked call
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=qh.device).tril(
+            q_offset
+        )  # key j <= q_offset + i
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).to(q.dtype)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     old, old_lse = flash(qh, kh[:, :, :q_offset], vh[:, :, :q_offset], 0.0, False, scale=scale)

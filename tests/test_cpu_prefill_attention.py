@@ -96,3 +96,32 @@ def test_prefill_attention_runs_the_fused_cpu_kernel(spans: list[tuple[int, int]
     names = {event.key for event in prof.key_averages()}
     assert MATH not in names, sorted(n for n in names if "attention" in n)
     assert FLASH in names, sorted(n for n in names if "attention" in n)
+
+
+def test_cpu_rope_is_hugging_faces_and_hands_attention_contiguous_heads() -> None:
+    # The flash kernel reads q as [Hq, T, D]; q rotated in place in qkv reached it with each token's heads
+    # interleaved, and the rotation built five temporaries and a concatenation (issue 31). The rotation
+    # now writes each half once into a head-major buffer, with HF's fp32 roundings: equal bit for bit.
+    gen = torch.Generator().manual_seed(4)
+    n_tokens = 40
+    qkv = torch.randn(n_tokens, (HQ + 2 * HKV) * D, generator=gen)
+    kv_layer = torch.zeros(2, 4, BLOCK, HKV, D)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    meta = AttentionMetadata(
+        positions=torch.arange(7, 7 + n_tokens),
+        slot_mapping=torch.arange(n_tokens),
+        query_start_loc=torch.tensor([0, n_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([n_tokens], dtype=torch.int32),
+        block_tables=torch.arange(4, dtype=torch.int32)[None],
+        max_query_len=n_tokens,
+        max_seq_len=n_tokens,
+        rope=RopeTables.from_inv_freq(inv_freq, 64, torch.device("cpu")),
+    )
+    q = ReferenceOps().rope_write_kv(qkv.clone(), kv_layer, meta, HQ)
+    c = torch.cat([meta.rope.cos[meta.positions]] * 2, -1)[:, None]  # [T, 1, D]
+    s = torch.cat([meta.rope.sin[meta.positions]] * 2, -1)[:, None]
+    qk = qkv[:, : (HQ + HKV) * D].view(n_tokens, HQ + HKV, D)
+    want = qk * c + torch.cat((-qk[..., D // 2 :], qk[..., : D // 2]), -1) * s  # HF's apply_rotary_pos_emb
+    assert torch.equal(q, want[:, :HQ])
+    assert torch.equal(kv_layer[0].flatten(0, 1)[:n_tokens], want[:, HQ:])
+    assert q.transpose(0, 1).is_contiguous(), q.stride()

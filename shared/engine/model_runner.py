@@ -9,6 +9,7 @@ token (`prev_row`, overlap) reads it from that step's token tensor on the device
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import mmap
@@ -100,6 +101,24 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping
 
 
+_MALLOPT_TRIM_THRESHOLD, _MALLOPT_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+_MMAP_THRESHOLD_MAX = 32 << 20  # the largest glibc accepts on 64-bit platforms
+
+
+def _keep_freed_memory() -> None:
+    """Makes glibc's malloc keep the memory a CPU step frees for the next step. By default it hands large
+    blocks back to the OS as they are freed (a mapping of their own above a threshold that adapts, a heap
+    top released past another), so every step faulted its activations in again page by page: 408k page
+    faults and 0.85 s of system time in a 6 s 1,650-token SmolLM2 prefill. Both thresholds are raised once,
+    for the whole process (a node process owns one engine); what the process keeps is at most its largest
+    step's working set. Elsewhere than glibc (no `mallopt`) nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return
+    mallopt(_MALLOPT_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)  # blocks up to 32 MiB come from the heap
+    mallopt(_MALLOPT_TRIM_THRESHOLD, 2**31 - 1)  # and the heap is not trimmed
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -128,6 +147,8 @@ class ModelRunner:
             # process owns one engine, so this is the engine's setting, made once at construction.
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        elif self.device.type == "cpu":
+            _keep_freed_memory()
         # kv_cache: [L, 2, N, B, Hkv, D], Hkv: this rank's KV heads
         shape = kv_pool_shape(loaded, cfg, num_blocks)
         assert kv_cache is None or tuple(kv_cache.shape) == shape, (kv_cache.shape, shape)
