@@ -48,12 +48,15 @@ def _weight_bytes(shape: str, tp: int) -> int:
     return 2 * (c.num_layers * per_layer + lm_head + h)
 
 
-def decode_rows(shape: str, tp: int, overlap: bool, bw: float, res: dict[str, object]) -> list[Row]:
+def decode_rows(
+    shape: str, tp: int, overlap: bool, bw: float, res: dict[str, object], quantization: str | None = None
+) -> list[Row]:
     c = NAMED_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     cfg = EngineConfig(model=f"dummy:{shape}", device="cuda", dtype="bfloat16", max_num_seqs=64,
                        max_num_batched_tokens=8192, max_model_len=8192, tensor_parallel_size=tp,
-                       async_scheduling=overlap, gpu_memory_utilization=0.90)  # fmt: skip
+                       async_scheduling=overlap, gpu_memory_utilization=0.90,
+                       quantization=quantization)  # fmt: skip
     log(f"{shape} TP={tp} async={'on' if overlap else 'off'}: loading")
     engine = LLMEngine(cfg)
     try:
@@ -73,13 +76,13 @@ def decode_rows(shape: str, tp: int, overlap: bool, bw: float, res: dict[str, ob
         engine.close()
         release(torch.device("cuda:0"))
     rate = statistics.median(b1)
-    key = f"{shape}/tp{tp}/async-{'on' if overlap else 'off'}"
+    key = f"{shape}/tp{tp}/async-{'on' if overlap else 'off'}/{quantization or 'bf16'}"
     res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64}
-    mode = "on" if overlap else "off"
+    what = f"{shape} {quantization or 'bf16'} TP={tp} async {'on' if overlap else 'off'}"
     return [
-        (f"{shape} TP={tp} async {mode}: batch-1 decode tok/s at ~{ctx:.0f} ctx (median of 3)", f"{rate:.1f}",
+        (f"{what}: batch-1 decode tok/s at ~{ctx:.0f} ctx (median of 3)", f"{rate:.1f}",
          f"roofline {roof:.1f}", f"{rate / roof:.1%}"),
-        (f"{shape} TP={tp} async {mode}: batch 64 at 2k ctx, tok/s", f"{b64:.0f}", f"roofline {roof64:.0f}",
+        (f"{what}: batch 64 at 2k ctx, tok/s", f"{b64:.0f}", f"roofline {roof64:.0f}",
          f"{b64 / roof64:.1%}"),
     ]  # fmt: skip
 
@@ -91,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(NAMED_SHAPES))
     parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     parser.add_argument("--async-scheduling", choices=["on", "off"], default="on")
+    parser.add_argument(
+        "--fp8-beside",
+        action="store_true",
+        help="also each size with FP8 weights (--quantization fp8); its roofline stays bf16's",
+    )
     parser.add_argument("--out", default="tp_decode.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -107,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     overlap = args.async_scheduling == "on"
     for tp in sizes:
         rows += decode_rows(args.shape, tp, overlap, bw, res)
-    got = {int(k.split("/tp")[1].split("/")[0]): v for k, v in res.items() if "/tp" in k}
+        if args.fp8_beside:
+            rows += decode_rows(args.shape, tp, overlap, bw, res, "fp8")
+    got = {
+        int(k.split("/tp")[1].split("/")[0]): v for k, v in res.items() if "/tp" in k and k.endswith("bf16")
+    }
     if 1 in got and 2 in got:
         b1 = statistics.median(got[2]["b1"]) / statistics.median(got[1]["b1"])  # type: ignore[index]
         b64 = got[2]["b64"] / got[1]["b64"]  # type: ignore[index]
