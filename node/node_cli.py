@@ -58,6 +58,11 @@ class NodeOptions(EngineOptions, SecretFiles):
         "nonce is remembered as long, so a replay inside the window is refused too",
     )
     log_level: LogLevel = Field("INFO", description="log level")
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the node's request spans are "
+        "exported to (default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
+    )
     served_model_name: str | None = Field(
         None, description="the model_name label of the vllm:* metrics (default: the model's file name)"
     )
@@ -106,6 +111,8 @@ class NodeConfigs:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     transfer_advertise: str | None = None
     """The transfer address announced in the index (None: the listener's own)."""
+    otlp_endpoint: str | None = None
+    """The OTLP/HTTP collector of the node's request spans (shared/tracing.py); None: not traced."""
 
 
 def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
@@ -151,7 +158,8 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
         )
     engine = engine_config(opts)
     name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
-    return NodeConfigs(engine, node, connector, name, frames, policy, opts.transfer_advertise)
+    otlp = opts.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    return NodeConfigs(engine, node, connector, name, frames, policy, opts.transfer_advertise, otlp)
 
 
 def setup_process(opts: NodeOptions) -> None:

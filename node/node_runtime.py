@@ -41,6 +41,7 @@ from pdserve.shared.index.block_index_types import (
 )
 from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
 from pdserve.shared.node.node_sign import ClusterKeys
+from pdserve.shared.tracing import NO_TRACING, Tracing
 from pdserve.shared.types import ROLES, BlockHash, NodeId, RequestId, Role
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -126,6 +127,8 @@ class NodeRuntime:
         self.connector_kind = "none"
         """The KV connector this node uses (a metrics label), set by the role's server."""
         self.requests_outside_engine: Callable[[], int] = lambda: 0
+        self.tracing: Tracing = NO_TRACING
+        """Where the role's servers record their request spans (set by node_serve from --otlp-endpoint)."""
         """Requests the role holds before they enter the engine (D: waiting for their KV; P: waiting for D's
         room), set by the role's server: a draining node deregisters only when these are done too."""
 

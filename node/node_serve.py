@@ -22,6 +22,7 @@ from pdserve.shared.model.loader import ModelLoadError
 from pdserve.shared.node.node_auth import NodeAuth, credential_digest
 from pdserve.shared.node.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node.node_sign import ClusterKeys, RequestVerifier
+from pdserve.shared.tracing import tracing
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     keys = ClusterKeys(cfg.connector.auth_token)
     rt = NodeRuntime(cfg.node, engine, keys)
     rt.metrics.model_name = cfg.model_name
+    rt.tracing = tracing(cfg.otlp_endpoint, f"pdserve-{cfg.node.role}", cfg.node.node_id)
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens)",
         engine.num_blocks,
@@ -72,6 +74,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
                 await stats
             await rt.stop()
             await teardown()
+            rt.tracing.shutdown()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     verifier = RequestVerifier(keys, cfg.node.auth_window_s)

@@ -47,9 +47,11 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
 
 def _incoming(request: Request) -> Incoming:
     headers = request.headers
+    trace = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers} or None
     return Incoming(
-        headers.get("authorization"), _body(request), headers.get("content-length"), request.is_disconnected
-    )
+        headers.get("authorization"), _body(request), headers.get("content-length"), request.is_disconnected,
+        trace,
+    )  # fmt: skip
 
 
 class _NoTrailingSlash:

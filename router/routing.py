@@ -170,7 +170,8 @@ class Router:
         # cannot pass the check all at once; time spent waiting for room is not routing time.
         waited = time.perf_counter()
         statuses = await self._with_room(deadline)
-        started += time.perf_counter() - waited
+        room = time.perf_counter()
+        started += room - waited
         if not statuses:
             raise NoNodes("no serving node is available")
         self._rotation += 1
@@ -192,7 +193,7 @@ class Router:
         fetch_from = None if selection.fetch_from is None else live[selection.fetch_from]
         route = Route(selection.kind, decode, prefill, selection.cached_blocks, fetch_from,
                       selection.fetch_blocks, selection.estimate, selection.inputs)  # fmt: skip
-        self.telemetry.emit(Decided(selection, time.perf_counter() - started))
+        self.telemetry.emit(Decided(selection, time.perf_counter() - started, (waited, room)))
         tokens = selection.estimate.compute_tokens
         bookings = tuple(ledger.book(selection.decode, selection.prefill, tokens) for _ in range(n))
         return Placement(route, min(node.max_model_len for node in nodes), first.model_fingerprint, bookings)

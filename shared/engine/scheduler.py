@@ -348,6 +348,7 @@ class Scheduler:
         self._commit_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
         self.stats.preemptions += 1
         bisect.insort(self.waiting, request, key=self._key)
 
@@ -359,6 +360,7 @@ class Scheduler:
             if request is not head and request.block_ids:
                 self._release_blocks(request)
                 request.status = RequestStatus.PREEMPTED
+                request.num_preemptions += 1
                 self.stats.preemptions += 1
                 preempted.append(request.request_id)
                 return True
