@@ -10,7 +10,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
+import zmq
 from fastapi import FastAPI
+from pdserve.node.kv_events import KVEventsPublisher
 from pdserve.node.node_announce import add_announce_routes
 from pdserve.node.node_cli import NodeConfigs
 from pdserve.node.node_runtime import NodeRuntime, add_common_routes
@@ -53,10 +55,18 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         transfer_addr, teardown = await setup(app, rt, cfg)
-        try:
-            await rt.start(transfer_addr, protocol_version, credential_digest(cfg.connector.auth_token))
-        except BlockIndexError as exc:
-            failure.append(exc)
+        if cfg.kv_events is not None:
+            rt.kv_events = KVEventsPublisher(cfg.kv_events, cfg.engine.block_size)
+            try:
+                rt.kv_events.start()
+            except zmq.ZMQError as exc:
+                failure.append(StartupError(f"--kv-events-endpoint {cfg.kv_events.endpoint} (or its replay "
+                                            f"endpoint): {exc}; pick a free address"))  # fmt: skip
+        if not failure:
+            try:
+                await rt.start(transfer_addr, protocol_version, credential_digest(cfg.connector.auth_token))
+            except BlockIndexError as exc:
+                failure.append(exc)
         if failure:
             # Raised from here, uvicorn would print a traceback; the node never registered, so it stops
             # without deregistering (the id may belong to a live node) and serve() raises the one line.
@@ -64,6 +74,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             yield
             await rt.aengine.stop()
             await teardown()
+            if rt.kv_events is not None:
+                await rt.kv_events.close()
             return
         stats = asyncio.create_task(stats_loop(rt, log_stats_interval_s))
         try:
@@ -75,6 +87,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             await rt.stop()
             await teardown()
             rt.tracing.shutdown()
+            if rt.kv_events is not None:
+                await rt.kv_events.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     verifier = RequestVerifier(keys, cfg.node.auth_window_s)
@@ -90,7 +104,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
         timeout_keep_alive=NODE_KEEPALIVE_S,
     )
     server = uvicorn.Server(config)
-    failure: list[BlockIndexError] = []
+    failure: list[BlockIndexError | StartupError] = []
     asyncio.run(server.serve())
     if failure:
         raise StartupError(f"node {cfg.node.node_id}: {type(failure[0]).__name__}: {failure[0]}")

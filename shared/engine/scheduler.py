@@ -320,7 +320,8 @@ class Scheduler:
         for i in range(request.num_committed_blocks, full):
             parent = request.block_hashes[i - 1] if i else None
             # A hash the pool already holds elsewhere returns that block; ours stays a private duplicate.
-            self.pool.commit(request.block_ids[i], request.block_hashes[i], parent)
+            tokens = request.all_token_ids[i * self.config.block_size : (i + 1) * self.config.block_size]
+            self.pool.commit(request.block_ids[i], request.block_hashes[i], parent, tokens)
         request.num_committed_blocks = max(full, request.num_committed_blocks)
 
     def _check_stop(self, request: Request, token: int) -> bool:
