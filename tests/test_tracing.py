@@ -6,14 +6,17 @@ access log has the same stages as one timing line at debug level."""
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest
+from pdserve.shared.types import NodeId, RequestId
 from pdserve.tests.harness.cluster_fixture import LiveCluster, served_model_name, up_config
 from pdserve.tests.harness.otlp_collector import OtlpCollector, Span
-
-pytestmark = pytest.mark.slow
 
 ROUTER = {"router.request", "router.admission_wait", "router.routing"}
 PREFILL = {"prefill", "prefill.decode_admission", "prefill.queue", "prefill.compute", "kv_transfer"}
@@ -35,6 +38,41 @@ def _one(spans: list[Span], name: str) -> Span:
     return found[0]
 
 
+def test_tracing_off_creates_nothing_and_imports_no_sdk() -> None:
+    """Without an endpoint the router handler and the node servers load, and the tracer answers, without the
+    OpenTelemetry tracing SDK or its exporter in the process (another library may load the SDK's metrics)."""
+    code = (
+        "import sys\n"
+        "import pdserve.router.handler, pdserve.decode_node.server, pdserve.prefill_node.server\n"
+        "from pdserve.shared.tracing import NO_TRACING, tracing\n"
+        "t = tracing(None, 'x', 'y')\n"
+        "assert t is NO_TRACING and not t.enabled\n"
+        "parent = {'traceparent': '00-' + '1' * 32 + '-' + '2' * 16 + '-01'}\n"
+        "assert t.start('s', parent, {}).carrier is None\n"
+        "assert t.record('s', None, 0, 1, {}) is None\n"
+        "sdk = ('opentelemetry.sdk.trace', 'opentelemetry.exporter')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(sdk)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_trace_context_travels_in_the_node_protocol() -> None:
+    carrier = {"traceparent": f"00-{'a' * 32}-{'b' * 16}-01", "tracestate": "k=v"}
+    sampling = SamplingParams(max_tokens=4)
+    pre = PrefillRequest(RequestId("r"), (1, 2, 3), sampling, None, 1e10, NodeId("d"), "tcp://d:1",
+                         trace_context=carrier)  # fmt: skip
+    gen = NodeGenerateRequest(
+        RequestId("r"), (1, 2, 3), sampling, None, 1e10, NodeId("p"), trace_context=carrier
+    )
+    assert PrefillRequest.from_json(pre.to_json()).trace_context == carrier
+    assert NodeGenerateRequest.from_json(gen.to_json()).trace_context == carrier
+
+
+@pytest.mark.slow
 def test_a_pd_request_is_one_trace_under_the_clients_span(traced: tuple[LiveCluster, OtlpCollector]) -> None:
     live, collector = traced
     trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
