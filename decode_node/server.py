@@ -46,6 +46,7 @@ from pdserve.node.node_runtime import NodeRuntime
 from pdserve.node.reservation import KVReservation, Reservations
 from pdserve.shared.engine.request import Request as EngineRequest
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, StepOutput
+from pdserve.shared.tracing import Attributes, wall_ns
 from pdserve.shared.types import FirstToken, KVSource, NodeId, RequestId
 
 log = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class DecodeHandler(TransferHandler):
         entry = self._entry(req.transfer_id)
         if entry.reservation.blocks is not None:
             raise OpenRefused("transfer already open")
+        opened_at = time.monotonic()
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
                 await entry.arrived.wait()  # the router's request, sent beside P's, may come second
@@ -132,6 +134,11 @@ class DecodeHandler(TransferHandler):
         if entry.ended is not None or blocks is None:
             await entry.reservation.release()  # reserved while the request ended (fail() found none yet)
             raise OpenRefused(entry.ended or "the request ended on the decode node")
+        if self.rt.tracing.enabled and entry.request is not None:
+            attrs: Attributes = {"pdserve.node": self.rt.node_id, "pdserve.held_blocks": len(blocks.held),
+                     "pdserve.reserved_blocks": len(blocks.dst)}  # fmt: skip
+            self.rt.tracing.record("decode.admission_wait", entry.request.trace_context, wall_ns(opened_at),
+                                   wall_ns(time.monotonic()), attrs)  # fmt: skip
         return OpenReply(len(blocks.held), tuple(blocks.dst))
 
     def _spawn(self, coro: Any) -> None:
@@ -263,7 +270,7 @@ def add_decode_routes(
             rt.engine.prompt_hashes(engine_req)
             handler.arrive(gen, engine_req, q)
             outputs = _remote_stream(rt, handler, rid, q)
-        return StreamingResponse(_lines(rt, gen, outputs), media_type="application/x-ndjson")
+        return StreamingResponse(_lines(rt, gen, engine_req, outputs), media_type="application/x-ndjson")
 
 
 async def _fetched_local(
@@ -298,8 +305,26 @@ async def _remote_stream(
         await handler.fail(rid, "client went away")
 
 
+def _trace_decode(
+    rt: NodeRuntime, gen: NodeGenerateRequest, req: EngineRequest, out: StepOutput, t0: float,
+    first_at: float | None, end: float,
+) -> None:  # fmt: skip
+    """The request's spans on this node, under the router's request span: its whole stay (tokens,
+    preemptions), and its first token (for a remotely prefilled prompt: the wait for the KV, then the
+    admission of P's token)."""
+    tracing = rt.tracing
+    span = tracing.record("decode", gen.trace_context, wall_ns(t0), wall_ns(end), {
+        "pdserve.node": rt.node_id, "pdserve.request_id": gen.request_id,
+        "pdserve.prompt_tokens": out.prompt_tokens, "pdserve.cached_tokens": out.cached_tokens,
+        "pdserve.completion_tokens": out.completion_tokens, "pdserve.preemptions": req.num_preemptions,
+        "pdserve.finish_reason": out.finish_reason or "", "pdserve.prefill_node": gen.prefill_node_id or "",
+    })  # fmt: skip
+    if first_at is not None:
+        tracing.record("decode.first_token", span, wall_ns(t0), wall_ns(first_at), {})
+
+
 async def _lines(
-    rt: NodeRuntime, gen: NodeGenerateRequest, outputs: AsyncIterator[StepOutput]
+    rt: NodeRuntime, gen: NodeGenerateRequest, req: EngineRequest, outputs: AsyncIterator[StepOutput]
 ) -> AsyncIterator[bytes]:
     t0 = time.monotonic()
     last = t0
@@ -333,6 +358,8 @@ async def _lines(
                 m.generation_tokens.inc(len(out.token_ids))
             yield out.to_line()
             if out.finished:
+                if rt.tracing.enabled:
+                    _trace_decode(rt, gen, req, out, t0, first_at, now)
                 # A remotely prefilled request's queue and prefill time are the prefill node's to report.
                 scheduled = out.scheduled_time if gen.prefill_node_id is None else None
                 m.request_done(

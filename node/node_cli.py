@@ -18,6 +18,7 @@ from pydantic import Field, field_validator
 
 if TYPE_CHECKING:
     from pdserve.kvtransfer.connector import ConnectorConfig
+    from pdserve.node.kv_events import KVEventsConfig
     from pdserve.node.node_runtime import NodeSettings
     from pdserve.shared.engine.config import EngineConfig
 
@@ -60,6 +61,25 @@ class NodeOptions(EngineOptions, SecretFiles):
         "nonce is remembered as long, so a replay inside the window is refused too",
     )
     log_level: LogLevel = Field("INFO", description="log level")
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the node's request spans are "
+        "exported to (default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
+    )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="ZMQ PUB address for KV events in vLLM's format, e.g. tcp://*:5557 (bound when it has a "
+        "wildcard, else connected; default: none published)",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None, description="ZMQ ROUTER address that replays missed KV-event batches, e.g. tcp://*:5558"
+    )
+    kv_events_topic: str = Field("", description="the topic frame of every KV-event message")
+    kv_events_hash: Literal["int64", "bytes"] = Field(
+        "int64",
+        description="block hashes in KV events: the first 8 bytes of pdserve's SHA-256 as a signed int64 "
+        "(64-bit indexers), or all 32 bytes",
+    )
     served_model_name: str | None = Field(
         None, description="the model_name label of the vllm:* metrics (default: the model's file name)"
     )
@@ -108,6 +128,10 @@ class NodeConfigs:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     transfer_advertise: str | None = None
     """The transfer address announced in the index (None: the listener's own)."""
+    otlp_endpoint: str | None = None
+    """The OTLP/HTTP collector of the node's request spans (shared/tracing.py); None: not traced."""
+    kv_events: KVEventsConfig | None = None
+    """The KV-events publisher in vLLM's format (node/kv_events.py); None: none."""
 
 
 def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
@@ -148,7 +172,21 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     policy = opts.kv_load_failure_policy if isinstance(opts, DecodeOptions) else "recompute"
     engine = engine_config(opts)
     name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
-    return NodeConfigs(engine, node, connector, name, frames, policy, opts.transfer_advertise)
+    otlp = opts.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    kv_events = None
+    if opts.kv_events_endpoint is not None:
+        from pdserve.node.kv_events import KVEventsConfig
+
+        kv_events = KVEventsConfig(
+            opts.kv_events_endpoint, opts.kv_events_replay_endpoint, opts.kv_events_hash, opts.kv_events_topic
+        )
+    elif opts.kv_events_replay_endpoint is not None:
+        raise SettingsError(
+            "--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: set both, or neither"
+        )
+    return NodeConfigs(
+        engine, node, connector, name, frames, policy, opts.transfer_advertise, otlp, kv_events
+    )
 
 
 def setup_process(opts: NodeOptions) -> None:

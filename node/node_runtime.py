@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +42,10 @@ from pdserve.shared.index.block_index_types import (
 )
 from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
 from pdserve.shared.node.node_sign import ClusterKeys
+from pdserve.shared.tracing import NO_TRACING, Tracing
+
+if TYPE_CHECKING:
+    from pdserve.node.kv_events import KVEventsPublisher
 from pdserve.shared.types import ROLES, BlockHash, NodeId, RequestId, Role
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -128,6 +133,10 @@ class NodeRuntime:
         self.requests_outside_engine: Callable[[], int] = lambda: 0
         """Requests the role holds before they enter the engine (D: waiting for their KV; P: waiting for D's
         room), set by the role's server: a draining node deregisters only when these are done too."""
+        self.tracing: Tracing = NO_TRACING
+        """Where the role's servers record their request spans (set by node_serve from --otlp-endpoint)."""
+        self.kv_events: KVEventsPublisher | None = None
+        """The pool's events in vLLM's format (node/kv_events.py), set by node_serve before start()."""
 
     @property
     def node_id(self) -> NodeId:
@@ -165,6 +174,8 @@ class NodeRuntime:
             self.epoch = await self.index.register(info, load)  # IncompatibleNode propagates: refuse to start
             log.info("node %s registered as %s, epoch %d", self.node_id, self.settings.role, self.epoch)
             self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+            self._tasks.append(asyncio.create_task(self._publish_loop()))
+        elif self.kv_events is not None:
             self._tasks.append(asyncio.create_task(self._publish_loop()))
 
     async def stop(self) -> None:
@@ -268,13 +279,15 @@ class NodeRuntime:
         )  # fmt: skip
 
     async def _publish_loop(self) -> None:
-        """The only writer of the node's block records. Events drained before a resync's listing are
-        covered by it; those after it are applied after it, in order, so the records end as the pool is."""
-        assert self.index is not None
+        """The only reader of the pool's events: the only writer of the node's block records (events drained
+        before a resync's listing are covered by it; those after it are applied after it, in order, so the
+        records end as the pool is) and the KV-events publisher's only source."""
         while True:
             await asyncio.sleep(self.settings.publish_s)
             events: list[BlockEvent] = await self.aengine.call(self.engine.drain_events)
-            if not self.deregistered and (self._need_resync or events):
+            if self.kv_events is not None and events:
+                self.kv_events.publish(events)
+            if self.index is not None and not self.deregistered and (self._need_resync or events):
                 await self._publish(events)
 
     async def _publish(self, events: list[BlockEvent]) -> None:

@@ -10,7 +10,9 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvicorn
+import zmq
 from fastapi import FastAPI
+from pdserve.node.kv_events import KVEventsPublisher
 from pdserve.node.node_announce import add_announce_routes
 from pdserve.node.node_cli import NodeConfigs
 from pdserve.node.node_runtime import NodeRuntime, add_common_routes
@@ -22,6 +24,7 @@ from pdserve.shared.model.loader import ModelLoadError
 from pdserve.shared.node.node_auth import NodeAuth, credential_digest
 from pdserve.shared.node.node_protocol import NODE_KEEPALIVE_S
 from pdserve.shared.node.node_sign import ClusterKeys, RequestVerifier
+from pdserve.shared.tracing import tracing
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     keys = ClusterKeys(cfg.connector.auth_token)
     rt = NodeRuntime(cfg.node, engine, keys)
     rt.metrics.model_name = cfg.model_name
+    rt.tracing = tracing(cfg.otlp_endpoint, f"pdserve-{cfg.node.role}", cfg.node.node_id)
     log.info(
         "KV pool: %d blocks of %d tokens (%d tokens)",
         engine.num_blocks,
@@ -51,10 +55,18 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         transfer_addr, teardown = await setup(app, rt, cfg)
-        try:
-            await rt.start(transfer_addr, protocol_version, credential_digest(cfg.connector.auth_token))
-        except BlockIndexError as exc:
-            failure.append(exc)
+        if cfg.kv_events is not None:
+            rt.kv_events = KVEventsPublisher(cfg.kv_events, cfg.engine.block_size)
+            try:
+                rt.kv_events.start()
+            except zmq.ZMQError as exc:
+                failure.append(StartupError(f"--kv-events-endpoint {cfg.kv_events.endpoint} (or its replay "
+                                            f"endpoint): {exc}; pick a free address"))  # fmt: skip
+        if not failure:
+            try:
+                await rt.start(transfer_addr, protocol_version, credential_digest(cfg.connector.auth_token))
+            except BlockIndexError as exc:
+                failure.append(exc)
         if failure:
             # Raised from here, uvicorn would print a traceback; the node never registered, so it stops
             # without deregistering (the id may belong to a live node) and serve() raises the one line.
@@ -62,6 +74,8 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
             yield
             await rt.aengine.stop()
             await teardown()
+            if rt.kv_events is not None:
+                await rt.kv_events.close()
             return
         loop = asyncio.get_running_loop()
         leaving: list[asyncio.Future[None]] = []
@@ -88,6 +102,9 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
                 await left
             await rt.stop()
             await teardown()
+            rt.tracing.shutdown()
+            if rt.kv_events is not None:
+                await rt.kv_events.close()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     verifier = RequestVerifier(keys, cfg.node.auth_window_s)
@@ -103,7 +120,7 @@ def serve(cfg: NodeConfigs, setup: RoleSetup, protocol_version: int, log_stats_i
         timeout_keep_alive=NODE_KEEPALIVE_S,
     )
     server = uvicorn.Server(config)
-    failure: list[BlockIndexError] = []
+    failure: list[BlockIndexError | StartupError] = []
     down: list[str] = []
     try:
         asyncio.run(server.serve())

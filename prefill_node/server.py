@@ -32,12 +32,14 @@ from pdserve.kvtransfer.connector import (
     KVTransferError,
     OpenReply,
     TransferSession,
+    TransferStats,
 )
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.node.kv_fetch import FetchedPrefix, PrefixFetcher
 from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.engine.engine import StepObserver, StepSlice
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult, StepOutput
+from pdserve.shared.tracing import gib_per_s, wall_ns
 from pdserve.shared.types import BlockHash, BlockId, FirstToken, KVSource, RequestId
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,50 @@ class PrefillObserver(StepObserver):
             self.loop.call_soon_threadsafe(job.chunks.put_nowait, (first, b0, ids, buf, event))
 
 
+@dataclass
+class _Marks:
+    """time.monotonic() readings of one prefill, for its spans: start, D's OPEN reply, entry to the engine."""
+
+    started: float
+    opened: float = 0.0
+    entered: float = 0.0
+
+    def trace(
+        self,
+        rt: NodeRuntime,
+        req: PrefillRequest,
+        last: StepOutput,
+        fetched: FetchedPrefix | None,
+        sent: int,
+        stats: TransferStats,
+        prefilled_at: float,
+        acked_at: float,
+    ) -> None:
+        """The prefill's spans under the router's request span: the prefill, D's admission of its KV (OPEN
+        until D reserved), the prefix fetch, the engine queue, the compute, and the transfer to D."""
+        tracing, n = rt.tracing, len(req.prompt_token_ids)
+        scheduled = last.scheduled_time or self.entered
+        span = tracing.record("prefill", req.trace_context, wall_ns(self.started), wall_ns(acked_at), {
+            "pdserve.node": rt.node_id, "pdserve.request_id": req.request_id, "pdserve.prompt_tokens": n,
+            "pdserve.cached_tokens": last.cached_tokens, "pdserve.computed_tokens": n - last.cached_tokens,
+        })  # fmt: skip
+        tracing.record("prefill.decode_admission", span, wall_ns(self.started), wall_ns(self.opened),
+                       {"pdserve.decode_node": req.decode_node_id})  # fmt: skip
+        if fetched is not None:
+            tracing.record("prefill.fetch", span, wall_ns(self.opened), wall_ns(self.entered), {
+                "pdserve.fetch.asked_blocks": fetched.asked_blocks, "pdserve.fetch.landed": fetched.landed,
+            })  # fmt: skip
+        tracing.record("prefill.queue", span, wall_ns(self.entered), wall_ns(scheduled), {})
+        tracing.record("prefill.compute", span, wall_ns(scheduled), wall_ns(prefilled_at),
+                       {"pdserve.cached_tokens": last.cached_tokens})  # fmt: skip
+        tracing.record("kv_transfer", span, wall_ns(acked_at - stats.seconds), wall_ns(acked_at), {
+            "pdserve.transfer.bytes": stats.payload_bytes, "pdserve.transfer.blocks": sent,
+            "pdserve.transfer.connector": rt.connector_kind,
+            "pdserve.transfer.gib_per_s": gib_per_s(stats.payload_bytes, stats.seconds),
+            "pdserve.decode_node": req.decode_node_id,
+        })  # fmt: skip
+
+
 class PrefillService:
     def __init__(
         self,
@@ -169,6 +215,7 @@ class PrefillService:
         hashes = engine.prompt_hashes(engine_req)
         num_blocks = -(-len(req.prompt_token_ids) // engine.cfg.block_size)
         t0 = time.perf_counter()
+        marks = _Marks(time.monotonic())
         last: StepOutput | None = None
         job: _Job | None = None
         session: TransferSession | None = None
@@ -185,9 +232,11 @@ class PrefillService:
                 finally:
                     self._opening -= 1
                 opened = True
+                marks.opened = time.monotonic()
                 fetch_t0 = time.perf_counter()
                 fetched = await self._fetch(req, hashes)
                 fetch_s = time.perf_counter() - fetch_t0 if fetched is not None else 0.0
+                marks.entered = time.monotonic()
                 job = _Job(req, session, reply, reply.num_held_blocks)
                 job.sender_task = asyncio.ensure_future(self._send(job))
                 self.observer.jobs[rid] = job
@@ -230,6 +279,8 @@ class PrefillService:
                 sent,
                 time.perf_counter() - t0,
             )
+            if self.rt.tracing.enabled:
+                marks.trace(self.rt, req, last, fetched, sent, stats, prefilled_at, acked_at)
             return PrefillResult(
                 rid,
                 last.token_ids[0],

@@ -144,6 +144,11 @@ class RouterOptions(SecretFiles):
         description="split a thinking model's thoughts from its answer: chat responses carry them as "
         "`reasoning_content` (qwen3: the <think>...</think> at the start of the output)",
     )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the request spans are exported to "
+        "(default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
+    )
     log_level: LogLevel = Field(
         "INFO",
         description="log level of the router and of its HTTP server (INFO and below: one access-log "
@@ -183,6 +188,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
         migration_limit=opts.migration_limit,
+        otlp_endpoint=opts.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
         cost_model=opts.cost_model,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         admission=AdmissionConfig(

@@ -55,7 +55,10 @@ async def _body(request: Request) -> AsyncIterator[bytes]:
 def _incoming(request: Request, authorization: str | None = None) -> Incoming:
     headers = request.headers
     authorization = authorization or headers.get("authorization")
-    return Incoming(authorization, _body(request), headers.get("content-length"), request.is_disconnected)
+    trace = {k: headers[k] for k in ("traceparent", "tracestate") if k in headers} or None
+    return Incoming(
+        authorization, _body(request), headers.get("content-length"), request.is_disconnected, trace
+    )
 
 
 class _NoTrailingSlash:

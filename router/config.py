@@ -67,6 +67,8 @@ class RouterConfig:
     """Times a choice whose node fails after its first token may be re-prefilled on other nodes from its
     prompt and the tokens already streamed (router/migration.py); 0: it ends with the error. On by default:
     a client's stream outlives one node (a choice that keeps failing stops after 3 moves)."""
+    otlp_endpoint: str | None = None
+    """The OTLP/HTTP collector the router's request spans go to (shared/tracing.py); None: not traced."""
     cost_model: bool = False
     """Let the cost model (router/cost_model.py) choose, per request, between prefilling on D, on P, and on P
     after fetching a holder's prefix; off: P/D whenever a prefill node exists (local only below

@@ -40,6 +40,7 @@ from pdserve.router.errors import (
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.migration import Continuation
 from pdserve.router.node_client import NodeClient, NodeClients, NodeError
+from pdserve.router.request_trace import CURRENT, RequestTrace
 from pdserve.router.routing import Placement, Route
 from pdserve.router.telemetry import (
     ChoiceFinished,
@@ -141,6 +142,7 @@ class RequestRun:
         background: Background,
         rerouter: Rerouter,
         migration_limit: int = 0,
+        trace: RequestTrace | None = None,
     ) -> None:
         assert [job.index for job in jobs] == list(range(len(jobs))), "choices are indexed by position"
         self._jobs = jobs
@@ -149,6 +151,8 @@ class RequestRun:
         self._rerouter = rerouter
         self._telemetry = rerouter.telemetry
         self._migration_limit = migration_limit
+        self._trace = trace
+        self._trace_context = None if trace is None else trace.carrier
         self._streamed = {job.index: Continuation(job.prompt_token_ids, job.sampling) for job in jobs}
         self._started: set[int] = set()
         self._choice_start: dict[int, float] = {}  # choice index -> perf_counter at its (latest) route start
@@ -220,6 +224,7 @@ class RequestRun:
         """Runs a choice; a node that refuses it (503: draining) or dies before it streamed anything gets it
         placed again, and one that fails it after migrates; each new attempt has a fresh node request id, so
         the failed node's abort cannot race it."""
+        CURRENT.set(self._trace)  # this choice's task: its telemetry (reroutes' placements too) is traced
         attempt = 0
         while True:
             try:
@@ -325,11 +330,12 @@ class RequestRun:
         fetch_url = None if route.fetch_from is None else route.fetch_from.http_url
         fetch_blocks = route.fetch_blocks if route.fetch_from is not None else 0
         if prefill is None or route.prefill is None:  # D prefills, after fetching a holder's prefix if named
-            gen = NodeGenerateRequest(*what, None, fetch_url, fetch_blocks)
+            gen = NodeGenerateRequest(*what, None, fetch_url, fetch_blocks, self._trace_context)
             await self._pump(job, decode, route.decode, gen)
             return
-        gen = NodeGenerateRequest(*what, route.prefill.node_id)
-        pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr, fetch_url, fetch_blocks)
+        gen = NodeGenerateRequest(*what, route.prefill.node_id, trace_context=self._trace_context)
+        pre = PrefillRequest(*what, route.decode.node_id, route.decode.transfer_addr, fetch_url, fetch_blocks,
+                             self._trace_context)  # fmt: skip
         pump = asyncio.create_task(self._pump(job, decode, route.decode, gen))
         pre_task = asyncio.create_task(prefill.prefill(pre))
         try:

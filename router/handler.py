@@ -47,12 +47,14 @@ from pdserve.router.openai_protocol import (
 from pdserve.router.policy import NodeView, NoNodeAvailable, choose
 from pdserve.router.request_log import REQUEST_ID
 from pdserve.router.request_state import ChoiceState, ServedRequest, check_length
+from pdserve.router.request_trace import CURRENT, RequestTrace, on_event
 from pdserve.router.routing import Placement, Router
 from pdserve.router.tenants import Tenants, cache_salt
 from pdserve.router.tool_calls import ToolCallStream, parse_tool_calls, template_input, tool_format
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.model.tokenizer import Tokenizer
 from pdserve.shared.node.node_sign import ClusterKeys
+from pdserve.shared.tracing import tracing
 from pdserve.shared.types import ROLES, RequestId
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class Incoming:
     body: AsyncIterable[bytes]
     content_length: str | None = None
     is_disconnected: Callable[[], Awaitable[bool]] = _never
+    trace_context: dict[str, str] | None = None
+    """The client's W3C trace headers (`traceparent`, `tracestate`) it sent, if any."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,8 @@ class RequestHandler:
             self.ledger, self.model_check, CostModel(), config.cost_model,
         )  # fmt: skip
         self.tenants = Tenants(config.api_keys, config.rate_limit)
+        self.tracing = tracing(config.otlp_endpoint, "pdserve-router", f"router@{config.host}:{config.port}")
+        self.router.telemetry.subscribe(on_event)
         self._served = set(config.served_model_names)
         self._started = int(time.time())
         self._watch: asyncio.Task[None] | None = None
@@ -140,6 +146,7 @@ class RequestHandler:
         await self.ledger.close()
         await self.clients.aclose()
         await self.index.close()
+        self.tracing.shutdown()
 
     def authenticate(self, authorization: str | None) -> None:
         """OpenAIError 401 unless the API keys accept `authorization`."""
@@ -197,14 +204,15 @@ class RequestHandler:
         """A completion or chat completion: its JSON reply, or its SSE stream."""
         metrics = self.metrics
         metrics.in_flight.inc()
+        trace = RequestTrace.begin(self.tracing, incoming.trace_context, endpoint)
         streaming = False
         status = 500
         try:
-            req = await self._start(incoming, _PARSERS[endpoint])
+            req = await self._start(incoming, _PARSERS[endpoint], trace)
             if req.spec.stream:
                 streaming = True
                 status = 200
-                return Reply(200, stream=self._stream(req, incoming, endpoint))
+                return Reply(200, stream=self._stream(req, incoming, endpoint, trace))
             body = await self._collect(req, incoming)
             status = 200
             return Reply(200, body)
@@ -216,6 +224,8 @@ class RequestHandler:
             if not streaming:
                 metrics.in_flight.dec()
                 metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+                if trace is not None:
+                    trace.end(status)
 
     async def prompt_ids(self, endpoint: Endpoint, body: Any) -> list[tuple[int, ...]]:
         """The token ids each prompt of a completions or chat body becomes, as `generate` would send them
@@ -230,7 +240,10 @@ class RequestHandler:
         return sum(len(ids) for ids in await self.prompt_ids("chat", body))
 
     async def _start(
-        self, incoming: Incoming, parse: Callable[[dict[str, Any]], GenerationSpec]
+        self,
+        incoming: Incoming,
+        parse: Callable[[dict[str, Any]], GenerationSpec],
+        trace: RequestTrace | None = None,
     ) -> ServedRequest:
         config = self.config
         arrival = time.perf_counter()
@@ -251,9 +264,13 @@ class RequestHandler:
                 check_length(spec, len(ids), context)
         salt = cache_salt(tenant, spec.cache_salt)
         deadline = time.time() + self._timeout(spec)
-        placed = await asyncio.gather(
-            *(self.router.place(ids, salt, deadline, spec.n) for ids in prompts), return_exceptions=True
-        )
+        traced = CURRENT.set(trace)  # the placements' telemetry reaches the request's trace
+        try:
+            placed = await asyncio.gather(
+                *(self.router.place(ids, salt, deadline, spec.n) for ids in prompts), return_exceptions=True
+            )
+        finally:
+            CURRENT.reset(traced)
         placements = [p for p in placed if isinstance(p, Placement)]
         base = f"{'cmpl' if spec.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         jobs = []
@@ -276,7 +293,7 @@ class RequestHandler:
             raise
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
         run = RequestRun(jobs, salt, deadline, self.clients, self.metrics, self.background, self.router,
-                         config.migration_limit)  # fmt: skip
+                         config.migration_limit, trace)  # fmt: skip
         # an alias is served under the first served name, which every response carries (as vLLM's do)
         head = ResponseHead(spec.kind, base, int(time.time()), config.served_model_name,
                             f"fp_{placements[0].model_fingerprint[:12]}")  # fmt: skip
@@ -400,7 +417,9 @@ class RequestHandler:
             choices.append(req.head.choice(i, text, finish, logprobs, c.offset, calls))
         return req.head.response(choices, req.usage())
 
-    async def _stream(self, req: ServedRequest, incoming: Incoming, endpoint: str) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, req: ServedRequest, incoming: Incoming, endpoint: str, trace: RequestTrace | None = None
+    ) -> AsyncIterator[bytes]:
         metrics = self.metrics
         status, finished = "200", False
         include_usage = req.spec.include_usage
@@ -448,3 +467,5 @@ class RequestHandler:
                 req.run.cancel("client_disconnect" if status == "499" else "error")
             metrics.in_flight.dec()
             metrics.requests.labels(endpoint=endpoint, status=status).inc()
+            if trace is not None:
+                trace.end(status)

@@ -170,6 +170,7 @@ class Router:
         # pass the check all at once; the fleet's ledger checks the cap (and whose turn it is) again in
         # Redis as it books, and a refusal (NodeFull) sends the placement back to wait and to the room
         # check. Time spent waiting for room is not routing time.
+        first_wait = time.perf_counter()
         with self._ledger.turn() as turn:
             while True:
                 waited = time.perf_counter()
@@ -184,12 +185,13 @@ class Router:
                     await self._ledger.wait_for_room(deadline, turn)
                     continue
                 break
+        room = time.perf_counter()  # the admission wait: from first_wait to here, less the routing itself
         decode = live[selection.decode]
         prefill = None if selection.prefill is None else live[selection.prefill]
         fetch_from = None if selection.fetch_from is None else live[selection.fetch_from]
         route = Route(selection.kind, decode, prefill, selection.cached_blocks, fetch_from,
                       selection.fetch_blocks, selection.estimate, selection.inputs)  # fmt: skip
-        self.telemetry.emit(Decided(selection, time.perf_counter() - started))
+        self.telemetry.emit(Decided(selection, time.perf_counter() - started, (first_wait, room)))
         max_len = min(node.max_model_len for node in (decode, prefill) if node is not None)
         return Placement(route, max_len, first.model_fingerprint, bookings)
 

@@ -25,10 +25,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Decided:
-    """One placement decision, `routing_s` seconds of hashing, lookup and choice after its start."""
+    """One placement decision, `routing_s` seconds of hashing, lookup and choice after its start (time spent
+    waiting for room excluded: `admission_wait`, the perf_counter readings when the check for room began and
+    ended, the same when a caller built it without one)."""
 
     selection: Selection
     routing_s: float
+    admission_wait: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)

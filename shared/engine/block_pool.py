@@ -43,10 +43,13 @@ from pdserve.shared.types import BlockHash, BlockId
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Blocks that became matchable; each hash's parent is the one before it, the first's is parent_hash."""
+    """Blocks that became matchable; each hash's parent is the one before it, the first's is parent_hash.
+    token_ids: the blocks' tokens, block_size per block, when every committer of the batch gave them, else
+    () (a prefix fetched from another node arrives as hashes only)."""
 
     block_hashes: tuple[BlockHash, ...]
     parent_hash: BlockHash | None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -154,9 +157,9 @@ class BlockPool:
         for block in self._blocks:
             self._free.append(block)
         self._by_hash: dict[BlockHash, _Block] = {}
-        # Pending events as (kind, hashes, parent), kind S(tored) R(emoved) H(ost) D(evice); batches grow in
-        # place and are frozen by drain_events.
-        self._events: list[tuple[str, list[BlockHash], BlockHash | None]] = []
+        # Pending events as (kind, hashes, parent, token ids of Stored blocks or None: some committer gave
+        # none), kind S(tored) R(emoved) H(ost) D(evice); batches grow in place, frozen by drain_events.
+        self._events: list[tuple[str, list[BlockHash], BlockHash | None, list[int] | None]] = []
         self._num_reserved = 0
         self.host = HostTier(host_blocks) if host_blocks else None
         self._copies: list[CopyOp] = []
@@ -204,9 +207,16 @@ class BlockPool:
             block.reserved = False
         self._num_reserved -= len(blocks)
 
-    def commit(self, block_id: BlockId, block_hash: BlockHash, parent_hash: BlockHash | None) -> BlockId:
-        """The block's KV is complete: hash it and make it shareable (BlockStored). If another block holds
-        the hash already, this one stays unhashed and the holder's id is returned."""
+    def commit(
+        self,
+        block_id: BlockId,
+        block_hash: BlockHash,
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int] | None = None,
+    ) -> BlockId:
+        """The block's KV is complete: hash it and make it shareable (BlockStored, with `token_ids`, the
+        block's tokens, when given). If another block holds the hash already, this one stays unhashed and the
+        holder's id is returned."""
         block = self._get(block_id)
         if block.ref == 0 or block.reserved:
             raise ValueError(f"block {block_id} is {self._state(block)}; only in-use blocks can be committed")
@@ -226,8 +236,14 @@ class BlockPool:
         last = self._events[-1] if self._events else None
         if last is not None and last[0] == "S" and parent_hash is not None and last[1][-1] == parent_hash:
             last[1].append(block_hash)
+            if last[3] is not None and token_ids is not None:
+                last[3].extend(token_ids)
+            elif last[3] is not None:
+                self._events[-1] = (*last[:3], None)
         else:
-            self._events.append(("S", [block_hash], parent_hash))
+            self._events.append(
+                ("S", [block_hash], parent_hash, None if token_ids is None else list(token_ids))
+            )
         return block_id
 
     def release(self, block_ids: Sequence[BlockId]) -> None:
@@ -302,9 +318,9 @@ class BlockPool:
     def drain_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
         out: list[BlockEvent] = []
-        for kind, hashes, parent in events:
+        for kind, hashes, parent, tokens in events:
             if kind == "S":
-                out.append(BlockStored(tuple(hashes), parent))
+                out.append(BlockStored(tuple(hashes), parent, tuple(tokens or ())))
             elif kind == "R":
                 out.append(BlockRemoved(tuple(hashes)))
             else:
@@ -403,7 +419,7 @@ class BlockPool:
         if self._events and self._events[-1][0] == kind and kind != "S":
             self._events[-1][1].append(block_hash)
         else:
-            self._events.append((kind, [block_hash], None))
+            self._events.append((kind, [block_hash], None, None))
 
     def _ref(self, block: _Block) -> None:
         if block.ref == 0:

@@ -67,6 +67,8 @@ class Request:
     num_committed_blocks: int = 0
     num_pending: int = 0
     """Tokens launched steps sampled whose values the scheduler has not applied yet (overlap: 0 to 2)."""
+    num_preemptions: int = 0
+    """Times the scheduler preempted it (each one recomputes its KV)."""
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended the request; None for EOS, length or abort."""

@@ -320,7 +320,8 @@ class Scheduler:
         for i in range(request.num_committed_blocks, full):
             parent = request.block_hashes[i - 1] if i else None
             # A hash the pool already holds elsewhere returns that block; ours stays a private duplicate.
-            self.pool.commit(request.block_ids[i], request.block_hashes[i], parent)
+            tokens = request.all_token_ids[i * self.config.block_size : (i + 1) * self.config.block_size]
+            self.pool.commit(request.block_ids[i], request.block_hashes[i], parent, tokens)
         request.num_committed_blocks = max(full, request.num_committed_blocks)
 
     def _check_stop(self, request: Request, token: int) -> bool:
@@ -348,6 +349,7 @@ class Scheduler:
         self._commit_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         self._release_blocks(request)
         request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
         self.stats.preemptions += 1
         bisect.insort(self.waiting, request, key=self._key)
 
@@ -359,6 +361,7 @@ class Scheduler:
             if request is not head and request.block_ids:
                 self._release_blocks(request)
                 request.status = RequestStatus.PREEMPTED
+                request.num_preemptions += 1
                 self.stats.preemptions += 1
                 preempted.append(request.request_id)
                 return True

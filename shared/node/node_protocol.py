@@ -1,5 +1,6 @@
-"""The internal router <-> node messages (HTTP control plane), version 2 (2: prompt token ids travel packed,
-as little-endian uint32 in lowercase hex: shared/wire.py's U32Ids).
+"""The internal router <-> node messages (HTTP control plane), version 3 (2: prompt token ids travel packed,
+as little-endian uint32 in lowercase hex: shared/wire.py's U32Ids; 3: the requests carry the request's W3C
+trace context, `trace_context`, written and read by OpenTelemetry's propagator: shared/tracing.py).
 
 Endpoints on every node: `POST /internal/generate` (body NodeGenerateRequest; reply an NDJSON stream, one
 StepOutput line per engine step, the last one carrying finish_reason), `POST /internal/prefill` (body
@@ -27,7 +28,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.types import FINISH_REASONS, ROLES, FinishReason, NodeId, RequestId, Role
 from pdserve.shared.wire import Codec, JsonMessage, U32Ids, local
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 CODEC = Codec("node protocol", PROTOCOL_VERSION)
 CLIENT_KEEPALIVE_S = 5.0  # the router's pools drop a connection idle this long
 NODE_KEEPALIVE_S = 65  # a node's HTTP server closes a connection idle this long: beyond CLIENT_KEEPALIVE_S
@@ -80,6 +81,8 @@ class NodeGenerateRequest(_PromptRequest):
     says holds `fetch_blocks` leading prompt blocks this node lacks; fetch them from it first (the cost
     model's `local_fetch`)."""
     fetch_blocks: int = 0
+    trace_context: dict[str, str] | None = None
+    """The request's W3C trace context (`traceparent`, `tracestate`); None while the router does not trace."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,6 +108,8 @@ class PrefillRequest(_PromptRequest):
     """The internal URL of a node the index says holds `fetch_blocks` leading prompt blocks this prefill node
     lacks: fetch them from it (ExportRequest) before computing; None: compute what is not cached here."""
     fetch_blocks: int = 0
+    trace_context: dict[str, str] | None = None
+    """The request's W3C trace context, as NodeGenerateRequest's."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
