@@ -182,3 +182,13 @@ def test_the_loader_refuses_fp8_on_the_cpu(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(ModelLoadError, match=r"with --quantization fp8: FP8 weights need a GPU"):
         load_model("dummy:smollm2-135m", device=torch.device("cpu"), dtype=torch.float32, quantization="fp8")
+
+
+def test_a_directory_saved_from_a_gguf_file_is_unquantized(tmp_path: Path) -> None:
+    """transformers keeps `quantization_config: {quant_method: gguf}` in the config.json of a model it loaded
+    from a GGUF file and saved: its tensors are the dequantized ones, not a method to refuse."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gguf"}}))
+    assert checkpoint_quantization(str(tmp_path)) is None
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        checkpoint_quantization(str(tmp_path))

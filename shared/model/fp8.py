@@ -55,7 +55,9 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 def checkpoint_quantization(path: str) -> str | None:
     """ "fp8" when the HF directory's config.json declares `quantization_config.quant_method: fp8`; None
-    for an unquantized one. ValueError for another method (none of those is implemented)."""
+    for an unquantized one, and for `gguf` (transformers writes it when it saves a model it loaded from a
+    GGUF file: the saved tensors are the dequantized ones). ValueError for another method (none of those is
+    implemented)."""
     config = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.exists(config):
         return None
@@ -64,6 +66,8 @@ def checkpoint_quantization(path: str) -> str | None:
     if not quant:
         return None
     method = quant.get("quant_method")
+    if method == "gguf":
+        return None
     if method != "fp8":
         raise ValueError(f"config.json quantization_config.quant_method={method!r}; accepted: 'fp8'")
     block = quant.get("weight_block_size")
