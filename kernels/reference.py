@@ -26,7 +26,7 @@ class ReferenceOps:
         check_kv_layer(kv_layer)
         starts = meta.query_start_loc.tolist()
         lens = meta.seq_lens.tolist()
-        if len(lens) == 1:  # one sequence (a lone prompt's chunk): its output is the whole result
+        if len(lens) == 1 and starts[1] == q.shape[0]:  # a lone chunk with no padding rows: the whole result
             k, v = _context(kv_layer, meta.block_tables[0], lens[0], q.dtype)
             return _attend(q, k, v, lens[0] - q.shape[0], scale)
         out = torch.empty_like(q)
