@@ -30,9 +30,12 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
 
     attn, ops = "pdserve.kernels.triton_attention", "pdserve.kernels.triton_ops"
     cases: list[tuple[str, str, dict[str, object]]] = []
-    for cache, dot in (("bf16", tl.bfloat16), ("fp16", tl.float16), ("fp32", tl.float32)):
-        ptrs = {"q_ptr": f"*{cache}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{cache}"}
-        common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64}
+    # (q/out dtype, KV cache dtype, dot dtype): an FP8 cache (KV_FP8) is read beside a bf16 q
+    for act, cache, dot in (("bf16", "bf16", tl.bfloat16), ("fp16", "fp16", tl.float16),
+                            ("fp32", "fp32", tl.float32), ("bf16", "fp8e4nv", tl.bfloat16)):  # fmt: skip
+        ptrs = {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{act}"}
+        common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
+                  "KV_FP8": cache == "fp8e4nv"}  # fmt: skip
         cases.append(
             (attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3})
         )
@@ -41,19 +44,23 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
             cases.append((attn, "_prefill_kernel", prefill))
     cases.append((attn, "_reduce_splits_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
                                                   "SPLITS_CHUNK": 16}))  # fmt: skip
-    cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {  # RoPE + the KV-cache write
-        "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_cache_ptr": "*bf16",
-        "v_cache_ptr": "*bf16", "slots_ptr": "*i64", "N_Q": 32, "N_KV": 8, "HALF": 64, "Q_PAD": 32,
-        "KV_PAD": 8, "HALF_PAD": 64}))  # fmt: skip
+    for cache, sat in (("bf16", 0.0), ("fp8e4nv", 448.0)):  # RoPE + the KV-cache write (FP8: saturated)
+        cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {
+            "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+            "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slots_ptr": "*i64", "N_Q": 32, "N_KV": 8,
+            "HALF": 64, "Q_PAD": 32, "KV_PAD": 8, "HALF_PAD": 64, "SAT": sat}))  # fmt: skip
     for gather in (True, False):
         copy = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "ids_ptr": "*i64", "src_kv_stride": "i64",
                 "dst_kv_stride": "i64", "BLOCK_ELEMS": 16384, "CHUNK": 1024, "GATHER": gather}  # fmt: skip
         cases.append((ops, "_copy_blocks_kernel", copy))
-    for dtype, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
+    # (activation dtype, weight dtype, dot dtype): FP8 weights with a row scale beside bf16 activations
+    for dtype, weight, dot in (("bf16", "bf16", tl.bfloat16), ("fp32", "fp32", tl.float32),
+                               ("bf16", "fp8e4nv", tl.bfloat16)):  # fmt: skip
         for rows, block_n, block_k in ((1, 2, 4096), (16, 32, 256)):
-            ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
-            gemv = {"HAS_BIAS": rows == 1, "M_PAD": rows, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                    "DOT_DTYPE": dot}  # fmt: skip
+            ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{weight}", "b_ptr": f"*{dtype}", "s_ptr": "*fp32",
+                    "y_ptr": f"*{dtype}"}  # fmt: skip
+            gemv = {"HAS_BIAS": rows == 1, "HAS_SCALE": weight == "fp8e4nv", "M_PAD": rows,
+                    "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_DTYPE": dot}  # fmt: skip
             cases.append(("pdserve.kernels.triton_gemv", "_gemv_kernel", {**ptrs, **gemv}))
     return cases
 
