@@ -14,6 +14,7 @@ from pdserve.kvtransfer.connector import KVSender, create_sender, create_server
 from pdserve.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
 from pdserve.node.node_cli import NodeConfigs
 from pdserve.node.node_runtime import NodeRuntime
+from pdserve.node.prefix_move import PrefixMoves, add_move_routes
 
 
 async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
@@ -36,6 +37,7 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
         return senders[0]
 
     add_export_route(app, PrefixExporter(rt, sender, cfg.layers_per_frame))
+    add_move_routes(app, PrefixMoves(rt, fetcher))  # a drain's prefixes move through the fetch path
 
     async def teardown() -> None:
         await server.stop()

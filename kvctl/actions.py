@@ -81,6 +81,20 @@ class NodeAction(Common):
     url: str | None = Field(None, description="the node's HTTP URL (default: from its registration)")
 
 
+class Drain(NodeAction):
+    move_prefixes: bool = Field(
+        False,
+        description="first move the node's hottest cached prefixes (by hits, then recency) to the nodes the "
+        "router would send them to next, so they stay cached; a plain drain when none can take them",
+    )
+    budget_bytes: int = Field(
+        1 << 30, ge=0, description="with --move-prefixes: at most this many bytes of KV blocks move"
+    )
+    move_timeout: float = Field(
+        60.0, gt=0, description="with --move-prefixes: seconds for moving every prefix, all together"
+    )
+
+
 class Diff(Common):
     node: str | None = Field(None, description="compare this node only (default: every live node)")
     repair: bool = Field(False, description="let each node fix the records that disagree with its blocks")
@@ -166,9 +180,12 @@ async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
         return result
 
 
-def _drain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
+def _drain(opts: Drain, node: str) -> Callable[[Any], Any]:
     token = _token(opts)
-    return lambda index: _commands().drain(index, node, opts.timeout, token, opts.url)
+    budget = opts.budget_bytes if opts.move_prefixes else None
+    return lambda index: _commands().drain(
+        index, node, opts.timeout, token, opts.url, budget, opts.move_timeout
+    )
 
 
 def _undrain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
@@ -206,7 +223,7 @@ COMMANDS: dict[str, tuple[type[Common], Callable[[Any, Any], Callable[[Any], Any
     "nodes": (Common, lambda opts, _: _commands().nodes, False),
     "blocks": (Blocks, lambda opts, _: lambda index: _commands().blocks(index, opts.node, opts.limit), False),
     "stats": (Common, lambda opts, _: _commands().stats, False),
-    "drain": (NodeAction, _drain, True),
+    "drain": (Drain, _drain, True),
     "undrain": (NodeAction, _undrain, True),
     "diff": (Diff, _diff, False),
     "where": (PromptOptions, _where, False),

@@ -24,7 +24,8 @@ _COMMANDS = {
     "nodes": "Live nodes: role, epoch, load, KV use, blocks, heartbeat.",
     "blocks": "Block records per node: counts on device and host, and up to --limit hashes.",
     "stats": "Prefix hits local/remote/miss in tokens, per node and overall.",
-    "drain": "Stop new work on a node; it finishes, then leaves.",
+    "drain": "Stop new work on a node; it finishes, then leaves (--move-prefixes: its hot prefixes first "
+    "move to the nodes that take them next).",
     "undrain": "Give a drained node new work again.",
     "diff": "Index records against the blocks each node holds (--repair fixes them).",
     "where": "Which nodes hold a prompt's prefix blocks.",

@@ -40,6 +40,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
+from pdserve.shared.node.move_protocol import DrainNote
 from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.tracing import NO_TRACING, Tracing
@@ -399,8 +400,19 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         return JSONResponse({"ok": True})
 
     @app.post("/internal/drain")
-    async def drain() -> JSONResponse:
+    async def drain(request: Request) -> JSONResponse:
+        body = await request.body()
+        try:
+            note = DrainNote.from_json(body) if body.strip() not in (b"", b"{}") else None
+        except ValueError as exc:
+            return JSONResponse({"error": f"the drain's body is not a DrainNote: {exc}"}, status_code=400)
         await rt.drain()
+        if note is not None and note.why_not is not None:
+            log.warning("node %s draining without moving its prefixes (a plain drain): %s", rt.node_id,
+                        note.why_not)  # fmt: skip
+        elif note is not None:
+            log.info("node %s draining: moved %d prefixes (%d bytes) to the nodes that take them next",
+                     rt.node_id, note.moved_prefixes, note.moved_bytes)  # fmt: skip
         return JSONResponse({"ok": True, "draining": True})
 
     @app.post("/internal/undrain")

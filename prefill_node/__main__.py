@@ -11,6 +11,7 @@ from pdserve.kvtransfer.connector import create_sender, create_server
 from pdserve.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
 from pdserve.node.node_cli import NodeConfigs
 from pdserve.node.node_runtime import NodeRuntime
+from pdserve.node.prefix_move import PrefixMoves, add_move_routes
 from pdserve.prefill_node.server import PrefillService, add_prefill_routes
 
 
@@ -26,6 +27,7 @@ async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, C
     service.attach()
     add_prefill_routes(app, service)
     add_export_route(app, PrefixExporter(rt, lambda: sender, cfg.layers_per_frame))
+    add_move_routes(app, PrefixMoves(rt, fetcher))  # a drain's prefixes move through the fetch path
     rt.connector_kind = cfg.connector.kind
 
     async def teardown() -> None:

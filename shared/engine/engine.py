@@ -50,7 +50,7 @@ from typing import Protocol
 
 import torch
 from pdserve.shared.engine.block_hash import hash_seed, model_fingerprint
-from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
+from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, BlockRemoved, PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
 from pdserve.shared.engine.grammar import Grammars, Matcher
@@ -58,6 +58,7 @@ from pdserve.shared.engine.host_copy import HostTierCopier
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block, size_kv_pool
 from pdserve.shared.engine.parallel.kv_pools import KVPools, RankPool
 from pdserve.shared.engine.parallel.ranks import start_ranks
+from pdserve.shared.engine.prefix_heat import HotChain
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
@@ -110,6 +111,8 @@ class EngineSnapshot:
     """Blocks held in the host-memory tier (shared/engine/host_tier.py)."""
     host_offloaded_blocks: int = 0
     host_restored_blocks: int = 0
+    moved_hit_blocks: int = 0
+    """Blocks matched by prefix hits that came here by a drain's move (shared/engine/prefix_heat.py)."""
 
     @property
     def kv_usage(self) -> float:
@@ -196,6 +199,8 @@ class LLMEngine:
             kv_bytes_per_block(self.loaded, cfg) * mc.num_kv_heads // self.loaded.model.tp.num_kv_heads
         )
         self.host_blocks = cfg.host_kv_cache_bytes // per_block
+        self.block_bytes = per_block
+        """KV bytes of one block, every layer and KV head: what moving a block moves."""
         self.pool = BlockPool(self.num_blocks, cfg.block_size, self.host_blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
@@ -312,6 +317,7 @@ class LLMEngine:
         self._restore(block_hashes[: max(0, num_blocks - 1)])
         held = pool.match_prefix(block_hashes[: max(0, num_blocks - 1)])
         pool.acquire(held)
+        self.scheduler.heat.hit(block_hashes, len(held))
         spare = pool.num_free() - (num_blocks - len(held))
         if headroom and spare >= 0:
             starved = any(not r.block_ids for r in sched.waiting)
@@ -330,6 +336,7 @@ class LLMEngine:
         self._restore(block_hashes)
         held = self.pool.match_prefix(block_hashes)
         self.pool.acquire(held)
+        self.scheduler.heat.hit(block_hashes, len(held))  # another node's hit on this node's cache
         return tuple(held)
 
     def cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -615,7 +622,22 @@ class LLMEngine:
         )
 
     def drain_events(self) -> list[BlockEvent]:
-        return self.pool.drain_events()
+        events = self.pool.drain_events()
+        heat = self.scheduler.heat
+        if heat.moved_blocks:
+            for event in events:
+                if isinstance(event, BlockRemoved):
+                    heat.forget(event.block_hashes)
+        return events
+
+    def hot_prefixes(self, budget_blocks: int) -> list[HotChain]:
+        """The hottest cached prefix chains, up to `budget_blocks` distinct blocks the device pool holds
+        (shared/engine/prefix_heat.py): what a drain moves to other nodes."""
+        return self.scheduler.heat.hottest(self.cached_prefix_blocks, budget_blocks)
+
+    def mark_moved(self, block_hashes: Sequence[BlockHash]) -> None:
+        """These blocks arrived by a drain's move (a committed fetch): hits on them are counted."""
+        self.scheduler.heat.mark_moved(block_hashes)
 
     # ---- what the node runtime reads (engine thread only) ----------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -636,6 +658,7 @@ class LLMEngine:
             host_blocks=audit.host,
             host_offloaded_blocks=0 if self.tier is None else self.tier.offloaded,
             host_restored_blocks=0 if self.tier is None else self.tier.restored,
+            moved_hit_blocks=s.heat.moved_hit_blocks,
         )
 
     def held_hashes(self) -> list[BlockHash]:
