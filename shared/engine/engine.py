@@ -7,11 +7,12 @@ policy around this class, never a fork of it, and reaches it only through its pu
 pool, scheduler, runner or a `Request`'s fields): the prefill role watches layers through `StepObserver`
 (which sees each scheduled request as a `StepSlice`) and copies them out with `export_layer`; the decode
 role uses the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`);
-the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`. A prefix
-fetch uses the same port on both ends: the holder pins its blocks (`hold_prefix` ... `release_held`) while
-it exports them, and the fetcher checks `cached_prefix_blocks`, reserves, imports, then `commit_fetched`
-makes the landed blocks matchable under their hashes while the reservation still holds them, until
-`release_remote` leaves them CACHED.
+the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`; a drain
+that moves prefixes reads `hot_prefixes` on the draining node and calls `mark_moved` on the receiving one.
+A prefix fetch uses the same port on both ends: the holder pins its blocks (`hold_prefix` ...
+`release_held`) while it exports them, and the fetcher checks `cached_prefix_blocks`, reserves, imports,
+then `commit_fetched` makes the landed blocks matchable under their hashes while the reservation still
+holds them, until `release_remote` leaves them CACHED.
 
 Overlap (`EngineConfig.async_scheduling`): at most one step is in flight across `step()` calls. A call
 schedules and launches the next step (its placeholder tokens read from the in-flight step's sampled tokens
