@@ -363,6 +363,8 @@ NODE_ROUTES = [
     ("POST", "/internal/drain"),
     ("POST", "/internal/undrain"),
     ("POST", "/internal/evict"),
+    ("POST", "/internal/hot-prefixes"),
+    ("POST", "/internal/pull-prefix"),
     ("GET", "/internal/no-such-route"),
 ]
 
