@@ -95,7 +95,8 @@ async def move_prefixes(
     if not moved:
         reasons = Counter(r.get("skipped", "") for r in rows if r.get("skipped"))
         if not rows:
-            degraded = f"node {node!r} has no prefix hits recorded: nothing to move"
+            degraded = (f"node {node!r} named no hot prefix within {budget_bytes} bytes (it counts a "
+                        "prefix's hits as prompts match its cache): nothing to move")  # fmt: skip
         elif reasons:
             degraded = "; ".join(f"{why} ({n} prefixes)" for why, n in reasons.most_common(3))
     return {

@@ -2,10 +2,10 @@
 decode node, the router) on SmolLM2: `kvctl drain NODE --move-prefixes` of the prefill node holding a shared
 ~1k-token prefix moves it to the other prefill node (the one the router sends that prefix to next), the index
 learns the new holder, and the next request with that prefix skips its prefill there (the receiving node's
-counters: local hits on moved blocks, nothing fetched) with the greedy reference's text. Then the last
-prefill node drains with --move-prefixes while no other prefill node is left: the drain degrades to a plain
-one, says so on the command and in the node's log, and the node still leaves the index; every node's audit
-ends clean (no block left in use or reserved).
+counters: local hits on moved blocks, nothing fetched) with the greedy reference's text. Then that node
+drains with --move-prefixes while the only other prefill node has a tiny KV pool (no room anywhere): the
+drain degrades to a plain one, says why on the command and in the node's log, and the node still leaves the
+index; every node's audit ends clean (no block left in use or reserved).
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
+from pdserve.cli.up import free_port
 from pdserve.kvctl.commands import tokenize
 from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
+    NodeProc,
     kvctl,
     kvctl_main,
     model_path,
+    node_argv,
     reference_texts,
     served_model_name,
     up_config,
@@ -40,6 +43,7 @@ QUESTIONS = (" Question: who cleans the stairs?", " Question: what does flat 5 p
 MAX_TOKENS = 8
 BS = 16
 KV = ("--kv-cache-gib", "0.125")
+TINY = "prefill-tiny"
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +81,7 @@ def live_nodes(live: LiveCluster) -> set[str]:
     return {n["info"]["node_id"] for n in kvctl_main(live.redis_url, "nodes")["nodes"]}
 
 
-def test_drain_moves_the_hot_prefix_then_degrades_without_a_target(
-    live: LiveCluster, cold: list[str]
-) -> None:
+def test_drain_moves_the_hot_prefix_then_degrades_without_room(live: LiveCluster, cold: list[str]) -> None:
     prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
     assert prefix_blocks * BS >= 900, "the shared prefix is about 1k tokens"
     first = complete(live, PREFIX + QUESTIONS[0])
@@ -125,16 +127,24 @@ def test_drain_moves_the_hot_prefix_then_degrades_without_a_target(
     wait_for("the moved-hit counter (a 1 s snapshot)", lambda: live.metric(other, moved_hits) >= wanted)
     live.wait_clean()
 
+    # the only other prefill node left has a tiny pool: no room anywhere, so the drain is a plain one
+    port = free_port()
+    argv = node_argv("prefill", TINY, port, live.redis_url, live.auth_token, *KV, "--num-kv-blocks", "8")
+    live.cluster.spawn(TINY, argv)
+    live.nodes[TINY] = NodeProc(TINY, f"http://127.0.0.1:{port}")
+    wait_for(f"{TINY} to register", lambda: TINY in live_nodes(live), timeout_s=300)
     plain = kvctl(live.redis_url, "drain", other, "--move-prefixes")["prefixes"]
     assert plain["prefixes_moved"] == 0 and plain["bytes_moved"] == 0, plain
-    assert "no other live prefill node" in plain["degraded"], plain
+    assert plain["chains"][0]["target"] == TINY, plain
+    assert f"{TINY}: no room: 8 allocatable KV blocks here" in plain["degraded"], plain
     wait_for(f"{other} to drain and leave the index", lambda: other not in live_nodes(live))
-    line = "draining without moving its prefixes (a plain drain): no other live prefill node"
+    line = f"draining without moving its prefixes (a plain drain): {TINY}: no room"
     assert line in live.log(other)
+    assert live.metric(TINY, "pdserve_node_moved_in_prefixes_total") == 0
     audits = live.wait_clean()
     assert all(a["in_use"] == 0 and a["reserved"] == 0 for a in audits.values()), audits
     print(f"\nmoved {moved['prefixes_moved']} prefix ({moved['bytes_moved']} bytes) {holder} -> {other}; "
-          f"the next request hit {hit:.0f} tokens there")  # fmt: skip
+          f"the next request hit {hit:.0f} tokens there; then: {plain['degraded']}")  # fmt: skip
 
 
 def test_kvctl_drain_help_names_move_prefixes() -> None:
