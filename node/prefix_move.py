@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.node.kv_fetch import PrefixFetcher
 from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.node.move_protocol import (
-    HotChain,
+    HotPrefix,
     HotPrefixes,
     HotPrefixesRequest,
     PullPrefix,
@@ -72,7 +72,7 @@ class PrefixMoves:
             self.rt.node_id,
             engine.cfg.block_size,
             engine.block_bytes,
-            tuple(HotChain(tuple(c.hashes), c.hits, c.idle_s) for c in chains),
+            tuple(HotPrefix(tuple(c.hashes), c.hits, c.idle_s) for c in chains),
         )
 
     async def pull(self, req: PullPrefix) -> PullResult:

@@ -37,7 +37,7 @@ class HotPrefixesRequest(_Message):
 
 
 @dataclass(frozen=True)
-class HotChain:
+class HotPrefix:
     """One cached prefix chain: its leading block hashes the node holds, hits, seconds since the last hit."""
 
     block_hashes: tuple[bytes, ...]
@@ -56,7 +56,7 @@ class HotPrefixes(_Message):
     block_size: int
     block_bytes: int
     """KV bytes of one block (every layer and KV head): what moving it moves."""
-    chains: tuple[HotChain, ...]
+    chains: tuple[HotPrefix, ...]
 
 
 @dataclass(frozen=True)
