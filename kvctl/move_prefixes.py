@@ -67,8 +67,9 @@ async def move_prefixes(
         for chain in hot.chains:
             hashes = [BlockHash(h) for h in chain.block_hashes]
             hits = {n: b for n, b in (await index.lookup(hashes)).items() if n != node}
-            row: dict[str, Any] = {"blocks": len(hashes), "hits": chain.hits, "target": None,
-                                   "moved_blocks": 0, "bytes": 0}  # fmt: skip
+            row: dict[str, Any] = {"blocks": len(hashes), "hits": chain.hits, "idle_s": chain.idle_s,
+                                   "target": None, "moved_blocks": 0, "bytes": 0,
+                                   "no_room": False}  # fmt: skip
             rows.append(row)
             to = target(len(hashes), hot.block_size, hits, draining, others)
             if to is None:
@@ -88,6 +89,7 @@ async def move_prefixes(
                 row["skipped"] = f"{to} could not pull it: {exc!r}"[:300]
                 continue
             row["moved_blocks"], row["bytes"] = result.landed_blocks, result.bytes_moved
+            row["no_room"] = result.no_room
             if result.error is not None:
                 row["skipped"] = f"{to}: {result.error}"
     moved = [r for r in rows if r["moved_blocks"]]

@@ -4,8 +4,9 @@ draining node through the prefix-fetch path (`POST /internal/pull-prefix`: node/
 handshake, deadline and release), keeps it CACHED, and publishes it to the index like any block it stores.
 
 Invariants: a pull's reservation is released on every path (PrefixFetcher.release in `finally`), so the
-pulled blocks end CACHED, never in use; a pull that would not fit in the pool's allocatable blocks is refused
-before the holder is asked (`no_room`); the receiving node counts what it got (prefixes and bytes moved in)
+pulled blocks end CACHED, never in use; a pull that would not fit in the pool's allocatable blocks, less one
+per live request (the headroom D keeps for remote prompts), is refused before the holder is asked
+(`no_room`); the receiving node counts what it got (prefixes and bytes moved in)
 and the later prefix hits on those blocks (`pdserve_node_moved_prefix_hit_tokens`, from the engine's
 snapshot). Metrics live on the receivers: the draining node leaves.
 """
@@ -80,11 +81,13 @@ class PrefixMoves:
         hashes = [BlockHash(h) for h in req.block_hashes]
         local, snap = await aengine.call(lambda: (engine.cached_prefix_blocks(hashes), engine.snapshot()))
         free = snap.kv_total_blocks - snap.kv_used_blocks  # FREE and cached-free blocks: allocatable
+        kept = snap.running + snap.waiting  # a block each, so a move never starves the live requests
         need = len(hashes) - local
         if need <= 0:
             return PullResult(len(hashes), local, 0, 0)
-        if need > free:
-            why = f"no room: {free} allocatable KV blocks here, the prefix needs {need}"
+        if need > free - kept:
+            why = (f"no room: {free} allocatable KV blocks here ({kept} kept for live requests), the prefix "
+                   f"needs {need}")  # fmt: skip
             return PullResult(len(hashes), local, 0, 0, error=why, no_room=True)
         rid = RequestId(f"move-{uuid.uuid4().hex[:12]}")
         fetched = await self.fetcher.fetch(rid, req.holder_url, hashes, local, req.deadline)

@@ -1,15 +1,27 @@
 """Which cached prefixes a drain moves (shared/engine/prefix_heat.py) and where (kvctl/move_prefixes.py
 `target`, the router's policy over the other nodes): hits and recency rank the chains, the byte budget cuts
 them, shared blocks count once, evicted tails are trimmed; hits on moved blocks are counted until the pool
-reports them removed; the target is the node of the draining node's role the policy would pick."""
+reports them removed; the target is the node of the draining node's role the policy would pick; the move's
+messages round-trip."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
+import pytest
 from pdserve.kvctl.move_prefixes import target
 from pdserve.shared.engine.prefix_heat import PrefixHeat
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, NodeStatus
+from pdserve.shared.node.move_protocol import (
+    DrainNote,
+    HotPrefix,
+    HotPrefixes,
+    HotPrefixesRequest,
+    PullPrefix,
+    PullResult,
+)
+from pdserve.shared.node.node_protocol import PROTOCOL_VERSION
 from pdserve.shared.types import BlockHash, KVLayout, NodeId, Role
 
 
@@ -95,3 +107,24 @@ def test_the_target_is_the_node_of_the_same_role_the_policy_picks() -> None:
     d1 = status("d1", "decode", running=3)
     d2 = status("d2", "decode")
     assert target(4, 16, {}, status("d0", "decode"), [p1, d1, d2]) == "d2"  # the less loaded decode node
+
+
+def test_the_move_messages_round_trip_and_refuse_bad_hashes() -> None:
+    hashes = tuple(chain("m", 2))
+    messages = [
+        HotPrefixesRequest(1 << 30),
+        HotPrefixes(NodeId("p0"), 16, 737280, (HotPrefix(hashes, 3, 1.5),)),
+        PullPrefix(NodeId("p0"), "http://127.0.0.1:1", hashes, 1e9),
+        PullResult(2, 0, 2, 1474560),
+        PullResult(2, 0, 0, 0, error="no room: 1 allocatable KV blocks here", no_room=True),
+        DrainNote(1, 1474560),
+        DrainNote(0, 0, why_not="p1: no room (1 prefixes)"),
+    ]
+    for msg in messages:
+        assert type(msg).from_json(msg.to_json()) == msg
+    obj = json.loads(PullPrefix(NodeId("p0"), "http://h", hashes, 1e9).to_json())
+    obj["block_hashes"] = ["00" * 31]
+    with pytest.raises(ValueError, match="32-byte"):
+        PullPrefix.from_json(json.dumps(obj))
+    with pytest.raises(ValueError, match="budget_bytes"):
+        HotPrefixesRequest.from_json(json.dumps({"v": PROTOCOL_VERSION, "budget_bytes": -1}))
