@@ -248,7 +248,7 @@ async def drain(
         from pdserve.shared.node.move_protocol import DrainNote
 
         try:
-            moved = await move_prefixes(index, status, move_budget_bytes, move_timeout_s, token)
+            moved = await move_prefixes(index, status, move_budget_bytes, move_timeout_s, token, url)
         except MoveError as exc:
             moved = {"prefixes_moved": 0, "blocks_moved": 0, "bytes_moved": 0, "chains": [],
                      "budget_bytes": move_budget_bytes, "degraded": str(exc)}  # fmt: skip

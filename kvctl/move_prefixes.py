@@ -47,14 +47,21 @@ def target(chain_blocks: int, block_size: int, hits: dict[NodeId, int], draining
 
 
 async def move_prefixes(
-    index: BlockIndex, draining: NodeStatus, budget_bytes: int, timeout_s: float, token: str
+    index: BlockIndex,
+    draining: NodeStatus,
+    budget_bytes: int,
+    timeout_s: float,
+    token: str,
+    url: str | None = None,
 ) -> dict[str, Any]:
     """Moves the draining node's hottest prefixes; returns what moved, per chain, and `degraded` (None, or
-    why nothing moved). `timeout_s` bounds the whole move."""
+    why nothing moved). `timeout_s` bounds the whole move; `url` is where kvctl reaches the draining node
+    (default: its registered URL, which the receivers always use)."""
     deadline = time.time() + timeout_s
     node = draining.info.node_id
     async with httpx.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
-        url = draining.info.http_url.rstrip("/")
+        holder = draining.info.http_url.rstrip("/")
+        url = (url or holder).rstrip("/")
         try:
             reply = await client.post(f"{url}/internal/hot-prefixes",
                                       content=HotPrefixesRequest(budget_bytes).to_json())  # fmt: skip
@@ -80,7 +87,7 @@ async def move_prefixes(
                 row["skipped"] = f"{to} holds it already"
                 continue
             status = next(s for s in others if s.info.node_id == to)
-            pull = PullPrefix(NodeId(node), url, tuple(hashes), deadline)
+            pull = PullPrefix(NodeId(node), holder, tuple(hashes), deadline)
             try:
                 got = await client.post(f"{status.info.http_url.rstrip('/')}/internal/pull-prefix",
                                         content=pull.to_json())  # fmt: skip

@@ -44,11 +44,18 @@ MAX_TOKENS = 8
 BS = 16
 KV = ("--kv-cache-gib", "0.125")
 TINY = "prefill-tiny"
+DECODE = ("decode-0", "decode-1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def live() -> Iterator[LiveCluster]:
     with LiveCluster.start(up_config(prefill=2, decode=1, extra_node_args=KV)) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def live_2d() -> Iterator[LiveCluster]:
+    with LiveCluster.start(up_config(prefill=1, decode=2, extra_node_args=KV)) as cluster:
         yield cluster
 
 
@@ -145,6 +152,38 @@ def test_drain_moves_the_hot_prefix_then_degrades_without_room(live: LiveCluster
     assert all(a["in_use"] == 0 and a["reserved"] == 0 for a in audits.values()), audits
     print(f"\nmoved {moved['prefixes_moved']} prefix ({moved['bytes_moved']} bytes) {holder} -> {other}; "
           f"the next request hit {hit:.0f} tokens there; then: {plain['degraded']}")  # fmt: skip
+
+
+def test_a_decode_node_drain_moves_its_prefix_to_the_other_decode_node(
+    live_2d: LiveCluster, cold: list[str]
+) -> None:
+    """On D the prefix saves the transfer: the decode node the router picks next gets it, and the next
+    request's KV transfer sends only the blocks past it (D's reservation holds the moved blocks)."""
+    live = live_2d
+    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    assert complete(live, PREFIX + QUESTIONS[0])["choices"][0]["text"] == cold[0]
+    wait_for(
+        "one decode node to hold the prefix", lambda: max(where(live, PREFIX).get(d, 0) for d in DECODE) > 0
+    )
+    holder = max(DECODE, key=lambda d: where(live, PREFIX).get(d, 0))
+    other = next(d for d in DECODE if d != holder)
+    assert complete(live, PREFIX + QUESTIONS[1])["choices"][0]["text"] == cold[1]  # D holds its prefix: a hit
+    assert where(live, PREFIX).get(other, 0) == 0
+
+    moved = kvctl(live.redis_url, "drain", holder, "--move-prefixes")["prefixes"]
+    assert moved["degraded"] is None and moved["chains"][0]["target"] == other, moved
+    assert moved["chains"][0]["moved_blocks"] >= prefix_blocks - 1, moved
+    wait_for(
+        "the index to learn the new holder", lambda: where(live, PREFIX).get(other, 0) >= prefix_blocks - 1
+    )
+    wait_for(f"{holder} to drain and leave the index", lambda: holder not in live_nodes(live))
+
+    third = complete(live, PREFIX + QUESTIONS[2])
+    assert third["choices"][0]["text"] == cold[2]
+    moved_hits = "pdserve_node_moved_prefix_hit_tokens_total"
+    wanted = (prefix_blocks - 1) * BS
+    wait_for("the moved-hit counter on D", lambda: live.metric(other, moved_hits) >= wanted)
+    live.wait_clean()
 
 
 def test_kvctl_drain_help_names_move_prefixes() -> None:
