@@ -93,6 +93,11 @@ class Drain(NodeAction):
     move_timeout: float = Field(
         60.0, gt=0, description="with --move-prefixes: seconds for moving every prefix, all together"
     )
+    migrate: bool = Field(
+        False,
+        description="end the node's running requests so that the router continues them on other nodes, "
+        "which fetch their KV (prompt and generated tokens) from this node instead of prefilling it",
+    )
 
 
 class Diff(Common):
@@ -184,7 +189,7 @@ def _drain(opts: Drain, node: str) -> Callable[[Any], Any]:
     token = _token(opts)
     budget = opts.budget_bytes if opts.move_prefixes else None
     return lambda index: _commands().drain(
-        index, node, opts.timeout, token, opts.url, budget, opts.move_timeout
+        index, node, opts.timeout, token, opts.url, budget, opts.move_timeout, opts.migrate
     )
 
 

@@ -25,7 +25,7 @@ _COMMANDS = {
     "blocks": "Block records per node: counts on device and host, and up to --limit hashes.",
     "stats": "Prefix hits local/remote/miss in tokens, per node and overall.",
     "drain": "Stop new work on a node; it finishes, then leaves (--move-prefixes: its hot prefixes first "
-    "move to the nodes that take them next).",
+    "move to the nodes that take them next; --migrate: its running requests move with their KV).",
     "undrain": "Give a drained node new work again.",
     "diff": "Index records against the blocks each node holds (--repair fixes them).",
     "where": "Which nodes hold a prompt's prefix blocks.",

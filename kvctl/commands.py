@@ -235,25 +235,31 @@ async def drain(
     url: str | None = None,
     move_budget_bytes: int | None = None,
     move_timeout_s: float = 60.0,
+    migrate: bool = False,
 ) -> dict[str, Any]:
     """Ask the node to drain: it marks itself draining in the index at once (a signed heartbeat; the router
     gives it no new work), finishes its work and deregisters. With `move_budget_bytes`, its hottest prefixes
     (up to that many bytes) first move to the nodes that would take them next (kvctl/move_prefixes.py); when
-    none can, the drain is a plain one and `prefixes.degraded` (and the node's log) says why."""
+    none can, the drain is a plain one and `prefixes.degraded` (and the node's log) says why. With `migrate`,
+    its running requests move to other nodes with their KV (node/drain_migrate.py): the node's reply says
+    how many (`node_reply.migrated`)."""
+    from pdserve.shared.node.move_protocol import DrainNote
+
     status = await live_node(index, node_id)
     body: dict[str, Any] = {}
     moved: dict[str, Any] | None = None
     if move_budget_bytes is not None:
         from pdserve.kvctl.move_prefixes import MoveError, move_prefixes
-        from pdserve.shared.node.move_protocol import DrainNote
 
         try:
             moved = await move_prefixes(index, status, move_budget_bytes, move_timeout_s, token, url)
         except MoveError as exc:
             moved = {"prefixes_moved": 0, "blocks_moved": 0, "bytes_moved": 0, "chains": [],
                      "budget_bytes": move_budget_bytes, "degraded": str(exc)}  # fmt: skip
-        note = DrainNote(moved["prefixes_moved"], moved["bytes_moved"], moved["degraded"])
+        note = DrainNote(moved["prefixes_moved"], moved["bytes_moved"], moved["degraded"], migrate)
         body = json.loads(note.to_json())
+    elif migrate:
+        body = json.loads(DrainNote(migrate=True).to_json())
     reply = await _post(node_id, url or status.info.http_url, "/internal/drain", body, timeout_s, token)
     result = {"node_id": node_id, "draining": True, "node_reply": reply}
     return result if moved is None else result | {"prefixes": moved}

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pdserve.node.drain_migrate import RequestMover
 from pdserve.node.node_metrics import NodeMetrics
 from pdserve.shared.engine.async_engine import AsyncEngine, EngineDead
 from pdserve.shared.engine.block_pool import BlockEvent
@@ -138,6 +139,10 @@ class NodeRuntime:
         """Where the role's servers record their request spans (set by node_serve from --otlp-endpoint)."""
         self.kv_events: KVEventsPublisher | None = None
         """The pool's events in vLLM's format (node/kv_events.py), set by node_serve before start()."""
+        self._passes = 0  # publish passes started
+        self._pass_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self.mover = RequestMover(self.node_id, self.aengine, self.metrics, self.published)
+        """Moves running requests with their KV (a drain or a role change with --migrate)."""
 
     @property
     def node_id(self) -> NodeId:
@@ -224,7 +229,9 @@ class NodeRuntime:
             m.kv_used_blocks.set(load.kv_used_blocks)
             m.running.set(load.running)
             m.waiting.set(load.waiting)
-            idle = load.running == 0 and load.waiting == 0 and self.requests_outside_engine() == 0
+            await self.mover.expire_due()
+            held = self.requests_outside_engine() + self.mover.pinned()  # pinned: moved, not pulled yet
+            idle = load.running == 0 and load.waiting == 0 and held == 0
             if self.draining and idle and not self.deregistered:
                 try:
                     await self.index.deregister(self.node_id)
@@ -285,11 +292,26 @@ class NodeRuntime:
         records end as the pool is) and the KV-events publisher's only source."""
         while True:
             await asyncio.sleep(self.settings.publish_s)
+            self._passes += 1
             events: list[BlockEvent] = await self.aengine.call(self.engine.drain_events)
             if self.kv_events is not None and events:
                 self.kv_events.publish(events)
             if self.index is not None and not self.deregistered and (self._need_resync or events):
                 await self._publish(events)
+            done = [f for n, f in self._pass_waiters if n <= self._passes]
+            self._pass_waiters = [(n, f) for n, f in self._pass_waiters if n > self._passes]
+            for f in done:
+                if not f.done():
+                    f.set_result(None)
+
+    async def published(self) -> None:
+        """Returns once a publish pass that started after this call has ended: the index then lists the
+        blocks the pool held at the call (unless Redis failed that pass). At once when nothing publishes."""
+        if not self._tasks:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pass_waiters.append((self._passes + 1, waiter))
+        await waiter
 
     async def _publish(self, events: list[BlockEvent]) -> None:
         assert self.index is not None
@@ -407,13 +429,17 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         except ValueError as exc:
             return JSONResponse({"error": f"the drain's body is not a DrainNote: {exc}"}, status_code=400)
         await rt.drain()
+        migrated = await rt.mover.migrate_running() if note is not None and note.migrate else 0
         if note is not None and note.why_not is not None:
             log.warning("node %s draining without moving its prefixes (a plain drain): %s", rt.node_id,
                         note.why_not)  # fmt: skip
-        elif note is not None:
+        elif note is not None and note.moved_prefixes:
             log.info("node %s draining: moved %d prefixes (%d bytes) to the nodes that take them next",
                      rt.node_id, note.moved_prefixes, note.moved_bytes)  # fmt: skip
-        return JSONResponse({"ok": True, "draining": True})
+        if migrated:
+            log.info("node %s draining: %d running requests move to other nodes with their KV", rt.node_id,
+                     migrated)  # fmt: skip
+        return JSONResponse({"ok": True, "draining": True, "migrated": migrated})
 
     @app.post("/internal/undrain")
     async def undrain() -> JSONResponse:

@@ -119,6 +119,8 @@ def test_the_move_messages_round_trip_and_refuse_bad_hashes() -> None:
         PullResult(2, 0, 0, 0, error="no room: 1 allocatable KV blocks here", no_room=True),
         DrainNote(1, 1474560),
         DrainNote(0, 0, why_not="p1: no room (1 prefixes)"),
+        DrainNote(migrate=True),
+        DrainNote(2, 100, migrate=True),
     ]
     for msg in messages:
         assert type(msg).from_json(msg.to_json()) == msg

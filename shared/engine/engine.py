@@ -444,6 +444,19 @@ class LLMEngine:
             return None
         return self._output(live, (), "", "abort")
 
+    def movable_requests(self) -> list[tuple[RequestId, tuple[BlockHash, ...]]]:
+        """The live requests a drain may move to another node (node/drain_migrate.py), with the hashes of
+        their committed blocks (prompt and generated tokens): those decoding (a token sampled), without
+        frequency or presence penalties (they count output tokens only) and unconstrained (a grammar's state
+        would start over), as the router's migration takes them (router/migration.py)."""
+        moving = []
+        for rid, live in self._live.items():
+            r, p = live.request, live.request.params
+            penalties = p.frequency_penalty or p.presence_penalty
+            if r.output_token_ids and not penalties and p.constraint is None:
+                moving.append((rid, tuple(r.block_hashes[: r.num_committed_blocks])))
+        return moving
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 

@@ -5,7 +5,8 @@ Endpoints, on every node, each needing the cluster's credential: `POST /internal
 HotPrefixesRequest; reply HotPrefixes: the node's hottest cached prefix chains up to a byte budget),
 `POST /internal/pull-prefix` (body PullPrefix; reply PullResult: the node fetched the chain from the holder
 through the prefix-fetch path, node/kv_fetch.py, and keeps it cached), and `POST /internal/drain` whose body
-may be a DrainNote (what the move did, for the draining node's log line) or `{}` (a plain drain).
+may be a DrainNote (what the move did, for the draining node's log line, and `migrate`: whether its running
+requests move with their KV, `kvctl drain --migrate`) or `{}` (a plain drain).
 Invariants: block hashes are 32 bytes; a chain's hashes are leading prompt blocks in order; sizes are bytes.
 """
 
@@ -90,9 +91,14 @@ class PullResult(_Message):
 
 @dataclass(frozen=True)
 class DrainNote(_Message):
-    """kvctl -> the draining node: what moving its prefixes did, for its log line."""
+    """kvctl -> the draining node: what moving its prefixes did, for its log line, and whether to move its
+    running requests with their KV (node/drain_migrate.py)."""
 
-    moved_prefixes: int
-    moved_bytes: int
+    moved_prefixes: int = 0
+    moved_bytes: int = 0
     why_not: str | None = None
-    """Why nothing was moved (the drain degraded to a plain drain); None when something was."""
+    """Why nothing was moved (the drain degraded to a plain drain); None when something was, or no move of
+    prefixes was asked for."""
+    migrate: bool = False
+    """End each running request that can move with a migration signal: the router continues it on another
+    node, which fetches its KV (prompt and generated tokens) from this one instead of prefilling it."""
