@@ -147,6 +147,20 @@ class RouterMetrics(MetricsRegistry):
         self.aborts = counter(
             "pdserve_router_aborts", "Node requests aborted by the router, by reason.", ["reason"]
         )
+        self.migrations = counter(
+            "pdserve_router_migrations",
+            "Choices continued on another node after they streamed tokens, by cause: drain (the node moved "
+            "them, `kvctl drain --migrate`; their KV is fetched from it) or failure (the node died or failed "
+            "them; re-prefilled).",
+            ["cause"],
+        )
+        self.migration_prompt_tokens = counter(
+            "pdserve_router_migration_prompt_tokens",
+            "Prompt tokens (original prompt + tokens already streamed) of continuations, by cause and by "
+            "where the prefilling node got their KV: cached (its own), fetched (another node, the draining "
+            "one for cause=drain) or computed (prefilled again).",
+            ["cause", "source"],
+        )
         self.node_requests = counter(
             "pdserve_router_node_requests", "Node requests (generate or prefill) sent, per node.", ["node_id"]
         )
