@@ -417,9 +417,8 @@ class RequestRun:
         """A continuation's prompt tokens by where their KV came from; a drain's continuation that did not
         fetch from the draining node (no room there, or the index did not list its blocks) is logged."""
         tokens = self._metrics.migration_prompt_tokens
-        tokens.labels(cause=cause, source="cached").inc(hits.local)
-        tokens.labels(cause=cause, source="fetched").inc(hits.remote)
-        tokens.labels(cause=cause, source="computed").inc(hits.miss)
+        for source, n in (("cached", hits.local), ("fetched", hits.remote), ("computed", hits.miss)):
+            tokens.labels(cause=cause, source=source).inc(max(0, n))  # a node's report is not trusted blindly
         if cause == "drain" and hits.remote == 0:
             log.warning("continuation %s of a drained node's request was prefilled (%d prompt tokens "
                         "computed, %d cached): no fetch from the draining node", job.request_id, hits.miss,

@@ -10,6 +10,7 @@ shows the blocks that came, and the drained node leaves the index only once they
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -17,11 +18,22 @@ from dataclasses import dataclass, field
 
 import openai
 import pytest
+from pdserve.kvctl.commands import tokenize
+from pdserve.node.drain_migrate import RequestMover
+from pdserve.node.node_metrics import NodeMetrics
+from pdserve.shared.engine.async_engine import AsyncEngine
+from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.model.loader import LoadedModel
+from pdserve.shared.node.node_protocol import StepOutput
+from pdserve.shared.types import NodeId, RequestId
 from pdserve.tests.harness.chaos_faults import SMALL_KV
 from pdserve.tests.harness.chaos_load import metric_of
 from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
     kvctl_main,
+    model_path,
     reference_texts,
     served_model_name,
     up_config,
@@ -45,6 +57,8 @@ class Stream:
     chunks: int = 0
     text: str = ""
     finish_reason: str | None = None
+    usage: tuple[int, int] | None = None
+    """(prompt_tokens, completion_tokens) of the stream's usage chunk."""
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -52,9 +66,13 @@ class Stream:
         try:
             stream = client.completions.create(
                 model=MODEL, prompt=self.prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             )  # fmt: skip
             for chunk in stream:
+                if chunk.usage is not None:
+                    self.usage = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens)
+                if not chunk.choices:
+                    continue
                 choice = chunk.choices[0]
                 self.text += choice.text
                 self.chunks += 1
@@ -108,6 +126,9 @@ def test_drain_migrate_moves_running_streams_with_their_kv(live: LiveCluster) ->
     assert all(s.finish_reason == "length" for s in streams), [s.finish_reason for s in streams]
     wrong = [(s.prompt, s.text) for s in streams if s.text != want[s.prompt]]
     assert not wrong, f"another text than the greedy reference: {wrong[:1]}"
+    prompt_tokens = {len(tokenize(model_path(), p, None)) for p in PROMPTS}
+    usage = {s.usage for s in streams}  # the original request's, migrated or not
+    assert usage == {(n, MAX_TOKENS) for n in prompt_tokens}, usage
 
     by_drain = metric_of(live.base, "pdserve_router_migrations_total", {"cause": "drain"})
     assert by_drain == migrated, f"the router continued {by_drain} of the {migrated} migrated requests"
@@ -130,3 +151,60 @@ def test_drain_migrate_moves_running_streams_with_their_kv(live: LiveCluster) ->
     print(f"\n{migrated} streams moved off {drained} with their KV: {fetched:.0f} continuation prompt "
           f"tokens fetched ({pulled:.0f} blocks on prefill-0), {computed:.0f} computed; all 4 texts equal "
           "the greedy reference")  # fmt: skip
+
+
+async def _move_one(loaded: LoadedModel, pulled: bool) -> None:
+    """One request decoding on a real engine is moved: its last output carries the migration signal, its
+    committed blocks (prompt and generated) stay pinned until pulled (or the window ends), then the pool
+    is clean."""
+    engine = LLMEngine(EngineConfig(model=loaded.source, block_size=BS, num_kv_blocks=64), loaded)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        metrics = NodeMetrics("decode", devices=engine.devices)
+
+        async def published() -> None:
+            return None
+
+        mover = RequestMover(NodeId("d0"), aengine, metrics, published, 30.0 if pulled else 0.0)
+        prompt = loaded.tokenizer.encode(PROMPTS[0])
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        req = engine.new_request(RequestId("r"), prompt, params, None)
+        outs: list[StepOutput] = []
+
+        async def consume() -> None:
+            async for out in aengine.generate(req):
+                outs.append(out)
+
+        task = asyncio.create_task(consume())
+        while sum(len(o.token_ids) for o in outs) < 2 * BS:
+            await asyncio.sleep(0.01)
+        assert await mover.migrate_running() == 1
+        await task
+        assert outs[-1].finish_reason == "abort" and outs[-1].migrate, outs[-1]
+        generated = sum(len(o.token_ids) for o in outs)
+        audit = await aengine.call(engine.audit)
+        assert mover.pinned() == 1 and audit.in_use >= (len(prompt) + generated - 1) // BS - 1, audit
+        if pulled:
+            await mover.pulled(req.block_hashes[:2])  # an export of the chain's first blocks: the same chain
+        else:
+            await mover.expire_due()  # nobody pulled within the window
+        audit = await aengine.call(engine.audit)
+        assert mover.pinned() == 0 and (audit.in_use, audit.reserved) == (0, 0), audit
+        outcome = "pulled" if pulled else "expired"
+        assert (
+            metrics.registry.get_sample_value(
+                "pdserve_node_drain_migration_pulls_total", {"outcome": outcome}
+            )
+            == 1.0
+        )
+        assert metrics.registry.get_sample_value("pdserve_node_drain_migrations_total") == 1.0
+    finally:
+        await aengine.stop()
+
+
+@pytest.mark.parametrize("pulled", [True, False], ids=["pulled", "expired"])
+def test_a_moved_requests_pin_ends_when_pulled_or_when_its_window_ends(
+    loaded: LoadedModel, pulled: bool
+) -> None:
+    asyncio.run(_move_one(loaded, pulled))

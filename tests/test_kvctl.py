@@ -20,6 +20,7 @@ from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
+from pdserve.shared.node.move_protocol import DrainNote
 from pdserve.shared.node.node_sign import SCHEME, ClusterKeys
 from pdserve.shared.types import BlockHash, KVLayout, NodeId
 from pdserve.tests.harness.fake_http import FakeHTTP, Seen
@@ -151,6 +152,8 @@ def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
     assert rc == 0 and out["index_records_removed"] == 0 and len(posts(fake)) == 2
     rc, out, _ = kvctl(capsys, server, "drain", "d0")
     assert rc == 0 and out["node_reply"] == {"ok": True, "path": "/internal/drain"}
+    rc, out, _ = kvctl(capsys, server, "drain", "d0", "--migrate")  # the node moves its running requests
+    assert rc == 0 and posts(fake)[-1] == ("/internal/drain", json.loads(DrainNote(migrate=True).to_json()))
     assert all(a is not None and a.startswith(SCHEME) and TOKEN not in a for a in authorizations(fake)[-3:])
     assert len(set(authorizations(fake))) == len(authorizations(fake))  # a fresh nonce each
     _, nodes, _ = kvctl(capsys, server, "nodes")  # kvctl writes no drain flag: the node signs its own
