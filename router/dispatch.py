@@ -260,8 +260,8 @@ class RequestRun:
                     err = exc.error if isinstance(exc, _StepFailed) else _node_error(exc, self.deadline)
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
-                if exc.status == 503:
-                    self._rerouter.refused(exc.node_id)
+                if exc.status == 503 or (isinstance(exc, _StepFailed) and exc.reason == "migrate"):
+                    self._rerouter.refused(exc.node_id)  # draining: the next placement avoids it at once
                 self._metrics.aborts.labels(reason=reason).inc()
                 try:
                     placement = await self._rerouter.place(prompt, self._salt, self.deadline)
@@ -279,9 +279,11 @@ class RequestRun:
                 self._jobs[job.index] = job
 
     def _may_migrate(self, job: ChoiceJob, exc: NodeError) -> bool:
-        """After a streamed token: the node is gone, failed the choice, or moved it (a drain's migration
-        signal); not an abort, not past the deadline."""
-        failed = exc.unreachable or (isinstance(exc, _StepFailed) and exc.reason in ("error", "migrate"))
+        """After a streamed token: the node is gone, failed the choice, moved it (a drain's migration
+        signal), or refused its continuation (503: draining, so nothing of it ran there); not an abort, not
+        past the deadline."""
+        moved = isinstance(exc, _StepFailed) and exc.reason in ("error", "migrate")
+        failed = exc.unreachable or exc.status == 503 or moved
         return (
             failed
             and job.index in self._started

@@ -466,7 +466,7 @@ def test_a_drains_migration_signal_continues_the_stream_elsewhere(cluster: Clust
     """A node that ends a streaming choice with the migration signal (a drain with --migrate) gets it
     continued, not failed: the next node request carries the prompt plus the two streamed tokens and what
     remains of max_tokens; the client sees one stream, usage counted as the original request's."""
-    cluster.set_nodes(["s0"])
+    cluster.set_nodes(["s1", "s2"])  # ids no other test uses: the moving node stays avoided for seconds
     n_gen = len(cluster.nodes.generate)
     body = {"model": "smol", "prompt": "Hi", "max_tokens": 5, "stop": ["MIGRATE"], "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -475,7 +475,8 @@ def test_a_drains_migration_signal_continues_the_stream_elsewhere(cluster: Clust
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
     text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
     assert text == " w1000 w1001 w1000 w1001 w1002"  # the fake node counts the continuation's from 1000
-    (_, first), (_, second) = cluster.nodes.generate[n_gen:]
+    (moving, first), (other, second) = cluster.nodes.generate[n_gen:]
+    assert other != moving, "the continuation went back to the node that moved it off"
     assert second.request_id == f"{first.request_id}-m1"
     assert second.prompt_token_ids == (*first.prompt_token_ids, 1000, 1001)
     assert second.sampling.max_tokens == 3
