@@ -108,6 +108,25 @@ class AsyncEngine:
             if out is not None:
                 self._route([out])
 
+    async def fail_streaming(self, error: str) -> int:
+        """Ends every request of the engine that has produced a token with a failed output saying `error`
+        (finish_reason "error": the router migrates such a choice, node/role_change.py), freeing its blocks;
+        requests still before their first token go on. Returns how many ended."""
+        engine = self.engine
+
+        def end() -> list[StepOutput]:
+            ended = []
+            for req in [r for r in engine.scheduler.requests.values() if r.output_token_ids]:
+                engine.abort(req.request_id)
+                ended.append(StepOutput.failed(req.request_id, req.num_prompt_tokens, error))
+            return ended
+
+        if self._error is not None:
+            return 0
+        outputs = await self.call(end)
+        self._route(outputs)
+        return len(outputs)
+
     # ---- loop thread --------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
