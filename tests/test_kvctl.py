@@ -20,6 +20,7 @@ from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
+from pdserve.shared.node.node_protocol import CODEC
 from pdserve.shared.node.node_sign import SCHEME, ClusterKeys
 from pdserve.shared.types import BlockHash, KVLayout, NodeId
 from pdserve.tests.harness.fake_http import FakeHTTP, Seen
@@ -155,6 +156,26 @@ def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
     assert len(set(authorizations(fake))) == len(authorizations(fake))  # a fresh nonce each
     _, nodes, _ = kvctl(capsys, server, "nodes")  # kvctl writes no drain flag: the node signs its own
     assert [n["draining"] for n in nodes["nodes"]] == [False, False] and nodes["invalid"] == []
+
+
+def test_role_refuses_to_empty_a_role_unless_forced(cluster: Cluster, capsys: Any) -> None:
+    """p0 is the only prefill-capable node and d0 the only decode-capable one: moving either empties a role
+    (refused, one line, nothing sent); --force sends the change, signed, and a node that answers it had
+    nothing to change ends the command at once."""
+    server, fake, _ = cluster
+    fake.seen.clear()
+    for node, role in (("d0", "prefill"), ("p0", "decode")):
+        rc, _, err = kvctl(capsys, server, "role", node, role)
+        assert rc == 1 and err.count("\n") == 1 and "--force" in err and f"node '{node}'" in err, err
+    assert posts(fake) == []
+    rc, out, _ = kvctl(capsys, server, "role", "p0", "single", "--force", "--migrate")
+    assert rc == 0 and (out["from_role"], out["role"]) == ("prefill", "single"), out
+    assert posts(fake) == [("/internal/role", {"v": CODEC.version, "role": "single", "migrate": True})]
+    assert authorizations(fake)[0] is not None and TOKEN not in str(authorizations(fake)[0])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["role", "p0", "router", "--redis", server.url])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "'prefill', 'decode', 'single'" in err
 
 
 def test_failures_are_one_line_and_exit_1(cluster: Cluster, capsys: Any) -> None:
