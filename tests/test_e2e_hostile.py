@@ -362,6 +362,7 @@ NODE_ROUTES = [
     ("POST", "/internal/abort"),
     ("POST", "/internal/drain"),
     ("POST", "/internal/undrain"),
+    ("POST", "/internal/role"),
     ("POST", "/internal/evict"),
     ("GET", "/internal/no-such-route"),
 ]
