@@ -22,9 +22,9 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -380,6 +380,13 @@ class NodeRuntime:
         self.role = role
         self.metrics.role_changed(old, role)
         log.info("node %s serves as %s (was %s), epoch %d", self.node_id, role, old, self.epoch)
+
+    def until_leave(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Runs `coro` as a task that `leave()` cancels (and awaits) with the node's loops, so nothing it
+        does (a re-registration) outlives the node's deregistration."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
 
     async def evict(self, hashes: list[BlockHash] | None) -> int:
         return await self.aengine.call(lambda: self.engine.evict(hashes))

@@ -12,7 +12,8 @@ prefix cache stays, in the engine and in the index.
 
 Invariants: at most one change at a time, and none on a draining node (drain wins: undrain first); a change
 ends exactly once, registered under the new role, or (if the index refused the registration) back in the
-old one taking work again; the caller's reply comes when the change started, and `kvctl role` waits for the
+old one taking work again; a node that leaves cancels its change first (`NodeRuntime.until_leave`), so
+no registration follows its deregistration; the caller's reply comes when the change started, and `kvctl role` waits for the
 index to show the new registration.
 """
 
@@ -64,7 +65,7 @@ class RoleChanger:
         if msg.role == rt.role:
             return 200, reply | {"changed": False, "epoch": rt.epoch}
         rt.changing_role = True
-        self._task = asyncio.create_task(self._change(msg))
+        self._task = rt.until_leave(self._change(msg))
         return 202, reply | {"changed": True, "epoch": rt.epoch}
 
     async def _change(self, msg: RoleChangeRequest) -> None:
