@@ -273,7 +273,7 @@ def _emptied(statuses: Sequence[NodeStatus], node_id: str, new_role: Role) -> st
     after = before | {node_id: new_role}
     for what, capable in (("prefill", _PREFILL_CAPABLE), ("decode", _DECODE_CAPABLE)):
         if any(r in capable for r in before.values()) and not any(r in capable for r in after.values()):
-            return f"no {what}-capable node (prefill/decode or single)"
+            return f"no {what}-capable node ({what} or single) taking work"
     return None
 
 

@@ -13,8 +13,8 @@ prefix cache stays, in the engine and in the index.
 Invariants: at most one change at a time, and none on a draining node (drain wins: undrain first); a change
 ends exactly once, registered under the new role, or (if the index refused the registration) back in the
 old one taking work again; a node that leaves cancels its change first (`NodeRuntime.until_leave`), so
-no registration follows its deregistration; the caller's reply comes when the change started, and `kvctl role` waits for the
-index to show the new registration.
+no registration follows its deregistration. The caller's reply comes when the change started, and `kvctl
+role` waits for the index to show the new registration.
 """
 
 from __future__ import annotations

@@ -269,3 +269,20 @@ def test_closed_pipe_ends_quietly(cluster: Cluster) -> None:
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1 and err == "", err
+
+
+def test_the_emptying_rule_counts_single_for_both_roles_and_ignores_draining_nodes() -> None:
+    from pdserve.kvctl.commands import _emptied
+    from pdserve.shared.index.block_index_types import NodeStatus
+
+    def node(name: str, role: str, draining: bool = False) -> NodeStatus:
+        info = NodeInfo(NodeId(name), role, "http://127.0.0.1:1", "", FP, LAYOUT, 1, 1000, "ef" * 32, 8192)  # type: ignore[arg-type]
+        return NodeStatus(info, None, 0.0, draining, 0)
+
+    p0, d0, s0 = node("p0", "prefill"), node("d0", "decode"), node("s0", "single")
+    assert _emptied([p0, d0], "d0", "prefill") == "no decode-capable node (decode or single) taking work"
+    assert _emptied([p0, d0], "p0", "decode") == "no prefill-capable node (prefill or single) taking work"
+    assert _emptied([p0, d0], "p0", "single") is None  # single counts for both
+    assert _emptied([p0, d0, s0], "d0", "prefill") is None  # s0 still decodes
+    assert _emptied([d0, node("d1", "decode")], "d0", "single") is None  # no prefill node to lose
+    assert _emptied([p0, d0, node("d1", "decode", draining=True)], "d0", "prefill") is not None
