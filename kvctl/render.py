@@ -96,7 +96,7 @@ def _stats(result: dict[str, Any]) -> str:
 
 
 def _action(result: dict[str, Any]) -> str:
-    """drain, undrain, evict: one row of the result's plain fields and the node's reply."""
+    """drain, undrain, role, evict: one row of the result's plain fields and the node's reply."""
     fields = {k: v for k, v in result.items() if k != "node_reply"}
     reply = result.get("node_reply")
     if reply is not None:
@@ -147,6 +147,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "stats": _stats,
     "drain": _drain,
     "undrain": _action,
+    "role": _action,
     "evict": _action,
 }
 

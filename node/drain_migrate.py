@@ -77,6 +77,8 @@ class RequestMover:
             return [(rid, _Pin(h, engine.hold_prefix(h), until)) for rid, h in engine.movable_requests()]
 
         pins = await self.aengine.call(pin)
+        if not pins:
+            return 0
         self._pins.update((rid, p) for rid, p in pins if p.blocks)
         await self.published()  # the index lists the pinned blocks before any router looks them up
         moved = 0

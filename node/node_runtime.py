@@ -10,6 +10,8 @@ it starts, at most once a minute while it lasts, and once when the index answers
 The node owns its state in Redis: every heartbeat rewrites its load (drain flag included) signed with the
 cluster's record key, so a field someone else writes there is ignored by readers and undone within a
 heartbeat; draining and undraining take effect in the index through an immediate signed heartbeat.
+The node's current role is `role` (runtime state; node/role_change.py changes it and registers the node
+under it with a new epoch, its held blocks resent); `refuses` gates the role's routes by it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -123,6 +125,10 @@ class NodeRuntime:
             None if self.index is None else IndexTruth(self.index, self.node_id, held, self.metrics.registry)
         )
         self.epoch = 0
+        self.role: Role = settings.role
+        """The role the node serves as now (`settings.role` at start; node/role_change.py changes it)."""
+        self.changing_role = False
+        """A role change is under way: the node takes no new work and shows as draining in the index."""
         self.draining = False
         self.deregistered = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -217,7 +223,7 @@ class NodeRuntime:
             kv_used_blocks=snap.kv_used_blocks,
             kv_total_blocks=snap.kv_total_blocks,
             blocks_held=len(self.engine.held_hashes()),
-            draining=self.draining,
+            draining=self.draining or self.changing_role,
             queued_prefill_tokens=snap.queued_prefill_tokens,
         )
 
@@ -246,7 +252,8 @@ class NodeRuntime:
 
     async def _beat(self, load: NodeLoad) -> None:
         assert self.index is not None and self._info is not None
-        load = dataclasses.replace(load, draining=self.draining)  # a drain since `load` was read stands
+        # a drain (or role change) since `load` was read stands
+        load = dataclasses.replace(load, draining=self.draining or self.changing_role)
         epoch, what = self.epoch, "heartbeat"
         try:
             try:
@@ -366,6 +373,44 @@ class NodeRuntime:
         else:
             await self._beat(load)
 
+    def refuses(self, work: Role) -> str | None:
+        """Why the node takes no new request of `work` now ("prefill": a prompt for P; "decode" or "single":
+        a request to generate), or None when it takes it."""
+        if self.draining:
+            return f"node {self.node_id} is draining"
+        if self.changing_role:
+            return f"node {self.node_id} is changing role"
+        if (work == "prefill") != (self.role == "prefill"):
+            return f"node {self.node_id} is a {self.role} node"
+        return None
+
+    async def beat_now(self) -> None:
+        """A signed heartbeat now, so the index shows a change of the node's drain flag at once."""
+        if self.index is not None and self._info is not None and not self.deregistered:
+            await self._beat(await self.aengine.call(self.load))
+
+    async def register_as(self, role: Role, transfer_addr: str) -> None:
+        """Serves as `role` from now on: registers under it with a new epoch and has the publish loop resend
+        every block it holds under that epoch, so its prefix cache stays in the index under the node.
+        BlockIndexError (the index refused or did not answer) leaves the node in its old role."""
+        old = self.role
+        if self.index is not None and self._info is not None:
+            info = dataclasses.replace(self._info, role=role, transfer_addr=transfer_addr)
+            async with self._register_lock:
+                load = await self.aengine.call(self.load)
+                self.epoch = await self.index.register(info, load, after_epoch=self.epoch)
+                self._info, self.deregistered, self._need_resync = info, False, True
+        self.role = role
+        self.metrics.role_changed(old, role)
+        log.info("node %s serves as %s (was %s), epoch %d", self.node_id, role, old, self.epoch)
+
+    def until_leave(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Runs `coro` as a task that `leave()` cancels (and awaits) with the node's loops, so nothing it
+        does (a re-registration) outlives the node's deregistration."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
+
     async def evict(self, hashes: list[BlockHash] | None) -> int:
         return await self.aengine.call(lambda: self.engine.evict(hashes))
 
@@ -379,7 +424,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         e = rt.engine
         reply = NodeInfoReply(
             node_id=rt.node_id,
-            role=rt.settings.role,
+            role=rt.role,
             model=e.cfg.model,
             max_model_len=e.max_model_len,
             block_size=e.cfg.block_size,

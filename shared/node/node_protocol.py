@@ -285,6 +285,19 @@ class AbortRequest(_Message):
 
 
 @dataclass(frozen=True)
+class RoleChangeRequest(_Message):
+    """kvctl (or the planner) -> a node: serve as `role` from now on (node/role_change.py). `migrate`: end
+    its running decodes so that the router continues them on other nodes, instead of letting them finish."""
+
+    role: Role
+    migrate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+
+
+@dataclass(frozen=True)
 class ChallengeRequest(_Message):
     """Router -> a node's URL, once per (node id, epoch) before any work: prove you hold the credential."""
 
