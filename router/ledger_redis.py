@@ -14,7 +14,10 @@ several nodes of a role, an older waiter for a full node can hold a younger one 
 (head-of-line) for as long as the older one waits.
 Redis down: the router falls back to its own counts and caps (this router's local ledger) until a refresh
 succeeds again, counts the bookings it made so, and shows `pdserve_router_admission_fleet_degraded` 1;
-nothing waits on Redis longer than its socket timeout.
+nothing waits on Redis longer than its socket timeout. Waiting placements wait in one queue either way,
+woken on the failure and on the recovery (they look again by the other counts): a placement that began to
+wait while degraded is not left to this router's own releases, of which there may be none (a fleet run
+hung so after a Redis stall, every node empty).
 Invariants: this router's own counts (`_local`) include every live booking, fleet or fallback; the fleet's
 counts (`_fleet`) are the last ones Redis answered, lowered at once by this router's own releases; a node
 is full when either says so (only the local counts while degraded).
@@ -143,7 +146,7 @@ class RedisLedger:
 
     @property
     def queued(self) -> int:
-        return self._local.queued + len(self._waiting)
+        return len(self._waiting)
 
     def load(self, node_id: NodeId) -> Load:
         self._seen.add(node_id)
@@ -206,12 +209,9 @@ class RedisLedger:
     ) -> tuple[Booking, ...]:
         self._fallbacks.inc(n)
         books = (self._local.book(decode, prefill, prefill_tokens) for _ in range(n))
-        return tuple(_Lease(self, inner, decode, None, (), None) for inner in books)
+        return tuple(_Lease(self, inner, decode, None, (), prefill) for inner in books)
 
     async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
-        if self._degraded:
-            await self._local.wait_for_room(deadline)
-            return
         if len(self._waiting) >= self.config.max_queued:
             raise QueueFull(
                 f"every node is at its limit of {self.config.max_requests_per_node} requests and "
@@ -220,7 +220,7 @@ class RedisLedger:
             )
         self._seq += 1
         order = self._seq
-        if turn is not None and turn.ticket is None:  # from now on it waits in the fleet's queue
+        if turn is not None and turn.ticket is None and not self._degraded:  # it waits in the fleet's queue
             turn.ticket = self._next_id()
             self._arrival[turn.ticket] = order
             try:
@@ -276,8 +276,6 @@ class RedisLedger:
     def _ended(self, members: tuple[Member, ...], node: NodeId | None) -> None:
         """A booking's part ended: its lease entries leave the refresh and Redis; the node's fleet count
         drops at once, so this router's waiters need not wait for the next read to see the place."""
-        if not members:
-            return
         for member in members:
             self._held.pop(member, None)
         if node is not None:
@@ -285,6 +283,8 @@ class RedisLedger:
                 old = self._fleet[node]
                 self._fleet[node] = Load(max(0, old.requests - 1), old.prefill_tokens)
             self._wake(1)
+        if not members:  # booked while degraded: nothing in Redis
+            return
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # ended outside the event loop (a dropped response finalized by the GC): its
@@ -376,6 +376,7 @@ class RedisLedger:
                 log.warning("fleet admission ledger reachable again: admitting by the fleet's counts")
                 self._degraded = False
                 self._degraded_gauge.set(0)
+                self._wake(len(self._waiting))  # they look again, by the fleet's counts
 
 
 def ledger_for(

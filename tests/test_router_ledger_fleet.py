@@ -137,6 +137,42 @@ def test_without_redis_a_router_admits_by_its_own_counts_and_says_so() -> None:
     asyncio.run(scenario())
 
 
+def test_a_placement_that_began_waiting_while_redis_stalled_is_woken_once_it_answers_again(
+    redis_server: LocalRedis,
+) -> None:
+    """A Redis stall (here CLIENT PAUSE; on a loaded machine, a reply slower than the socket timeout) makes
+    a router admit by its own counts for a while. A placement refused by the fleet that starts waiting then
+    must still be woken when Redis answers again and the fleet frees a place, though this router itself
+    holds nothing that could end (benchmarks/fleet_ledger.py hung so: hundreds of placements waiting with
+    every node empty)."""
+
+    async def scenario() -> None:
+        (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="stall") for _ in range(2))
+        control = redis.asyncio.Redis.from_url(redis_server.url)
+        await a.start()
+        await b.start()
+        try:
+            held = (await b.acquire(D, None, 5, 1))[0]
+            with a.turn() as turn:
+                with pytest.raises(NodeFull):
+                    await a.acquire(D, None, 5, 1, turn)
+                await control.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+                while not a._degraded:  # a's lease refresh times out: it admits by its own counts
+                    await asyncio.sleep(0.05)
+                waiting = asyncio.create_task(a.wait_for_room(time.time() + 8, turn))
+                while a._degraded:  # Redis answers again
+                    await asyncio.sleep(0.05)
+                held.release()  # the fleet's place frees; a holds nothing of its own that could end
+                await waiting  # NoRoom at the deadline before the fix
+                (await a.acquire(D, None, 5, 1, turn))[0].release()
+        finally:
+            await control.aclose()
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis_server: LocalRedis) -> None:
     async def scenario() -> None:
         (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="fifo") for _ in range(2))
