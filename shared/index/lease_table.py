@@ -12,7 +12,8 @@ Keys (beside the block index's, under the cluster's hash tag `P = pdserve:{<clus
 - `P admq`: sorted set, member = a waiting placement's ticket, score = when it began to wait (Redis clock,
   ms); `P admq_exp`: the same tickets, score = expiry (refreshed with the leases). A placement may book
   only if fewer tickets are older than its own (all of them, when it has none) than its node has free
-  places: the fleet admits in arrival order.
+  places: the fleet admits in arrival order. A read of the counts (`look`) also answers the queue's head,
+  the live tickets that may book now, so each router wakes only its waiters whose turn it is.
 Invariants: booking is one script that first drops expired members and then adds the leases only if the
 node holds fewer than the cap (so two routers can never both pass a cap with one free place); a lease
 lives until released or until `ttl` after its router's last refresh, so a router that dies leaks nothing
