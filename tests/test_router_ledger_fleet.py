@@ -407,13 +407,12 @@ def test_close_returns_while_the_lease_refresh_is_talking_to_redis(redis_server:
         for i in range(40):
             ledger, _ = _ledger(redis_server.url, 0, 0.003, cluster="close")  # a refresh every millisecond
             await ledger.start()
-            (booking,) = await ledger.acquire(D, None, 5, 1)
+            await ledger.acquire(D, None, 5, 1)  # held: the refresh sends it; close() deletes it
             await asyncio.sleep(0.001 * (i % 7))
             closing = asyncio.create_task(ledger.close())
             done, _ = await asyncio.wait({closing}, timeout=20)
             if closing not in done:
                 return i
-            booking.release()
         return None
 
     loop = asyncio.new_event_loop()  # not asyncio.run: its teardown would wait for a hung close() too
