@@ -8,13 +8,18 @@ looks again and waits). Each router refreshes all its live leases in one call ev
 (`release`, `prefill_done`, as the local ledger's) and its leases are removed in the background.
 Fairness: a placement that has to wait takes a ticket in the fleet's queue in Redis (its arrival on
 Redis's clock); a booking goes through only if fewer tickets are older than its own than the node has free
-places, so the fleet admits in arrival order, whichever router a waiter is on. Waiters notice a free
-place when this router releases one (at once) or by re-reading the fleet's counts (every _POLL_S). With
-several nodes of a role, an older waiter for a full node can hold a younger one back from a free node
+places, so the fleet admits in arrival order, whichever router a waiter is on. Each router reads the
+queue's head (the tickets that may book now) when it frees a place and at least every _POLL_S, and wakes
+only its own waiters at the head: every turn is somebody's, none starves, and a free place costs a
+retry only of those whose turn it may be. A dead router's tickets expire with its leases. With several
+nodes of a role, an older waiter for a full node can hold a younger one back from a free node
 (head-of-line) for as long as the older one waits.
 Redis down: the router falls back to its own counts and caps (this router's local ledger) until a refresh
 succeeds again, counts the bookings it made so, and shows `pdserve_router_admission_fleet_degraded` 1;
-nothing waits on Redis longer than its socket timeout.
+nothing waits on Redis longer than its socket timeout. Waiting placements wait in one queue either way,
+woken on the failure and on the recovery (they look again by the other counts): a placement that began to
+wait while degraded is not left to this router's own releases, of which there may be none (a fleet run
+hung so after a Redis stall, every node empty).
 Invariants: this router's own counts (`_local`) include every live booking, fleet or fallback; the fleet's
 counts (`_fleet`) are the last ones Redis answered, lowered at once by this router's own releases; a node
 is full when either says so (only the local counts while degraded).
@@ -122,12 +127,15 @@ class RedisLedger:
         self._router = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
         self._seq = 0
         self._degraded = False
-        self._read_at = 0.0
-        self._reading: asyncio.Task[None] | None = None
         self._loop: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
-        """Placements waiting for room, by arrival (a placement sent back keeps its first arrival)."""
+        self._waiting: list[tuple[int, int, asyncio.Future[None], str | None]] = []
+        """Placements waiting for room, by arrival (a placement sent back keeps its first arrival), with
+        their tickets."""
+        self._nudge = asyncio.Event()
+        self._stopping = asyncio.Event()
+        """Set by close(): the loops end."""
+        """Set when this router frees a place: the poller reads the queue now, not at its next poll."""
         self._arrival: dict[str, int] = {}
         """A waiting placement's ticket -> its arrival order in this router."""
         self._ttl_ms = int(config.lease_ttl_s * 1000)
@@ -143,7 +151,7 @@ class RedisLedger:
 
     @property
     def queued(self) -> int:
-        return self._local.queued + len(self._waiting)
+        return len(self._waiting)
 
     def load(self, node_id: NodeId) -> Load:
         self._seen.add(node_id)
@@ -206,12 +214,9 @@ class RedisLedger:
     ) -> tuple[Booking, ...]:
         self._fallbacks.inc(n)
         books = (self._local.book(decode, prefill, prefill_tokens) for _ in range(n))
-        return tuple(_Lease(self, inner, decode, None, (), None) for inner in books)
+        return tuple(_Lease(self, inner, decode, None, (), prefill) for inner in books)
 
     async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
-        if self._degraded:
-            await self._local.wait_for_room(deadline)
-            return
         if len(self._waiting) >= self.config.max_queued:
             raise QueueFull(
                 f"every node is at its limit of {self.config.max_requests_per_node} requests and "
@@ -220,7 +225,7 @@ class RedisLedger:
             )
         self._seq += 1
         order = self._seq
-        if turn is not None and turn.ticket is None:  # from now on it waits in the fleet's queue
+        if turn is not None and turn.ticket is None and not self._degraded:  # it waits in the fleet's queue
             turn.ticket = self._next_id()
             self._arrival[turn.ticket] = order
             try:
@@ -231,7 +236,7 @@ class RedisLedger:
         if turn is not None and turn.ticket is not None:
             order = self._arrival.get(turn.ticket, order)  # a placement sent back keeps its place in line
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (order, id(waiter), waiter)
+        entry = (order, id(waiter), waiter, None if turn is None else turn.ticket)
         bisect.insort(self._waiting, entry)
         try:
             async with asyncio.timeout(max(0.0, deadline - time.time())):
@@ -248,11 +253,13 @@ class RedisLedger:
         self._poller = asyncio.create_task(self._poll_loop())
 
     async def close(self) -> None:
-        for task in (self._loop, self._poller):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        # The loops stop at this signal, after the Redis call in flight (bounded by its socket timeout), not
+        # by cancellation: redis-py sends a command through asyncio.wait_for, which on Python 3.11 loses a
+        # cancellation that arrives as the send completes (CPython gh-86296, fixed in 3.12), and close()
+        # then waited forever for a loop that went on (benchmarks/fleet_ledger.py hung at its end so).
+        self._stopping.set()
+        self._nudge.set()
+        await asyncio.gather(*(task for task in (self._loop, self._poller) if task is not None))
         await self._background.drain()  # deletions in flight end before the connections close
         with contextlib.suppress(IndexUnavailable):  # else they expire within the TTL
             await self._table.release([*self._held, *self._releasing])
@@ -276,15 +283,18 @@ class RedisLedger:
     def _ended(self, members: tuple[Member, ...], node: NodeId | None) -> None:
         """A booking's part ended: its lease entries leave the refresh and Redis; the node's fleet count
         drops at once, so this router's waiters need not wait for the next read to see the place."""
-        if not members:
-            return
         for member in members:
             self._held.pop(member, None)
         if node is not None:
             if node in self._fleet:
                 old = self._fleet[node]
                 self._fleet[node] = Load(max(0, old.requests - 1), old.prefill_tokens)
-            self._wake(1)
+            if self._degraded:
+                self._wake(1)  # by this router's own counts: its longest-waiting placement
+            else:
+                self._nudge.set()  # the fleet's queue decides whose turn it is
+        if not members:  # booked while degraded: nothing in Redis
+            return
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # ended outside the event loop (a dropped response finalized by the GC): its
@@ -323,49 +333,49 @@ class RedisLedger:
     def _wake(self, n: int) -> None:
         """Wakes the `n` longest-waiting placements (they look for room and book, or wait again)."""
         woken = 0
-        for _, _, waiter in self._waiting:
+        for _, _, waiter, _ in self._waiting:
             if woken >= n:
                 break
             if not waiter.done():
                 waiter.set_result(None)
                 woken += 1
 
-    async def _poll_loop(self) -> None:
-        """While placements wait: every _POLL_S, the fleet's counts again, and every waiting placement woken
-        when some node has a free place. All of them, not the `free` longest-waiting: this router's order
-        is not the fleet's, and waking only its oldest starved its placements whose turn it was (a
-        three-router run stalled so)."""
+    def _wake_turns(self, head: frozenset[str]) -> None:
+        """Wakes the waiting placements whose turn it is: those with a ticket at the head of the fleet's
+        queue, and those without one (it could not be queued) when some node has a free place."""
         cap = self.config.max_requests_per_node
-        while True:
-            await asyncio.sleep(_POLL_S)
-            if not self._waiting or self._degraded:
+        room = any(self.load(node).requests < cap for node in list(self._seen))
+        for _, _, waiter, ticket in self._waiting:
+            if not waiter.done() and (ticket in head if ticket is not None else room):
+                waiter.set_result(None)
+
+    async def _poll_loop(self) -> None:
+        """While placements wait: the fleet's counts and the head of its queue, read when this router frees
+        a place and at least every _POLL_S (for other routers' frees); each router wakes only its waiters
+        at the head. Not every waiter on a free place: all but one of them were refused (a retry storm of
+        53,874 refused bookings for 1,500 placements); nor this router's own oldest: its order is not the
+        fleet's, and that starved the placements whose turn it was (a three-router run stalled)."""
+        cap = self.config.max_requests_per_node
+        while not self._stopping.is_set():
+            await _until(self._nudge, _POLL_S)
+            self._nudge.clear()
+            if self._stopping.is_set() or not self._waiting or self._degraded:
                 continue
-            await self._read()
-            if any(self.load(node).requests < cap for node in list(self._seen)):
-                self._wake(len(self._waiting))
-
-    async def _read(self) -> None:
-        """The fleet's counts of the nodes this router looks at; one read at a time, at most every _POLL_S."""
-        if self._reading is None and time.monotonic() - self._read_at >= _POLL_S:
-            self._reading = asyncio.create_task(self._read_once())
-        reading = self._reading
-        if reading is not None:
-            await asyncio.shield(reading)
-
-    async def _read_once(self) -> None:
-        try:
-            self._note(await self._table.counts(sorted(self._seen)))
-            self._read_at = time.monotonic()
-        except IndexUnavailable as exc:
-            self._degrade(exc)
-        finally:
-            self._reading = None
+            try:
+                look = await self._table.look(sorted(self._seen), cap)
+            except IndexUnavailable as exc:
+                self._degrade(exc)
+                continue
+            self._note(look.counts)
+            self._wake_turns(look.head)
 
     async def _refresh_loop(self) -> None:
         """Every third of the TTL: extend this router's leases (one call) and read the fleet's counts; the
         first success after a failure ends the fallback."""
-        while True:
-            await asyncio.sleep(self.config.lease_ttl_s / 3)
+        while not self._stopping.is_set():
+            await _until(self._stopping, self.config.lease_ttl_s / 3)
+            if self._stopping.is_set():
+                return
             try:
                 await self._table.refresh(self._ttl_ms, list(self._held))
                 self._note(await self._table.counts(sorted(self._seen)))
@@ -376,6 +386,14 @@ class RedisLedger:
                 log.warning("fleet admission ledger reachable again: admitting by the fleet's counts")
                 self._degraded = False
                 self._degraded_gauge.set(0)
+                self._wake(len(self._waiting))  # they look again, by the fleet's counts
+
+
+async def _until(event: asyncio.Event, seconds: float) -> None:
+    """Waits until `event` is set or `seconds` have passed."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
 
 
 def ledger_for(

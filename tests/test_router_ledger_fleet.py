@@ -137,6 +137,42 @@ def test_without_redis_a_router_admits_by_its_own_counts_and_says_so() -> None:
     asyncio.run(scenario())
 
 
+def test_a_placement_that_began_waiting_while_redis_stalled_is_woken_once_it_answers_again(
+    redis_server: LocalRedis,
+) -> None:
+    """A Redis stall (here CLIENT PAUSE; on a loaded machine, a reply slower than the socket timeout) makes
+    a router admit by its own counts for a while. A placement refused by the fleet that starts waiting then
+    must still be woken when Redis answers again and the fleet frees a place, though this router itself
+    holds nothing that could end (benchmarks/fleet_ledger.py hung so: hundreds of placements waiting with
+    every node empty)."""
+
+    async def scenario() -> None:
+        (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="stall") for _ in range(2))
+        control = redis.asyncio.Redis.from_url(redis_server.url)
+        await a.start()
+        await b.start()
+        try:
+            held = (await b.acquire(D, None, 5, 1))[0]
+            with a.turn() as turn:
+                with pytest.raises(NodeFull):
+                    await a.acquire(D, None, 5, 1, turn)
+                await control.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+                while not a._degraded:  # a's lease refresh times out: it admits by its own counts
+                    await asyncio.sleep(0.05)
+                waiting = asyncio.create_task(a.wait_for_room(time.time() + 8, turn))
+                while a._degraded:  # Redis answers again
+                    await asyncio.sleep(0.05)
+                held.release()  # the fleet's place frees; a holds nothing of its own that could end
+                await waiting  # NoRoom at the deadline before the fix
+                (await a.acquire(D, None, 5, 1, turn))[0].release()
+        finally:
+            await control.aclose()
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis_server: LocalRedis) -> None:
     async def scenario() -> None:
         (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="fifo") for _ in range(2))
@@ -281,3 +317,93 @@ def test_any_interleaving_of_two_routers_keeps_redis_counts_exact(redis_server: 
     run_state_machine_as_test(
         FleetMachine, settings=settings(max_examples=25, stateful_step_count=25, deadline=None)
     )
+
+
+def test_three_routers_placements_all_book_with_few_refusals_under_the_cap(redis_server: LocalRedis) -> None:
+    """Under the cap a freed place wakes only the placements whose turn it is in the fleet's queue (its
+    head), on whichever router they wait: every placement books (none starves), and a placement is
+    refused about once (when it arrives to a full node), not once for every place freed while it waits."""
+
+    async def scenario() -> None:
+        ledgers = [_ledger(redis_server.url, 2, cluster="storm")[0] for _ in range(3)]
+        per_router = 20
+        refused = [0]
+
+        async def place(ledger: RedisLedger) -> None:
+            with ledger.turn() as turn:
+                while True:
+                    try:
+                        (booking,) = await ledger.acquire(D, P, 10, 1, turn)
+                        break
+                    except NodeFull:
+                        refused[0] += 1
+                        await ledger.wait_for_room(time.time() + 60, turn)
+            await asyncio.sleep(0.01)
+            booking.prefill_done()
+            booking.release()
+
+        for ledger in ledgers:
+            await ledger.start()
+        try:
+            await asyncio.gather(*(place(ledger) for ledger in ledgers for _ in range(per_router)))
+            for ledger in ledgers:
+                await ledger._background.drain()
+            assert await _live_leases(redis_server.url, "storm", D) == 0
+            # each placement but the first two is refused on arrival; waking every waiter on each free
+            # place (before) refused them about 20 times each
+            assert refused[0] <= 2 * per_router * len(ledgers), refused[0]
+        finally:
+            for ledger in ledgers:
+                await ledger.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_routers_waiting_ticket_expires_and_holds_no_one_back(redis_server: LocalRedis) -> None:
+    async def scenario() -> None:
+        (alive, _), (dead, _) = (_ledger(redis_server.url, 1, 0.6, cluster="deadq") for _ in range(2))
+        await alive.start()
+        try:
+            held = (await alive.acquire(D, None, 5, 1))[0]
+            with dead.turn() as doomed:  # its router never refreshes: as one killed with -9 while it waited
+                with pytest.raises(NodeFull):
+                    await dead.acquire(D, None, 5, 1, doomed)
+                with pytest.raises(NoRoom):
+                    await dead.wait_for_room(time.time() + 0.05, doomed)
+                doomed.ended = None  # killed: nothing takes its ticket out of the queue
+            with alive.turn() as turn:
+                with pytest.raises(NodeFull):
+                    await alive.acquire(D, None, 5, 1, turn)
+                held.release()
+                await alive.wait_for_room(time.time() + 10, turn)  # the dead ticket expires within the TTL
+                (await alive.acquire(D, None, 5, 1, turn))[0].release()
+        finally:
+            await alive.close()
+            await dead._table.close()
+
+    asyncio.run(scenario())
+
+
+def test_close_returns_while_the_lease_refresh_is_talking_to_redis(redis_server: LocalRedis) -> None:
+    """A router's close() stops its loops even when it lands while a loop sends to Redis (redis-py sends
+    through asyncio.wait_for, which on Python 3.11 can lose a cancellation that arrives as the send
+    completes: close() then waited forever; benchmarks/fleet_ledger.py hung at its end so)."""
+
+    async def scenario() -> int | None:
+        """The cycle whose close() did not return, or None."""
+        for i in range(40):
+            ledger, _ = _ledger(redis_server.url, 0, 0.003, cluster="close")  # a refresh every millisecond
+            await ledger.start()
+            await ledger.acquire(D, None, 5, 1)  # held: the refresh sends it; close() deletes it
+            await asyncio.sleep(0.001 * (i % 7))
+            closing = asyncio.create_task(ledger.close())
+            done, _ = await asyncio.wait({closing}, timeout=20)
+            if closing not in done:
+                return i
+        return None
+
+    loop = asyncio.new_event_loop()  # not asyncio.run: its teardown would wait for a hung close() too
+    try:
+        assert loop.run_until_complete(scenario()) is None, "close() did not return"
+    finally:
+        loop.close()

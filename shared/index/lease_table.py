@@ -12,7 +12,8 @@ Keys (beside the block index's, under the cluster's hash tag `P = pdserve:{<clus
 - `P admq`: sorted set, member = a waiting placement's ticket, score = when it began to wait (Redis clock,
   ms); `P admq_exp`: the same tickets, score = expiry (refreshed with the leases). A placement may book
   only if fewer tickets are older than its own (all of them, when it has none) than its node has free
-  places: the fleet admits in arrival order.
+  places: the fleet admits in arrival order. A read of the counts (`look`) also answers the queue's head,
+  the live tickets that may book now, so each router wakes only its waiters whose turn it is.
 Invariants: booking is one script that first drops expired members and then adds the leases only if the
 node holds fewer than the cap (so two routers can never both pass a cap with one free place); a lease
 lives until released or until `ttl` after its router's last refresh, so a router that dies leaks nothing
@@ -57,13 +58,20 @@ local function count(p, node, now)
 end
 """
 
-_AHEAD = """
-local function ahead(p, ticket, now, ttl)
+_PRUNE = """
+local function prune(p, now)
   local q, qx = p .. 'admq', p .. 'admq_exp'
   for _, dead in ipairs(redis.call('ZRANGEBYSCORE', qx, '-inf', now)) do
     redis.call('ZREM', q, dead)
     redis.call('ZREM', qx, dead)
   end
+end
+"""
+
+_AHEAD = """
+local function ahead(p, ticket, now, ttl)
+  local q, qx = p .. 'admq', p .. 'admq_exp'
+  prune(p, now)
   if ticket == '' then return redis.call('ZCARD', q) end
   local mine = redis.call('ZSCORE', q, ticket)
   if not mine then  -- its ticket is gone (it expired while its router stalled): it waits again from now
@@ -80,6 +88,7 @@ end
 BOOK = (
     _NOW
     + _COUNT
+    + _PRUNE
     + _AHEAD
     + """
 -- ARGV: prefix, ttl_ms, cap, n, lease base id, tokens, decode node, prefill node ('' when D prefills),
@@ -168,14 +177,24 @@ return 0
 COUNTS = (
     _NOW
     + _COUNT
+    + _PRUNE
     + """
--- ARGV: prefix, node ids; answers requests, tokens per node
-local out = {}
-for i = 2, #ARGV do
-  local held, tok = count(ARGV[1], ARGV[i], now)
+-- ARGV: prefix, cap, node ids; answers requests, tokens per node, then the queue's head: the live tickets
+-- that may book somewhere (fewer older ones than the freest of these nodes has free places), oldest first
+local p, cap = ARGV[1], tonumber(ARGV[2])
+local out, free = {}, 0
+for i = 3, #ARGV do
+  local held, tok = count(p, ARGV[i], now)
   out[#out + 1] = held
   out[#out + 1] = tok
+  if cap - held > free then free = cap - held end
 end
+local head = {}
+if cap > 0 and free > 0 then
+  prune(p, now)
+  head = redis.call('ZRANGE', p .. 'admq', 0, free - 1)
+end
+out[#out + 1] = head
 return out
 """
 )
@@ -196,6 +215,15 @@ class Booked:
 
     full: NodeId | None
     counts: dict[NodeId, NodeLeases]
+
+
+@dataclass(frozen=True)
+class Look:
+    """A read of the fleet's ledger: counts per node, and the tickets at the head of the queue (those
+    with fewer older tickets than some node has free places: only they may book now)."""
+
+    counts: dict[NodeId, NodeLeases]
+    head: frozenset[str]
 
 
 def lease_member(node: NodeId) -> str:
@@ -289,8 +317,14 @@ class LeaseTable:
 
     async def counts(self, nodes: Sequence[NodeId]) -> dict[NodeId, NodeLeases]:
         """The fleet's live leases per node (expired ones dropped first)."""
+        return (await self.look(nodes, 0)).counts
+
+    async def look(self, nodes: Sequence[NodeId], cap: int) -> Look:
+        """The fleet's live leases per node and, under `cap` (> 0), the queue's head: the waiting tickets
+        whose turn it may be on one of `nodes` (expired leases and tickets dropped first)."""
         if not nodes:
-            return {}
+            return Look({}, frozenset())
         async with self._guard("reading leases"):
-            flat = await self._counts(keys=self._key, args=[self._p, *nodes])
-        return {node: NodeLeases(flat[2 * i], flat[2 * i + 1]) for i, node in enumerate(nodes)}
+            flat = await self._counts(keys=self._key, args=[self._p, cap, *nodes])
+        counts = {node: NodeLeases(flat[2 * i], flat[2 * i + 1]) for i, node in enumerate(nodes)}
+        return Look(counts, frozenset(t.decode() for t in flat[-1]))
