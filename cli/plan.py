@@ -205,7 +205,7 @@ async def _main(opts: PlanOptions, token: str, redis_password: str | None, api_k
             if opts.apply:
 
                 async def apply_role(node_id: str, role: PlanRole) -> object:
-                    return await commands.role(index, node_id, role, opts.role_timeout, token)
+                    return await commands.role(index, node_id, role, token, wait_s=opts.role_timeout)
 
             planner = Planner(cfg, index, client, metrics, apply_role)
             record = await run(planner, cfg, stop)
@@ -218,9 +218,8 @@ async def _main(opts: PlanOptions, token: str, redis_password: str | None, api_k
         else:
             desired = record["desired"]
             print(f"desired nodes: prefill {desired['prefill']}, decode {desired['decode']}")
-            print(
-                f"split of the {len(record['nodes'])} nodes: {record['target_prefill']} prefill ({record['reason']})"
-            )
+            split = f"{record['target_prefill']} prefill of {len(record['nodes'])}"
+            print(f"split of the nodes: {split} ({record['reason']})")
             for change in record["changes"]:
                 print(f"change {change['node_id']} to {change['to']}")
     return 0

@@ -34,7 +34,7 @@ POINTS = 16
 Counters = dict[str, float]
 """A scrape reduced to the sums the planner reads, by key (`series{label="value"}` or `series`)."""
 
-_ROUTER = {
+ROUTER_SERIES = {
     "requests": ("pdserve_router_requests_total", None),
     "computed": ("pdserve_router_prefix_hit_tokens_total", ("kind", "miss")),
     "output": ("pdserve_router_generation_tokens_total", None),
@@ -43,7 +43,7 @@ _ROUTER = {
     "itl_sum": ("pdserve_router_inter_token_latency_seconds_sum", None),
     "itl_count": ("pdserve_router_inter_token_latency_seconds_count", None),
 }
-_NODE = {
+NODE_SERIES = {
     "computed": ("pdserve_node_prefix_hit_tokens_total", ("kind", "miss")),
     "prefill_s": ("vllm:request_prefill_time_seconds_sum", None),
     "generated": ("vllm:generation_tokens_total", None),
@@ -178,12 +178,12 @@ async def scrape(
 ) -> Scrape:
     """The router's (None: not read) and the nodes' /metrics now; a node that does not answer is left out of
     this scrape (a router that does not answer raises httpx.HTTPError)."""
-    router = dict.fromkeys(_ROUTER, 0.0)
+    router = dict.fromkeys(ROUTER_SERIES, 0.0)
     if router_url is not None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         reply = await client.get(router_url.rstrip("/") + "/metrics", headers=headers)
         reply.raise_for_status()
-        router = parse(reply.text, _ROUTER)
+        router = parse(reply.text, ROUTER_SERIES)
     nodes: dict[str, Counters] = {}
     for node_id, url in node_urls.items():
         try:
@@ -191,5 +191,5 @@ async def scrape(
             page.raise_for_status()
         except httpx.HTTPError:
             continue
-        nodes[node_id] = parse(page.text, _NODE)
+        nodes[node_id] = parse(page.text, NODE_SERIES)
     return Scrape(t, router, nodes)
