@@ -106,7 +106,7 @@ def check(outcomes: list[Outcome], references: dict[str, str]) -> None:
     assert not wrong, f"texts differ from the greedy reference: {wrong}"
 
 
-def test_the_planner_moves_roles_with_a_shifting_mix(live: LiveCluster, references: dict[str, str]) -> None:
+def test_the_planner_moves_roles_with_a_shifting_mix(references: dict[str, str], live: LiveCluster) -> None:
     port = free_port()
     log_path = os.path.join(live.cluster.workdir, "plan.log")
     with open(log_path, "wb") as log:
