@@ -149,15 +149,12 @@ class Planner:
         return done
 
 
-async def run(planner: Planner, cfg: PlanConfig, stop: asyncio.Event) -> dict[str, Any] | None:
-    """Rounds every --watch seconds until `stop` is set (returns None), or one decision over --window."""
+async def run(planner: Planner, cfg: PlanConfig) -> dict[str, Any]:
+    """Rounds every --watch seconds until cancelled, or one decision over --window (its record)."""
     period = cfg.watch_s or cfg.window_s
     await planner.round(time.monotonic())
     while True:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(period):
-                await stop.wait()
-                return None
+        await asyncio.sleep(period)
         try:
             record = await planner.round(time.monotonic())
         except httpx.HTTPError as exc:
@@ -165,7 +162,7 @@ async def run(planner: Planner, cfg: PlanConfig, stop: asyncio.Event) -> dict[st
                 raise
             log.warning("scrape failed, no decision this round: %r", exc)
             continue
-        if cfg.watch_s is None:
+        if cfg.watch_s is None and record is not None:
             return record
 
 
@@ -192,10 +189,6 @@ async def _main(opts: PlanOptions, token: str, redis_password: str | None, api_k
     redis = RedisConfig(url=opts.redis, password=redis_password, cluster=opts.cluster,
                         tls_ca_file=opts.tls_ca_file)  # fmt: skip
     metrics = PlannerMetrics()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     server = None
     if opts.metrics_port is not None and opts.watch is not None:
         server, _ = start_http_server(opts.metrics_port, registry=metrics.registry)
@@ -208,7 +201,15 @@ async def _main(opts: PlanOptions, token: str, redis_password: str | None, api_k
                     return await commands.role(index, node_id, role, token, wait_s=opts.role_timeout)
 
             planner = Planner(cfg, index, client, metrics, apply_role)
-            record = await run(planner, cfg, stop)
+            # SIGINT/SIGTERM end the loop at once, a round's role change too: the node finishes its change
+            # on its own (a planner in a pod has its grace period, not a role change's minutes)
+            work = asyncio.ensure_future(run(planner, cfg))
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, work.cancel)
+            record: dict[str, Any] | None = None
+            with contextlib.suppress(asyncio.CancelledError):
+                record = await work
     finally:
         if server is not None:
             server.shutdown()
