@@ -48,8 +48,8 @@ MEASURED = 8
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, str]:
-    long = reference_texts([{"prompt": p} for p in LONG], LONG_TOKENS)
-    short = reference_texts([{"prompt": p} for p in SHORT], SHORT_TOKENS)
+    long = reference_texts([{"prompt": p} for p in LONG], LONG_TOKENS, "--ignore-eos")
+    short = reference_texts([{"prompt": p} for p in SHORT], SHORT_TOKENS, "--ignore-eos")
     return dict(zip(LONG + SHORT, long + short, strict=True))
 
 
@@ -91,7 +91,9 @@ def run_phase(
     live: LiveCluster, prompts: list[str], max_tokens: int, until: object, timeout_s: float
 ) -> list[Outcome]:
     workers = 4 if max_tokens > LONG_TOKENS else 3
-    load = Load(live.base, MODEL, prompts, workers=workers, max_tokens=max_tokens, timeout_s=120).start()
+    sampling = {"temperature": 0, "ignore_eos": True}  # every output its full length: the mix is what it says
+    load = Load(live.base, MODEL, prompts, workers, max_tokens=max_tokens, timeout_s=120, sampling=sampling)
+    load.start()
     try:
         wait_for(lambda: until(load.snapshot()), timeout_s, "the phase did not reach its end")  # type: ignore[operator]
     finally:
