@@ -86,6 +86,8 @@ class Planner:
         self.estimate = RateEstimate(cfg.prior)
         self.changed_at: dict[str, float] = {}
         self.history: deque[Scrape] = deque()
+        self.ideals: deque[tuple[float, float]] = deque()
+        """(time, ideal prefill count) of the rounds within the stabilisation window."""
         self.bench = None if cfg.bench_result is None else bench_load(cfg.bench_result)
 
     async def round(self, now: float) -> dict[str, Any] | None:
@@ -112,7 +114,13 @@ class Planner:
         load = self.bench or w.load or Load(0.0, 0.0, 0.0)
         rates = self.estimate.rates()
         needed = need(load, rates, self.cfg.slo)
-        decision = decide(needed, views, self.cfg.damping, now)
+        while self.ideals and now - self.ideals[0][0] > self.cfg.damping.stabilize_s:
+            self.ideals.popleft()
+        decision = decide(needed, views, self.cfg.damping, now, [i for _, i in self.ideals])
+        if decision.reason not in ("idle", "role_missing", "too_few_nodes"):
+            self.ideals.append((now, decision.ideal_prefill))
+        if decision.changes and self.apply_role is not None:
+            self.ideals.clear()  # the split changes: the window starts again from it
         record = inputs_record(
             load, rates, self.cfg.slo, needed, decision, {v.node_id: v.role for v in views}
         )
@@ -169,7 +177,7 @@ async def run(planner: Planner, cfg: PlanConfig) -> dict[str, Any]:
 def _config(opts: PlanOptions, api_key: str | None) -> PlanConfig:
     return PlanConfig(
         slo=Slo(opts.ttft_slo_ms / 1000, opts.tpot_slo_ms / 1000),
-        damping=Damping(opts.margin, opts.dwell),
+        damping=Damping(opts.margin, opts.dwell, opts.stabilize),
         prior=Rates(opts.prefill_tokens_per_s, opts.decode_step_s, opts.decode_step_s_per_seq),
         router_url=None if opts.bench_result else opts.router_url,
         bench_result=opts.bench_result,

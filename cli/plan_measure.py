@@ -14,7 +14,7 @@ Series read (every one a counter or a histogram's _sum/_count, so a window is a 
 Invariants: a counter that went down (a restarted process) yields no sample for that window, never a
 negative rate; a rate not measured yet keeps its prior (the --prefill-tokens-per-s, --decode-step-s and
 --decode-step-s-per-seq settings), and a fit whose points do not spread over at least one sequence of batch
-keeps the prior slope.
+keeps the last slope fitted (the prior before any).
 """
 
 from __future__ import annotations
@@ -124,6 +124,8 @@ class RateEstimate:
 
     prior: Rates
     prefill_tokens_per_s: float | None = None
+    slope: float | None = None
+    """The last slope fitted from points that spread (a later window without spread keeps it)."""
     points: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=POINTS))
 
     def observe(self, w: Window) -> None:
@@ -141,10 +143,10 @@ class RateEstimate:
         bs, ts = [b for b, _ in self.points], [t for _, t in self.points]
         mean_b, mean_t = sum(bs) / len(bs), sum(ts) / len(ts)
         var = sum((b - mean_b) ** 2 for b in bs)
-        slope = rates.decode_step_s_per_seq
         if max(bs) - min(bs) >= 1.0 and var > 0:
             fitted = sum((b - mean_b) * (t - mean_t) for b, t in self.points) / var
-            slope = fitted if fitted > 0 else slope
+            self.slope = fitted if fitted > 0 else self.slope
+        slope = self.slope or rates.decode_step_s_per_seq
         intercept = mean_t - slope * mean_b
         if intercept <= 0:  # the line through the points passes below zero: keep the mean step, all slope
             intercept, slope = mean_t / 2, mean_t / 2 / max(mean_b, 1.0)

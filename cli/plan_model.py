@@ -3,9 +3,10 @@ load needs, and which of the current nodes should change role. Pure Python over 
 
 Invariants: a decision never leaves a role empty (each keeps one node at least), acts on no view that lacks
 a role (a node that missed its heartbeats must not look like a missing role), and never changes a node
-whose last role change is younger than the dwell time; it moves nodes only when the ideal prefill share of
-the current nodes is past the rounding point by the hysteresis margin, so a load that sits between two splits
-does not flap; no load (or no rates) means no change. Units: seconds, tokens, requests per second.
+whose last role change is younger than the dwell time; it moves nodes only when every round of the
+stabilisation window asks for a move the same way and the nearest of their ideal prefill counts is past the
+rounding point by the hysteresis margin, so neither a load between two splits nor one noisy round flaps
+the cluster; no load means no change. Units: seconds, tokens, requests per second.
 
 The sizing, per role (the estimates DistServe and Dynamo's planner make, in their simplest form):
 - prefill: one request's service time s = prompt tokens / a node's prefill tokens per busy second; a node
@@ -58,10 +59,12 @@ class Slo:
 @dataclass(frozen=True)
 class Damping:
     """`margin`: how far (in nodes) past the rounding point the ideal split must be before nodes move;
-    `dwell_s`: the least time between two role changes of one node."""
+    `dwell_s`: the least time between two role changes of one node; `stabilize_s`: the window of recent
+    rounds whose ideals must all ask for the move (the loop keeps them; `decide` takes them as `recent`)."""
 
     margin: float = 0.25
     dwell_s: float = 300.0
+    stabilize_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class Decision:
 
     desired: dict[PlanRole, int]
     ideal_prefill: float
+    steady_prefill: float
+    """The ideal a move acts on: of this and the recent rounds' ideals, the nearest to the current count."""
     target_prefill: int
     changes: tuple[RoleChange, ...]
     reason: str
@@ -126,23 +131,35 @@ def need(load: Load, rates: Rates, slo: Slo) -> Need:
     return Need(prefill, decode, utilisation, batch, ttft_ok, tpot_ok)
 
 
-def decide(needed: Need, nodes: Sequence[NodeView], damping: Damping, now: float) -> Decision:
-    """Which of `nodes` change role now, toward the split of them that `needed` asks for."""
+def steady(ideals: Sequence[float], current: int) -> float:
+    """The ideal prefill count a move may act on (an autoscaler's stabilisation window): of the recent rounds'
+    ideals, the nearest to `current`, or `current` itself when they lie on both sides of it."""
+    if min(ideals) <= current <= max(ideals):
+        return float(current)
+    return min(ideals, key=lambda x: abs(x - current))
+
+
+def decide(
+    needed: Need, nodes: Sequence[NodeView], damping: Damping, now: float, recent: Sequence[float] = ()
+) -> Decision:
+    """Which of `nodes` change role now, toward the split of them that `needed` asks for; `recent`: the ideal
+    prefill counts of the rounds within the stabilisation window before this one."""
     desired = needed.desired()
     current = sum(1 for n in nodes if n.role == "prefill")
     total = needed.prefill + needed.decode
     if total <= 0:
-        return Decision(desired, float(current), current, (), "idle")
+        return Decision(desired, float(current), float(current), current, (), "idle")
     ideal = len(nodes) * needed.prefill / total
-    target = min(max(round(ideal), 1), len(nodes) - 1)
     if len(nodes) < 2:
-        return Decision(desired, ideal, current, (), "too_few_nodes")
+        return Decision(desired, ideal, ideal, current, (), "too_few_nodes")
     if current in (0, len(nodes)):  # a node of the other role missed its heartbeats, or is mid-change
-        return Decision(desired, ideal, current, (), "role_missing")
+        return Decision(desired, ideal, ideal, current, (), "role_missing")
+    held = steady([*recent, ideal], current)
+    target = min(max(round(held), 1), len(nodes) - 1)
     if target == current:
-        return Decision(desired, ideal, target, (), "balanced")
-    if abs(ideal - current) < 0.5 + damping.margin:
-        return Decision(desired, ideal, current, (), "hysteresis")
+        return Decision(desired, ideal, held, target, (), "balanced")
+    if abs(held - current) < 0.5 + damping.margin:
+        return Decision(desired, ideal, held, current, (), "hysteresis")
     source: PlanRole = "decode" if target > current else "prefill"
     to: PlanRole = "prefill" if source == "decode" else "decode"
     eligible = sorted(
@@ -152,7 +169,7 @@ def decide(needed: Need, nodes: Sequence[NodeView], damping: Damping, now: float
     )  # fmt: skip
     moves = eligible[: abs(target - current)]
     reason = "move" if len(moves) == abs(target - current) else "dwell"
-    return Decision(desired, ideal, target, tuple(RoleChange(n.node_id, to) for n in moves), reason)
+    return Decision(desired, ideal, held, target, tuple(RoleChange(n.node_id, to) for n in moves), reason)
 
 
 def inputs_record(
@@ -166,6 +183,7 @@ def inputs_record(
                  "decode_batch": round(needed.decode_batch, 2),
                  "ttft_feasible": needed.ttft_feasible, "tpot_feasible": needed.tpot_feasible},
         "nodes": dict(nodes), "desired": decision.desired, "ideal_prefill": round(decision.ideal_prefill, 3),
+        "steady_prefill": round(decision.steady_prefill, 3),
         "target_prefill": decision.target_prefill, "reason": decision.reason,
         "changes": [{"node_id": c.node_id, "to": c.to} for c in decision.changes],
     }  # fmt: skip

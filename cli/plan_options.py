@@ -43,6 +43,9 @@ class PlanOptions(SecretFiles):
         0.25, ge=0, description="hysteresis: nodes past the rounding point the ideal split must be to act"
     )
     dwell: float = Field(300.0, ge=0, description="seconds a node keeps a role before it may change again")
+    stabilize: float = Field(
+        60.0, ge=0, description="seconds of recent rounds that must all ask for a move before one is made"
+    )
     window: float = Field(
         10.0,
         gt=0,

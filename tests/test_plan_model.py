@@ -99,3 +99,17 @@ def test_no_decision_empties_a_role_or_moves_a_node_twice(
         assert "prefill" in after.values() and "decode" in after.values()
     else:
         assert not d.changes
+
+
+def test_a_move_waits_until_the_recent_rounds_agree() -> None:
+    # the flapping seen live: one noisy round asks for 3 prefill nodes of 4 while the rounds before it asked
+    # for 1: the nearest recent ideal to the current 1 is 1.1, so nothing moves
+    noisy = Need(prefill=2.8, decode=1.2, prefill_utilisation=1, decode_batch=1, ttft_feasible=True,
+                 tpot_feasible=True)  # fmt: skip
+    d = decide(noisy, nodes(1, 3), Damping(dwell_s=0), now=10.0, recent=(1.1, 1.3))
+    assert d.reason == "balanced" and d.changes == () and d.steady_prefill == pytest.approx(1.1)
+    # rounds on both sides of the current count: hold
+    assert decide(noisy, nodes(2, 2), Damping(dwell_s=0), 10.0, recent=(1.0,)).reason == "balanced"
+    # every recent round past the margin: move, as far as the nearest of them says
+    d = decide(noisy, nodes(1, 3), Damping(dwell_s=0), 10.0, recent=(2.9, 2.6))
+    assert d.target_prefill == 3 and len(d.changes) == 2
