@@ -115,7 +115,8 @@ def test_the_planner_moves_roles_with_a_shifting_mix(references: dict[str, str],
         planner = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "plan", "--router-url", live.base,
              "--redis", live.redis_url, "--auth-token-file", secret_file(live.auth_token),
-             "--watch", "2", "--window", "6", "--dwell", "20", "--stabilize", "5", "--apply", "--metrics-port", str(port),
+             "--watch", "2", "--window", "6", "--dwell", "20", "--stabilize", "5", "--apply",
+             "--metrics-port", str(port),
              "--ttft-slo-ms", str(TTFT_SLO_S * 1000), "--tpot-slo-ms", str(TPOT_SLO_S * 1000)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
