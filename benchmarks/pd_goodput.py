@@ -82,7 +82,8 @@ def run_shifting(name: str, nodes: Sequence[str], planner: bool, args: argparse.
     if planner:
         argv.append(
             f"--planner-args=--watch {args.planner_watch:g} --window {args.planner_watch * 3:g} --apply "
-            f"--dwell {args.planner_watch * 2:g} --ttft-slo-ms {args.ttft_slo_ms:g} "
+            f"--dwell {args.planner_watch * 2:g} --stabilize {args.planner_watch * 2:g} "
+            f"--ttft-slo-ms {args.ttft_slo_ms:g} "
             f"--tpot-slo-ms {args.tpot_slo_ms:g}"
         )
     print(f"== {name}: {' '.join(nodes)}", flush=True)

@@ -40,9 +40,9 @@ LONG = [
 SHORT = [
     f"Write a short story about {w}." for w in ("a fox", "the sea", "a robot", "winter", "a city", "bees")
 ]
-LONG_TOKENS, SHORT_TOKENS = 2, 24
+LONG_TOKENS, SHORT_TOKENS = 2, 16
 TTFT_SLO_S, TPOT_SLO_S = 4.0, 0.3
-MEASURED = 8
+MEASURED = 6
 """Requests of the second phase whose goodput is measured, per setup."""
 
 
