@@ -5,7 +5,8 @@ the roles through the nodes' authenticated role route (`kvctl role`'s function).
 
 Invariants: one decision per round, each logged once (logger `pdserve.plan`, message `decision {json}`);
 a node's dwell counts from the last role change this planner made (a restarted planner starts with every
-node eligible: the hysteresis still holds it); draining nodes and single nodes are never planned or moved;
+node eligible); nothing moves until the planner has watched one whole stabilisation window (after its start
+and after each move it made); draining nodes and single nodes are never planned or moved;
 a failed scrape or a refused role change is logged and the loop goes on (--watch), or ends the command with
 one line and exit 1 (a single decision).
 """
@@ -20,13 +21,24 @@ import signal
 import sys
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import httpx
 from pdserve.cli.plan_measure import RateEstimate, Scrape, bench_load, scrape, window
-from pdserve.cli.plan_model import Damping, Load, NodeView, PlanRole, Rates, Slo, decide, inputs_record, need
+from pdserve.cli.plan_model import (
+    Damping,
+    Load,
+    NodeView,
+    PlanRole,
+    Rates,
+    RoleChange,
+    Slo,
+    decide,
+    inputs_record,
+    need,
+)
 from pdserve.cli.plan_options import PlanOptions
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.metrics import MetricsRegistry
@@ -114,9 +126,14 @@ class Planner:
         load = self.bench or w.load or Load(0.0, 0.0, 0.0)
         rates = self.estimate.rates()
         needed = need(load, rates, self.cfg.slo)
-        while self.ideals and now - self.ideals[0][0] > self.cfg.damping.stabilize_s:
-            self.ideals.popleft()
-        decision = decide(needed, views, self.cfg.damping, now, [i for _, i in self.ideals])
+        window_s, ideals = self.cfg.damping.stabilize_s, self.ideals
+        while len(ideals) > 1 and now - ideals[1][0] >= window_s:
+            ideals.popleft()  # ideals[0]: the newest round at least window_s old
+        recent = [i for _, i in ideals]
+        if window_s > 0 and (not ideals or now - ideals[0][0] < window_s):
+            # the window is not covered yet (the planner started, or just moved nodes): hold the split
+            recent.append(float(sum(1 for v in views if v.role == "prefill")))
+        decision = decide(needed, views, self.cfg.damping, now, recent)
         if decision.reason not in ("idle", "role_missing", "too_few_nodes"):
             self.ideals.append((now, decision.ideal_prefill))
         if decision.changes and self.apply_role is not None:
@@ -141,9 +158,9 @@ class Planner:
         for name, value in values.items():
             m.inputs.labels(input=name).set(value)
 
-    async def _apply(self, changes: Any, now: float) -> list[dict[str, Any]]:
+    async def _apply(self, changes: Sequence[RoleChange], now: float) -> list[dict[str, Any]]:
         assert self.apply_role is not None
-        done = []
+        done: list[dict[str, Any]] = []
         for change in changes:
             try:
                 await self.apply_role(change.node_id, change.to)
