@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 from pdserve.cli.redis_launch import free_port
@@ -28,6 +30,16 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import NodeId, RequestId
+
+
+def add_node_options(ap: argparse.ArgumentParser, connector: str) -> None:
+    """The options `node_argv` reads besides the pool's size (`kv_blocks`, `prompt_tokens`)."""
+    ap.add_argument("--model", default="dummy:llama-3.1-8b")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--connector", default=connector)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="every node's KV cache (fp8: half of bf16's bytes per transfer)")  # fmt: skip
+    ap.add_argument("--layers-per-frame", type=int, default=4, help="P's KV-transfer frame size in layers")
 
 
 def node_argv(
@@ -67,6 +79,37 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) 
     raise RuntimeError(f"node at {url} not ready in {timeout_s}s")
 
 
+async def drive(
+    client: httpx.AsyncClient,
+    d_url: str,
+    gen: NodeGenerateRequest,
+    prefill: tuple[str, PrefillRequest] | None,
+    on_step: Callable[[StepOutput], None],
+) -> dict[str, Any]:
+    """One request straight to the nodes, as the router sends it (prefix_reuse.py's too): P's
+    `/internal/prefill` (prefill = (P url, request), or None) beside D's `/internal/generate` stream, each
+    step line to `on_step` until the finish; returns P's result ({} without P)."""
+    pre_task = None
+    if prefill is not None:
+        url, pre = prefill
+        pre_task = asyncio.create_task(client.post(f"{url}/internal/prefill", content=pre.to_json()))
+    async with client.stream("POST", f"{d_url}/internal/generate", content=gen.to_json()) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line:
+                continue
+            step = StepOutput.from_line(line)
+            assert step.error is None, step.error
+            on_step(step)
+            if step.finish_reason is not None:
+                break
+    if pre_task is None:
+        return {}
+    result: dict[str, Any] = json.loads((await pre_task).content)
+    assert result.get("error") is None, result
+    return result
+
+
 TOP_N = 5  # logprobs asked for: the sampled token's and the 5 most likely, per position
 Position = tuple[int, dict[int, float]]  # sampled token id, token id -> logprob (sampled + top N)
 
@@ -92,26 +135,20 @@ async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, 
     t0 = time.perf_counter()
     marks: list[float] = []
     tokens: list[Position] = []
-    pre_task = None
+
+    def on_step(step: StepOutput) -> None:
+        assert step.logprobs is not None
+        for t, lp in zip(step.token_ids, step.logprobs, strict=True):
+            marks.append(time.perf_counter() - t0)
+            tokens.append((t, {x.token_id: x.logprob for x in lp.top} | {t: lp.logprob}))
+
+    pre = None
     if p is not None:
-        pre = PrefillRequest(RequestId(rid), tuple(prompt), params, None, deadline, NodeId("decode-0"), p[1])
-        pre_task = asyncio.create_task(client.post(f"{p[0]}/internal/prefill", content=pre.to_json()))
-    async with client.stream("POST", f"{d_url}/internal/generate", content=gen.to_json()) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if not line:
-                continue
-            step = StepOutput.from_line(line)
-            assert step.error is None, step.error
-            assert step.logprobs is not None
-            for t, lp in zip(step.token_ids, step.logprobs, strict=True):
-                marks.append(time.perf_counter() - t0)
-                tokens.append((t, {x.token_id: x.logprob for x in lp.top} | {t: lp.logprob}))
-            if step.finish_reason is not None:
-                break
-    if pre_task is not None:
-        result = json.loads((await pre_task).content)
-        assert result.get("error") is None, result
+        pre = (
+            p[0],
+            PrefillRequest(RequestId(rid), tuple(prompt), params, None, deadline, NodeId("decode-0"), p[1]),
+        )
+    await drive(client, d_url, gen, pre, on_step)
     return marks[0], marks[1], tokens
 
 
@@ -145,18 +182,13 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="dummy:llama-3.1-8b")
-    ap.add_argument("--dtype", default="auto")
+    add_node_options(ap, connector="nccl")
     ap.add_argument("--device-p", default="cuda:0")
     ap.add_argument("--device-d", default="cuda:1")
-    ap.add_argument("--connector", default="nccl")
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
-    ap.add_argument("--layers-per-frame", type=int, default=4, help="P's KV-transfer frame size in layers")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                    help="every node's KV cache (fp8: half of bf16's bytes per transfer)")  # fmt: skip
     args = ap.parse_args()
     import random
 

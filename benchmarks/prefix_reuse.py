@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 import torch
-from pdserve.benchmarks.pd_ttft import node_argv, start_node, stop, wait_ready
+from pdserve.benchmarks.pd_ttft import add_node_options, drive, node_argv, start_node, stop, wait_ready
 from pdserve.cli.up import Cluster, free_port, start_redis
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.engine.config import EngineConfig
@@ -67,30 +67,21 @@ async def request(
         *local_fetch,
     )
     t0 = time.perf_counter()
-    first, pre_task = 0.0, None
+    first = 0.0
     tokens: list[int] = []
+
+    def on_step(step: StepOutput) -> None:
+        nonlocal first
+        if step.token_ids and not tokens:
+            first = time.perf_counter() - t0
+        tokens.extend(step.token_ids)
+
+    pre = None
     if prefill is not None:
         url, blocks = fetch if fetch is not None else (None, 0)
-        pre = PrefillRequest(
-            rid, tuple(prompt), params, None, deadline, NodeId("decode-0"), prefill[2], url, blocks
-        )
-        pre_task = asyncio.create_task(client.post(f"{prefill[1]}/internal/prefill", content=pre.to_json()))
-    async with client.stream("POST", f"{d_url}/internal/generate", content=gen.to_json()) as resp:
-        assert resp.status_code == 200, await resp.aread()
-        async for line in resp.aiter_lines():
-            if not line:
-                continue
-            step = StepOutput.from_line(line)
-            assert step.error is None, step.error
-            if step.token_ids and not tokens:
-                first = time.perf_counter() - t0
-            tokens += step.token_ids
-            if step.finish_reason is not None:
-                break
-    result: dict[str, Any] = {}
-    if pre_task is not None:
-        result = json.loads((await pre_task).content)
-        assert result.get("error") is None, result
+        pre = (prefill[1], PrefillRequest(rid, tuple(prompt), params, None, deadline, NodeId("decode-0"),
+                                          prefill[2], url, blocks))  # fmt: skip
+    result = await drive(client, d_url, gen, pre, on_step)
     return first, tokens, result
 
 
@@ -333,19 +324,14 @@ def host_tier_phase(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="dummy:llama-3.1-8b")
-    ap.add_argument("--dtype", default="auto")
+    add_node_options(ap, connector="cuda_ipc")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--connector", default="cuda_ipc")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
-                    help="every node's KV cache (fp8: half of bf16's bytes per fetch)")  # fmt: skip
     ap.add_argument("--prefix-tokens", type=int, default=16384)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--short-lengths", type=int, nargs="*", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--json-out", default="")
     ap.add_argument("--skip-host-tier", action="store_true")
     ap.add_argument("--router", action="store_true", help="through a router (cost model on) and Redis")
-    ap.add_argument("--layers-per-frame", type=int, default=4, help="the prefill nodes' --layers-per-frame")
     args = ap.parse_args()
     args.kv_blocks = args.prefix_tokens // BS + 256
     args.prompt_tokens = args.prefix_tokens + 64

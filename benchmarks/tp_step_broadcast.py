@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,20 @@ def worker(args: dict[str, int]) -> None:
     dist.destroy_process_group()
 
 
+def _timed(iters: int, publish: Callable[[], None], ack_r: int) -> tuple[list[float], list[float]]:
+    """(publish, round trip) in microseconds of each of `iters` steps; the worker acks each on `ack_r`."""
+    published, rtt = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        publish()
+        t1 = time.perf_counter()
+        os.read(ack_r, 1)
+        t2 = time.perf_counter()
+        published.append((t1 - t0) * 1e6)
+        rtt.append((t2 - t0) * 1e6)
+    return published, rtt
+
+
 def bench_shm(items: list[BatchItem], iters: int) -> tuple[list[float], list[float]]:
     writer = StepWriter(CAPACITY, 1)
     ack_r, ack_w = os.pipe()
@@ -63,18 +78,10 @@ def bench_shm(items: list[BatchItem], iters: int) -> tuple[list[float], list[flo
     )
     writer.started()
     os.close(ack_w)
-    publish, rtt = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        writer.publish(items)
-        t1 = time.perf_counter()
-        os.read(ack_r, 1)
-        t2 = time.perf_counter()
-        publish.append((t1 - t0) * 1e6)
-        rtt.append((t2 - t0) * 1e6)
+    times = _timed(iters, lambda: writer.publish(items), ack_r)
     writer.close()
     proc.wait()
-    return publish, rtt
+    return times
 
 
 def bench_gloo(items: list[BatchItem], iters: int) -> tuple[list[float], list[float]]:
@@ -85,20 +92,16 @@ def bench_gloo(items: list[BatchItem], iters: int) -> tuple[list[float], list[fl
     os.close(ack_w)
     dist.init_process_group("gloo", store=store, rank=0, world_size=2)
     buf = torch.zeros(CAPACITY // 4, dtype=torch.int32)
-    publish, rtt = [], []
-    for _ in range(iters):
-        t0 = time.perf_counter()
+
+    def publish() -> None:
         msg = pack(items)
         buf[: len(msg)] = torch.frombuffer(msg, dtype=torch.int32)
         dist.broadcast(buf, src=0)
-        t1 = time.perf_counter()
-        os.read(ack_r, 1)
-        t2 = time.perf_counter()
-        publish.append((t1 - t0) * 1e6)
-        rtt.append((t2 - t0) * 1e6)
+
+    times = _timed(iters, publish, ack_r)
     dist.destroy_process_group()
     proc.wait()
-    return publish, rtt
+    return times
 
 
 def main() -> None:

@@ -124,13 +124,10 @@ def _node(role: Role) -> Callable[[NodeOptions], int]:
 
         cfg = node_configs(opts, role)
         setup_process(opts)
+        from pdserve.cli.node_roles import setup
         from pdserve.kvtransfer.messages import PROTOCOL_VERSION
         from pdserve.node.node_serve import serve
 
-        if role == "prefill":
-            from pdserve.prefill_node.__main__ import setup
-        else:
-            from pdserve.decode_node.__main__ import setup
         return serve(cfg, setup, PROTOCOL_VERSION, opts.log_stats_interval_s)
 
     return run

@@ -1,50 +1,10 @@
 """`python -m pdserve.decode_node` (= `pdserve decode`; with --role single, `pdserve single`): a decode node
-or a plain non-disaggregated node."""
+or a plain non-disaggregated node (cli/node_roles.py adds its parts, and the other roles', so it can change
+role at run time)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable
-from dataclasses import replace
-
-from fastapi import FastAPI
-from pdserve.decode_node.server import DecodeHandler, add_decode_routes
-from pdserve.kvtransfer.common import PeerIdentity
-from pdserve.kvtransfer.connector import KVSender, create_sender, create_server
-from pdserve.node.kv_fetch import FetchReceiver, PrefixExporter, PrefixFetcher, add_export_route
-from pdserve.node.node_cli import NodeConfigs
-from pdserve.node.node_runtime import NodeRuntime
-
-
-async def setup(app: FastAPI, rt: NodeRuntime, cfg: NodeConfigs) -> tuple[str, Callable[[], Awaitable[None]]]:
-    handler = DecodeHandler(rt, cfg.kv_load_failure_policy)
-    identity = PeerIdentity(rt.node_id, rt.engine.fingerprint, rt.engine.kv_layout)
-    server = create_server(cfg.connector, identity, handler)
-    await server.start()
-    # the receiving end of prefix fetches for prompts this node computes itself (the cost model's local_fetch)
-    fetch_receiver = FetchReceiver(rt)
-    fetch_server = create_server(replace(cfg.connector, listen_port=0), identity, fetch_receiver)
-    await fetch_server.start()
-    fetcher = PrefixFetcher(rt, fetch_receiver, fetch_server.address, cfg.connector.auth_token)
-    add_decode_routes(app, rt, handler, fetcher)
-    rt.connector_kind = cfg.connector.kind
-    senders: list[KVSender] = []  # the sender of prefix exports, made when a prefill node first fetches
-
-    def sender() -> KVSender:
-        if not senders:
-            senders.append(create_sender(cfg.connector, identity))
-        return senders[0]
-
-    add_export_route(app, PrefixExporter(rt, sender, cfg.layers_per_frame))
-
-    async def teardown() -> None:
-        await server.stop()
-        await fetch_server.stop()
-        await fetcher.close()
-        for s in senders:
-            await s.close()
-
-    return cfg.transfer_advertise or server.address, teardown
 
 
 def main(argv: list[str] | None = None) -> int:

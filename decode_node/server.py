@@ -253,8 +253,8 @@ def add_decode_routes(
                 await asyncio.to_thread(rt.engine.validate, gen.prompt_token_ids, gen.sampling)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        if rt.draining:
-            return JSONResponse({"error": f"node {rt.node_id} is draining"}, status_code=503)
+        if (refused := rt.refuses("decode")) is not None:
+            return JSONResponse({"error": refused}, status_code=503)
         rid = RequestId(gen.request_id)
         rt.metrics.prompt_tokens.inc(len(gen.prompt_token_ids))
         if gen.prefill_node_id is None:

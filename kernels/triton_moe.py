@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from pdserve.kernels.fused_moe import check_experts
+from pdserve.kernels.fused_moe import Routing, check_experts
 from pdserve.kernels.triton_attention import dot_dtype
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,16 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 @triton.jit
+def _row_block(pairs_ptr, block_expert_ptr, n_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's row block and column tile: its pair ids [BM] (and which are not padding), the
+    block's expert, the output columns [BN] (and which are in range)."""
+    pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    return pairs, pairs < n_pairs, expert, offs_n, offs_n < N
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, pairs_ptr, block_expert_ptr, num_padded_ptr, n_pairs, top_k, F, K,
     stride_xm, stride_we, stride_wn, stride_am,
@@ -79,12 +90,10 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
-    valid = pairs < n_pairs
+    pairs, valid, expert, offs_n, n_mask = _row_block(
+        pairs_ptr, block_expert_ptr, n_pairs, F, BLOCK_M, BLOCK_N
+    )
     tokens = (pairs // top_k).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN] rows of gate
     w_up = w_gate + F * stride_wn
@@ -119,12 +128,10 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
-    valid = pairs < n_pairs
+    pairs, valid, expert, offs_n, n_mask = _row_block(
+        pairs_ptr, block_expert_ptr, n_pairs, N, BLOCK_M, BLOCK_N
+    )
     rows = pairs.to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     w = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -151,24 +158,17 @@ class TritonMoEExperts:
     def __init__(self, tiles: MoETiles | None = None) -> None:
         self.tiles = tiles
 
-    def __call__(
-        self,
-        x: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        topk_ids: torch.Tensor,
-        topk_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        check_experts(x, gate_up, down, topk_ids, topk_weights)
+    def __call__(self, x: Tensor, gate_up: Tensor, down: Tensor, routing: Routing) -> Tensor:
+        check_experts(x, gate_up, down, routing)
         assert x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1, (
             f"x, gate_up and down must be contiguous along their last dim, got strides {x.stride()}, "
             f"{gate_up.stride()}, {down.stride()}"
         )
-        n_tokens, top_k = topk_ids.shape
+        n_tokens, top_k = routing.ids.shape
         n_experts, hidden, f = down.shape
         n_pairs = n_tokens * top_k
         t = self.tiles or choose_tiles(n_pairs)
-        aligned = align_pairs(topk_ids, n_experts, t.block_m)
+        aligned = align_pairs(routing.ids, n_experts, t.block_m)
         n_blocks = aligned.block_expert.shape[0]
         dot = dot_dtype(x.dtype, x.device)
         act = torch.empty((n_pairs, f), device=x.device, dtype=x.dtype)  # [T*K, F]
@@ -180,7 +180,7 @@ class TritonMoEExperts:
         )  # fmt: skip
         out = torch.empty((n_pairs, hidden), device=x.device, dtype=torch.float32)  # [T*K, E]
         _down_kernel[(n_blocks, triton.cdiv(hidden, t.block_n))](
-            act, down, out, topk_weights.contiguous(), aligned.sorted_pairs, aligned.block_expert,
+            act, down, out, routing.weights.contiguous(), aligned.sorted_pairs, aligned.block_expert,
             aligned.num_padded, n_pairs, hidden, f,
             act.stride(0), down.stride(0), down.stride(1), out.stride(0),
             BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_DTYPE=dot,

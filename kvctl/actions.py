@@ -23,6 +23,7 @@ from pdserve.shared.cli.settings import (
     read_secret,
     settings_from_click,
 )
+from pdserve.shared.types import ROLES, Role
 from pydantic import Field
 
 _CONTEXT = {"help_option_names": ["-h", "--help"]}
@@ -79,6 +80,38 @@ class Evict(PromptOptions):
 
 class NodeAction(Common):
     url: str | None = Field(None, description="the node's HTTP URL (default: from its registration)")
+
+
+class Drain(NodeAction):
+    move_prefixes: bool = Field(
+        False,
+        description="first move the node's hottest cached prefixes (by hits, then recency) to the nodes the "
+        "router would send them to next, so they stay cached; a plain drain when none can take them",
+    )
+    budget_bytes: int = Field(
+        1 << 30, ge=0, description="with --move-prefixes: at most this many bytes of KV blocks move"
+    )
+    move_timeout: float = Field(
+        60.0, gt=0, description="with --move-prefixes: seconds for moving every prefix, all together"
+    )
+    migrate: bool = Field(
+        False,
+        description="end the node's running requests so that the router continues them on other nodes, "
+        "which fetch their KV (prompt and generated tokens) from this node instead of prefilling it",
+    )
+
+
+class RoleChange(NodeAction):
+    role: Role = Field(description="the node's new role (the ROLE argument)")
+    force: bool = Field(
+        False, description="change it even if that leaves no prefill- or no decode-capable node"
+    )
+    migrate: bool = Field(
+        False,
+        description="end the node's running decodes so the router continues them on other nodes (default: "
+        "they run to the end on it first)",
+    )
+    wait: float = Field(600.0, gt=0, description="seconds to wait for the node to register in its new role")
 
 
 class Diff(Common):
@@ -166,9 +199,12 @@ async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
         return result
 
 
-def _drain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
+def _drain(opts: Drain, node: str) -> Callable[[Any], Any]:
     token = _token(opts)
-    return lambda index: _commands().drain(index, node, opts.timeout, token, opts.url)
+    budget = opts.budget_bytes if opts.move_prefixes else None
+    return lambda index: _commands().drain(
+        index, node, opts.timeout, token, opts.url, budget, opts.move_timeout, opts.migrate
+    )
 
 
 def _undrain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
@@ -176,6 +212,14 @@ def _undrain(opts: NodeAction, node: str) -> Callable[[Any], Any]:
     up = _up_cluster(opts)
     known = None if up is None else up.nodes.get(node)
     return lambda index: _commands().undrain(index, node, opts.timeout, token, opts.url, known)
+
+
+def _role(opts: RoleChange, node: str) -> Callable[[Any], Any]:
+    token = _token(opts)
+    return lambda index: _commands().role(
+        index, node, opts.role, token, force=opts.force, migrate=opts.migrate, timeout_s=opts.timeout,
+        wait_s=opts.wait, url=opts.url,
+    )  # fmt: skip
 
 
 def _diff(opts: Diff, _: None) -> Callable[[Any], Any]:
@@ -206,21 +250,25 @@ COMMANDS: dict[str, tuple[type[Common], Callable[[Any, Any], Callable[[Any], Any
     "nodes": (Common, lambda opts, _: _commands().nodes, False),
     "blocks": (Blocks, lambda opts, _: lambda index: _commands().blocks(index, opts.node, opts.limit), False),
     "stats": (Common, lambda opts, _: _commands().stats, False),
-    "drain": (NodeAction, _drain, True),
+    "drain": (Drain, _drain, True),
     "undrain": (NodeAction, _undrain, True),
+    "role": (RoleChange, _role, True),
     "diff": (Diff, _diff, False),
     "where": (PromptOptions, _where, False),
     "evict": (Evict, _evict, False),
 }
 """name -> (settings model, the action it runs given the settings and the NODE argument, takes NODE)."""
+ARGUMENTS: dict[str, tuple[tuple[str, click.ParamType], ...]] = {"role": (("role", click.Choice(ROLES)),)}
+"""Fields of a command's settings given as positional arguments after NODE (name, type), not as options."""
 
 
 def build(name: str, doc: str) -> click.Command:
     """The click command `kvctl <name>`."""
     cls, make, node_arg = COMMANDS[name]
+    arguments = ARGUMENTS.get(name, ())
 
     @click.command(name, help=doc, context_settings=_CONTEXT)
-    @click_options(cls)
+    @click_options(cls, hidden=frozenset(a for a, _ in arguments))
     @click.pass_context
     def command(ctx: click.Context, node_id: str | None = None, **values: Any) -> None:
         opts = settings_from_click(cls, ctx, values)
@@ -235,4 +283,6 @@ def build(name: str, doc: str) -> click.Command:
 
     if node_arg:
         click.argument("node_id")(command)
+    for argument, kind in arguments:  # appended to the built command's parameters, in order
+        click.argument(argument, type=kind, metavar=argument.upper())(command)
     return command

@@ -1,5 +1,5 @@
 """`kvctl`: where the KV cache lives (nodes, blocks, where, stats, diff) and actions on it (drain, undrain,
-evict, diff --repair).
+role, evict, diff --repair).
 
 Invariants: every command takes `--redis URL`, `--cluster NAME` and `--json` (machine output on stdout,
 every command), each also from PDSERVE_* variables or `--config FILE` like every pdserve process. Without
@@ -24,8 +24,10 @@ _COMMANDS = {
     "nodes": "Live nodes: role, epoch, load, KV use, blocks, heartbeat.",
     "blocks": "Block records per node: counts on device and host, and up to --limit hashes.",
     "stats": "Prefix hits local/remote/miss in tokens, per node and overall.",
-    "drain": "Stop new work on a node; it finishes, then leaves.",
+    "drain": "Stop new work on a node; it finishes, then leaves (--move-prefixes: its hot prefixes first "
+    "move to the nodes that take them next; --migrate: its running requests move with their KV).",
     "undrain": "Give a drained node new work again.",
+    "role": "Change a node's role (prefill, decode, single) at run time, keeping its prefix cache.",
     "diff": "Index records against the blocks each node holds (--repair fixes them).",
     "where": "Which nodes hold a prompt's prefix blocks.",
     "evict": "Evict a prompt's cached blocks (or all) from a node.",
@@ -66,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
     except click.UsageError as exc:
-        print(f"kvctl {name}: error: {exc.format_message()}", file=sys.stderr)
+        message = " ".join(exc.format_message().split())  # one line (click lists choices on several)
+        print(f"kvctl {name}: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     except Exception as exc:  # the settings', the index's and the commands' errors, imported once raised
         from pdserve.kvctl.commands import KvctlError

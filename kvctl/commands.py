@@ -12,10 +12,13 @@ Failures raise `KvctlError`
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 from pdserve.router.cost_model import CostModel, Inputs, Rates
@@ -23,8 +26,9 @@ from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import HitStats, NodeStatus
+from pdserve.shared.node.node_protocol import RoleChangeRequest
 from pdserve.shared.node.node_sign import signed
-from pdserve.shared.types import BlockHash, NodeId
+from pdserve.shared.types import ROLES, BlockHash, NodeId, Role
 from pdserve.shared.wire import WireError
 
 if TYPE_CHECKING:
@@ -227,13 +231,41 @@ async def _post(
 
 
 async def drain(
-    index: BlockIndex, node_id: str, timeout_s: float, token: str, url: str | None = None
+    index: BlockIndex,
+    node_id: str,
+    timeout_s: float,
+    token: str,
+    url: str | None = None,
+    move_budget_bytes: int | None = None,
+    move_timeout_s: float = 60.0,
+    migrate: bool = False,
 ) -> dict[str, Any]:
     """Ask the node to drain: it marks itself draining in the index at once (a signed heartbeat; the router
-    gives it no new work), finishes its work and deregisters."""
+    gives it no new work), finishes its work and deregisters. With `move_budget_bytes`, its hottest prefixes
+    (up to that many bytes) first move to the nodes that would take them next (kvctl/move_prefixes.py); when
+    none can, the drain is a plain one and `prefixes.degraded` (and the node's log) says why. With `migrate`,
+    its running requests move to other nodes with their KV (node/drain_migrate.py): the node's reply says
+    how many (`node_reply.migrated`)."""
+    from pdserve.shared.node.move_protocol import DrainNote
+
     status = await live_node(index, node_id)
-    reply = await _post(node_id, url or status.info.http_url, "/internal/drain", {}, timeout_s, token)
-    return {"node_id": node_id, "draining": True, "node_reply": reply}
+    body: dict[str, Any] = {}
+    moved: dict[str, Any] | None = None
+    if move_budget_bytes is not None:
+        from pdserve.kvctl.move_prefixes import MoveError, move_prefixes
+
+        try:
+            moved = await move_prefixes(index, status, move_budget_bytes, move_timeout_s, token, url)
+        except MoveError as exc:
+            moved = {"prefixes_moved": 0, "blocks_moved": 0, "bytes_moved": 0, "chains": [],
+                     "budget_bytes": move_budget_bytes, "degraded": str(exc)}  # fmt: skip
+        note = DrainNote(moved["prefixes_moved"], moved["bytes_moved"], moved["degraded"], migrate)
+        body = json.loads(note.to_json())
+    elif migrate:
+        body = json.loads(DrainNote(migrate=True).to_json())
+    reply = await _post(node_id, url or status.info.http_url, "/internal/drain", body, timeout_s, token)
+    result = {"node_id": node_id, "draining": True, "node_reply": reply}
+    return result if moved is None else result | {"prefixes": moved}
 
 
 async def undrain(
@@ -256,6 +288,69 @@ async def undrain(
             url = known_url
     reply = await _post(node_id, url, "/internal/undrain", {}, timeout_s, token)
     return {"node_id": node_id, "draining": False, "node_reply": reply}
+
+
+_PREFILL_CAPABLE: frozenset[str] = frozenset({"prefill", "single"})
+_DECODE_CAPABLE: frozenset[str] = frozenset({"decode", "single"})
+
+
+def _emptied(statuses: Sequence[NodeStatus], node_id: str, new_role: Role) -> str | None:
+    """What a change of `node_id` to `new_role` would leave with no node (prefill-capable: prefill or single;
+    decode-capable: decode or single), among the live nodes that take work; None if nothing."""
+    before = {s.info.node_id: s.info.role for s in statuses if not s.draining or s.info.node_id == node_id}
+    after = before | {node_id: new_role}
+    for what, capable in (("prefill", _PREFILL_CAPABLE), ("decode", _DECODE_CAPABLE)):
+        if any(r in capable for r in before.values()) and not any(r in capable for r in after.values()):
+            return f"no {what}-capable node ({what} or single) taking work"
+    return None
+
+
+async def role(
+    index: BlockIndex,
+    node_id: str,
+    new_role: str,
+    token: str,
+    *,
+    force: bool = False,
+    migrate: bool = False,
+    timeout_s: float = 5.0,
+    wait_s: float = 600.0,
+    url: str | None = None,
+) -> dict[str, Any]:
+    """Change a live node's role (`prefill`, `decode` or `single`) at run time, keeping its prefix cache; the
+    planner's entry point, as `kvctl role`. The node stops taking new work, finishes what it holds (with
+    `migrate`, its running decodes end and the router continues them on other nodes), and registers under
+    the new role with a new epoch. Returns once the index shows that registration (at most `wait_s`
+    seconds; `timeout_s` is per call), with the node's old and new role and epoch. Refused (KvctlError)
+    when the change would leave the cluster with no prefill-capable or no decode-capable node among those
+    taking work, unless `force`; `token` is the cluster's credential."""
+    if new_role not in ROLES:
+        raise KvctlError(f"role {new_role!r}: accepted {', '.join(ROLES)}")
+    statuses = await index.nodes()
+    status = await live_node(index, node_id)
+    emptied = _emptied(statuses, node_id, cast(Role, new_role))
+    if emptied is not None and not force:
+        raise KvctlError(
+            f"changing node {node_id!r} from {status.info.role} to {new_role} would leave {emptied}; "
+            "add --force to do it anyway"
+        )
+    body = json.loads(RoleChangeRequest(cast(Role, new_role), migrate).to_json())
+    reply = await _post(node_id, url or status.info.http_url, "/internal/role", body, timeout_s, token)
+    result = {"node_id": node_id, "from_role": status.info.role, "role": new_role,
+              "from_epoch": status.info.epoch, "epoch": status.info.epoch, "node_reply": reply}  # fmt: skip
+    if not reply.get("changed", False):
+        return result
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = {s.info.node_id: s for s in await index.nodes()}.get(NodeId(node_id))
+        if now is not None and now.info.role == new_role and now.info.epoch > status.info.epoch:
+            return result | {"epoch": now.info.epoch}
+        if time.monotonic() > deadline:
+            raise KvctlError(
+                f"node {node_id!r} did not register as {new_role} within {wait_s:.0f}s (its requests may "
+                "still be running); see `kvctl nodes`"
+            )
+        await asyncio.sleep(0.1)
 
 
 async def evict(

@@ -96,12 +96,30 @@ def _stats(result: dict[str, Any]) -> str:
 
 
 def _action(result: dict[str, Any]) -> str:
-    """drain, undrain, evict: one row of the result's plain fields and the node's reply."""
+    """drain, undrain, role, evict: one row of the result's plain fields and the node's reply."""
     fields = {k: v for k, v in result.items() if k != "node_reply"}
     reply = result.get("node_reply")
     if reply is not None:
         fields["node reply"] = json.dumps(reply, separators=(",", ":"))
     return table([k.upper().replace("_", " ") for k in fields], [list(fields.values())])
+
+
+def _drain(result: dict[str, Any]) -> str:
+    """The drain's row, then, with --move-prefixes, one row per prefix chain and what the move did."""
+    moved = result.get("prefixes")
+    head = _action({k: v for k, v in result.items() if k != "prefixes"})
+    if moved is None:
+        return head
+    rows = [[r["blocks"], r["hits"], r["target"] or "-", r["moved_blocks"], r["bytes"], r.get("skipped", "")]
+            for r in moved["chains"]]  # fmt: skip
+    lines = [head]
+    if rows:
+        lines.append(table(["BLOCKS", "HITS", "TARGET", "MOVED", "BYTES", "NOTE"], rows))
+    if moved["degraded"] is not None:
+        lines.append(f"moved no prefix, plain drain: {moved['degraded']}")
+    else:
+        lines.append(f"moved {moved['prefixes_moved']} prefixes, {moved['bytes_moved']} bytes")
+    return "\n".join(lines)
 
 
 def _diff(result: dict[str, Any]) -> str:
@@ -127,8 +145,9 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], str]] = {
     "blocks": _blocks,
     "where": _where,
     "stats": _stats,
-    "drain": _action,
+    "drain": _drain,
     "undrain": _action,
+    "role": _action,
     "evict": _action,
 }
 

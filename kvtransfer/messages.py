@@ -10,7 +10,7 @@ payload is not part of the header.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, get_args
 
 from pdserve.kvtransfer.common import ProtocolError
 from pdserve.shared.types import BlockHash, FirstToken, KVLayout, RequestId
@@ -128,10 +128,7 @@ class Ping:
 
 
 Message = Hello | Auth | Ready | Error | Open | OpenOk | OpenRefusal | Data | Complete | Ack | Abort | Ping
-MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (Hello, Auth, Ready, Error, Open, OpenOk, OpenRefusal, Data, Complete, Ack, Abort, Ping)
-}
+MESSAGE_TYPES: dict[int, type[Message]] = {cls.TYPE: cls for cls in get_args(Message)}
 
 
 CODEC = Codec("KV-transfer protocol", PROTOCOL_VERSION)

@@ -103,6 +103,7 @@ class PrefixExporter:
             m = self.rt.metrics
             m.transfer_bytes.labels(self.rt.connector_kind, "out").inc(stats.payload_bytes)
             m.exported_blocks.inc(sent)
+            await self.rt.mover.pulled(hashes[: len(held)])  # a moved request's KV, once pulled, is unpinned
             return ExportResult(len(held), sent)
         except (KVTransferError, TimeoutError, ValueError) as exc:
             reason = str(exc) or type(exc).__name__

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.engine_args import EngineOptions, engine_config
-from pdserve.shared.cli.settings import LogLevel, SecretFiles, SettingsError, check_model_path, read_secret
+from pdserve.shared.cli.settings import ClusterMember, LogLevel, SettingsError, check_model_path, read_secret
 from pdserve.shared.types import Role
 from pydantic import Field, field_validator
 
@@ -26,7 +26,7 @@ Connector = Literal["tcp", "ucx", "nccl", "cuda_ipc"]
 """The connector kinds kvtransfer registers (a test keeps the two lists equal; importing it loads torch)."""
 
 
-class NodeOptions(EngineOptions, SecretFiles):
+class NodeOptions(EngineOptions, ClusterMember):
     node_id: str = Field(description="this node's id in the cluster (unique; letters, digits, '_', '.', '-')")
     host: str = Field("127.0.0.1", description="address of the internal HTTP API and the transfer listener")
     port: int = Field(ge=1, le=65535, description="port of the node's internal HTTP API")
@@ -43,9 +43,6 @@ class NodeOptions(EngineOptions, SecretFiles):
         "prefill nodes reach this one through another address (a NAT, a proxy; default: the listener's)",
     )
     connector: Connector = Field("tcp", description="KV connector")
-    auth_token_file: str | None = Field(
-        None, description="file holding the KV-transfer token (else PDSERVE_AUTH_TOKEN is read; required)"
-    )
     no_checksum: bool = Field(False, description="skip frame checksums (NVLink/RDMA links check integrity)")
     transfer_liveness_s: float = Field(
         5.0,
@@ -61,11 +58,6 @@ class NodeOptions(EngineOptions, SecretFiles):
         "nonce is remembered as long, so a replay inside the window is refused too",
     )
     log_level: LogLevel = Field("INFO", description="log level")
-    otlp_endpoint: str | None = Field(
-        None,
-        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the node's request spans are "
-        "exported to (default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
-    )
     kv_events_endpoint: str | None = Field(
         None,
         description="ZMQ PUB address for KV events in vLLM's format, e.g. tcp://*:5557 (bound when it has a "
@@ -138,8 +130,7 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     """The node's frozen configs; raises SettingsError (missing secret, model not on disk, connector not
     installed) or ValueError.
     The cheap checks come first, so a bad start fails before torch loads."""
-    token = read_secret("auth_token", "the KV-transfer token", opts.auth_token_file, required=True)
-    assert token is not None
+    token = opts.auth_token()
     check_model_path(opts.model)
     if opts.connector == "ucx" and importlib.util.find_spec("ucxx") is None:
         raise SettingsError("--connector ucx needs ucxx: install the [ucx] extra (pdserve[ucx])")
@@ -172,7 +163,6 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     policy = opts.kv_load_failure_policy if isinstance(opts, DecodeOptions) else "recompute"
     engine = engine_config(opts)
     name = opts.served_model_name or os.path.basename(os.path.normpath(engine.model))
-    otlp = opts.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     kv_events = None
     if opts.kv_events_endpoint is not None:
         from pdserve.node.kv_events import KVEventsConfig
@@ -185,7 +175,15 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
             "--kv-events-replay-endpoint replays what --kv-events-endpoint publishes: set both, or neither"
         )
     return NodeConfigs(
-        engine, node, connector, name, frames, policy, opts.transfer_advertise, otlp, kv_events
+        engine,
+        node,
+        connector,
+        name,
+        frames,
+        policy,
+        opts.transfer_advertise,
+        opts.trace_endpoint(),
+        kv_events,
     )
 
 

@@ -95,9 +95,21 @@ class NodeMetrics(MetricsRegistry):
             "Node role, tensor-parallel size and each rank's device (comma-separated, rank 0 first)",
             ["role", "tp_size", "devices"],
         )
-        self.role.labels(role, str(tp_size), ",".join(devices)).set(1)
+        self._info_labels = (str(tp_size), ",".join(devices))
+        self.role.labels(role, *self._info_labels).set(1)
+        self.role_changes = counter(
+            "pdserve_node_role_changes",
+            "Role changes at run time (`kvctl role`), by the role left and the role taken",
+            ["from_role", "to_role"],
+        )
         self._vllm = _VllmRequestSeries(r)
         r.register(_VllmEngineView(self))
+
+    def role_changed(self, old: Role, new: Role) -> None:
+        """The node serves as `new` now: its info series names only the current role."""
+        self.role.remove(old, *self._info_labels)
+        self.role.labels(new, *self._info_labels).set(1)
+        self.role_changes.labels(old, new).inc()
 
     def first_token(self, seconds: float) -> None:
         """Arrival at this node to its first token leaving it."""

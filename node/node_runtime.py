@@ -10,6 +10,8 @@ it starts, at most once a minute while it lasts, and once when the index answers
 The node owns its state in Redis: every heartbeat rewrites its load (drain flag included) signed with the
 cluster's record key, so a field someone else writes there is ignored by readers and undone within a
 heartbeat; draining and undraining take effect in the index through an immediate signed heartbeat.
+The node's current role is `role` (runtime state; node/role_change.py changes it and registers the node
+under it with a new epoch, its held blocks resent); `refuses` gates the role's routes by it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pdserve.node.drain_migrate import RequestMover
 from pdserve.node.node_metrics import NodeMetrics
 from pdserve.shared.engine.async_engine import AsyncEngine, EngineDead
 from pdserve.shared.engine.block_pool import BlockEvent
@@ -40,6 +43,7 @@ from pdserve.shared.index.block_index_types import (
     RedisConfig,
     StaleEpoch,
 )
+from pdserve.shared.node.move_protocol import DrainNote
 from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
 from pdserve.shared.node.node_sign import ClusterKeys
 from pdserve.shared.tracing import NO_TRACING, Tracing
@@ -121,6 +125,10 @@ class NodeRuntime:
             None if self.index is None else IndexTruth(self.index, self.node_id, held, self.metrics.registry)
         )
         self.epoch = 0
+        self.role: Role = settings.role
+        """The role the node serves as now (`settings.role` at start; node/role_change.py changes it)."""
+        self.changing_role = False
+        """A role change is under way: the node takes no new work and shows as draining in the index."""
         self.draining = False
         self.deregistered = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -137,6 +145,10 @@ class NodeRuntime:
         """Where the role's servers record their request spans (set by node_serve from --otlp-endpoint)."""
         self.kv_events: KVEventsPublisher | None = None
         """The pool's events in vLLM's format (node/kv_events.py), set by node_serve before start()."""
+        self._passes = 0  # publish passes started
+        self._pass_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self.mover = RequestMover(self.node_id, self.aengine, self.metrics, self.published)
+        """Moves running requests with their KV (a drain or a role change with --migrate)."""
 
     @property
     def node_id(self) -> NodeId:
@@ -211,7 +223,7 @@ class NodeRuntime:
             kv_used_blocks=snap.kv_used_blocks,
             kv_total_blocks=snap.kv_total_blocks,
             blocks_held=len(self.engine.held_hashes()),
-            draining=self.draining,
+            draining=self.draining or self.changing_role,
             queued_prefill_tokens=snap.queued_prefill_tokens,
         )
 
@@ -223,7 +235,9 @@ class NodeRuntime:
             m.kv_used_blocks.set(load.kv_used_blocks)
             m.running.set(load.running)
             m.waiting.set(load.waiting)
-            idle = load.running == 0 and load.waiting == 0 and self.requests_outside_engine() == 0
+            await self.mover.expire_due()
+            held = self.requests_outside_engine() + self.mover.pinned()  # pinned: moved, not pulled yet
+            idle = load.running == 0 and load.waiting == 0 and held == 0
             if self.draining and idle and not self.deregistered:
                 try:
                     await self.index.deregister(self.node_id)
@@ -238,7 +252,8 @@ class NodeRuntime:
 
     async def _beat(self, load: NodeLoad) -> None:
         assert self.index is not None and self._info is not None
-        load = dataclasses.replace(load, draining=self.draining)  # a drain since `load` was read stands
+        # a drain (or role change) since `load` was read stands
+        load = dataclasses.replace(load, draining=self.draining or self.changing_role)
         epoch, what = self.epoch, "heartbeat"
         try:
             try:
@@ -284,11 +299,26 @@ class NodeRuntime:
         records end as the pool is) and the KV-events publisher's only source."""
         while True:
             await asyncio.sleep(self.settings.publish_s)
+            self._passes += 1
             events: list[BlockEvent] = await self.aengine.call(self.engine.drain_events)
             if self.kv_events is not None and events:
                 self.kv_events.publish(events)
             if self.index is not None and not self.deregistered and (self._need_resync or events):
                 await self._publish(events)
+            done = [f for n, f in self._pass_waiters if n <= self._passes]
+            self._pass_waiters = [(n, f) for n, f in self._pass_waiters if n > self._passes]
+            for f in done:
+                if not f.done():
+                    f.set_result(None)
+
+    async def published(self) -> None:
+        """Returns once a publish pass that started after this call has ended: the index then lists the
+        blocks the pool held at the call (unless Redis failed that pass). At once when nothing publishes."""
+        if not self._tasks:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pass_waiters.append((self._passes + 1, waiter))
+        await waiter
 
     async def _publish(self, events: list[BlockEvent]) -> None:
         assert self.index is not None
@@ -343,6 +373,44 @@ class NodeRuntime:
         else:
             await self._beat(load)
 
+    def refuses(self, work: Role) -> str | None:
+        """Why the node takes no new request of `work` now ("prefill": a prompt for P; "decode" or "single":
+        a request to generate), or None when it takes it."""
+        if self.draining:
+            return f"node {self.node_id} is draining"
+        if self.changing_role:
+            return f"node {self.node_id} is changing role"
+        if (work == "prefill") != (self.role == "prefill"):
+            return f"node {self.node_id} is a {self.role} node"
+        return None
+
+    async def beat_now(self) -> None:
+        """A signed heartbeat now, so the index shows a change of the node's drain flag at once."""
+        if self.index is not None and self._info is not None and not self.deregistered:
+            await self._beat(await self.aengine.call(self.load))
+
+    async def register_as(self, role: Role, transfer_addr: str) -> None:
+        """Serves as `role` from now on: registers under it with a new epoch and has the publish loop resend
+        every block it holds under that epoch, so its prefix cache stays in the index under the node.
+        BlockIndexError (the index refused or did not answer) leaves the node in its old role."""
+        old = self.role
+        if self.index is not None and self._info is not None:
+            info = dataclasses.replace(self._info, role=role, transfer_addr=transfer_addr)
+            async with self._register_lock:
+                load = await self.aengine.call(self.load)
+                self.epoch = await self.index.register(info, load, after_epoch=self.epoch)
+                self._info, self.deregistered, self._need_resync = info, False, True
+        self.role = role
+        self.metrics.role_changed(old, role)
+        log.info("node %s serves as %s (was %s), epoch %d", self.node_id, role, old, self.epoch)
+
+    def until_leave(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Runs `coro` as a task that `leave()` cancels (and awaits) with the node's loops, so nothing it
+        does (a re-registration) outlives the node's deregistration."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        return task
+
     async def evict(self, hashes: list[BlockHash] | None) -> int:
         return await self.aengine.call(lambda: self.engine.evict(hashes))
 
@@ -356,7 +424,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         e = rt.engine
         reply = NodeInfoReply(
             node_id=rt.node_id,
-            role=rt.settings.role,
+            role=rt.role,
             model=e.cfg.model,
             max_model_len=e.max_model_len,
             block_size=e.cfg.block_size,
@@ -399,9 +467,24 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         return JSONResponse({"ok": True})
 
     @app.post("/internal/drain")
-    async def drain() -> JSONResponse:
+    async def drain(request: Request) -> JSONResponse:
+        body = await request.body()
+        try:
+            note = DrainNote.from_json(body) if body.strip() not in (b"", b"{}") else None
+        except ValueError as exc:
+            return JSONResponse({"error": f"the drain's body is not a DrainNote: {exc}"}, status_code=400)
         await rt.drain()
-        return JSONResponse({"ok": True, "draining": True})
+        migrated = await rt.mover.migrate_running() if note is not None and note.migrate else 0
+        if note is not None and note.why_not is not None:
+            log.warning("node %s draining without moving its prefixes (a plain drain): %s", rt.node_id,
+                        note.why_not)  # fmt: skip
+        elif note is not None and note.moved_prefixes:
+            log.info("node %s draining: moved %d prefixes (%d bytes) to the nodes that take them next",
+                     rt.node_id, note.moved_prefixes, note.moved_bytes)  # fmt: skip
+        if migrated:
+            log.info("node %s draining: %d running requests move to other nodes with their KV", rt.node_id,
+                     migrated)  # fmt: skip
+        return JSONResponse({"ok": True, "draining": True, "migrated": migrated})
 
     @app.post("/internal/undrain")
     async def undrain() -> JSONResponse:

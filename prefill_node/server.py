@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -161,7 +161,7 @@ class PrefillService:
     def __init__(
         self,
         rt: NodeRuntime,
-        sender: KVSender,
+        sender: Callable[[], KVSender],
         layers_per_frame: int = 4,
         fetcher: PrefixFetcher | None = None,
     ) -> None:
@@ -173,6 +173,9 @@ class PrefillService:
         self.layers_per_frame = layers_per_frame
         self.observer: PrefillObserver | None = None
         self._opening = 0  # requests waiting for D's OPEN reply, not yet in the engine
+        self.in_flight = 0
+        """Prefill requests this node is serving, from the route's call to its reply (a role change waits
+        for none to be left: node/role_change.py)."""
         rt.requests_outside_engine = lambda: self._opening
 
     def attach(self) -> None:
@@ -224,7 +227,7 @@ class PrefillService:
         fetch_s = 0.0
         try:
             async with asyncio.timeout(max(0.0, req.deadline - time.time())):
-                session = await self.sender.session(req.decode_transfer_addr, rid)
+                session = await self.sender().session(req.decode_transfer_addr, rid)
                 # waits while D has no room (its admission queue); P holds nothing for the request meanwhile
                 self._opening += 1
                 try:
@@ -334,13 +337,17 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
                 status_code=400,
                 media_type="application/json",
             )
-        if service.rt.draining:
+        if (refused := service.rt.refuses("prefill")) is not None:
             return Response(
-                PrefillResult(RequestId(req.request_id), None, 0, 0, 0, error="node is draining").to_json(),
+                PrefillResult(RequestId(req.request_id), None, 0, 0, 0, error=refused).to_json(),
                 status_code=503,
                 media_type="application/json",
             )
-        result = await service.prefill(req)
+        service.in_flight += 1
+        try:
+            result = await service.prefill(req)
+        finally:
+            service.in_flight -= 1
         return Response(
             result.to_json(), status_code=200 if result.error is None else 502, media_type="application/json"
         )

@@ -15,9 +15,9 @@ import sys
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.settings import (
+    ClusterMember,
     CommaList,
     LogLevel,
-    SecretFiles,
     StartupError,
     chat_template_text,
     check_model_path,
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.router")
 
 
-class RouterOptions(SecretFiles):
+class RouterOptions(ClusterMember):
     model: str = Field(
         description="model file or directory (only its tokenizer and chat template are loaded)"
     )
@@ -104,11 +104,6 @@ class RouterOptions(SecretFiles):
     metrics_public: bool = Field(
         False, description="serve /metrics without an API key (by default it asks for one when keys are set)"
     )
-    auth_token_file: str | None = Field(
-        None,
-        description="file holding the cluster's credential, the nodes' KV-transfer token, sent on every call "
-        "to a node (else PDSERVE_AUTH_TOKEN is read; required)",
-    )
     rate_limit: float = Field(
         0.0,
         ge=0,
@@ -144,11 +139,6 @@ class RouterOptions(SecretFiles):
         description="split a thinking model's thoughts from its answer: chat responses carry them as "
         "`reasoning_content` (qwen3: the <think>...</think> at the start of the output)",
     )
-    otlp_endpoint: str | None = Field(
-        None,
-        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the request spans are exported to "
-        "(default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
-    )
     log_level: LogLevel = Field(
         "INFO",
         description="log level of the router and of its HTTP server (INFO and below: one access-log "
@@ -166,7 +156,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
 
     model = check_model_path(opts.model)
     keys = read_secret("api_keys", "the API keys", opts.api_keys_file, required=False) or ""
-    token = read_secret("auth_token", "the cluster's KV-transfer token", opts.auth_token_file, required=True)
+    token = opts.auth_token()
     password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
     names = opts.served_model_name or (os.path.basename(os.path.normpath(model)),)
     return RouterConfig(
@@ -188,7 +178,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         node_list_ttl_s=opts.node_list_ttl,
         seed_nodes=opts.seed_nodes,
         migration_limit=opts.migration_limit,
-        otlp_endpoint=opts.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None,
+        otlp_endpoint=opts.trace_endpoint(),
         cost_model=opts.cost_model,
         policy=PolicyConfig(local_prefill_max_tokens=opts.local_prefill_max_tokens),
         admission=AdmissionConfig(
@@ -196,7 +186,7 @@ def router_config(opts: RouterOptions) -> RouterConfig:
         ),
         api_keys=tuple(k.strip() for k in keys.replace(",", "\n").splitlines() if k.strip()),
         metrics_public=opts.metrics_public,
-        node_token=token or "",  # required=True: never empty here
+        node_token=token,
         rate_limit=RateLimit(opts.rate_limit, opts.rate_limit_burst) if opts.rate_limit else None,
         reasoning_parser=opts.reasoning_parser,
     )

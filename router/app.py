@@ -14,7 +14,7 @@ client that leaves before its body is in is a ClientGone (499), not a 500.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,7 +25,7 @@ from pdserve.router.anthropic_api import AnthropicAPI, api_key
 from pdserve.router.chat_bridge import with_reasoning
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import ClientGone, RouterError
-from pdserve.router.handler import Endpoint, Incoming, Reply, RequestHandler, error_reply
+from pdserve.router.handler import Incoming, Reply, RequestHandler, error_reply
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.router.responses_api import ResponsesAPI
 from pdserve.router.tokenize_api import TokenizeAPI
@@ -145,50 +145,33 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) ->
         reply = await handler.generate("chat", incoming)
         return reply if parser is None else with_reasoning(reply, parser)
 
-    async def generate(endpoint: Endpoint, request: Request) -> Response:
-        return _response(await handler.generate(endpoint, _incoming(request)))
+    def post(path: str, handle: Callable[[Incoming], Awaitable[Reply]],
+             incoming: Callable[[Request], Incoming] = _incoming) -> None:  # fmt: skip
+        """A POST route that hands its request to `handle` as an Incoming and sends back the Reply."""
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate("completions", request)
+        async def endpoint(request: Request) -> Response:
+            return _response(await handle(incoming(request)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return _response(await chat(_incoming(request)))
-
-    anthropic = AnthropicAPI(chat, handler.count_prompt_tokens, config.max_request_bytes)
+        app.add_api_route(path, endpoint, methods=["POST"], name=path)
 
     def anthropic_incoming(request: Request) -> Incoming:  # `anthropic-version` is accepted, whatever it says
         return _incoming(
             request, api_key(request.headers.get("x-api-key"), request.headers.get("authorization"))
         )
 
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        return _response(await anthropic.messages(anthropic_incoming(request)))
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        return _response(await anthropic.count_tokens(anthropic_incoming(request)))
-
+    anthropic = AnthropicAPI(chat, handler.count_prompt_tokens, config.max_request_bytes)
     responses = ResponsesAPI(chat, config.max_request_bytes)
-
-    @app.post("/v1/responses")
-    async def create_response(request: Request) -> Response:
-        return _response(await responses.create(_incoming(request)))
+    tokens = TokenizeAPI(handler, config.max_request_bytes)
+    post("/v1/completions", lambda incoming: handler.generate("completions", incoming))
+    post("/v1/chat/completions", chat)
+    post("/v1/messages", anthropic.messages, anthropic_incoming)
+    post("/v1/messages/count_tokens", anthropic.count_tokens, anthropic_incoming)
+    post("/v1/responses", responses.create)
+    post("/tokenize", tokens.tokenize)
+    post("/detokenize", tokens.detokenize)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> Response:
         return _response(error_reply(responses.not_stored(response_id)))
-
-    tokens = TokenizeAPI(handler, config.max_request_bytes)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return _response(await tokens.tokenize(_incoming(request)))
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return _response(await tokens.detokenize(_incoming(request)))
 
     return app

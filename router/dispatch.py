@@ -9,8 +9,11 @@ client is placed again (at most _MAX_REROUTES times, under a fresh node request 
 (503: draining) or cannot be reached (refused, reset, cut: that node's breaker is open by then, so the new
 placement avoids it); a choice that has streamed a token migrates (router/migration.py: re-prefilled
 elsewhere from its prompt and the tokens already streamed, at most `migration_limit` times) when its node
-became unreachable or failed it, else ends with the error. Routing: router/routing.py. A choice ends
-with a domain error (router/errors.py), which the request handler maps to the client's OpenAI error.
+became unreachable or failed it, or ended it with the migration signal of a drain (`kvctl drain
+--migrate`: the continuation's prefilling node then fetches the KV of the prompt and streamed tokens from
+the draining node, which the index lists, instead of computing it), else ends with the error. Routing:
+router/routing.py. A choice ends with a domain error (router/errors.py), which the request handler maps to
+the client's OpenAI error.
 Each attempt holds its booking in the in-flight ledger in a `with` block, so the ledger gets it back on
 every path; what the nodes report (prefix hits, prefill times, the first token) is emitted to the telemetry
 sink (router/telemetry.py), which counts and learns from it.
@@ -21,6 +24,7 @@ and migration only if one class owns the choice's whole life.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import weakref
 from collections.abc import Awaitable, Sequence
@@ -54,6 +58,8 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.index.block_index_types import NodeInfo
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
 from pdserve.shared.types import NodeId, RequestId
+
+log = logging.getLogger(__name__)
 
 _PREFILL_GRACE_S = 1.0
 _MAX_REROUTES = 2
@@ -94,6 +100,8 @@ class ChoiceEvent:
 
 def _step_error(node: NodeInfo, step: StepOutput, deadline: float) -> RouterError:
     reason = step.error or step.finish_reason or "unknown"
+    if step.migrate:
+        reason = "the node is draining and moved the request off; it could not be continued elsewhere"
     if time.time() >= deadline:
         return DeadlineExceeded(f"deadline exceeded on node {node.node_id}: {reason}")
     if step.finish_reason == "abort":
@@ -154,6 +162,9 @@ class RequestRun:
         self._trace = trace
         self._trace_context = None if trace is None else trace.carrier
         self._streamed = {job.index: Continuation(job.prompt_token_ids, job.sampling) for job in jobs}
+        self._moved: dict[RequestId, str] = {}
+        """Continuation request ids -> why their choice migrated (drain or failure): their prefill's hits are
+        counted per cause."""
         self._started: set[int] = set()
         self._choice_start: dict[int, float] = {}  # choice index -> perf_counter at its (latest) route start
         """Choices that have delivered a step to the client (they can no longer be placed again)."""
@@ -234,6 +245,9 @@ class RequestRun:
                 if self._may_migrate(job, exc):
                     prompt, sampling = self._streamed[job.index].migrate()
                     tag, reason = f"m{self._streamed[job.index].migrations}", "migrated"
+                    cause = "drain" if isinstance(exc, _StepFailed) and exc.reason == "migrate" else "failure"
+                    self._moved[RequestId(f"{job.request_id}-{tag}")] = cause
+                    self._metrics.migrations.labels(cause=cause).inc()
                 elif self._may_reroute(job, exc, attempt):
                     attempt += 1
                     prompt, sampling, tag, reason = (
@@ -246,8 +260,8 @@ class RequestRun:
                     err = exc.error if isinstance(exc, _StepFailed) else _node_error(exc, self.deadline)
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
-                if exc.status == 503:
-                    self._rerouter.refused(exc.node_id)
+                if exc.status == 503 or (isinstance(exc, _StepFailed) and exc.reason == "migrate"):
+                    self._rerouter.refused(exc.node_id)  # draining: the next placement avoids it at once
                 self._metrics.aborts.labels(reason=reason).inc()
                 try:
                     placement = await self._rerouter.place(prompt, self._salt, self.deadline)
@@ -265,8 +279,11 @@ class RequestRun:
                 self._jobs[job.index] = job
 
     def _may_migrate(self, job: ChoiceJob, exc: NodeError) -> bool:
-        """After a streamed token: the node is gone, or failed the choice (not an abort, not the deadline)."""
-        failed = exc.unreachable or (isinstance(exc, _StepFailed) and exc.reason == "error")
+        """After a streamed token: the node is gone, failed the choice, moved it (a drain's migration
+        signal), or refused its continuation (503: draining, so nothing of it ran there); not an abort, not
+        past the deadline."""
+        moved = isinstance(exc, _StepFailed) and exc.reason in ("error", "migrate")
+        failed = exc.unreachable or exc.status == 503 or moved
         return (
             failed
             and job.index in self._started
@@ -394,6 +411,20 @@ class RequestRun:
             self._telemetry.emit(StaleDecision(node_id))
         hits = PrefixHits(node_id, cached_tokens - fetched_tokens, fetched_tokens, n - cached_tokens)
         self._telemetry.emit(hits)
+        cause = self._moved.get(job.request_id)
+        if cause is not None:
+            self._continued(job, cause, hits)
+
+    def _continued(self, job: ChoiceJob, cause: str, hits: PrefixHits) -> None:
+        """A continuation's prompt tokens by where their KV came from; a drain's continuation that did not
+        fetch from the draining node (no room there, or the index did not list its blocks) is logged."""
+        tokens = self._metrics.migration_prompt_tokens
+        for source, n in (("cached", hits.local), ("fetched", hits.remote), ("computed", hits.miss)):
+            tokens.labels(cause=cause, source=source).inc(max(0, n))  # a node's report is not trusted blindly
+        if cause == "drain" and hits.remote == 0:
+            log.warning("continuation %s of a drained node's request was prefilled (%d prompt tokens "
+                        "computed, %d cached): no fetch from the draining node", job.request_id, hits.miss,
+                        hits.local)  # fmt: skip
 
     async def _pump(
         self, job: ChoiceJob, client: NodeClient, node: NodeInfo, req: NodeGenerateRequest
@@ -413,6 +444,7 @@ class RequestRun:
             if step.finish_reason is not None:
                 self._closed(job.request_id, client.node_id)
             if step.finish_reason in ("abort", "error"):  # the choice may go on elsewhere (_run_choice)
-                raise _StepFailed(client.node_id, _step_error(node, step, self.deadline), step.finish_reason)
+                reason = "migrate" if step.migrate else step.finish_reason
+                raise _StepFailed(client.node_id, _step_error(node, step, self.deadline), reason)
             self._started.add(job.index)
             await self._queue.put(ChoiceEvent(job.index, self._streamed[job.index].record(step), None))

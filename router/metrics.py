@@ -14,9 +14,11 @@ name, as the nodes' vllm:* series do.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from pdserve.shared.metrics import MetricsRegistry
 from pdserve.shared.types import KVSource
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -38,31 +40,49 @@ class ModelLabelled:
         return self._counter.labels(model_name=self._model_name, **labels)
 
 
+_Series = TypeVar("_Series", Counter, Gauge, Histogram)
+
+
+def _of_model(series: _Series, model_name: str) -> _Series:
+    """The child of `series` (labelled by model_name only) that counts this router's model."""
+    return series.labels(model_name=model_name)
+
+
 class RouterMetrics(MetricsRegistry):
     """The router's series; model_name labels the request series."""
 
     def __init__(self, model_name: str = "") -> None:
         super().__init__()
         hist, counter, gauge = self.histogram, self.counter, self.gauge
-        model = {"model_name": model_name}
-        self.ttft = hist(
-            "pdserve_router_time_to_first_token_seconds",
-            "Request arrival to its first generated token.",
-            _LATENCY_BUCKETS,
-            list(model),
-        ).labels(**model)
-        self.itl = hist(
-            "pdserve_router_inter_token_latency_seconds",
-            "Gap between generated tokens of one choice.",
-            _ITL_BUCKETS,
-            list(model),
-        ).labels(**model)
-        self.e2e = hist(
-            "pdserve_router_e2e_request_latency_seconds",
-            "Request arrival to its last token.",
-            _LATENCY_BUCKETS,
-            list(model),
-        ).labels(**model)
+
+        model = ["model_name"]
+        self.ttft = _of_model(
+            hist(
+                "pdserve_router_time_to_first_token_seconds",
+                "Request arrival to its first generated token.",
+                _LATENCY_BUCKETS,
+                model,
+            ),
+            model_name,
+        )
+        self.itl = _of_model(
+            hist(
+                "pdserve_router_inter_token_latency_seconds",
+                "Gap between generated tokens of one choice.",
+                _ITL_BUCKETS,
+                model,
+            ),
+            model_name,
+        )
+        self.e2e = _of_model(
+            hist(
+                "pdserve_router_e2e_request_latency_seconds",
+                "Request arrival to its last token.",
+                _LATENCY_BUCKETS,
+                model,
+            ),
+            model_name,
+        )
         self.tokenize = hist(
             "pdserve_router_tokenize_seconds", "Time to tokenize one prompt.", _ROUTING_BUCKETS
         )
@@ -71,12 +91,12 @@ class RouterMetrics(MetricsRegistry):
             "Block hashing + index lookup + policy choice for one prompt.",
             _ROUTING_BUCKETS,
         )
-        self.prompt_tokens = counter(
-            "pdserve_router_prompt_tokens", "Prompt tokens of served requests.", list(model)
-        ).labels(**model)
-        self.generation_tokens = counter(
-            "pdserve_router_generation_tokens", "Generated tokens streamed back.", list(model)
-        ).labels(**model)
+        self.prompt_tokens = _of_model(
+            counter("pdserve_router_prompt_tokens", "Prompt tokens of served requests.", model), model_name
+        )
+        self.generation_tokens = _of_model(
+            counter("pdserve_router_generation_tokens", "Generated tokens streamed back.", model), model_name
+        )
         self.decisions = counter("pdserve_router_decisions", "Routing decisions by kind.", ["kind"])
         self.cost_decisions = counter(
             "pdserve_router_cost_model_decisions",
@@ -128,9 +148,9 @@ class RouterMetrics(MetricsRegistry):
             ),
             model_name,
         )
-        self.in_flight = gauge(
-            "pdserve_router_requests_in_flight", "Client requests being served.", list(model)
-        ).labels(**model)
+        self.in_flight = _of_model(
+            gauge("pdserve_router_requests_in_flight", "Client requests being served.", model), model_name
+        )
         self.node_in_flight = gauge(
             "pdserve_router_node_requests_in_flight",
             "Node requests (generate or prefill) open per node.",
@@ -146,6 +166,20 @@ class RouterMetrics(MetricsRegistry):
         )
         self.aborts = counter(
             "pdserve_router_aborts", "Node requests aborted by the router, by reason.", ["reason"]
+        )
+        self.migrations = counter(
+            "pdserve_router_migrations",
+            "Choices continued on another node after they streamed tokens, by cause: drain (the node moved "
+            "them, `kvctl drain --migrate`; their KV is fetched from it) or failure (the node died or failed "
+            "them; re-prefilled).",
+            ["cause"],
+        )
+        self.migration_prompt_tokens = counter(
+            "pdserve_router_migration_prompt_tokens",
+            "Prompt tokens (original prompt + tokens already streamed) of continuations, by cause and by "
+            "where the prefilling node got their KV: cached (its own), fetched (another node, the draining "
+            "one for cause=drain) or computed (prefilled again).",
+            ["cause", "source"],
         )
         self.node_requests = counter(
             "pdserve_router_node_requests", "Node requests (generate or prefill) sent, per node.", ["node_id"]

@@ -140,6 +140,11 @@ class Router:
         now = time.monotonic()
         return [s for s in await self._membership.nodes() if self.usable(s, now)]
 
+    async def holders(self) -> list[NodeStatus]:
+        """The nodes a prefix may be fetched from: the usable ones and the draining ones (a draining node
+        serves exports until it leaves; a drain with --migrate pins its moved requests' KV for that fetch)."""
+        return [s for s in await self._membership.nodes() if not self._breakers.is_open(s.info.node_id)]
+
     def refused(self, node_id: NodeId) -> None:
         """A node turned a request away before starting it (it is draining): route around it at once,
         without waiting for the cached node list to expire; the index shows the drain within a TTL."""
@@ -155,6 +160,7 @@ class Router:
         known = await self.nodes()
         if not known:
             raise NoNodes("no serving node is available")
+        holders = await self.holders()
         first = known[0].info
         block_size = first.block_size
         hashes = hash_blocks(
@@ -176,7 +182,7 @@ class Router:
                 waited = time.perf_counter()
                 statuses = await self._with_room(deadline, turn)
                 started += time.perf_counter() - waited
-                selection, live = self._select(len(prompt), block_size, hits, statuses, known)
+                selection, live = self._select(len(prompt), block_size, hits, statuses, holders)
                 want = (selection.decode, selection.prefill, selection.estimate.compute_tokens, n, turn)
                 try:
                     bookings = await self._ledger.acquire(*want)
@@ -201,10 +207,11 @@ class Router:
         block_size: int,
         hits: dict[NodeId, int],
         statuses: list[NodeStatus],
-        known: list[NodeStatus],
+        holders: list[NodeStatus],
     ) -> tuple[Selection, dict[NodeId, NodeInfo]]:
         """The one decision over the nodes with room (NoNodes when none fits, ModelMismatch when the chosen
-        nodes serve another model), and the live nodes' registrations by id."""
+        nodes serve another model), and the registrations by id of the nodes it may name (`holders`: those
+        a prefix may be fetched from, the chosen pair among them)."""
         if not statuses:
             raise NoNodes("no serving node is available")
         self._rotation += 1
@@ -212,12 +219,12 @@ class Router:
         try:
             selection = select(
                 prompt_tokens, block_size, hits, [ledger.view(NodeView.from_status(s)) for s in statuses],
-                {s.info.node_id for s in known}, self._policy, self.cost, self.cost_decides,
+                {s.info.node_id for s in holders}, self._policy, self.cost, self.cost_decides,
                 lambda node_id: ledger.load(node_id).prefill_tokens, self._rotation,
             )  # fmt: skip
         except NoNodeAvailable as exc:
             raise NoNodes(str(exc)) from exc
-        live = {s.info.node_id: s.info for s in known}
+        live = {s.info.node_id: s.info for s in holders}
         for node_id in (selection.decode, selection.prefill):
             if node_id is not None:
                 self._model_check.check(live[node_id])  # ModelMismatch: the router's model is not theirs

@@ -56,7 +56,7 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
             "plan": PlanOptions}  # fmt: skip
         return commands.get(name, DecodeOptions)
     classes: dict[str, type[Settings]] = {"blocks": kvctl_cli.Blocks, "where": kvctl_cli.PromptOptions,
-        "evict": kvctl_cli.Evict, "drain": kvctl_cli.NodeAction, "undrain": kvctl_cli.NodeAction}  # fmt: skip
+        "evict": kvctl_cli.Evict, "drain": kvctl_cli.Drain, "undrain": kvctl_cli.NodeAction}  # fmt: skip
     return classes.get(name, kvctl_cli.Common)
 
 

@@ -24,23 +24,17 @@ from pdserve.tests.harness.graphs import (
     MAX_SEQS,
     NUM_BLOCKS,
     cpu_runner,
+    on_gpu,
     on_gpu_frees_memory,
     replay_matches_eager,
+    uncaptured,
 )
 
 __all__ = ["cpu_runner"]  # the fixture, from the harness
 
 
 def eager_graphs(runner: ModelRunner) -> DecodeGraphs:
-    return DecodeGraphs(
-        runner.model,
-        runner.kv_cache,
-        runner.ops,
-        block_size=BLOCK,
-        max_model_len=MAX_LEN,
-        buckets=bucket_sizes(MAX_SEQS),
-        capture=False,
-    )
+    return uncaptured(DecodeGraphs, runner, bucket_sizes(MAX_SEQS))
 
 
 def decode_batch(rng: random.Random, n: int, vocab: int) -> list[BatchItem]:
@@ -150,11 +144,7 @@ def test_run_refuses_rows_without_blocks(cpu_runner: ModelRunner) -> None:
         graphs.run([1], [[3]], [17])
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@cuda
+@on_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_captured_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None:
     def exercise(runner: ModelRunner) -> None:

@@ -1,5 +1,6 @@
-"""The docs state the KV-transfer protocol version the code speaks: README's link, and every place the
-protocol document writes the current version (title, frame prefix, headers, refusal)."""
+"""The docs state the KV-transfer protocol version the code speaks: README's link, architecture.md's module
+map, and every place the protocol document writes the current version (title, frame prefix, headers,
+refusal)."""
 
 from __future__ import annotations
 
@@ -31,3 +32,8 @@ def test_protocol_doc_states_the_current_version_everywhere() -> None:
     }
     versions = {where: int(m.group(1)) if m else None for where, m in stated.items()}
     assert versions == dict.fromkeys(stated, PROTOCOL_VERSION)
+
+
+def test_architecture_names_the_protocol_version_of_the_code() -> None:
+    found = re.findall(r"protocol v(\d+) written once", _read("docs/architecture.md"))
+    assert found and {int(v) for v in found} == {PROTOCOL_VERSION}, found

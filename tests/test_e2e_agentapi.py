@@ -52,7 +52,7 @@ def claude(live: LiveCluster) -> Iterator[anthropic.Anthropic]:
 
 @pytest.fixture(scope="module")
 def oai(live: LiveCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{live.base}/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+    with live.openai(KEY) as c:
         yield c
 
 

@@ -18,7 +18,6 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 import torch
 from pdserve.kvctl.render import render
@@ -97,7 +96,7 @@ def live() -> Iterator[LiveCluster]:
 
 
 def test_a_pd_pair_at_fp8_serves_generates_text_and_moves_fp8_bytes(live: LiveCluster) -> None:
-    c = openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=300)
+    c = live.openai(timeout=300)
     prompts = [str(p["prompt"]) for p in PROMPTS if "prompt" in p][:2]
     want = reference_texts([{"prompt": p} for p in prompts], 12, *FP8)
     nodes = kvctl(live.redis_url, "nodes")

@@ -362,7 +362,10 @@ NODE_ROUTES = [
     ("POST", "/internal/abort"),
     ("POST", "/internal/drain"),
     ("POST", "/internal/undrain"),
+    ("POST", "/internal/role"),
     ("POST", "/internal/evict"),
+    ("POST", "/internal/hot-prefixes"),
+    ("POST", "/internal/pull-prefix"),
     ("GET", "/internal/no-such-route"),
 ]
 

@@ -45,7 +45,7 @@ def live() -> Iterator[LiveCluster]:
 
 @pytest.fixture(scope="module")
 def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with live.openai() as c:
         yield c
 
 

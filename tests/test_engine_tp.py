@@ -23,6 +23,7 @@ from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES
 from pdserve.shared.model.parallel import SingleRank, check_split, plan
 from pdserve.tests.harness.cluster_fixture import model_path
+from pdserve.tests.harness.tiny_models import TINY
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}]},
@@ -70,21 +71,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
     divide) saved by Hugging Face's own classes as safetensors."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=49155,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        attention_bias=True,
-        tie_word_embeddings=False,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    tiny = TINY | {"vocab_size": 49155, "intermediate_size": 128, "head_dim": 16, "attention_bias": True,
+                   "rms_norm_eps": 1e-6}  # fmt: skip
+    config = LlamaConfig(**tiny)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)

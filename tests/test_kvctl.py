@@ -20,6 +20,8 @@ from pdserve.shared.engine.block_pool import BlockStored, BlockTiered
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
 from pdserve.shared.model.loader import load_tokenizer
+from pdserve.shared.node.move_protocol import DrainNote
+from pdserve.shared.node.node_protocol import CODEC
 from pdserve.shared.node.node_sign import SCHEME, ClusterKeys
 from pdserve.shared.types import BlockHash, KVLayout, NodeId
 from pdserve.tests.harness.fake_http import FakeHTTP, Seen
@@ -151,10 +153,32 @@ def test_drain_and_evict_call_the_node(cluster: Cluster, capsys: Any) -> None:
     assert rc == 0 and out["index_records_removed"] == 0 and len(posts(fake)) == 2
     rc, out, _ = kvctl(capsys, server, "drain", "d0")
     assert rc == 0 and out["node_reply"] == {"ok": True, "path": "/internal/drain"}
+    rc, out, _ = kvctl(capsys, server, "drain", "d0", "--migrate")  # the node moves its running requests
+    assert rc == 0 and posts(fake)[-1] == ("/internal/drain", json.loads(DrainNote(migrate=True).to_json()))
     assert all(a is not None and a.startswith(SCHEME) and TOKEN not in a for a in authorizations(fake)[-3:])
     assert len(set(authorizations(fake))) == len(authorizations(fake))  # a fresh nonce each
     _, nodes, _ = kvctl(capsys, server, "nodes")  # kvctl writes no drain flag: the node signs its own
     assert [n["draining"] for n in nodes["nodes"]] == [False, False] and nodes["invalid"] == []
+
+
+def test_role_refuses_to_empty_a_role_unless_forced(cluster: Cluster, capsys: Any) -> None:
+    """p0 is the only prefill-capable node and d0 the only decode-capable one: moving either empties a role
+    (refused, one line, nothing sent); --force sends the change, signed, and a node that answers it had
+    nothing to change ends the command at once."""
+    server, fake, _ = cluster
+    fake.seen.clear()
+    for node, role in (("d0", "prefill"), ("p0", "decode")):
+        rc, _, err = kvctl(capsys, server, "role", node, role)
+        assert rc == 1 and err.count("\n") == 1 and "--force" in err and f"node '{node}'" in err, err
+    assert posts(fake) == []
+    rc, out, _ = kvctl(capsys, server, "role", "p0", "single", "--force", "--migrate")
+    assert rc == 0 and (out["from_role"], out["role"]) == ("prefill", "single"), out
+    assert posts(fake) == [("/internal/role", {"v": CODEC.version, "role": "single", "migrate": True})]
+    assert authorizations(fake)[0] is not None and TOKEN not in str(authorizations(fake)[0])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["role", "p0", "router", "--redis", server.url])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "'prefill', 'decode', 'single'" in err
 
 
 def test_failures_are_one_line_and_exit_1(cluster: Cluster, capsys: Any) -> None:
@@ -248,3 +272,20 @@ def test_closed_pipe_ends_quietly(cluster: Cluster) -> None:
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1 and err == "", err
+
+
+def test_the_emptying_rule_counts_single_for_both_roles_and_ignores_draining_nodes() -> None:
+    from pdserve.kvctl.commands import _emptied
+    from pdserve.shared.index.block_index_types import NodeStatus
+
+    def node(name: str, role: str, draining: bool = False) -> NodeStatus:
+        info = NodeInfo(NodeId(name), role, "http://127.0.0.1:1", "", FP, LAYOUT, 1, 1000, "ef" * 32, 8192)  # type: ignore[arg-type]
+        return NodeStatus(info, None, 0.0, draining, 0)
+
+    p0, d0, s0 = node("p0", "prefill"), node("d0", "decode"), node("s0", "single")
+    assert _emptied([p0, d0], "d0", "prefill") == "no decode-capable node (decode or single) taking work"
+    assert _emptied([p0, d0], "p0", "decode") == "no prefill-capable node (prefill or single) taking work"
+    assert _emptied([p0, d0], "p0", "single") is None  # single counts for both
+    assert _emptied([p0, d0, s0], "d0", "prefill") is None  # s0 still decodes
+    assert _emptied([d0, node("d1", "decode")], "d0", "single") is None  # no prefill node to lose
+    assert _emptied([p0, d0, node("d1", "decode", draining=True)], "d0", "prefill") is not None

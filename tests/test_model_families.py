@@ -10,83 +10,49 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 from pdserve.shared.model.dummy_weights import fill_dummy_weights, hf_shapes
-from pdserve.shared.model.loader import LoadedModel, ModelLoadError, load_model
+from pdserve.shared.model.loader import ModelLoadError, load_model
 from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
 from pdserve.shared.model.parallel import SingleRank, check_split, plan
 from pdserve.tests.harness.cluster_fixture import model_path
-from pdserve.tests.harness.paged_runner import PagedRunner
+from pdserve.tests.harness.parity_case import (
+    ParityCase,
+    check_full_prefill,
+    check_prefill_then_decode,
+    check_varlen_batch,
+    parity_case,
+)
 from pdserve.tests.harness.tiny_models import FAMILIES, VOCAB, hf_tiny_model
-
-TOL = 1e-4
-PROMPT_LEN = 40
-PREFILL_LEN = 25
-
-
-@dataclass
-class Case:
-    family: str
-    path: str
-    loaded: LoadedModel
-    prompt: torch.Tensor  # [PROMPT_LEN] int64
-    other: torch.Tensor  # [23] int64
-    ref: torch.Tensor  # [PROMPT_LEN, V]
-    ref_other: torch.Tensor  # [23, V]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
-    torch.set_num_threads(1)
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParityCase:
     family = request.param
     hf = hf_tiny_model(family)
     path = str(tmp_path_factory.mktemp(family))
     # mixtral is saved sharded, to read the index path too
     hf.save_pretrained(path, max_shard_size="1MB" if family == "mixtral" else "1GB")
-    gen = torch.Generator().manual_seed(7)
-    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=gen)
-    other = torch.randint(3, VOCAB, (23,), generator=gen)
-    with torch.inference_mode():
-        ref = hf(prompt[None]).logits[0].float()
-        ref_other = hf(other[None]).logits[0].float()
-    loaded = load_model(path, device=torch.device("cpu"), dtype=torch.float32, tokenizer_path=model_path())
-    return Case(family, path, loaded, prompt, other, ref, ref_other)
+    return parity_case(family, hf, path, VOCAB, tokenizer_path=model_path())
 
 
-def test_full_prefill_matches_hf(case: Case) -> None:
-    runner = PagedRunner(case.loaded.model)
-    logits = runner.step({runner.add_sequence(): case.prompt})
-    print(f"\n{case.family}: max |dlogit| vs HF {(logits - case.ref).abs().max().item():.2e}")
-    assert (logits - case.ref).abs().max().item() <= TOL, case.family
+def test_full_prefill_matches_hf(case: ParityCase) -> None:
+    check_full_prefill(case)
 
 
-def test_prefill_then_decode_matches_hf(case: Case) -> None:
-    runner = PagedRunner(case.loaded.model)
-    seq = runner.add_sequence()
-    rows = [runner.step({seq: case.prompt[:PREFILL_LEN]})]
-    for i in range(PREFILL_LEN, PROMPT_LEN):
-        rows.append(runner.step({seq: case.prompt[i : i + 1]}))
-    assert (torch.cat(rows) - case.ref).abs().max().item() <= TOL, case.family
+def test_prefill_then_decode_matches_hf(case: ParityCase) -> None:
+    check_prefill_then_decode(case)
 
 
-def test_varlen_batch_prefill_and_batched_decode(case: Case) -> None:
-    runner = PagedRunner(case.loaded.model)
-    a, b = runner.add_sequence(), runner.add_sequence()
-    n_b = len(case.other) - 1
-    logits = runner.step({a: case.prompt[:-1], b: case.other[:-1]})
-    assert (logits[: PROMPT_LEN - 1] - case.ref[:-1]).abs().max().item() <= TOL
-    assert (logits[PROMPT_LEN - 1 :] - case.ref_other[:n_b]).abs().max().item() <= TOL
-    last = runner.step({a: case.prompt[-1:], b: case.other[-1:]})
-    assert (last[0] - case.ref[-1]).abs().max().item() <= TOL
-    assert (last[1] - case.ref_other[-1]).abs().max().item() <= TOL
+def test_varlen_batch_prefill_and_batched_decode(case: ParityCase) -> None:
+    check_varlen_batch(case)
 
 
-def test_config_read_from_checkpoint(case: Case) -> None:
+def test_config_read_from_checkpoint(case: ParityCase) -> None:
     cfg = case.loaded.config
     assert cfg.architecture == case.family
     assert cfg.qk_norm == case.family.startswith("qwen3")

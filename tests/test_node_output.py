@@ -32,3 +32,12 @@ def test_an_error_output_says_why_and_counts_the_prompt() -> None:
         True,
     )
     assert StepOutput.failed(RequestId("r"), 5, "deadline exceeded").error == "deadline exceeded"
+
+
+def test_a_moved_requests_last_line_carries_the_migration_signal() -> None:
+    """A drain with --migrate ends a request with an abort line marked `migrate` (the router continues it
+    elsewhere); the mark means nothing on another finish, so it is refused there."""
+    moved = StepOutput(RequestId("r"), (), "", None, "abort", 5, 9, 0, migrate=True)
+    assert StepOutput.from_line(moved.to_line()) == moved and StepOutput.from_line(moved.to_line()).migrate
+    with pytest.raises(ValueError, match="migrate set but finish_reason is 'stop'"):
+        StepOutput(RequestId("r"), (), "", None, "stop", 5, 9, 0, migrate=True)

@@ -24,23 +24,17 @@ from pdserve.tests.harness.graphs import (
     MAX_LEN,
     NUM_BLOCKS,
     cpu_runner,
+    on_gpu,
     on_gpu_frees_memory,
     replay_matches_eager,
+    uncaptured,
 )
 
 __all__ = ["cpu_runner"]  # the fixture, from the harness (shared with the decode graphs' tests)
 
 
 def eager_graphs(runner: ModelRunner, max_num_batched_tokens: int = 2048) -> PrefillGraphs:
-    return PrefillGraphs(
-        runner.model,
-        runner.kv_cache,
-        runner.ops,
-        block_size=BLOCK,
-        max_model_len=MAX_LEN,
-        buckets=prefill_buckets(max_num_batched_tokens),
-        capture=False,
-    )
+    return uncaptured(PrefillGraphs, runner, prefill_buckets(max_num_batched_tokens))
 
 
 def prefill_item(rng: random.Random, context: int, new: int, vocab: int, sample: bool = True) -> BatchItem:
@@ -124,11 +118,7 @@ def test_no_bucket_under_a_small_token_budget(cpu_runner: ModelRunner) -> None:
     assert graphs.buckets == () and not graphs.fits(1, 1)
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.mark.gpu
-@cuda
+@on_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_captured_prefill_graphs_match_eager_and_free_memory(dtype: torch.dtype) -> None:
     def exercise(runner: ModelRunner) -> None:

@@ -143,6 +143,9 @@ class FakeNodes:
             if self.aborted(node, rid):
                 yield StepOutput(rid, (), "", None, "abort", n_prompt, i, 0, error="aborted").to_line()
                 return
+            if "MIGRATE" in sp.stop and "-m" not in rid and i == 2:  # a drain moves it off, KV and all
+                yield StepOutput(rid, (), "", None, "abort", n_prompt, i, 0, migrate=True).to_line()
+                return
             tok = base + i
             lps = None
             if sp.logprobs is not None:
@@ -457,6 +460,30 @@ def test_disaggregated_route_and_prefill_failure(cluster: Cluster) -> None:
         assert not cluster.nodes.aborted("p0", failed.request_id)  # P already reported its end
     metrics = httpx.get(cluster.router + "/metrics", timeout=10).text
     assert 'pdserve_router_decisions_total{kind="pd"}' in metrics
+
+
+def test_a_drains_migration_signal_continues_the_stream_elsewhere(cluster: Cluster) -> None:
+    """A node that ends a streaming choice with the migration signal (a drain with --migrate) gets it
+    continued, not failed: the next node request carries the prompt plus the two streamed tokens and what
+    remains of max_tokens; the client sees one stream, usage counted as the original request's."""
+    cluster.set_nodes(["s1", "s2"])  # ids no other test uses: the moving node stays avoided for seconds
+    n_gen = len(cluster.nodes.generate)
+    body = {"model": "smol", "prompt": "Hi", "max_tokens": 5, "stop": ["MIGRATE"], "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", cluster.router + "/v1/completions", json=body, timeout=30) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert text == " w1000 w1001 w1000 w1001 w1002"  # the fake node counts the continuation's from 1000
+    (moving, first), (other, second) = cluster.nodes.generate[n_gen:]
+    assert other != moving, "the continuation went back to the node that moved it off"
+    assert second.request_id == f"{first.request_id}-m1"
+    assert second.prompt_token_ids == (*first.prompt_token_ids, 1000, 1001)
+    assert second.sampling.max_tokens == 3
+    usage = events[-2]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(first.prompt_token_ids), 5)
+    metrics = httpx.get(cluster.router + "/metrics", timeout=10).text
+    assert 'pdserve_router_migrations_total{cause="drain"} 1.0' in metrics
 
 
 def test_client_disconnect_aborts_streaming_and_not(cluster: Cluster) -> None:

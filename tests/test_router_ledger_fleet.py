@@ -10,7 +10,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from pdserve.cli.redis_launch import LocalRedis, free_port
-from pdserve.router.admission import AdmissionConfig, Booking, NodeFull
+from pdserve.router.admission import AdmissionConfig, NodeFull
 from pdserve.router.background import Background
 from pdserve.router.errors import NoRoom
 from pdserve.router.ledger_redis import RedisLedger
@@ -27,6 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.shared.index.block_index_types import RedisConfig
 from pdserve.shared.index.lease_table import LeaseTable, NodeLeases
 from pdserve.shared.types import NodeId
+from pdserve.tests.harness.bookings import Held, expected_load
 
 D, P = NodeId("decode-0"), NodeId("prefill-0")
 NODES = tuple(NodeId(n) for n in ("p0", "p1", "d0", "d1"))
@@ -194,16 +194,6 @@ def test_more_placements_at_once_than_redis_connections_never_fall_back(redis_se
     asyncio.run(scenario())
 
 
-@dataclass
-class Held:
-    booking: Booking
-    decode: NodeId
-    prefill: NodeId | None
-    tokens: int
-    prefilling: bool = True
-    live: bool = True
-
-
 class FleetMachine(RuleBasedStateMachine):
     """Two routers' ledgers over one Redis against a model of what each live booking holds: after every
     step the leases Redis counts per node are the model's, never above the cap, and a booking is refused
@@ -263,9 +253,7 @@ class FleetMachine(RuleBasedStateMachine):
             held.prefilling = held.live = False
 
     def _requests(self, node: NodeId) -> int:
-        return sum(h.live and h.decode == node for h in self.held) + sum(
-            h.prefilling and h.prefill == node for h in self.held
-        )
+        return expected_load(self.held, node)[0]
 
     @invariant()
     def redis_counts_are_the_models(self) -> None:
@@ -273,8 +261,7 @@ class FleetMachine(RuleBasedStateMachine):
             self.run(router._background.drain())
         counts = self.run(self.routers[0]._table.counts(list(NODES)))
         for node in NODES:
-            tokens = sum(h.tokens for h in self.held if h.prefilling and (h.prefill or h.decode) == node)
-            assert counts[node] == NodeLeases(self._requests(node), tokens), node
+            assert counts[node] == NodeLeases(*expected_load(self.held, node)), node
             assert counts[node].requests <= CAP
 
     def teardown(self) -> None:

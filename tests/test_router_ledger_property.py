@@ -9,25 +9,14 @@ the ledger holds no entry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-from pdserve.router.admission import AdmissionConfig, Booking, Ledger, Load
+from pdserve.router.admission import AdmissionConfig, Ledger, Load
 from pdserve.shared.types import NodeId
+from pdserve.tests.harness.bookings import Held, expected_load
 
 NODES = tuple(NodeId(n) for n in ("p0", "p1", "d0", "d1"))
-
-
-@dataclass
-class Held:
-    booking: Booking
-    decode: NodeId
-    prefill: NodeId | None
-    tokens: int
-    prefilling: bool = True
-    live: bool = True
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -68,9 +57,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def counts_are_the_models(self) -> None:
         for node in NODES:
-            requests = sum(h.live and h.decode == node for h in self.held)
-            requests += sum(h.prefilling and h.prefill == node for h in self.held)
-            tokens = sum(h.tokens for h in self.held if h.prefilling and (h.prefill or h.decode) == node)
+            requests, tokens = expected_load(self.held, node)
             assert self.ledger.load(node) == Load(requests, tokens)
             assert self.ledger.full(node) == (requests >= 3)
 

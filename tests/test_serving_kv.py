@@ -37,7 +37,7 @@ DOCUMENT = " ".join(
 
 
 def client(live: LiveCluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=300)
+    return live.openai(timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,7 @@ def live() -> Iterator[LiveCluster]:
 
 @pytest.fixture(scope="module")
 def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with live.openai(timeout=300) as c:
         yield c
 
 

@@ -62,6 +62,15 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
             gemv = {"HAS_BIAS": rows == 1, "HAS_SCALE": weight == "fp8e4nv", "M_PAD": rows,
                     "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_DTYPE": dot}  # fmt: skip
             cases.append(("pdserve.kernels.triton_gemv", "_gemv_kernel", {**ptrs, **gemv}))
+    # the MoE experts' two grouped GEMMs, at the decode and the prefill tiles (choose_tiles)
+    moe = "pdserve.kernels.triton_moe"
+    pairs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i64"}
+    for block_m, block_k in ((16, 128), (64, 64)):
+        tiles = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "DOT_DTYPE": tl.bfloat16}
+        gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*bf16", **pairs, **tiles}
+        cases.append((moe, "_gate_up_kernel", gate_up))
+        down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "weights_ptr": "*fp32"}
+        cases.append((moe, "_down_kernel", {**down, **pairs, **tiles}))
     return cases
 
 

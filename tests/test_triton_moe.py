@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch.nn.functional as F
 import triton
-from pdserve.kernels.fused_moe import ReferenceMoEExperts, route
+from pdserve.kernels.fused_moe import ReferenceMoEExperts, Routing, route
 from pdserve.kernels.triton_moe import MoETiles, TritonMoEExperts, align_pairs
 from pdserve.shared.model.dummy_weights import fill_dummy_weights
 from pdserve.shared.model.model import LlamaModel
@@ -37,27 +37,26 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 def _problem(
     n_tokens: int, hidden: int, f: int, n_experts: int, top_k: int, seed: int
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routing]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n_tokens, hidden, generator=gen)
     gate_up = torch.randn(n_experts, 2 * f, hidden, generator=gen) * hidden**-0.5
     down = torch.randn(n_experts, hidden, f, generator=gen) * f**-0.5
     logits = torch.randn(n_tokens, n_experts, generator=gen)
     logits[:, -1] = -1e4  # the last expert gets no tokens
-    weights, ids = route(logits, top_k, renormalize=True)
-    return x, gate_up, down, ids, weights
+    return x, gate_up, down, route(logits, top_k, renormalize=True)
 
 
 def test_reference_is_the_per_token_sum_of_weighted_experts() -> None:
-    x, gate_up, down, ids, weights = _problem(6, 40, 24, 5, 2, seed=1)
+    x, gate_up, down, routing = _problem(6, 40, 24, 5, 2, seed=1)
     f = down.shape[2]
     expected = torch.zeros_like(x)
     for t in range(x.shape[0]):
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
+        for k in range(routing.ids.shape[1]):
+            e = int(routing.ids[t, k])
             h = gate_up[e] @ x[t]  # [2F]
-            expected[t] += weights[t, k] * (down[e] @ (F.silu(h[:f]) * h[f:]))
-    got = ReferenceMoEExperts()(x, gate_up, down, ids, weights)
+            expected[t] += routing.weights[t, k] * (down[e] @ (F.silu(h[:f]) * h[f:]))
+    got = ReferenceMoEExperts()(x, gate_up, down, routing)
     assert (got - expected).abs().max().item() < 1e-5
 
 
@@ -82,10 +81,10 @@ def test_align_pairs_groups_each_expert_in_whole_blocks() -> None:
     ids=["decode-1", "decode-7", "prefill-70", "small-tiles"],
 )
 def test_fused_kernel_matches_reference(n_tokens: int, tiles: MoETiles | None, dtype: torch.dtype) -> None:
-    x, gate_up, down, ids, weights = _problem(n_tokens, 72, 40, 6, 2, seed=n_tokens)
+    x, gate_up, down, routing = _problem(n_tokens, 72, 40, 6, 2, seed=n_tokens)
     x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-    ref = ReferenceMoEExperts()(x, gate_up, down, ids, weights)
-    got = TritonMoEExperts(tiles)(x, gate_up, down, ids, weights)
+    ref = ReferenceMoEExperts()(x, gate_up, down, routing)
+    got = TritonMoEExperts(tiles)(x, gate_up, down, routing)
     assert got.dtype == dtype and got.shape == x.shape
     scale = max(1.0, ref.float().abs().max().item())
     assert (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * scale

@@ -72,6 +72,34 @@ class SecretFiles(Settings):
     )
 
 
+class ClusterMember(SecretFiles):
+    """What a router and a node both take: the cluster's token (the KV-transfer and internal-API credential)
+    and the collector their request spans go to."""
+
+    auth_token_file: str | None = Field(
+        None,
+        description="file holding the cluster's KV-transfer token, the credential of the transfers and of "
+        "every internal call between router and nodes (else PDSERVE_AUTH_TOKEN is read; required)",
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the request spans are exported to "
+        "(default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
+    )
+
+    def auth_token(self) -> str:
+        """The token; SettingsError when neither its file nor PDSERVE_AUTH_TOKEN gives one."""
+        token = read_secret(
+            "auth_token", "the cluster's KV-transfer token", self.auth_token_file, required=True
+        )
+        assert token is not None  # required=True
+        return token
+
+    def trace_endpoint(self) -> str | None:
+        """The collector: the setting, else the standard OpenTelemetry variable; None: not traced."""
+        return self.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
 def flag_name(field: str, cls: type[Settings] | None = None) -> str:
     """`--foo-bar` for the field `foo_bar`, or the flag it names (json_schema_extra={"flag": ...})."""
     extra = (

@@ -10,6 +10,7 @@ network front without stalling it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -101,12 +102,16 @@ class AsyncEngine:
             if not finished:
                 await self.abort(request_id)
 
-    async def abort(self, request_id: RequestId) -> None:
-        """Ends the request everywhere in the engine; its stream, if open, receives an 'abort' output."""
-        if self._error is None:
-            out = await self.call(lambda: self.engine.abort(request_id))
-            if out is not None:
-                self._route([out])
+    async def abort(self, request_id: RequestId, migrate: bool = False) -> bool:
+        """Ends the request everywhere in the engine; its stream, if open, receives an 'abort' output (with
+        `migrate` set when a drain moves the request: the router continues it elsewhere). False when the
+        engine did not hold it (it had ended)."""
+        if self._error is not None:
+            return False
+        out = await self.call(lambda: self.engine.abort(request_id))
+        if out is not None:
+            self._route([dataclasses.replace(out, migrate=True) if migrate else out])
+        return out is not None
 
     # ---- loop thread --------------------------------------------------------------------------------
     def _run(self) -> None:

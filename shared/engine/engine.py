@@ -7,11 +7,12 @@ policy around this class, never a fork of it, and reaches it only through its pu
 pool, scheduler, runner or a `Request`'s fields): the prefill role watches layers through `StepObserver`
 (which sees each scheduled request as a `StepSlice`) and copies them out with `export_layer`; the decode
 role uses the remote-KV port (`reserve_remote` -> `import_layers`* -> `admit_remote` | `release_remote`);
-the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`. A prefix
-fetch uses the same port on both ends: the holder pins its blocks (`hold_prefix` ... `release_held`) while
-it exports them, and the fetcher checks `cached_prefix_blocks`, reserves, imports, then `commit_fetched`
-makes the landed blocks matchable under their hashes while the reservation still holds them, until
-`release_remote` leaves them CACHED.
+the node runtime reads `snapshot`, `held_hashes`, `num_requests` and `audit`, and calls `evict`; a drain
+that moves prefixes reads `hot_prefixes` on the draining node and calls `mark_moved` on the receiving one.
+A prefix fetch uses the same port on both ends: the holder pins its blocks (`hold_prefix` ...
+`release_held`) while it exports them, and the fetcher checks `cached_prefix_blocks`, reserves, imports,
+then `commit_fetched` makes the landed blocks matchable under their hashes while the reservation still
+holds them, until `release_remote` leaves them CACHED.
 
 Overlap (`EngineConfig.async_scheduling`): at most one step is in flight across `step()` calls. A call
 schedules and launches the next step (its placeholder tokens read from the in-flight step's sampled tokens
@@ -50,7 +51,7 @@ from typing import Protocol
 
 import torch
 from pdserve.shared.engine.block_hash import hash_seed, model_fingerprint
-from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, PoolAudit
+from pdserve.shared.engine.block_pool import BlockEvent, BlockPool, BlockRemoved, PoolAudit
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.detokenizer import IncrementalDetokenizer
 from pdserve.shared.engine.grammar import Grammars, Matcher
@@ -58,6 +59,7 @@ from pdserve.shared.engine.host_copy import HostTierCopier
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner, kv_bytes_per_block, size_kv_pool
 from pdserve.shared.engine.parallel.kv_pools import KVPools, RankPool
 from pdserve.shared.engine.parallel.ranks import start_ranks
+from pdserve.shared.engine.prefix_heat import HotChain
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.engine.sampler import PendingSample, Sampler, SamplingState
 from pdserve.shared.engine.sampling_params import SamplingParams
@@ -110,6 +112,8 @@ class EngineSnapshot:
     """Blocks held in the host-memory tier (shared/engine/host_tier.py)."""
     host_offloaded_blocks: int = 0
     host_restored_blocks: int = 0
+    moved_hit_blocks: int = 0
+    """Blocks matched by prefix hits that came here by a drain's move (shared/engine/prefix_heat.py)."""
 
     @property
     def kv_usage(self) -> float:
@@ -196,6 +200,8 @@ class LLMEngine:
             kv_bytes_per_block(self.loaded, cfg) * mc.num_kv_heads // self.loaded.model.tp.num_kv_heads
         )
         self.host_blocks = cfg.host_kv_cache_bytes // per_block
+        self.block_bytes = per_block
+        """KV bytes of one block, every layer and KV head: what moving a block moves."""
         self.pool = BlockPool(self.num_blocks, cfg.block_size, self.host_blocks)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
@@ -312,6 +318,7 @@ class LLMEngine:
         self._restore(block_hashes[: max(0, num_blocks - 1)])
         held = pool.match_prefix(block_hashes[: max(0, num_blocks - 1)])
         pool.acquire(held)
+        self.scheduler.heat.hit(block_hashes, len(held))
         spare = pool.num_free() - (num_blocks - len(held))
         if headroom and spare >= 0:
             starved = any(not r.block_ids for r in sched.waiting)
@@ -330,6 +337,7 @@ class LLMEngine:
         self._restore(block_hashes)
         held = self.pool.match_prefix(block_hashes)
         self.pool.acquire(held)
+        self.scheduler.heat.hit(block_hashes, len(held))  # another node's hit on this node's cache
         return tuple(held)
 
     def cached_prefix_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -435,6 +443,19 @@ class LLMEngine:
         if live is None:
             return None
         return self._output(live, (), "", "abort")
+
+    def movable_requests(self) -> list[tuple[RequestId, tuple[BlockHash, ...]]]:
+        """The live requests a drain may move to another node (node/drain_migrate.py), with the hashes of
+        their committed blocks (prompt and generated tokens): those decoding (a token sampled), without
+        frequency or presence penalties (they count output tokens only) and unconstrained (a grammar's state
+        would start over), as the router's migration takes them (router/migration.py)."""
+        moving = []
+        for rid, live in self._live.items():
+            r, p = live.request, live.request.params
+            penalties = p.frequency_penalty or p.presence_penalty
+            if r.output_token_ids and not penalties and p.constraint is None:
+                moving.append((rid, tuple(r.block_hashes[: r.num_committed_blocks])))
+        return moving
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -615,7 +636,22 @@ class LLMEngine:
         )
 
     def drain_events(self) -> list[BlockEvent]:
-        return self.pool.drain_events()
+        events = self.pool.drain_events()
+        heat = self.scheduler.heat
+        if heat.moved_blocks:
+            for event in events:
+                if isinstance(event, BlockRemoved):
+                    heat.forget(event.block_hashes)
+        return events
+
+    def hot_prefixes(self, budget_blocks: int) -> list[HotChain]:
+        """The hottest cached prefix chains, up to `budget_blocks` distinct blocks the device pool holds
+        (shared/engine/prefix_heat.py): what a drain moves to other nodes."""
+        return self.scheduler.heat.hottest(self.cached_prefix_blocks, budget_blocks)
+
+    def mark_moved(self, block_hashes: Sequence[BlockHash]) -> None:
+        """These blocks arrived by a drain's move (a committed fetch): hits on them are counted."""
+        self.scheduler.heat.mark_moved(block_hashes)
 
     # ---- what the node runtime reads (engine thread only) ----------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -636,6 +672,7 @@ class LLMEngine:
             host_blocks=audit.host,
             host_offloaded_blocks=0 if self.tier is None else self.tier.offloaded,
             host_restored_blocks=0 if self.tier is None else self.tier.restored,
+            moved_hit_blocks=s.heat.moved_hit_blocks,
         )
 
     def held_hashes(self) -> list[BlockHash]:

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.shared.engine.block_pool import BlockPool, NoFreeBlocks
+from pdserve.shared.engine.prefix_heat import PrefixHeat
 from pdserve.shared.engine.request import Request, RequestStatus
 from pdserve.shared.types import BlockId, RequestId
 
@@ -101,6 +102,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[RequestId, Request] = {}
         self.stats = SchedulerStats()
+        self.heat = PrefixHeat()
+        """Hits per cached prefix chain (admission's matches here; the engine adds D's and exports')."""
         self._order: dict[RequestId, tuple[int, float, int]] = {}
         self._admitted = 0
 
@@ -291,6 +294,7 @@ class Scheduler:
         if fresh:
             request.num_cached_tokens = len(hits) * bs
             self.stats.cached_prompt_tokens += min(len(hits) * bs, request.num_prompt_tokens)
+            self.heat.hit(request.block_hashes, len(hits))
         self.waiting.pop(0)
         request.status = RequestStatus.RUNNING
         if request.scheduled_time is None:

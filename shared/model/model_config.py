@@ -271,107 +271,59 @@ def rope_scaling_from_dict(rope: dict[str, Any]) -> RopeScaling | None:
     )
 
 
-NAMED_SHAPES: dict[str, ModelConfig] = {
-    "llama-3.1-8b": ModelConfig(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
-    "llama-3.1-70b": ModelConfig(
-        architecture="llama",
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_layers=80,
-        num_heads=64,
-        num_kv_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192),
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009),
-    ),
-    "smollm2-135m": ModelConfig(
-        architecture="llama",
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        bos_token_id=1,
-        eos_token_ids=(2,),
-    ),
-}
-
-
-def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+def _shape(architecture: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+           kv_heads: int, *, theta: float, max_pos: int, bos: int, eos: tuple[int, ...], head_dim: int = 128,
+           eps: float = 1e-5, scaling: RopeScaling | None = None, tie: bool = False,
            moe: MoEConfig | None = None) -> ModelConfig:  # fmt: skip
-    """A Qwen3 shape (their shared vocabulary, RoPE and special tokens)."""
+    """One row of NAMED_SHAPES: the numbers that tell these models apart; no attention bias in any."""
     return ModelConfig(
-        architecture="qwen3" if moe is None else "qwen3_moe",
-        vocab_size=151936,
+        architecture=architecture,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        rope_scaling=None,
-        max_position_embeddings=40960,
-        tie_word_embeddings=False,
+        head_dim=head_dim,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=tie,
         attention_bias=False,
-        bos_token_id=151643,
-        eos_token_ids=(151645,),
+        bos_token_id=bos,
+        eos_token_ids=eos,
         moe=moe,
     )
 
 
-NAMED_SHAPES["qwen3-8b"] = _qwen3(4096, 12288, 36, 32, 8)
-NAMED_SHAPES["qwen3-32b"] = _qwen3(5120, 25600, 64, 64, 8)
-NAMED_SHAPES["qwen3-30b-a3b"] = _qwen3(2048, 6144, 48, 32, 4, MoEConfig(128, 8, 768, norm_topk_prob=True))
-NAMED_SHAPES["mixtral-8x7b"] = ModelConfig(
-    architecture="mixtral",
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    rope_theta=1000000.0,
-    rope_scaling=None,
-    max_position_embeddings=32768,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    bos_token_id=1,
-    eos_token_ids=(2,),
-    moe=MoEConfig(8, 2, 14336, norm_topk_prob=True),
-)
+_LLAMA31_ROPE = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def _llama31(hidden: int, intermediate: int, layers: int, heads: int) -> ModelConfig:
+    """A Llama 3.1 shape (their vocabulary, 8 KV heads, 128k context with llama3 RoPE scaling)."""
+    return _shape("llama", 128256, hidden, intermediate, layers, heads, 8, theta=500000.0, max_pos=131072,
+                  bos=128000, eos=(128001, 128008, 128009), scaling=_LLAMA31_ROPE)  # fmt: skip
+
+
+def _qwen3(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+           moe: MoEConfig | None = None) -> ModelConfig:  # fmt: skip
+    """A Qwen3 shape (their shared vocabulary, RoPE and special tokens)."""
+    architecture = "qwen3" if moe is None else "qwen3_moe"
+    return _shape(architecture, 151936, hidden, intermediate, layers, heads, kv_heads, theta=1000000.0,
+                  max_pos=40960, bos=151643, eos=(151645,), eps=1e-6, moe=moe)  # fmt: skip
+
+
+# fmt: off
+NAMED_SHAPES: dict[str, ModelConfig] = {
+    "llama-3.1-8b": _llama31(4096, 14336, 32, 32),
+    "llama-3.1-70b": _llama31(8192, 28672, 80, 64),
+    "smollm2-135m": _shape("llama", 49152, 576, 1536, 30, 9, 3, theta=100000.0, max_pos=8192, bos=1, eos=(2,),
+                           head_dim=64, tie=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8),
+    "qwen3-32b": _qwen3(5120, 25600, 64, 64, 8),
+    "qwen3-30b-a3b": _qwen3(2048, 6144, 48, 32, 4, MoEConfig(128, 8, 768, norm_topk_prob=True)),
+    "mixtral-8x7b": _shape("mixtral", 32000, 4096, 14336, 32, 32, 8, theta=1000000.0, max_pos=32768, bos=1,
+                           eos=(2,), moe=MoEConfig(8, 2, 14336, norm_topk_prob=True)),
+}
+# fmt: on

@@ -94,8 +94,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: AttentionOps) -> torch.Tensor:
         """x: [T, E] normed -> [T, E] this rank's partial sum (the caller all-reduces)."""
         logits = F.linear(x, self.router_weight)  # [T, X]
-        weights, ids = route(logits, self.top_k, self.renormalize)  # [T, K] fp32, int64
-        y = self.experts(x, self.gate_up_weight, self.down_weight, ids, weights)  # [T, E]
+        routing = route(logits, self.top_k, self.renormalize)  # [T, K] each
+        y = self.experts(x, self.gate_up_weight, self.down_weight, routing)  # [T, E]
         if self.shared_gate_weight is None:
             return y
         shared = self.linear.linear(ops.silu_mul(self.linear.linear(x, self.shared_gate_up_w, None)),

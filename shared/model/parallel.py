@@ -56,6 +56,11 @@ class RowSlice:
     start: int
     stop: int
 
+    def along(self, dim: int) -> RowSlice:
+        """The same range of dimension `dim` (a column-parallel weight's rows are its row-parallel partner's
+        columns)."""
+        return RowSlice(dim, self.start, self.stop)
+
 
 @dataclass(frozen=True)
 class TPPlan:
@@ -81,43 +86,39 @@ class TPPlan:
     def qkv_size(self) -> int:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    def _share(self, per_rank: int) -> RowSlice:
+        """This rank's rows of a dimension split evenly, `per_rank` rows to each rank in rank order."""
+        return RowSlice(0, self.rank * per_rank, (self.rank + 1) * per_rank)
+
     def q_rows(self) -> RowSlice:
-        d = self.head_dim
-        return RowSlice(0, self.rank * self.num_heads * d, (self.rank + 1) * self.num_heads * d)
+        return self._share(self.num_heads * self.head_dim)
 
     def kv_rows(self) -> RowSlice:
         d = self.head_dim
         return RowSlice(0, self.kv_head_start * d, (self.kv_head_start + self.num_kv_heads) * d)
 
     def o_cols(self) -> RowSlice:
-        q = self.q_rows()
-        return RowSlice(1, q.start, q.stop)
+        return self.q_rows().along(1)
 
     def ffn_rows(self) -> RowSlice:
-        f = self.intermediate_size
-        return RowSlice(0, self.rank * f, (self.rank + 1) * f)
+        return self._share(self.intermediate_size)
 
     def ffn_cols(self) -> RowSlice:
-        rows = self.ffn_rows()
-        return RowSlice(1, rows.start, rows.stop)
+        return self.ffn_rows().along(1)
 
     def expert_rows(self) -> RowSlice:
         """This rank's rows of each expert's gate and up projections (column-parallel)."""
-        f = self.expert_intermediate_size
-        return RowSlice(0, self.rank * f, (self.rank + 1) * f)
+        return self._share(self.expert_intermediate_size)
 
     def expert_cols(self) -> RowSlice:
         """This rank's columns of each expert's down projection (row-parallel)."""
-        rows = self.expert_rows()
-        return RowSlice(1, rows.start, rows.stop)
+        return self.expert_rows().along(1)
 
     def shared_expert_rows(self) -> RowSlice:
-        f = self.shared_expert_intermediate_size
-        return RowSlice(0, self.rank * f, (self.rank + 1) * f)
+        return self._share(self.shared_expert_intermediate_size)
 
     def shared_expert_cols(self) -> RowSlice:
-        rows = self.shared_expert_rows()
-        return RowSlice(1, rows.start, rows.stop)
+        return self.shared_expert_rows().along(1)
 
     def vocab(self) -> RowSlice:
         """This rank's real vocabulary rows (fewer than `vocab_rows` on a padded last rank)."""

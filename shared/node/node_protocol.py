@@ -243,6 +243,9 @@ class StepOutput(_Message):
     completion_tokens: int
     cached_tokens: int
     error: str | None = None
+    migrate: bool = False
+    """The node ended the request to move it (a drain with --migrate; finish_reason "abort"): the router
+    continues it on another node from the tokens already streamed, fetching its KV from this node."""
     arrival_time: float = local(0.0)
     scheduled_time: float | None = local(None)
 
@@ -262,6 +265,8 @@ class StepOutput(_Message):
             raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.token_ids)} new tokens")
         if self.error is not None and self.finish_reason not in ("abort", "error"):
             raise ValueError(f"error set but finish_reason is {self.finish_reason!r}")
+        if self.migrate and self.finish_reason != "abort":
+            raise ValueError(f"migrate set but finish_reason is {self.finish_reason!r} (a move is an abort)")
         _check_token_ids("token_ids", self.token_ids, allow_empty=True)
 
     def to_line(self) -> bytes:
@@ -277,6 +282,19 @@ class AbortRequest(_Message):
     """Router -> any node the request touched: stop it and free everything it holds. Idempotent."""
 
     request_id: RequestId
+
+
+@dataclass(frozen=True)
+class RoleChangeRequest(_Message):
+    """kvctl (or the planner) -> a node: serve as `role` from now on (node/role_change.py). `migrate`: end
+    its running decodes so that the router continues them on other nodes, instead of letting them finish."""
+
+    role: Role
+    migrate: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import openai
 from pdserve.cli.up import MODULES, Cluster, UpConfig, free_port, start_cluster
 from pdserve.shared.node.node_sign import signed
 
@@ -92,6 +93,10 @@ class LiveCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def openai(self, api_key: str = "unused", timeout: float = 120.0) -> openai.OpenAI:
+        """An OpenAI client of the router that never retries (a failure shows as it is)."""
+        return openai.OpenAI(base_url=f"{self.base}/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def log(self, name: str) -> str:
         with open(os.path.join(self.cluster.workdir, f"{name}.log"), "rb") as f:

@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
 from pdserve.shared.engine.config import EngineConfig
+from pdserve.shared.engine.cuda_graphs import DecodeGraphs
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
+from pdserve.shared.engine.prefill_graphs import PrefillGraphs
 from pdserve.shared.model.dummy_weights import fill_dummy_weights
 from pdserve.shared.model.loader import LoadedModel
 from pdserve.shared.model.model import LlamaModel
@@ -22,6 +25,21 @@ BLOCK = 16
 MAX_LEN = 128  # 8 blocks per sequence
 NUM_BLOCKS = 96
 MAX_SEQS = 6  # buckets 1, 2, 4, 6
+
+
+_Graphs = TypeVar("_Graphs", DecodeGraphs, PrefillGraphs)
+
+
+def uncaptured(cls: type[_Graphs], runner: ModelRunner, buckets: tuple[int, ...]) -> _Graphs:
+    """`cls` over `runner`'s model, cache and ops with the harness's block size and length, not captured
+    (its buffers and bucketing run eagerly, so a CPU test checks them)."""
+    return cls(runner.model, runner.kv_cache, runner.ops, block_size=BLOCK, max_model_len=MAX_LEN,
+               buckets=buckets, capture=False)  # fmt: skip
+
+
+def on_gpu(test: Callable[..., None]) -> Callable[..., None]:
+    """Marks a test `gpu` and skips it where CUDA is not available."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 def tiny_loaded(device: torch.device, dtype: torch.dtype = torch.float32) -> LoadedModel:

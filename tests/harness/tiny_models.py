@@ -15,7 +15,7 @@ import torch
 
 VOCAB = 49152
 FAMILIES = ("qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
-COMMON: dict[str, Any] = dict(
+TINY: dict[str, Any] = dict(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=96,
@@ -29,6 +29,7 @@ COMMON: dict[str, Any] = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+"""The keyword arguments of every tiny HF config here (Llama-family names); tests override a few."""
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -56,7 +57,7 @@ def hf_tiny_model(family: str, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     if family == "qwen3":
-        model: Any = Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32))
+        model: Any = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32))
     elif family == "qwen3_moe":
         moe: dict[str, Any] = dict(
             head_dim=32,
@@ -66,15 +67,21 @@ def hf_tiny_model(family: str, seed: int = 0) -> Any:
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, **moe))
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 3}, **moe))
     elif family == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
+        model = MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2))
     elif family == "qwen2_moe":
         shared: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=48, norm_topk_prob=False)  # fmt: skip
-        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**COMMON, **shared))
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**TINY, **shared))
     else:
         raise ValueError(f"family {family!r}; accepted: {FAMILIES}")
+    return redraw(model)
+
+
+def redraw(model: Any) -> Any:
+    """HF initialises norms to 1, biases to 0 and the Qwen-MoE router to 0: redrawn so that they matter;
+    returns `model` in fp32, in eval mode."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
