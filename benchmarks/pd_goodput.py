@@ -16,6 +16,17 @@ request is good when it meets both; goodput is good requests per second; SLO att
 requests. Prints the sweep, the P/D / colocated goodput ratio at the first rate where the colocated pair's
 attainment falls below --attainment, the same ratio under other SLO scales, each setup's highest rate with
 every rate up to it at that attainment (DistServe's goodput), and writes goodput.json and goodput.png.
+
+`--shifting-mix` compares the planner instead: at each rate, phase A (--input-len prompts, --short-output-len
+outputs) then phase B (--short-input-len prompts, --output-len outputs) on the --pd nodes with their roles
+fixed, and the same on the --planned nodes (default: the --pd ones) with `pdserve plan --watch --apply`
+beside them. The SLOs are given (--ttft-slo-ms, --tpot-slo-ms; the planner plans for the same ones). Prints
+each phase's goodput per setup and the planned / fixed ratio of phase B, and writes shifting.json.
+
+    python benchmarks/pd_goodput.py --shifting-mix --model dummy:llama-3.1-8b --node-args "..." \
+        --pd "prefill:--device cuda:0" "decode:--device cuda:1" \
+        --planned "prefill:--device cuda:0" "decode:--device cuda:0" "prefill:--device cuda:1" \
+        "decode:--device cuda:1" --rates 4 --ttft-slo-ms 2000 --tpot-slo-ms 60 --out DIR
 """
 
 from __future__ import annotations
@@ -46,6 +57,68 @@ def run_setup(name: str, nodes: Sequence[str], args: argparse.Namespace) -> int:
     argv += ["--node-args", args.node_args, *(f"--node={n}" for n in nodes), *groups]
     print(f"== {name}: {' '.join(nodes)}", flush=True)
     return subprocess.run(argv, check=False).returncode
+
+
+def run_shifting(name: str, nodes: Sequence[str], planner: bool, args: argparse.Namespace) -> int:
+    """Phase A then phase B at each rate, on one cluster (with the planner beside it when `planner`)."""
+    groups: list[str] = []
+    for rate in args.rates:
+        n = max(args.min_prompts, round(rate * args.seconds_per_rate))
+        for phase, (inp, out) in phases(args).items():
+            groups += [
+                "--",
+                "--input-len",
+                str(inp),
+                "--output-len",
+                str(out),
+                "--ignore-eos",
+                "--disable-tqdm",
+            ]
+            groups += ["--save-detailed", "--request-timeout", "300", "--request-rate", str(rate)]
+            groups += ["--num-prompts", str(n), "--dataset-seed", str(round(rate * 1000) + len(phase))]
+            groups += ["--result-file", result_path(args, f"{name}-{phase}", rate)]
+    argv = [sys.executable, os.path.join(HERE, "serve_bench.py"), "--model", args.model]
+    argv += ["--node-args", args.node_args, *(f"--node={n}" for n in nodes)]
+    if planner:
+        argv.append(
+            f"--planner-args=--watch {args.planner_watch:g} --window {args.planner_watch * 3:g} --apply "
+            f"--dwell {args.planner_watch * 2:g} --stabilize {args.planner_watch * 2:g} "
+            f"--ttft-slo-ms {args.ttft_slo_ms:g} "
+            f"--tpot-slo-ms {args.tpot_slo_ms:g}"
+        )
+    print(f"== {name}: {' '.join(nodes)}", flush=True)
+    return subprocess.run([*argv, *groups], check=False).returncode
+
+
+def phases(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """The two phases of the shifting mix: (prompt tokens, output tokens)."""
+    return {"a": (args.input_len, args.short_output_len), "b": (args.short_input_len, args.output_len)}
+
+
+def report_shifting(args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    print(f"\nSLO: TTFT <= {args.ttft_slo_ms:g} ms, TPOT <= {args.tpot_slo_ms:g} ms")
+    print("\n| rate (req/s) | phase | setup | failed | SLO attainment | goodput (req/s) |")
+    print("|---:|---|---|---:|---:|---:|")
+    for rate in args.rates:
+        for phase in phases(args):
+            row: dict[str, Any] = {"rate": rate, "phase": phase}
+            for name in ("fixed", "planned"):
+                reqs, run = requests_of(result_path(args, f"{name}-{phase}", rate))
+                row[name] = judge(reqs, run, args.ttft_slo_ms, args.tpot_slo_ms) | {"failed": run["failed"]}
+                s = row[name]
+                cells = f"{s['failed']} | {s['attainment']:.0%} | {s['goodput']:.2f}"
+                print(f"| {rate:g} | {phase} | {name} | {cells} |")
+            fixed = row["fixed"]["goodput"]
+            row["ratio"] = row["planned"]["goodput"] / fixed if fixed else float("inf")
+            rows.append(row)
+    for row in rows:
+        if row["phase"] == "b":
+            print(f"phase B at {row['rate']:g} req/s: planned / fixed goodput = {row['ratio']:.2f}x")
+    out = {"slo": {"ttft_ms": args.ttft_slo_ms, "tpot_ms": args.tpot_slo_ms}, "rows": rows}
+    with open(os.path.join(args.out, "shifting.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    return out
 
 
 def result_path(args: argparse.Namespace, name: str, rate: float) -> str:
@@ -165,7 +238,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--node-args", default="", help="flags for every node")
     p.add_argument("--pd", nargs="+", required=True, help="node specs (ROLE:FLAGS) of the P/D setup")
-    p.add_argument("--colocated", nargs="+", required=True, help="node specs of the colocated setup")
+    p.add_argument("--colocated", nargs="+", help="node specs of the colocated setup (not --shifting-mix)")
+    p.add_argument("--shifting-mix", action="store_true", help="planner on the --planned nodes vs --pd fixed")
+    p.add_argument("--planned", nargs="+", help="node specs the planner moves (default: the --pd ones)")
+    p.add_argument("--short-input-len", type=int, default=64, help="phase B's prompt tokens")
+    p.add_argument("--short-output-len", type=int, default=4, help="phase A's output tokens")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0, help="the TTFT SLO (--shifting-mix)")
+    p.add_argument("--tpot-slo-ms", type=float, default=100.0, help="the TPOT SLO (--shifting-mix)")
+    p.add_argument("--planner-watch", type=float, default=5.0, help="seconds between the planner's rounds")
     p.add_argument("--rates", default="2,4,6,8", help="Poisson request rates, req/s, comma-separated")
     p.add_argument("--seconds-per-rate", type=float, default=20.0)
     p.add_argument("--min-prompts", type=int, default=16)
@@ -181,6 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.rates = [float(r) for r in args.rates.split(",")]
     os.makedirs(args.out, exist_ok=True)
     rc = 0
+    if args.shifting_mix:
+        if not args.report_only:
+            rc = run_shifting("fixed", args.pd, False, args) or rc
+            rc = run_shifting("planned", args.planned or args.pd, True, args) or rc
+        report_shifting(args)
+        return rc
+    if not args.colocated:
+        p.error("--colocated is required (unless --shifting-mix)")
     if not args.report_only:
         for name, nodes in (("colocated", args.colocated), ("pd", args.pd)):
             rc = run_setup(name, nodes, args) or rc

@@ -12,7 +12,8 @@ GPUs, two `--node single:...` two replicas behind the same router). After the ru
 audit is read and printed (clean: nothing in use or reserved, no live request; exit status 3 when
 one is not). `--profile DIR` records every node and the router with py-spy (non-blocking, all threads,
 idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes and the bench as
-`python SCRIPT -m MODULE ...` (a harness that patches something before running the module).
+`python SCRIPT -m MODULE ...` (a harness that patches something before running the module);
+`--planner-args "--watch 5 --apply ..."` runs `pdserve plan` beside the cluster for all the runs.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def start(cluster: Cluster, args: argparse.Namespace) -> tuple[str, list[tuple[s
     cluster.spawn("router", [*router, *shlex.split(args.router_args)], env=cluster.secret_env)
     base = f"http://127.0.0.1:{port}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
+    if args.planner_args is not None:
+        planner = [sys.executable, "-m", "pdserve.cli", "plan", "--router-url", base, "--redis", redis_url]
+        cluster.spawn("planner", [*planner, *shlex.split(args.planner_args)], env=cluster.secret_env)
     return base, nodes
 
 
@@ -143,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--router-args", default="", help="more router flags")
     p.add_argument("--wrap", default=None, help="start nodes and the bench as `python WRAP -m MODULE ...`")
     p.add_argument("--profile", default=None, metavar="DIR", help="py-spy every process during the bench")
+    p.add_argument(
+        "--planner-args",
+        default=None,
+        help="also run `pdserve plan` on the cluster with these flags (--watch)",
+    )
     p.add_argument("--logs", default=None, metavar="DIR", help="copy the processes' logs here at the end")
     args = p.parse_args(own)
     args.model = args.model or default_model_path()

@@ -1,5 +1,5 @@
 """The `pdserve` command: the offline engine (`generate`), a local cluster (`up`), one component each
-(`router`, `prefill`, `decode`, `single`) and the serving benchmark (`bench`).
+(`router`, `prefill`, `decode`, `single`), the serving benchmark (`bench`) and the planner (`plan`).
 
 Every command's options are generated from its settings model (shared/cli/settings.py): each can come from the
 flag, a PDSERVE_* variable or the --config file, and is validated once into the frozen configs. Components
@@ -19,6 +19,7 @@ from pdserve.shared.cli.default_model import default_model_path
 
 if TYPE_CHECKING:
     from pdserve.cli.bench_options import BenchOptions
+    from pdserve.cli.plan_options import PlanOptions
     from pdserve.cli.up_options import UpOptions
     from pdserve.node.node_cli import NodeOptions
     from pdserve.shared.cli.engine_args import GenerateOptions
@@ -148,6 +149,7 @@ def _up(opts: UpOptions) -> int:
 
 _COMMANDS = {
     "bench": "The serving benchmark client, in the conventions of `vllm bench serve`.",
+    "plan": "The planner: prefill and decode nodes the load needs, and role changes (--apply).",
     "generate": "Run the engine offline on one prompt (or a file).",
     "up": "A local cluster: Redis, router, prefill and decode nodes.",
     "router": "One router: the OpenAI API in front of the nodes.",
@@ -167,6 +169,10 @@ def _build(name: str) -> click.Command:
         from pdserve.cli.bench_options import BenchOptions
 
         return _command(name, BenchOptions, _bench)
+    if name == "plan":
+        from pdserve.cli.plan_options import PlanOptions
+
+        return _command(name, PlanOptions, _plan)
     if name == "up":
         from pdserve.cli.up_options import UpOptions
 
@@ -179,6 +185,12 @@ def _build(name: str) -> click.Command:
 
     role = cast("Role", name)  # one of the node commands; NodeSettings checks it
     return _command(name, PrefillOptions if name == "prefill" else DecodeOptions, _node(role))
+
+
+def _plan(opts: PlanOptions) -> int:
+    from pdserve.cli.plan import main as plan_main
+
+    return plan_main(opts)
 
 
 def _bench(opts: BenchOptions) -> int:

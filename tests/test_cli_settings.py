@@ -31,8 +31,9 @@ from pdserve.shared.cli.settings import (
     read_secret,
 )
 
+PDSERVE_COMMANDS = ("generate", "up", "router", "prefill", "decode", "single", "bench", "plan")
 COMMANDS: list[tuple[click.Group, str]] = [
-    *((pdserve, name) for name in ("generate", "up", "router", "prefill", "decode", "single", "bench")),
+    *((pdserve, name) for name in PDSERVE_COMMANDS),
     *((kvctl, name) for name in ("nodes", "blocks", "where", "stats", "drain", "undrain", "evict")),
 ]
 SPECIAL = {"block_size": 32, "device": "cuda:1"}
@@ -47,10 +48,12 @@ def settings_class(group: click.Group, name: str) -> type[Settings]:
 
     if group is pdserve:
         from pdserve.cli.bench_options import BenchOptions
+        from pdserve.cli.plan_options import PlanOptions
         from pdserve.shared.cli.engine_args import GenerateOptions
 
         commands: dict[str, type[Settings]] = {"generate": GenerateOptions, "up": UpOptions,
-            "router": RouterOptions, "prefill": PrefillOptions, "bench": BenchOptions}  # fmt: skip
+            "router": RouterOptions, "prefill": PrefillOptions, "bench": BenchOptions,
+            "plan": PlanOptions}  # fmt: skip
         return commands.get(name, DecodeOptions)
     classes: dict[str, type[Settings]] = {"blocks": kvctl_cli.Blocks, "where": kvctl_cli.PromptOptions,
         "evict": kvctl_cli.Evict, "drain": kvctl_cli.Drain, "undrain": kvctl_cli.NodeAction}  # fmt: skip

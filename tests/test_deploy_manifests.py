@@ -33,6 +33,7 @@ RENDERS = (
     "overlays/gpu",
     "overlays/gpu-tp2",
     "overlays/cpu-demo-sentinel",
+    "overlays/cpu-demo-planner",
     "cpu-demo+redis-tls",
     "cpu-demo+redis-no-aof",
 )
@@ -41,6 +42,13 @@ CRD_KINDS = {"ServiceMonitor"}
 checks them."""
 SECRET_KEYS = {"auth-token", "api-keys", "redis-password"}
 COMPONENTS = {"router", "prefill", "decode"}
+COMMANDS = {"router": "router", "prefill": "prefill", "decode": "decode", "planner": "plan"}
+"""The `pdserve` command each component's pods run."""
+
+
+def components(name: str) -> set[str]:
+    """The components an overlay runs: the serving ones, and the planner in the planner overlay."""
+    return COMPONENTS | ({"planner"} if name.endswith("-planner") else set())
 
 
 def component(workload: Obj) -> str:
@@ -135,7 +143,7 @@ def test_settings_are_ones_the_cli_accepts(name: str) -> None:
             if c.get("image", "").startswith("redis"):
                 continue
             command = c["args"][0]
-            assert command in COMPONENTS, c["args"]
+            assert command == COMMANDS[component(w)], c["args"]
             names = {e["name"] for e in c.get("env", [])}
             for ref in c.get("envFrom", []):
                 names |= set(config_maps[ref["configMapRef"]["name"]]["data"])
@@ -186,6 +194,33 @@ def test_pools_scale_separately_on_their_own_signals(name: str) -> None:
     values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
     served = {rule["name"]["as"] for rule in values["rules"]["custom"]}
     assert signals["prefill"] | signals["decode"] <= served, "prometheus-adapter must serve every HPA metric"
+
+
+def test_planner_overlay_scales_each_pool_to_the_planners_count() -> None:
+    name = "overlays/cpu-demo-planner"
+    (planner,) = (w for w in workloads(name) if component(w) == "planner")
+    c = pod_spec(planner)["containers"][0]
+    settings = objs(name, "ConfigMap")[c["envFrom"][0]["configMapRef"]["name"]]["data"]
+    assert c["args"] == ["plan"] and "PDSERVE_APPLY" not in settings, (
+        "in Kubernetes the HPAs act, not --apply"
+    )
+    port = int(settings["PDSERVE_METRICS_PORT"])
+    assert float(settings["PDSERVE_WATCH"]) > 0 and c["ports"][0]["containerPort"] == port
+    deployments = objs(name, "Deployment")
+    for hpa in objs(name, "HorizontalPodAutoscaler").values():
+        role = component(deployments[hpa["spec"]["scaleTargetRef"]["name"]])
+        if role == "router":
+            continue
+        (metric,) = hpa["spec"]["metrics"]
+        assert metric["external"]["metric"] == {"name": "pdserve_desired_nodes",
+                                                "selector": {"matchLabels": {"role": role}}}  # fmt: skip
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    values = yaml.safe_load((K8S / "prometheus-adapter-values.yaml").read_text())
+    assert {r["name"]["as"] for r in values["rules"]["external"]} == {"pdserve_desired_nodes"}
+    policies = objs(name, "NetworkPolicy")
+    for policy in ("pdserve-nodes", "pdserve-redis"):
+        peers = policies[policy]["spec"]["ingress"][0]["from"]
+        assert {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "planner"}}} in peers
 
 
 @pytest.mark.parametrize("name", ("overlays/cpu-demo", "overlays/gpu"))
@@ -337,7 +372,7 @@ def test_service_monitor_selects_every_component(name: str) -> None:
         if selects(monitor["spec"]["selector"], svc["metadata"]["labels"]):
             assert ports <= {p["name"] for p in svc["spec"]["ports"]}, svc["metadata"]["name"]
             seen.add(svc["metadata"]["labels"]["app.kubernetes.io/component"])
-    assert seen == COMPONENTS
+    assert seen == components(name)
     dashboards = [c for c in objs(name, "ConfigMap").values() if "pdserve.json" in c.get("data", {})]
     assert len(dashboards) == 1 and dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
 
