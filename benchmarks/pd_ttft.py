@@ -43,15 +43,17 @@ def add_node_options(ap: argparse.ArgumentParser, connector: str) -> None:
 
 
 def node_argv(
-    role: str, node_id: str, port: int, tport: int, device: str, args: argparse.Namespace
+    role: str, node_id: str, port: int, tport: int, device: str, args: argparse.Namespace, tp: int = 1
 ) -> list[str]:
-    """A benchmark node's command line (prefix_reuse.py's too): the model, pool and connector of `args`."""
+    """A benchmark node's command line (prefix_reuse.py's too): the model, pool and connector of `args`,
+    at tensor-parallel size `tp` over `device` (e.g. cuda:0,1)."""
     module = "pdserve.prefill_node" if role == "prefill" else "pdserve.decode_node"
     argv = [sys.executable, "-m", module, "--node-id", node_id, "--port", str(port), "--model", args.model,
             "--device", device, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
             "--max-num-seqs", "8", "--max-model-len", str(args.prompt_tokens + 64),
             "--connector", args.connector, "--transfer-port", str(tport),
-            "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "WARNING"]  # fmt: skip
+            "--kv-cache-dtype", args.kv_cache_dtype, "--log-level", "WARNING",
+            "--tensor-parallel-size", str(tp)]  # fmt: skip
     if role == "prefill":
         argv += ["--layers-per-frame", str(args.layers_per_frame)]
     if role == "single":
@@ -59,11 +61,12 @@ def node_argv(
     return argv
 
 
-def start_node(role: str, node_id: str, device: str, args: argparse.Namespace, token: str) -> tuple[
-    subprocess.Popen[bytes], str, int]:  # fmt: skip
+def start_node(
+    role: str, node_id: str, device: str, args: argparse.Namespace, token: str, tp: int = 1
+) -> tuple[subprocess.Popen[bytes], str, int]:
     port, tport = free_port(), free_port()
     env = os.environ | {"PDSERVE_AUTH_TOKEN": token}  # a secret: never on argv
-    return subprocess.Popen(node_argv(role, node_id, port, tport, device, args), env=env), \
+    return subprocess.Popen(node_argv(role, node_id, port, tport, device, args, tp), env=env), \
         f"http://127.0.0.1:{port}", tport  # fmt: skip
 
 
@@ -127,7 +130,7 @@ def logprob_gap(a: list[list[Position]], b: list[list[Position]]) -> float:
 
 
 async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, rid: str, prompt: list[int],
-              max_tokens: int) -> tuple[float, float, list[Position]]:  # fmt: skip
+              max_tokens: int) -> tuple[float, float, list[Position], dict[str, Any]]:  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_N)
     deadline = time.time() + 120
     gen = NodeGenerateRequest(RequestId(rid), tuple(prompt), params, None, deadline,
@@ -148,21 +151,36 @@ async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, 
             p[0],
             PrefillRequest(RequestId(rid), tuple(prompt), params, None, deadline, NodeId("decode-0"), p[1]),
         )
-    await drive(client, d_url, gen, pre, on_step)
-    return marks[0], marks[1], tokens
+    result = await drive(client, d_url, gen, pre, on_step)
+    return marks[0], marks[1], tokens, result
+
+
+Measured = tuple[list[float], list[float], list[list[Position]], list[dict[str, Any]]]
 
 
 async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str,
-                  token: str) -> tuple[list[float], list[float], list[list[Position]]]:  # fmt: skip
-    ttft, t2, outs = [], [], []
+                  token: str) -> Measured:  # fmt: skip
+    ttft, t2, outs, results = [], [], [], []
     async with httpx.AsyncClient(timeout=300, auth=signed(token)) as client:
         await one(client, d_url, p, f"{tag}-warm", prompts[0][::-1], max_tokens)
         for i, prompt in enumerate(prompts):
-            a, b, toks = await one(client, d_url, p, f"{tag}-{i}", prompt, max_tokens)
+            a, b, toks, result = await one(client, d_url, p, f"{tag}-{i}", prompt, max_tokens)
             ttft.append(a)
             t2.append(b)
             outs.append(toks)
-    return ttft, t2, outs
+            results.append(result)
+    return ttft, t2, outs, results
+
+
+def kv_bytes_per_token_of(model: str, kv_cache_dtype: str, dtype: str) -> int:
+    """KV bytes per token of a dummy shape (0 for a model this program cannot size)."""
+    from pdserve.shared.model.model_config import NAMED_SHAPES
+
+    c = NAMED_SHAPES.get(model.removeprefix("dummy:"))
+    if c is None:
+        return 0
+    size = 1 if kv_cache_dtype == "fp8" else (4 if dtype == "float32" else 2)
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * size
 
 
 def audit(url: str, token: str) -> dict[str, int]:
@@ -189,6 +207,12 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--device-s", default=None, help="the single node's devices (default: --device-p)")
+    ap.add_argument("--tp-p", type=int, default=1, help="P's tensor-parallel size")
+    ap.add_argument("--tp-d", type=int, default=1, help="D's tensor-parallel size")
+    ap.add_argument(
+        "--tp-s", type=int, default=None, help="the single node's tensor-parallel size (default: D's)"
+    )
     args = ap.parse_args()
     import random
 
@@ -196,21 +220,22 @@ def main() -> int:
     prompts = [[rng.randrange(1, 30000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     token = secrets.token_hex(16)
     rows = []
-    s_proc, s_url, _ = start_node("single", "single-0", args.device_p, args, token)
+    tp_s = args.tp_d if args.tp_s is None else args.tp_s
+    s_proc, s_url, _ = start_node("single", "single-0", args.device_s or args.device_p, args, token, tp_s)
     try:
         wait_ready(s_url, s_proc)
-        s_ttft, s_t2, s_out = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token))
+        s_ttft, s_t2, s_out, _ = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token))
         s_audit = audit(s_url, token)
     finally:
         stop([s_proc])
-    p_proc, p_url, _ = start_node("prefill", "prefill-0", args.device_p, args, token)
-    d_proc, d_url, d_tport = start_node("decode", "decode-0", args.device_d, args, token)
+    p_proc, p_url, _ = start_node("prefill", "prefill-0", args.device_p, args, token, args.tp_p)
+    d_proc, d_url, d_tport = start_node("decode", "decode-0", args.device_d, args, token, args.tp_d)
     try:
         wait_ready(p_url, p_proc)
         wait_ready(d_url, d_proc)
         d_addr = f"{args.connector}://127.0.0.1:{d_tport}"
         run = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd", token)
-        pd_ttft, pd_t2, pd_out = asyncio.run(run)
+        pd_ttft, pd_t2, pd_out, pd_res = asyncio.run(run)
         time.sleep(0.5)
         p_audit, d_audit = audit(p_url, token), audit(d_url, token)
     finally:
@@ -220,8 +245,16 @@ def main() -> int:
     rows.append(("time to second token p50 (ms)", med(pd_t2) * 1e3, med(s_t2) * 1e3))
     print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype} "
           f"(KV {args.kv_cache_dtype}), "
-          f"P {args.device_p} -> D {args.device_d} over {args.connector}, "
+          f"P {args.device_p} TP={args.tp_p} -> D {args.device_d} TP={args.tp_d} over {args.connector} "
+          f"(single: {args.device_s or args.device_p} TP={tp_s}), "
           f"{args.layers_per_frame} layer(s) per frame\n")  # fmt: skip
+    transfer = [r.get("transfer_seconds", 0.0) for r in pd_res]
+    tail = [r.get("transfer_tail_seconds", 0.0) for r in pd_res]
+    blocks = med([r.get("transferred_blocks", 0) for r in pd_res])
+    kv_bytes = blocks * 16 * kv_bytes_per_token_of(args.model, args.kv_cache_dtype, args.dtype)
+    print(f"KV transfer P -> D per request, p50: {med(transfer) * 1e3:.2f} ms for {blocks:.0f} blocks "
+          f"({kv_bytes / 2**20:.1f} MiB, {kv_bytes / max(med(transfer), 1e-9) / 2**30:.1f} GiB/s); "
+          f"not hidden under P's compute (tail) p50 {med(tail) * 1e3:.2f} ms\n")  # fmt: skip
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
     for name, pd, single in rows:
         print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")

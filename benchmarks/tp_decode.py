@@ -37,49 +37,73 @@ from pdserve.shared.model.model_config import NAMED_SHAPES
 Row = tuple[str, str, str, str]
 
 
-def _weight_bytes(shape: str, tp: int) -> int:
+def _weight_bytes(shape: str, tp: int, batch: int = 1) -> int:
     """Bytes one rank's weights take per step at TP=tp: every sharded matrix / tp, norms whole, the
-    embedding table not read (its LM-head twin is, when tied), bf16."""
+    embedding table not read (its LM-head twin is, when tied), bf16. A sparse layer reads its router and
+    the experts the step's `batch` tokens select: with top-k of E experts chosen evenly,
+    E (1 - (1 - k/E)^batch) distinct experts on average (k at batch 1), plus the shared expert."""
     c = NAMED_SHAPES[shape]
     h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_heads * d, max(1, c.num_kv_heads // tp) * d * tp
-    per_layer = h * (q + 2 * kv) // tp + q * h // tp + 3 * h * i // tp + 2 * h
+    attention = h * (q + 2 * kv) // tp + q * h // tp + 2 * h
+    total = 0
+    for layer in range(c.num_layers):
+        moe = c.moe
+        if moe is None or layer in moe.mlp_only_layers or (layer + 1) % moe.decoder_sparse_step:
+            total += attention + 3 * h * i // tp
+            continue
+        e, k = moe.num_experts, moe.top_k
+        experts = e * (1 - (1 - k / e) ** batch)
+        mlp = experts * 3 * h * moe.intermediate_size / tp + e * h
+        if moe.shared_expert_intermediate_size:
+            mlp += 3 * h * moe.shared_expert_intermediate_size / tp + h
+        total += attention + int(mlp)
     lm_head = c.vocab_size * h // tp
-    return 2 * (c.num_layers * per_layer + lm_head + h)
+    return 2 * (total + lm_head + h)
 
 
 def decode_rows(
-    shape: str, tp: int, overlap: bool, bw: float, res: dict[str, object], quantization: str | None = None
+    shape: str,
+    tp: int,
+    overlap: bool,
+    bw: float,
+    res: dict[str, object],
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> list[Row]:
     c = NAMED_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     cfg = EngineConfig(model=f"dummy:{shape}", device="cuda", dtype="bfloat16", max_num_seqs=64,
                        max_num_batched_tokens=8192, max_model_len=8192, tensor_parallel_size=tp,
                        async_scheduling=overlap, gpu_memory_utilization=0.90,
-                       quantization=quantization)  # fmt: skip
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     log(f"{shape} TP={tp} async={'on' if overlap else 'off'}: loading")
     engine = LLMEngine(cfg)
     try:
         prompt = random_tokens(1024, c.vocab_size, gen)
         skip, n_out = 8, 257
         ctx = 1024 + (skip + n_out) / 2
-        kv = kv_bytes_per_token(c, torch.bfloat16) * ctx / min(tp, c.num_kv_heads)
+        kv_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else torch.bfloat16
+        pool_tokens = engine.num_blocks * cfg.block_size
+        kv = kv_bytes_per_token(c, kv_dtype) * ctx / min(tp, c.num_kv_heads)
         roof = bw / (_weight_bytes(shape, tp) + kv)
         log("loaded; batch-1 decode")
         b1 = [engine_decode(engine, [prompt], n_out, skip)[0] for _ in range(3)]
         log(f"batch 1: {b1}; batch 64")
         prompts = [random_tokens(2048, c.vocab_size, gen) for _ in range(64)]
         b64 = engine_decode(engine, prompts, 16 + 40, 4)[0]
-        kv64 = kv_bytes_per_token(c, torch.bfloat16) * (2048 + 30) * 64 / min(tp, c.num_kv_heads)
-        roof64 = 64 * bw / (_weight_bytes(shape, tp) + kv64)
+        kv64 = kv_bytes_per_token(c, kv_dtype) * (2048 + 30) * 64 / min(tp, c.num_kv_heads)
+        roof64 = 64 * bw / (_weight_bytes(shape, tp, 64) + kv64)
     finally:
         engine.close()
         release(torch.device("cuda:0"))
     rate = statistics.median(b1)
-    key = f"{shape}/tp{tp}/async-{'on' if overlap else 'off'}/{quantization or 'bf16'}"
-    res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64}
-    what = f"{shape} {quantization or 'bf16'} TP={tp} async {'on' if overlap else 'off'}"
+    kv_name = "" if kv_cache_dtype == "auto" else f"/kv-{kv_cache_dtype}"
+    key = f"{shape}/tp{tp}/async-{'on' if overlap else 'off'}/{quantization or 'bf16'}{kv_name}"
+    res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64, "pool_tokens": pool_tokens}
+    what = f"{shape} {quantization or 'bf16'}{kv_name} TP={tp} async {'on' if overlap else 'off'}"
     return [
+        (f"{what}: KV pool (gpu_memory_utilization 0.90)", f"{pool_tokens} tokens", "", ""),
         (f"{what}: batch-1 decode tok/s at ~{ctx:.0f} ctx (median of 3)", f"{rate:.1f}",
          f"roofline {roof:.1f}", f"{rate / roof:.1%}"),
         (f"{what}: batch 64 at 2k ctx, tok/s", f"{b64:.0f}", f"roofline {roof64:.0f}",
@@ -99,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each size with FP8 weights (--quantization fp8); its roofline stays bf16's",
     )
+    parser.add_argument(
+        "--kv-fp8-beside",
+        action="store_true",
+        help="also each size with an FP8 KV cache (--kv-cache-dtype fp8), bf16 weights; roofline with FP8 KV",
+    )
     parser.add_argument("--out", default="tp_decode.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += decode_rows(args.shape, tp, overlap, bw, res)
         if args.fp8_beside:
             rows += decode_rows(args.shape, tp, overlap, bw, res, "fp8")
+        if args.kv_fp8_beside:
+            rows += decode_rows(args.shape, tp, overlap, bw, res, None, "fp8")
     got = {
         int(k.split("/tp")[1].split("/")[0]): v for k, v in res.items() if "/tp" in k and k.endswith("bf16")
     }
