@@ -20,7 +20,7 @@ KIT_WHEELS=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 pydantic-settings==2.14.1
   python-dotenv==1.2.2 typing-inspection==0.4.2 annotated-types==0.7.0 annotated-doc==0.0.7
   opentelemetry-api==1.45.2 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 gguf==0.19.0 py-spy==0.4.3
-  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0
 )
 KIT_DEBS=(redis-server redis-tools libjemalloc2 liblzf1 libatomic1)
 # The image has cuda-core, cuda-bindings, cuda-pathfinder and nvidia-ml-py; the rest of ucxx's stack:

@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also each size with an FP8 KV cache (--kv-cache-dtype fp8), bf16 weights; roofline with FP8 KV",
     )
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="the weights of every size's main run")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the KV cache of every size's main run")  # fmt: skip
     parser.add_argument("--out", default="tp_decode.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = [("copy bandwidth, cuda:0", f"{bw / (1 << 30):.0f} GiB/s", "", "")]
     overlap = args.async_scheduling == "on"
     for tp in sizes:
-        rows += decode_rows(args.shape, tp, overlap, bw, res)
+        quant = None if args.quantization == "none" else args.quantization
+        rows += decode_rows(args.shape, tp, overlap, bw, res, quant, args.kv_cache_dtype)
         if args.fp8_beside:
             rows += decode_rows(args.shape, tp, overlap, bw, res, "fp8")
         if args.kv_fp8_beside:
