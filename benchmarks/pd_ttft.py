@@ -207,6 +207,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
+    ap.add_argument("--cached", action="store_true",
+                    help="every prompt to P/D again, held by P now: the transfer alone")  # fmt: skip
     ap.add_argument("--device-s", default=None, help="the single node's devices (default: --device-p)")
     ap.add_argument("--tp-p", type=int, default=1, help="P's tensor-parallel size")
     ap.add_argument("--tp-d", type=int, default=1, help="D's tensor-parallel size")
@@ -236,6 +238,9 @@ def main() -> int:
         d_addr = f"{args.connector}://127.0.0.1:{d_tport}"
         run = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd", token)
         pd_ttft, pd_t2, pd_out, pd_res = asyncio.run(run)
+        if args.cached:
+            again = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pdc", token)
+            cached_res = asyncio.run(again)[3]
         time.sleep(0.5)
         p_audit, d_audit = audit(p_url, token), audit(d_url, token)
     finally:
@@ -255,6 +260,11 @@ def main() -> int:
     print(f"KV transfer P -> D per request, p50: {med(transfer) * 1e3:.2f} ms for {blocks:.0f} blocks "
           f"({kv_bytes / 2**20:.1f} MiB, {kv_bytes / max(med(transfer), 1e-9) / 2**30:.1f} GiB/s); "
           f"not hidden under P's compute (tail) p50 {med(tail) * 1e3:.2f} ms\n")  # fmt: skip
+    if args.cached:
+        alone = med([r.get("transfer_seconds", 0.0) for r in cached_res])
+        hits = med([r.get("cached_tokens", 0) for r in cached_res])
+        print(f"Again with the prompt held by P ({hits:.0f} cached tokens, p50): the transfer alone p50 "
+              f"{alone * 1e3:.2f} ms, {kv_bytes / max(alone, 1e-9) / 2**30:.1f} GiB/s\n")  # fmt: skip
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
     for name, pd, single in rows:
         print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")
