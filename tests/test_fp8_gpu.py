@@ -83,7 +83,9 @@ def test_decode_and_prefill_read_an_fp8_cache_as_the_reference(lens: list[int]) 
 
 
 def test_rope_write_into_an_fp8_cache_saturates_and_rounds_as_the_reference() -> None:
-    qkv = torch.randn(8, 48 * 128, device=DEV, dtype=torch.bfloat16) * 60  # some past 448
+    qkv = torch.randn(8, 48 * 128, device=DEV, dtype=torch.bfloat16) * 60
+    qkv[:, 40 * 128] = 1000.0  # the first V channel (V is not rotated) past +-448: it must saturate
+    qkv[::2, 40 * 128] = -1000.0
     kv_tri = torch.zeros(2, 4, 16, 8, 128, dtype=FP8, device=DEV)
     kv_ref = kv_tri.clone()
     meta = _meta([8], [8], torch.zeros(1, 1, dtype=torch.int32, device=DEV))
