@@ -10,7 +10,6 @@ kernels run on CPU tensors.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -47,60 +46,6 @@ def _copy_blocks_kernel(
     mask = offs < BLOCK_ELEMS
     x = tl.load(src_ptr + kv * src_kv_stride + src_block * BLOCK_ELEMS + offs, mask=mask)
     tl.store(dst_ptr + kv * dst_kv_stride + dst_block * BLOCK_ELEMS + offs, x, mask=mask)
-
-
-@triton.jit
-def _copy_heads_kernel(
-    src_ptr, dst_ptr, ids_ptr, src_kv_stride, src_block_stride, src_row_stride,
-    dst_kv_stride, dst_block_stride, dst_row_stride,
-    ROW_ELEMS: tl.constexpr, CHUNK: tl.constexpr, GATHER: tl.constexpr,
-):  # fmt: skip
-    i = tl.program_id(0)
-    kv = tl.program_id(1).to(tl.int64)
-    row = tl.program_id(2).to(
-        tl.int64
-    )  # a token slot of the block: its heads are ROW_ELEMS contiguous elements
-    block = tl.load(ids_ptr + i)  # int64
-    src_block = block if GATHER else i.to(tl.int64)
-    dst_block = i.to(tl.int64) if GATHER else block
-    src = src_ptr + kv * src_kv_stride + src_block * src_block_stride + row * src_row_stride
-    dst = dst_ptr + kv * dst_kv_stride + dst_block * dst_block_stride + row * dst_row_stride
-    for start in tl.static_range(0, ROW_ELEMS, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < ROW_ELEMS
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-
-def copy_heads(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gather: bool) -> None:
-    """One rank's KV heads between its pool layer and a buffer's slice of the model's heads, as one kernel on
-    the buffer's device (the current one for `torch.cuda.device`), the pool possibly another GPU's memory
-    that this process has mapped (read or written over the peer link): so a tensor-parallel node's rank 0
-    moves a worker's heads without launching work on the worker's GPU, where the worker's own process
-    computes. gather: src is the pool layer [2, N, B, h, D], dst the buffer slice [2, n, B, h, D] (rows of
-    h*D contiguous elements, e.g. `out[:, :, :, h0:h1]`); scatter: the reverse. block_ids: [n] int64 on the
-    buffer's device. The KV dtype travels as bytes."""
-    pool, buf = (src, dst) if gather else (dst, src)
-    n = block_ids.shape[0]
-    if n == 0:
-        return
-    assert pool.is_contiguous() and pool.dim() == 5 and buf.dim() == 5, (pool.shape, buf.shape)
-    assert tuple(buf.shape) == (2, n, *pool.shape[2:]), (
-        f"buffer {tuple(buf.shape)} for pool {tuple(pool.shape)}"
-    )
-    assert buf.stride(4) == 1 and buf.stride(3) == pool.shape[4], (
-        f"buffer rows must be contiguous: {buf.stride()}"
-    )
-    assert src.dtype == dst.dtype, f"{src.dtype} into {dst.dtype}"
-    elem = torch.empty((), dtype=src.dtype).element_size()
-    src_b, dst_b = src.view(torch.uint8), dst.view(torch.uint8)  # strides below in bytes
-    row = pool.shape[3] * pool.shape[4] * elem
-    ids = block_ids.to(buf.device, torch.int64)
-    with torch.cuda.device(buf.device) if buf.device.type == "cuda" else contextlib.nullcontext():
-        _copy_heads_kernel[(n, 2, pool.shape[2])](
-            src_b, dst_b, ids, src_b.stride(0), src_b.stride(1), src_b.stride(2),
-            dst_b.stride(0), dst_b.stride(1), dst_b.stride(2),
-            ROW_ELEMS=row, CHUNK=min(triton.next_power_of_2(row), 4096), GATHER=gather, num_warps=4,
-        )  # fmt: skip
 
 
 @functools.cache

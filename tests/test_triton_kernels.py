@@ -29,7 +29,7 @@ from pdserve.kernels.triton_attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pdserve.kernels.triton_ops import TritonOps, copy_heads
+from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.model import rope_inv_freq
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -119,25 +119,6 @@ def test_gather_scatter_round_trip_matches_reference() -> None:
     assert torch.equal(dst_tri, dst_ref)
     TRI.scatter_blocks(out_tri, dst_tri, ids)
     assert torch.equal(dst_tri[:, ids], kv[:, ids])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-def test_copy_heads_moves_one_ranks_heads_between_its_pool_and_a_slice_of_the_full_layout(
-    dtype: torch.dtype,
-) -> None:
-    # rank r's pool holds heads [2, 4) of 6; rank 0 gathers them into out[..., 2:4, :] and scatters back
-    gen = torch.Generator().manual_seed(3)
-    pool = (torch.randn(2, 10, 16, 2, 64, generator=gen) * 8).to(dtype)
-    ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
-    out = torch.zeros(2, 4, 16, 6, 64).to(dtype)
-    copy_heads(pool, out[:, :, :, 2:4], ids, gather=True)
-    assert torch.equal(out[:, :, :, 2:4].view(torch.uint8), pool[:, ids].view(torch.uint8))
-    assert not out[:, :, :, :2].float().any() and not out[:, :, :, 4:].float().any()
-    back = torch.zeros_like(pool)
-    copy_heads(out[:, :, :, 2:4], back, ids, gather=False)
-    assert torch.equal(back[:, ids].view(torch.uint8), pool[:, ids].view(torch.uint8))
-    others = [i for i in range(10) if i not in ids.tolist()]
-    assert not back[:, others].float().any()
 
 
 GQA_SHAPES = [(1, 64, 2), (3, 64, 1), (4, 128, 2), (8, 128, 1)]  # (group, head_dim, kv heads)

@@ -71,13 +71,6 @@ class KVPools:
             self.ops.gather_blocks(self._readers[0].kv[layer], block_ids, out)
             return
         for p in self._readers:
-            if _peer(out.device, p.kv.device):
-                # a kernel on rank 0's GPU reads the worker's pool over the peer link, queued after the
-                # layer's all-reduce on this stream: nothing runs on the worker's GPU from this process
-                from pdserve.kernels.triton_ops import copy_heads
-
-                copy_heads(p.kv[layer], out[:, :, :, p.head_start : p.head_start + p.heads], block_ids, True)
-                continue
             src = _bytes(p.kv[layer])  # [2, N, B, Hkv_r, D bytes]
             _follow(out.device, src.device)
             part = src.index_select(1, block_ids.to(src.device, torch.int64))
@@ -89,20 +82,10 @@ class KVPools:
             kv = self._readers[0].kv
             self.ops.scatter_blocks(src.to(kv.device), kv[layer], block_ids.to(kv.device))
             return
-        peer_writes = False
         for p in self.parts:
             dst = p.kv[layer]
-            if src.device.type == "cuda" and _peer(src.device, dst.device):
-                from pdserve.kernels.triton_ops import copy_heads
-
-                heads = src[:, :, :, p.head_start : p.head_start + p.heads]
-                copy_heads(heads.to(dst.dtype), dst, block_ids, False)  # on src's GPU, into the peer's pool
-                peer_writes = True
-                continue
             heads = src[:, :, :, p.head_start : p.head_start + p.heads].to(dst.device, dst.dtype)
             _bytes(dst).index_copy_(1, block_ids.to(dst.device, torch.int64), _bytes(heads))
-        if peer_writes:
-            torch.cuda.current_stream(src.device).synchronize()  # the workers read them on their own streams
         self._landed()
 
     def read_blocks(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -134,11 +117,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     """`t` as bytes (the last dim times the element size): the copies move bytes whatever the KV dtype, and
     torch's CPU index_copy_ / index_select have no float8 kernels."""
     return t.view(torch.uint8)
-
-
-def _peer(here: torch.device, there: torch.device) -> bool:
-    """`there` is another GPU than `here`: rank 0 copies those heads with a kernel on `here`, peer to peer."""
-    return here.type == "cuda" and there.type == "cuda" and here != there
 
 
 def _follow(first: torch.device, then: torch.device) -> None:
