@@ -75,7 +75,6 @@ class IndexPresence:
     def __init__(
         self,
         index: BlockIndex,
-        address: str,
         node_id: NodeId,
         truth: IndexTruth,
         load: Callable[[], Awaitable[NodeLoad]],
@@ -92,7 +91,7 @@ class IndexPresence:
         self.deregistered = False
         self.need_resync = False
         self._lock = asyncio.Lock()
-        self._link = IndexLink(address)
+        self._link = IndexLink(index.config.address)
 
     async def register(self, info: NodeInfo) -> None:
         """Registers under `info` with a new epoch and has the next publish resend every held block;

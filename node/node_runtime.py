@@ -77,9 +77,7 @@ class NodeRuntime:
             held = functools.partial(self.aengine.call, engine.held_hashes)
             truth = IndexTruth(index, self.node_id, held, self.metrics.registry)
             load = functools.partial(self.aengine.call, self.load)
-            self.presence = IndexPresence(
-                index, settings.redis.address, self.node_id, truth, load, self._holdings
-            )
+            self.presence = IndexPresence(index, self.node_id, truth, load, self._holdings)
         self.role: Role = settings.role
         """The role the node serves as now (`settings.role` at start; node/role_change.py changes it)."""
         self.changing_role = False
