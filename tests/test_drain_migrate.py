@@ -79,10 +79,7 @@ class Stream:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(
-        cluster_fixture.up_config(prefill=1, decode=2, extra_node_args=SMALL_KV)
-    ) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=1, decode=2, extra_node_args=SMALL_KV)
 
 
 def wait_for(what: str, check: object, timeout_s: float = 120.0) -> None:

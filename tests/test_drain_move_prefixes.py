@@ -39,18 +39,12 @@ DECODE = ("decode-0", "decode-1")
 
 @pytest.fixture
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(
-        cluster_fixture.up_config(prefill=2, decode=1, extra_node_args=KV)
-    ) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=2, decode=1, extra_node_args=KV)
 
 
 @pytest.fixture
 def live_2d() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(
-        cluster_fixture.up_config(prefill=1, decode=2, extra_node_args=KV)
-    ) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=1, decode=2, extra_node_args=KV)
 
 
 @pytest.fixture(scope="module")

@@ -83,10 +83,7 @@ def test_teacher_forced_logits_over_an_fp8_cache() -> None:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(
-        cluster_fixture.up_config(prefill=1, decode=1, extra_node_args=FP8)
-    ) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=1, decode=1, extra_node_args=FP8)
 
 
 def test_a_pd_pair_at_fp8_serves_generates_text_and_moves_fp8_bytes(

@@ -33,8 +33,7 @@ LONG_PROMPT = (
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(cluster_fixture.up_config()) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster()
 
 
 @pytest.fixture(scope="module")

@@ -84,15 +84,19 @@ def test_transfer_handshake_with_another_token_fails_cleanly(live: cluster_fixtu
 @pytest.fixture(scope="module")
 def block_size_32(live: cluster_fixture.LiveCluster) -> tuple[int, str]:
     """Starts a decode node with --block-size 32 beside the block-size-16 nodes; its exit code and log."""
-    argv = cluster_fixture.node_argv(
-        "decode", "decode-bs32", free_port(), live.redis_url, "token-a", "--block-size", "32"
-    )
-    proc = live.cluster.spawn("decode-bs32", argv)
+    return refused_node(live, "decode-bs32", "--block-size", "32")
+
+
+def refused_node(live: cluster_fixture.LiveCluster, name: str, *extra: str) -> tuple[int, str]:
+    """Starts decode node `name` with `extra` arguments beside the cluster's nodes and waits for it to exit
+    (failing the test if it keeps running); its exit code and log."""
+    argv = cluster_fixture.node_argv("decode", name, free_port(), live.redis_url, "token-a", *extra)
+    proc = live.cluster.spawn(name, argv)
     try:
         proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a node with block size 32 kept running:\n{live.log('decode-bs32')[-2000:]}")
-    return proc.returncode, live.log("decode-bs32")
+        pytest.fail(f"node {name} ({' '.join(extra)}) kept running:\n{live.log(name)[-2000:]}")
+    return proc.returncode, live.log(name)
 
 
 def test_incompatible_block_size_is_refused_at_registration(
@@ -116,16 +120,8 @@ def test_a_decode_node_with_another_kv_dtype_is_refused_at_registration(
 ) -> None:
     """A decode node with an FP8 cache beside a prefill node with fp32's: the index's cluster record refuses
     it before it serves, in one line naming the field and both dtypes."""
-    argv = cluster_fixture.node_argv(
-        "decode", "decode-fp8", free_port(), live.redis_url, "token-a", "--kv-cache-dtype", "fp8"
-    )
-    proc = live.cluster.spawn("decode-fp8", argv)
-    try:
-        proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a node with an FP8 cache kept running:\n{live.log('decode-fp8')[-2000:]}")
-    log = live.log("decode-fp8")
-    assert proc.returncode != 0
+    returncode, log = refused_node(live, "decode-fp8", "--kv-cache-dtype", "fp8")
+    assert returncode != 0
     refusal = next(line for line in log.splitlines() if "refused by cluster" in line)
     assert "kv_layout.dtype is float8_e4m3fn on the node but float32 on the live nodes" in refusal, refusal
     listed = [n["info"]["node_id"] for n in cluster_fixture.kvctl(live.redis_url, "nodes")["nodes"]]

@@ -41,8 +41,7 @@ MIGRATE_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(cluster_fixture.up_config(prefill=2, decode=1)) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=2, decode=1)
 
 
 @pytest.fixture(scope="module")

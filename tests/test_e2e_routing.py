@@ -35,8 +35,7 @@ WORDS = ("Apples", "Bridges", "Comets", "Deserts", "Engines", "Forests", "Glacie
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(cluster_fixture.up_config(prefill=2, decode=2)) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=2, decode=2)
 
 
 def complete(live: cluster_fixture.LiveCluster, prompt: str, max_tokens: int = 4) -> dict[str, Any]:

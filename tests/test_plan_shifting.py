@@ -49,8 +49,7 @@ def references() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(cluster_fixture.up_config(prefill=2, decode=2)) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=2, decode=2)
 
 
 def roles(live: cluster_fixture.LiveCluster) -> dict[str, str]:

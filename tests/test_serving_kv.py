@@ -36,8 +36,7 @@ def client(live: cluster_fixture.LiveCluster) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
-    with cluster_fixture.LiveCluster.start(cluster_fixture.up_config(prefill=1, decode=2)) as cluster:
-        yield cluster
+    yield from cluster_fixture.live_cluster(prefill=1, decode=2)
 
 
 def test_a_prefix_p_holds_and_d_lacks_is_sent(live: cluster_fixture.LiveCluster) -> None:
