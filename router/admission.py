@@ -76,7 +76,8 @@ class Load:
 
 
 class Booking(Protocol):
-    """One choice's booked load; the holder gives it back (a context manager: `release` on exit)."""
+    """One choice's booked load; the holder gives it back (a context manager: `release` on exit, which the
+    ledgers' bookings inherit from here)."""
 
     def prefill_done(self) -> None:
         """The prefilling node's part is over: its tokens (and P's request) are no longer this choice's."""
@@ -84,11 +85,13 @@ class Booking(Protocol):
     def release(self) -> None:
         """Everything the booking holds is given back (idempotent)."""
 
-    def __enter__(self) -> Booking: ...
+    def __enter__(self) -> Booking:
+        return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None: ...
+    ) -> None:
+        self.release()
 
 
 @dataclass(eq=False)
@@ -154,7 +157,7 @@ def booked_view(node: NodeView, count: Load) -> NodeView:
 
 
 @dataclass(eq=False)
-class _Booking:
+class _Booking(Booking):
     _ledger: Ledger
     _decode: NodeId
     _prefill: NodeId | None
@@ -175,14 +178,6 @@ class _Booking:
             self._live = False
             self.prefill_done()
             self._ledger._end(self._decode)
-
-    def __enter__(self) -> _Booking:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
 
 class Ledger:

@@ -36,7 +36,6 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from types import TracebackType
 
 from pdserve.router.admission import (
     AdmissionConfig,
@@ -72,7 +71,7 @@ Member = tuple[str, str]
 
 
 @dataclass(eq=False)
-class _Lease:
+class _Lease(Booking):
     """One choice's booking: this router's own (`_inner`) and, unless booked while degraded, its leases."""
 
     _ledger: RedisLedger
@@ -96,14 +95,6 @@ class _Lease:
             self.prefill_done()
             self._inner.release()
             self._ledger._ended(() if self._decode_member is None else (self._decode_member,), self._decode)
-
-    def __enter__(self) -> _Lease:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
 
 class RedisLedger:
