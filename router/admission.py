@@ -59,6 +59,16 @@ class AdmissionConfig:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
 
 
+def refuse_when_queue_full(config: AdmissionConfig, waiting: int) -> None:
+    """Raises QueueFull (429 with Retry-After) when `waiting` requests already fill the queue."""
+    if waiting >= config.max_queued:
+        raise QueueFull(
+            f"every node is at its limit of {config.max_requests_per_node} requests and {waiting} requests "
+            "are waiting; retry later",
+            config.retry_after_s,
+        )
+
+
 class NodeFull(Exception):
     """A booking found `node_id` at its cap (another router of the fleet filled it since the last look)."""
 
@@ -228,12 +238,7 @@ class Ledger:
         return None
 
     async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
-        if len(self._waiters) >= self.config.max_queued:
-            raise QueueFull(
-                f"every node is at its limit of {self.config.max_requests_per_node} requests and "
-                f"{len(self._waiters)} requests are waiting; retry later",
-                self.config.retry_after_s,
-            )
+        refuse_when_queue_full(self.config, len(self._waiters))
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:

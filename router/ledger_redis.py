@@ -46,9 +46,10 @@ from pdserve.router.admission import (
     NodeFull,
     Turn,
     booked_view,
+    refuse_when_queue_full,
 )
 from pdserve.router.background import Background
-from pdserve.router.errors import NoRoom, QueueFull
+from pdserve.router.errors import NoRoom
 from pdserve.router.policy import NodeView
 from pdserve.shared.index.block_index_types import IndexUnavailable, RedisConfig
 from pdserve.shared.index.lease_table import (
@@ -208,12 +209,7 @@ class RedisLedger:
         return tuple(_Lease(self, inner, decode, None, (), prefill) for inner in books)
 
     async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
-        if len(self._waiting) >= self.config.max_queued:
-            raise QueueFull(
-                f"every node is at its limit of {self.config.max_requests_per_node} requests and "
-                f"{len(self._waiting)} requests are waiting; retry later",
-                self.config.retry_after_s,
-            )
+        refuse_when_queue_full(self.config, len(self._waiting))
         self._seq += 1
         order = self._seq
         if turn is not None and turn.ticket is None and not self._degraded:  # it waits in the fleet's queue
