@@ -15,7 +15,8 @@ from fastapi import FastAPI
 from pdserve.node.kv_events import KVEventsPublisher
 from pdserve.node.node_announce import add_announce_routes
 from pdserve.node.node_cli import NodeConfigs
-from pdserve.node.node_runtime import NodeRuntime, add_common_routes
+from pdserve.node.node_routes import add_common_routes
+from pdserve.node.node_runtime import NodeRuntime
 from pdserve.node.node_stats import stats_loop
 from pdserve.shared.cli.settings import StartupError
 from pdserve.shared.engine.engine import LLMEngine

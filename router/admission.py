@@ -59,6 +59,16 @@ class AdmissionConfig:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
 
 
+def refuse_when_queue_full(config: AdmissionConfig, waiting: int) -> None:
+    """Raises QueueFull (429 with Retry-After) when `waiting` requests already fill the queue."""
+    if waiting >= config.max_queued:
+        raise QueueFull(
+            f"every node is at its limit of {config.max_requests_per_node} requests and {waiting} requests "
+            "are waiting; retry later",
+            config.retry_after_s,
+        )
+
+
 class NodeFull(Exception):
     """A booking found `node_id` at its cap (another router of the fleet filled it since the last look)."""
 
@@ -76,7 +86,8 @@ class Load:
 
 
 class Booking(Protocol):
-    """One choice's booked load; the holder gives it back (a context manager: `release` on exit)."""
+    """One choice's booked load; the holder gives it back (a context manager: `release` on exit, which the
+    ledgers' bookings inherit from here)."""
 
     def prefill_done(self) -> None:
         """The prefilling node's part is over: its tokens (and P's request) are no longer this choice's."""
@@ -84,11 +95,13 @@ class Booking(Protocol):
     def release(self) -> None:
         """Everything the booking holds is given back (idempotent)."""
 
-    def __enter__(self) -> Booking: ...
+    def __enter__(self) -> Booking:
+        return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None: ...
+    ) -> None:
+        self.release()
 
 
 @dataclass(eq=False)
@@ -154,7 +167,7 @@ def booked_view(node: NodeView, count: Load) -> NodeView:
 
 
 @dataclass(eq=False)
-class _Booking:
+class _Booking(Booking):
     _ledger: Ledger
     _decode: NodeId
     _prefill: NodeId | None
@@ -175,14 +188,6 @@ class _Booking:
             self._live = False
             self.prefill_done()
             self._ledger._end(self._decode)
-
-    def __enter__(self) -> _Booking:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
 
 class Ledger:
@@ -233,12 +238,7 @@ class Ledger:
         return None
 
     async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
-        if len(self._waiters) >= self.config.max_queued:
-            raise QueueFull(
-                f"every node is at its limit of {self.config.max_requests_per_node} requests and "
-                f"{len(self._waiters)} requests are waiting; retry later",
-                self.config.retry_after_s,
-            )
+        refuse_when_queue_full(self.config, len(self._waiters))
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:

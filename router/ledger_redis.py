@@ -36,7 +36,6 @@ import secrets
 import socket
 import time
 from dataclasses import dataclass, field
-from types import TracebackType
 
 from pdserve.router.admission import (
     AdmissionConfig,
@@ -47,9 +46,10 @@ from pdserve.router.admission import (
     NodeFull,
     Turn,
     booked_view,
+    refuse_when_queue_full,
 )
 from pdserve.router.background import Background
-from pdserve.router.errors import NoRoom, QueueFull
+from pdserve.router.errors import NoRoom
 from pdserve.router.policy import NodeView
 from pdserve.shared.index.block_index_types import IndexUnavailable, RedisConfig
 from pdserve.shared.index.lease_table import (
@@ -72,7 +72,7 @@ Member = tuple[str, str]
 
 
 @dataclass(eq=False)
-class _Lease:
+class _Lease(Booking):
     """One choice's booking: this router's own (`_inner`) and, unless booked while degraded, its leases."""
 
     _ledger: RedisLedger
@@ -96,14 +96,6 @@ class _Lease:
             self.prefill_done()
             self._inner.release()
             self._ledger._ended(() if self._decode_member is None else (self._decode_member,), self._decode)
-
-    def __enter__(self) -> _Lease:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
 
 
 class RedisLedger:
@@ -217,12 +209,7 @@ class RedisLedger:
         return tuple(_Lease(self, inner, decode, None, (), prefill) for inner in books)
 
     async def wait_for_room(self, deadline: float, turn: Turn | None = None) -> None:
-        if len(self._waiting) >= self.config.max_queued:
-            raise QueueFull(
-                f"every node is at its limit of {self.config.max_requests_per_node} requests and "
-                f"{len(self._waiting)} requests are waiting; retry later",
-                self.config.retry_after_s,
-            )
+        refuse_when_queue_full(self.config, len(self._waiting))
         self._seq += 1
         order = self._seq
         if turn is not None and turn.ticket is None and not self._degraded:  # it waits in the fleet's queue

@@ -17,18 +17,12 @@ import time
 
 import httpx
 import pytest
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness.chaos_faults import SMALL_KV
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl_main,
-    reference_texts,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 STREAMS = 1000
 MAX_TOKENS = 4
 LIMIT_S = 240.0
@@ -74,10 +68,10 @@ async def _burst(base: str) -> list[tuple[str, str]]:
 
 def test_a_thousand_concurrent_streams_complete_or_are_refused_before_streaming() -> None:
     router = ("--max-requests-per-node", "16", "--max-queued-requests", "100")
-    with LiveCluster.start(
-        up_config(prefill=1, decode=1, extra_node_args=SMALL_KV, router_args=router)
+    with cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(prefill=1, decode=1, extra_node_args=SMALL_KV, router_args=router)
     ) as live:
-        texts = reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS)
+        texts = cluster_fixture.reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS)
         want = dict(zip(PROMPTS, texts, strict=True))
 
         t0 = time.monotonic()
@@ -98,7 +92,7 @@ def test_a_thousand_concurrent_streams_complete_or_are_refused_before_streaming(
         assert httpx.get(f"{live.base}/health", timeout=30).status_code == 200
 
         live.wait_clean(timeout_s=60)
-        rows = kvctl_main(live.redis_url, "diff", "--timeout", "60")["nodes"]
+        rows = cluster_fixture.kvctl_main(live.redis_url, "diff", "--timeout", "60")["nodes"]
         for name in live.nodes:
             row = rows.get(name)
             assert row is not None and "error" not in row and row["extra"] == row["missing"] == 0, rows

@@ -30,13 +30,7 @@ import openai
 import pytest
 import redis
 from pdserve.cli.up import Cluster, demo_request
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    NodeProc,
-    generate_offline,
-    model_path,
-    served_model_name,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +130,7 @@ def _netns_available() -> str | None:
 @dataclass
 class NetCluster:
     hosts: Hosts
-    live: LiveCluster
+    live: cluster_fixture.LiveCluster
     redis_url: str
     redis_password: str
     auth_token: str
@@ -177,7 +171,7 @@ def _wait_redis(url: str, password: str, cluster: Cluster, timeout_s: float) -> 
 
 
 def _start(hosts: Hosts, cluster: Cluster) -> NetCluster:
-    py, model = sys.executable, model_path()
+    py, model = sys.executable, cluster_fixture.model_path()
     password, token = secrets.token_hex(16), secrets.token_hex(16)
     # secrets through the environment, never argv (they would show in `ps`)
     env = {**os.environ, "PDSERVE_AUTH_TOKEN": token, "PDSERVE_REDIS_PASSWORD": password}
@@ -197,7 +191,7 @@ def _start(hosts: Hosts, cluster: Cluster) -> NetCluster:
         if role == "decode":
             argv += ["--transfer-port", str(TRANSFER_PORT)]
         cluster.spawn(node_id, hosts.argv(role, *argv), env)
-        nodes[node_id] = NodeProc(node_id, f"http://{hosts.addr(role)}:{NODE_PORT}")
+        nodes[node_id] = cluster_fixture.NodeProc(node_id, f"http://{hosts.addr(role)}:{NODE_PORT}")
     for node in nodes.values():
         cluster.wait_http(f"{node.url}/internal/health", timeout_s=300)
     router = [py, "-m", "pdserve.router", "--model", model, "--redis", redis_url,
@@ -205,7 +199,7 @@ def _start(hosts: Hosts, cluster: Cluster) -> NetCluster:
     cluster.spawn("router", hosts.argv("router", *router), env)
     base = f"http://{hosts.addr('router')}:{ROUTER_PORT}"
     cluster.wait_http(f"{base}/health", timeout_s=120)
-    live = LiveCluster(cluster, base, redis_url, nodes, token)
+    live = cluster_fixture.LiveCluster(cluster, base, redis_url, nodes, token)
     return NetCluster(hosts, live, redis_url, password, token)
 
 
@@ -216,7 +210,7 @@ def net() -> Iterator[NetCluster]:
         pytest.skip(reason)
     hosts = Hosts()
     cluster = Cluster(workdir=tempfile.mkdtemp(prefix="pdserve-netns-"))
-    live: LiveCluster | None = None
+    live: cluster_fixture.LiveCluster | None = None
     try:
         hosts.create()
         started = _start(hosts, cluster)
@@ -270,15 +264,19 @@ def test_demo_request_from_outside(net: NetCluster) -> None:
 
 def test_openai_client_matches_pdserve_generate(net: NetCluster) -> None:
     """Greedy text through router -> P -> (KV over the bridge) -> D equals the offline engine's."""
-    offline = generate_offline("--prompt", PROMPT, "--max-tokens", "24")
+    offline = cluster_fixture.generate_offline("--prompt", PROMPT, "--max-tokens", "24")
     assert len(offline["prompt_token_ids"]) > 32, "the prompt must span several KV blocks"
     received = net.live.metric("decode-0", "pdserve_kv_transfer_bytes_total", {"direction": "in"})
     with _client(net) as client:
         out = client.completions.create(
-            model=served_model_name(), prompt=PROMPT, max_tokens=24, temperature=0
+            model=cluster_fixture.served_model_name(), prompt=PROMPT, max_tokens=24, temperature=0
         )
         stream = client.completions.create(
-            model=served_model_name(), prompt=PROMPT, max_tokens=24, temperature=0, stream=True
+            model=cluster_fixture.served_model_name(),
+            prompt=PROMPT,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
         )
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert out.choices[0].text == offline["text"]
@@ -294,7 +292,8 @@ def test_cut_decode_link_mid_stream_ends_cleanly(net: NetCluster) -> None:
     chunks = 0
     with _client(net, timeout_s=deadline_s + 30) as client:
         stream = client.completions.create(
-            model=served_model_name(), prompt=PROMPT, max_tokens=2000, temperature=0, stream=True,
+            model=cluster_fixture.served_model_name(), prompt=PROMPT, max_tokens=2000, temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True, "timeout": deadline_s},
         )  # fmt: skip
         start = time.monotonic()
@@ -344,7 +343,8 @@ def test_probe_health_and_drain_let_the_running_request_finish(net: NetCluster) 
     )
     with _client(net) as client:
         stream = client.completions.create(
-            model=served_model_name(), prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+            model=cluster_fixture.served_model_name(), prompt=PROMPT, max_tokens=64, temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         chunks = iter(stream)

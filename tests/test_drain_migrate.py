@@ -28,20 +28,13 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.loader import LoadedModel
 from pdserve.shared.node.node_protocol import StepOutput
 from pdserve.shared.types import NodeId, RequestId
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness.chaos_faults import SMALL_KV
 from pdserve.tests.harness.chaos_load import metric_of
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl_main,
-    model_path,
-    reference_texts,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 PROMPTS = [
     f"Write a long, detailed story about {w}, with many characters, places and events. Once upon a time,"
     for w in ("a lighthouse keeper", "a river town", "a clockmaker", "a mountain pass")
@@ -85,9 +78,8 @@ class Stream:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=1, decode=2, extra_node_args=SMALL_KV)) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=1, decode=2, extra_node_args=SMALL_KV)
 
 
 def wait_for(what: str, check: object, timeout_s: float = 120.0) -> None:
@@ -97,12 +89,12 @@ def wait_for(what: str, check: object, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def in_flight(live: LiveCluster, node: str) -> float:
+def in_flight(live: cluster_fixture.LiveCluster, node: str) -> float:
     return metric_of(live.base, "pdserve_router_node_requests_in_flight", {"node_id": node})
 
 
-def test_drain_migrate_moves_running_streams_with_their_kv(live: LiveCluster) -> None:
-    reference = reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS, "--ignore-eos")
+def test_drain_migrate_moves_running_streams_with_their_kv(live: cluster_fixture.LiveCluster) -> None:
+    reference = cluster_fixture.reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS, "--ignore-eos")
     want = dict(zip(PROMPTS, reference, strict=True))
     streams = [Stream(p) for p in PROMPTS]
     fetched_before = live.metric("prefill-0", "pdserve_node_fetched_blocks_total")
@@ -116,7 +108,7 @@ def test_drain_migrate_moves_running_streams_with_their_kv(live: LiveCluster) ->
         # the drain must find every stream decoding, several blocks past its prompt
         wait_for("every stream to pass 3 blocks", lambda: all(s.chunks >= 3 * BS for s in streams))
         assert not any(s.done.is_set() for s in streams), "a stream ended before the drain"
-        reply = kvctl_main(live.redis_url, "drain", drained, "--migrate")
+        reply = cluster_fixture.kvctl_main(live.redis_url, "drain", drained, "--migrate")
         for t in threads:
             t.join(timeout=600)
     migrated = reply["node_reply"]["migrated"]
@@ -126,7 +118,7 @@ def test_drain_migrate_moves_running_streams_with_their_kv(live: LiveCluster) ->
     assert all(s.finish_reason == "length" for s in streams), [s.finish_reason for s in streams]
     wrong = [(s.prompt, s.text) for s in streams if s.text != want[s.prompt]]
     assert not wrong, f"another text than the greedy reference: {wrong[:1]}"
-    prompt_tokens = {len(tokenize(model_path(), p, None)) for p in PROMPTS}
+    prompt_tokens = {len(tokenize(cluster_fixture.model_path(), p, None)) for p in PROMPTS}
     usage = {s.usage for s in streams}  # the original request's, migrated or not
     assert usage == {(n, MAX_TOKENS) for n in prompt_tokens}, usage
 
@@ -142,7 +134,9 @@ def test_drain_migrate_moves_running_streams_with_their_kv(live: LiveCluster) ->
     assert live.metric(drained, "pdserve_node_drain_migrations_total") == migrated
 
     def gone() -> bool:
-        return drained not in {n["info"]["node_id"] for n in kvctl_main(live.redis_url, "nodes")["nodes"]}
+        return drained not in {
+            n["info"]["node_id"] for n in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]
+        }
 
     wait_for(f"{drained} to leave the index", gone, timeout_s=60)
     assert "released after its pull" in live.log(drained), live.log(drained)[-2000:]

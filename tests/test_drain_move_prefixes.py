@@ -20,17 +20,7 @@ import httpx
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.kvctl.commands import tokenize
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    NodeProc,
-    kvctl,
-    kvctl_main,
-    model_path,
-    node_argv,
-    reference_texts,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -48,32 +38,35 @@ DECODE = ("decode-0", "decode-1")
 
 
 @pytest.fixture
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=2, decode=1, extra_node_args=KV)) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=2, decode=1, extra_node_args=KV)
 
 
 @pytest.fixture
-def live_2d() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=1, decode=2, extra_node_args=KV)) as cluster:
-        yield cluster
+def live_2d() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=1, decode=2, extra_node_args=KV)
 
 
 @pytest.fixture(scope="module")
 def cold() -> list[str]:
-    return reference_texts([{"prompt": PREFIX + q} for q in QUESTIONS], MAX_TOKENS, *KV)
+    return cluster_fixture.reference_texts([{"prompt": PREFIX + q} for q in QUESTIONS], MAX_TOKENS, *KV)
 
 
-def complete(live: LiveCluster, prompt: str) -> dict[str, Any]:
-    body = {"model": served_model_name(), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+def complete(live: cluster_fixture.LiveCluster, prompt: str) -> dict[str, Any]:
+    body = {
+        "model": cluster_fixture.served_model_name(),
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     reply: dict[str, Any] = r.json()
     return reply
 
 
-def where(live: LiveCluster, prompt: str) -> dict[str, int]:
-    rows = kvctl_main(live.redis_url, "where", "--prompt", prompt)["nodes"]
+def where(live: cluster_fixture.LiveCluster, prompt: str) -> dict[str, int]:
+    rows = cluster_fixture.kvctl_main(live.redis_url, "where", "--prompt", prompt)["nodes"]
     return {r["node_id"]: r["prefix_blocks"] for r in rows}
 
 
@@ -84,12 +77,14 @@ def wait_for(what: str, check: Any, timeout_s: float = 30.0) -> None:
         time.sleep(0.3)
 
 
-def live_nodes(live: LiveCluster) -> set[str]:
-    return {n["info"]["node_id"] for n in kvctl_main(live.redis_url, "nodes")["nodes"]}
+def live_nodes(live: cluster_fixture.LiveCluster) -> set[str]:
+    return {n["info"]["node_id"] for n in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]}
 
 
-def test_drain_moves_the_hot_prefix_then_degrades_without_room(live: LiveCluster, cold: list[str]) -> None:
-    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+def test_drain_moves_the_hot_prefix_then_degrades_without_room(
+    live: cluster_fixture.LiveCluster, cold: list[str]
+) -> None:
+    prefix_blocks = len(tokenize(cluster_fixture.model_path(), PREFIX, None)) // BS
     assert prefix_blocks * BS >= 900, "the shared prefix is about 1k tokens"
     first = complete(live, PREFIX + QUESTIONS[0])
     assert first["choices"][0]["text"] == cold[0]
@@ -105,7 +100,7 @@ def test_drain_moves_the_hot_prefix_then_degrades_without_room(live: LiveCluster
 
     wait_for("the index to list the prefix on the holder only", only_on_holder)
 
-    reply = kvctl(live.redis_url, "drain", holder, "--move-prefixes")
+    reply = cluster_fixture.kvctl(live.redis_url, "drain", holder, "--move-prefixes")
     moved = reply["prefixes"]
     assert moved["degraded"] is None, moved
     assert moved["prefixes_moved"] >= 1 and moved["bytes_moved"] > 0, moved
@@ -136,11 +131,13 @@ def test_drain_moves_the_hot_prefix_then_degrades_without_room(live: LiveCluster
 
     # the only other prefill node left has a tiny pool: no room anywhere, so the drain is a plain one
     port = free_port()
-    argv = node_argv("prefill", TINY, port, live.redis_url, live.auth_token, *KV, "--num-kv-blocks", "8")
+    argv = cluster_fixture.node_argv(
+        "prefill", TINY, port, live.redis_url, live.auth_token, *KV, "--num-kv-blocks", "8"
+    )
     live.cluster.spawn(TINY, argv)
-    live.nodes[TINY] = NodeProc(TINY, f"http://127.0.0.1:{port}")
+    live.nodes[TINY] = cluster_fixture.NodeProc(TINY, f"http://127.0.0.1:{port}")
     wait_for(f"{TINY} to register", lambda: TINY in live_nodes(live), timeout_s=300)
-    plain = kvctl(live.redis_url, "drain", other, "--move-prefixes")["prefixes"]
+    plain = cluster_fixture.kvctl(live.redis_url, "drain", other, "--move-prefixes")["prefixes"]
     assert plain["prefixes_moved"] == 0 and plain["bytes_moved"] == 0, plain
     assert plain["chains"][0]["target"] == TINY and plain["chains"][0]["no_room"] is True, plain
     assert f"{TINY}: no room: 8 allocatable KV blocks here" in plain["degraded"], plain
@@ -155,12 +152,12 @@ def test_drain_moves_the_hot_prefix_then_degrades_without_room(live: LiveCluster
 
 
 def test_a_decode_node_drain_moves_its_prefix_to_the_other_decode_node(
-    live_2d: LiveCluster, cold: list[str]
+    live_2d: cluster_fixture.LiveCluster, cold: list[str]
 ) -> None:
     """On D the prefix saves the transfer: the decode node the router picks next gets it, and the next
     request's KV transfer sends only the blocks past it (D's reservation holds the moved blocks)."""
     live = live_2d
-    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    prefix_blocks = len(tokenize(cluster_fixture.model_path(), PREFIX, None)) // BS
     assert complete(live, PREFIX + QUESTIONS[0])["choices"][0]["text"] == cold[0]
     wait_for(
         "one decode node to hold the prefix", lambda: max(where(live, PREFIX).get(d, 0) for d in DECODE) > 0
@@ -170,7 +167,7 @@ def test_a_decode_node_drain_moves_its_prefix_to_the_other_decode_node(
     assert complete(live, PREFIX + QUESTIONS[1])["choices"][0]["text"] == cold[1]  # D holds its prefix: a hit
     assert where(live, PREFIX).get(other, 0) == 0
 
-    moved = kvctl(live.redis_url, "drain", holder, "--move-prefixes")["prefixes"]
+    moved = cluster_fixture.kvctl(live.redis_url, "drain", holder, "--move-prefixes")["prefixes"]
     assert moved["degraded"] is None and moved["chains"][0]["target"] == other, moved
     assert moved["chains"][0]["moved_blocks"] >= prefix_blocks - 1, moved
     wait_for(

@@ -18,17 +18,11 @@ import openai
 import pytest
 from openai.types.responses import Response
 from pdserve.shared.model.loader import load_tokenizer
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    model_path,
-    secret_file,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 KEY = "agent-api-key-1"
 AUTH = {"authorization": f"Bearer {KEY}"}
 QUESTION: Any = [{"role": "user", "content": "What is the capital of France?"}]
@@ -36,28 +30,28 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "requir
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    keys = secret_file(KEY)
-    with LiveCluster.start(
-        up_config(router_args=("--api-keys-file", keys, "--reasoning-parser", "qwen3"))
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    keys = cluster_fixture.secret_file(KEY)
+    with cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(router_args=("--api-keys-file", keys, "--reasoning-parser", "qwen3"))
     ) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def claude(live: LiveCluster) -> Iterator[anthropic.Anthropic]:
+def claude(live: cluster_fixture.LiveCluster) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=live.base, api_key=KEY, max_retries=0, timeout=120) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def oai(live: LiveCluster) -> Iterator[openai.OpenAI]:
+def oai(live: cluster_fixture.LiveCluster) -> Iterator[openai.OpenAI]:
     with live.openai(KEY) as c:
         yield c
 
 
 def test_anthropic_messages_multi_turn_and_stop_sequence(
-    live: LiveCluster, claude: anthropic.Anthropic
+    live: cluster_fixture.LiveCluster, claude: anthropic.Anthropic
 ) -> None:
     turns: Any = [
         {"role": "user", "content": "Hi!"},
@@ -87,7 +81,7 @@ def test_anthropic_messages_multi_turn_and_stop_sequence(
 
 
 def test_anthropic_stream_events_add_up_to_the_message(
-    live: LiveCluster, claude: anthropic.Anthropic
+    live: cluster_fixture.LiveCluster, claude: anthropic.Anthropic
 ) -> None:
     msg = claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=10, extra_body={"temperature": 0})
     kinds = []
@@ -127,7 +121,9 @@ def test_anthropic_count_tokens_equals_the_messages_input(claude: anthropic.Anth
     assert counted.input_tokens == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) > 5
 
 
-def test_anthropic_errors_in_anthropic_shape(live: LiveCluster, claude: anthropic.Anthropic) -> None:
+def test_anthropic_errors_in_anthropic_shape(
+    live: cluster_fixture.LiveCluster, claude: anthropic.Anthropic
+) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(model=MODEL, messages=QUESTION, max_tokens=5, extra_body={"temperature": 1.5})
     assert bad.value.status_code == 400 and "temperature" in str(bad.value.body)
@@ -145,7 +141,7 @@ def test_anthropic_errors_in_anthropic_shape(live: LiveCluster, claude: anthropi
     assert "max_tokens" in body["error"]["message"]
 
 
-def test_anthropic_client_leaving_mid_stream_frees_the_nodes(live: LiveCluster) -> None:
+def test_anthropic_client_leaving_mid_stream_frees_the_nodes(live: cluster_fixture.LiveCluster) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "stream": True, "temperature": 0}
     with httpx.stream(
         "POST", f"{live.base}/v1/messages", headers={"x-api-key": KEY}, json=body, timeout=120
@@ -186,7 +182,7 @@ def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     assert final.content and final.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 
-def test_responses_text_and_stream(live: LiveCluster, oai: openai.OpenAI) -> None:
+def test_responses_text_and_stream(live: cluster_fixture.LiveCluster, oai: openai.OpenAI) -> None:
     resp = oai.responses.create(
         model=MODEL,
         input="What is the capital of France?",
@@ -237,7 +233,9 @@ def test_responses_text_and_stream(live: LiveCluster, oai: openai.OpenAI) -> Non
     live.wait_clean()
 
 
-def test_responses_stateless_and_bad_input_are_400(live: LiveCluster, oai: openai.OpenAI) -> None:
+def test_responses_stateless_and_bad_input_are_400(
+    live: cluster_fixture.LiveCluster, oai: openai.OpenAI
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
     assert "stores no responses" in str(info.value)
@@ -272,8 +270,8 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
     assert final.output_text
 
 
-def test_tokenize_round_trip(live: LiveCluster) -> None:
-    tok = load_tokenizer(model_path())
+def test_tokenize_round_trip(live: cluster_fixture.LiveCluster) -> None:
+    tok = load_tokenizer(cluster_fixture.model_path())
     text = "Tokenize me, please: 1 + 1 = 2."
     r = httpx.post(
         f"{live.base}/tokenize", headers=AUTH, json={"model": MODEL, "prompt": text}, timeout=30
@@ -303,9 +301,11 @@ def test_tokenize_round_trip(live: LiveCluster) -> None:
     assert httpx.post(f"{live.base}/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
 
 
-def test_logit_bias_holds_on_prefill_and_decode(live: LiveCluster, oai: openai.OpenAI) -> None:
+def test_logit_bias_holds_on_prefill_and_decode(
+    live: cluster_fixture.LiveCluster, oai: openai.OpenAI
+) -> None:
     """P samples the first token and D the rest: a +100 bias makes every one of them the biased token."""
-    tok = load_tokenizer(model_path())
+    tok = load_tokenizer(cluster_fixture.model_path())
     target = tok.encode(" banana")[0]
     comp = oai.completions.create(
         model=MODEL,
@@ -342,7 +342,9 @@ def test_echo_and_echo_with_logprobs(oai: openai.OpenAI) -> None:
         oai.completions.create(model=MODEL, prompt="One", max_tokens=3, echo=True, logprobs=1)
 
 
-def test_reasoning_parser_and_template_kwargs_on_the_chat_path(live: LiveCluster, oai: openai.OpenAI) -> None:
+def test_reasoning_parser_and_template_kwargs_on_the_chat_path(
+    live: cluster_fixture.LiveCluster, oai: openai.OpenAI
+) -> None:
     """SmolLM2 does not think: with --reasoning-parser qwen3 wired in, its answer stays whole content, and a
     stream's deltas add up to it (tests/test_router_reasoning.py covers the split itself)."""
     body: dict[str, Any] = {

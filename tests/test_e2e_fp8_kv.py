@@ -25,15 +25,7 @@ from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.model_runner import BatchItem, ModelRunner
 from pdserve.shared.model.loader import load_model
 from pdserve.shared.types import KVLayout
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    generate_offline_lines,
-    kvctl,
-    model_path,
-    reference_texts,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +46,7 @@ def _generate(*args: str) -> list[list[int]]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl") as f:
         f.write("".join(json.dumps(p) + "\n" for p in PROMPTS))
         f.flush()
-        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", "48", *args)
+        lines = cluster_fixture.generate_offline_lines("--prompts-file", f.name, "--max-tokens", "48", *args)
     return [line["token_ids"] for line in lines]
 
 
@@ -72,12 +64,12 @@ def test_generate_with_an_fp8_cache_keeps_the_greedy_tokens_of_fp32() -> None:
 
 def test_teacher_forced_logits_over_an_fp8_cache() -> None:
     torch.set_num_threads(1)
-    loaded = load_model(model_path(), device=torch.device("cpu"), dtype=torch.float32)
+    loaded = load_model(cluster_fixture.model_path(), device=torch.device("cpu"), dtype=torch.float32)
     with open("docs/architecture.md", encoding="utf-8") as f:
         ids = loaded.tokenizer.encode(f.read()[:3000])[:160]
     logits = {}
     for kv in ("auto", "fp8"):
-        cfg = EngineConfig(model=model_path(), kv_cache_dtype=kv, max_model_len=256)
+        cfg = EngineConfig(model=cluster_fixture.model_path(), kv_cache_dtype=kv, max_model_len=256)
         runner = ModelRunner(loaded, cfg, 16, max_model_len=256)
         assert runner.kv_cache.dtype == (torch.float8_e4m3fn if kv == "fp8" else torch.float32)
         blocks = list(range(10))
@@ -90,16 +82,17 @@ def test_teacher_forced_logits_over_an_fp8_cache() -> None:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=1, decode=1, extra_node_args=FP8)) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=1, decode=1, extra_node_args=FP8)
 
 
-def test_a_pd_pair_at_fp8_serves_generates_text_and_moves_fp8_bytes(live: LiveCluster) -> None:
+def test_a_pd_pair_at_fp8_serves_generates_text_and_moves_fp8_bytes(
+    live: cluster_fixture.LiveCluster,
+) -> None:
     c = live.openai(timeout=300)
     prompts = [str(p["prompt"]) for p in PROMPTS if "prompt" in p][:2]
-    want = reference_texts([{"prompt": p} for p in prompts], 12, *FP8)
-    nodes = kvctl(live.redis_url, "nodes")
+    want = cluster_fixture.reference_texts([{"prompt": p} for p in prompts], 12, *FP8)
+    nodes = cluster_fixture.kvctl(live.redis_url, "nodes")
     (decode,) = [n["info"] for n in nodes["nodes"] if n["info"]["role"] == "decode"]
     layout = KVLayout(**decode["kv_layout"])
     assert layout.dtype == "float8_e4m3fn" and decode["quantization"] == "none"
@@ -109,7 +102,9 @@ def test_a_pd_pair_at_fp8_serves_generates_text_and_moves_fp8_bytes(live: LiveCl
     assert layout.layer_block_bytes * 4 == fp32_block  # a quarter of fp32's bytes, half of bf16's
     for prompt, text in zip(prompts, want, strict=True):
         before = live.metric("decode-0", "pdserve_kv_transfer_bytes_total", {"direction": "in"})
-        reply = c.completions.create(model=served_model_name(), prompt=prompt, max_tokens=12, temperature=0)
+        reply = c.completions.create(
+            model=cluster_fixture.served_model_name(), prompt=prompt, max_tokens=12, temperature=0
+        )
         assert reply.choices[0].text == text
         received = live.metric("decode-0", "pdserve_kv_transfer_bytes_total", {"direction": "in"}) - before
         assert reply.usage is not None

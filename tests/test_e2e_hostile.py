@@ -24,31 +24,27 @@ from pdserve.cli.up import free_port
 from pdserve.router.json_body import MAX_JSON_DEPTH
 from pdserve.router.openai_protocol import MAX_STOP_STRINGS
 from pdserve.shared.node.node_sign import signed
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness import openai_schema as schema
 from pdserve.tests.harness.chaos_faults import start_router
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl,
-    secret_file,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 KEYS = ("key-alpha", "key-beta", "key-fuzz")
 VOCAB = 49152  # SmolLM2's tokenizer
 RATE, BURST = 2.0, 3
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[tuple[LiveCluster, str]]:
+def live() -> Iterator[tuple[cluster_fixture.LiveCluster, str]]:
     """The cluster (its router takes KEYS) and the base URL of the rate-limited router."""
-    keys_file = secret_file("\n".join(KEYS))
+    keys_file = cluster_fixture.secret_file("\n".join(KEYS))
     keys = ("--api-keys-file", keys_file)
     limits = ("--rate-limit", str(RATE), "--rate-limit-burst", str(BURST))
-    with LiveCluster.start(up_config(prefill=0, decode=1, router_args=keys)) as cluster:
+    with cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(prefill=0, decode=1, router_args=keys)
+    ) as cluster:
         yield cluster, start_router(cluster, "router-limited", free_port(), *keys, *limits)
 
 
@@ -117,7 +113,7 @@ HOSTILE: list[tuple[str, str, bytes | dict[str, Any], int, str | None]] = [
 
 @pytest.mark.parametrize(("case", "path", "body", "status", "param"), HOSTILE, ids=[h[0] for h in HOSTILE])
 def test_hostile_input_gets_a_4xx_naming_the_problem(
-    live: tuple[LiveCluster, str],
+    live: tuple[cluster_fixture.LiveCluster, str],
     case: str,
     path: str,
     body: bytes | dict[str, Any],
@@ -131,14 +127,16 @@ def test_hostile_input_gets_a_4xx_naming_the_problem(
         assert err["param"] == param, err
 
 
-def test_the_cluster_is_healthy_and_clean_after_hostile_input(live: tuple[LiveCluster, str]) -> None:
+def test_the_cluster_is_healthy_and_clean_after_hostile_input(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
     cluster, _ = live
     assert post(cluster.base, "/v1/completions", CMPL).status_code == 200
     assert httpx.get(f"{cluster.base}/health", timeout=10).json()["status"] == "ok"
     cluster.wait_clean(timeout_s=30)
 
 
-def test_an_api_key_counts_only_as_a_bearer_token(live: tuple[LiveCluster, str]) -> None:
+def test_an_api_key_counts_only_as_a_bearer_token(live: tuple[cluster_fixture.LiveCluster, str]) -> None:
     cluster, _ = live
     for header in (KEYS[0], f"Basic {KEYS[0]}", "Bearer", f"Bearer {KEYS[0]}x", f"Bearer{KEYS[0]}"):
         r = httpx.post(
@@ -155,7 +153,7 @@ def test_an_api_key_counts_only_as_a_bearer_token(live: tuple[LiveCluster, str])
         assert r.status_code == 200, r.text
 
 
-def test_each_key_has_its_own_rate_limit(live: tuple[LiveCluster, str]) -> None:
+def test_each_key_has_its_own_rate_limit(live: tuple[cluster_fixture.LiveCluster, str]) -> None:
     """A bucket of BURST requests refilled at RATE/s per key. The requests are malformed on purpose: a key's
     token is taken before the body is read, so a 400 costs one too, without any model work."""
     _, limited = live
@@ -170,7 +168,9 @@ def test_each_key_has_its_own_rate_limit(live: tuple[LiveCluster, str]) -> None:
     assert post(limited, "/v1/completions", CMPL).status_code == 200
 
 
-def test_same_cache_salt_under_two_keys_shares_no_block(live: tuple[LiveCluster, str]) -> None:
+def test_same_cache_salt_under_two_keys_shares_no_block(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
     cluster, _ = live
     node = next(iter(cluster.nodes))
     prompt = " ".join(f"Clause {i}: the tenant keeps number {i} in repair." for i in range(12))  # > 4 blocks
@@ -312,13 +312,15 @@ PROPERTY = settings(
 
 @PROPERTY
 @given(body=bodies("CreateCompletionRequest"))
-def test_no_completions_body_gets_a_5xx(live: tuple[LiveCluster, str], body: dict[str, Any]) -> None:
+def test_no_completions_body_gets_a_5xx(
+    live: tuple[cluster_fixture.LiveCluster, str], body: dict[str, Any]
+) -> None:
     check_no_5xx(live[0].base, "/v1/completions", body, "CreateCompletionResponse")
 
 
 @PROPERTY
 @given(body=bodies("CreateChatCompletionRequest"))
-def test_no_chat_body_gets_a_5xx(live: tuple[LiveCluster, str], body: dict[str, Any]) -> None:
+def test_no_chat_body_gets_a_5xx(live: tuple[cluster_fixture.LiveCluster, str], body: dict[str, Any]) -> None:
     check_no_5xx(live[0].base, "/v1/chat/completions", body, "CreateChatCompletionResponse")
 
 
@@ -329,7 +331,7 @@ def test_no_chat_body_gets_a_5xx(live: tuple[LiveCluster, str], body: dict[str, 
     include_usage=st.booleans(),
 )
 def test_no_streamed_body_gets_a_server_error(
-    live: tuple[LiveCluster, str], path: str, data: st.DataObject, include_usage: bool
+    live: tuple[cluster_fixture.LiveCluster, str], path: str, data: st.DataObject, include_usage: bool
 ) -> None:
     """Streamed: refused with a 4xx before the stream starts, or a 200 stream of chunks ending in [DONE];
     never a 5xx, nor a server error sent as an event once the 200 is out."""
@@ -350,7 +352,7 @@ def test_no_streamed_body_gets_a_server_error(
         assert chunk.get("error", {}).get("type") != "server_error", (body, chunk)
 
 
-def test_the_cluster_is_clean_after_the_property_run(live: tuple[LiveCluster, str]) -> None:
+def test_the_cluster_is_clean_after_the_property_run(live: tuple[cluster_fixture.LiveCluster, str]) -> None:
     live[0].wait_clean(timeout_s=30)
 
 
@@ -370,7 +372,9 @@ NODE_ROUTES = [
 ]
 
 
-def test_node_routes_refuse_a_caller_without_the_cluster_credential(live: tuple[LiveCluster, str]) -> None:
+def test_node_routes_refuse_a_caller_without_the_cluster_credential(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
     """Every route answers 401 before its code runs (the body would be a valid evict of everything), to no
     header, a wrong token and the token without its scheme; health and metrics stay open."""
     cluster, _ = live
@@ -390,12 +394,21 @@ def test_node_routes_refuse_a_caller_without_the_cluster_credential(live: tuple[
     assert post(cluster.base, "/v1/completions", CMPL).status_code == 200  # the router holds the credential
 
 
-def test_kvctl_with_the_credential_still_evicts_drains_and_undrains(live: tuple[LiveCluster, str]) -> None:
+def test_kvctl_with_the_credential_still_evicts_drains_and_undrains(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
     cluster, _ = live
     node = next(iter(cluster.nodes))
-    assert kvctl(cluster.redis_url, "evict", "--node", node, "--all")["node_reply"]["ok"] is True
-    assert kvctl(cluster.redis_url, "drain", node)["node_reply"]["draining"] is True
-    assert kvctl(cluster.redis_url, "undrain", node, "--url", cluster.nodes[node].url)["draining"] is False
+    assert (
+        cluster_fixture.kvctl(cluster.redis_url, "evict", "--node", node, "--all")["node_reply"]["ok"] is True
+    )
+    assert cluster_fixture.kvctl(cluster.redis_url, "drain", node)["node_reply"]["draining"] is True
+    assert (
+        cluster_fixture.kvctl(cluster.redis_url, "undrain", node, "--url", cluster.nodes[node].url)[
+            "draining"
+        ]
+        is False
+    )
     deadline = time.monotonic() + 30
     while (r := post(cluster.base, "/v1/completions", CMPL)).status_code != 200:
         assert time.monotonic() < deadline, r.text  # the router sees the node again within its node-list TTL

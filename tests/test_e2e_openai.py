@@ -16,18 +16,12 @@ import httpx
 import openai
 import pytest
 from pdserve.shared.model.loader import load_tokenizer
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness import openai_schema as schema
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    generate_offline,
-    model_path,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 LONG_PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
     "movable metal type, oil-based ink and a wooden screw press. Within a few decades, print shops had "
@@ -38,18 +32,17 @@ LONG_PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config()) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster()
 
 
 @pytest.fixture(scope="module")
-def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
+def client(live: cluster_fixture.LiveCluster) -> Iterator[openai.OpenAI]:
     with live.openai() as c:
         yield c
 
 
-def sse(live: LiveCluster, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+def sse(live: cluster_fixture.LiveCluster, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The data objects of one streamed response (raw bytes, no client library), up to [DONE]."""
     chunks: list[dict[str, Any]] = []
     with httpx.stream("POST", f"{live.base}{path}", json=body, timeout=120) as r:
@@ -65,7 +58,7 @@ def sse(live: LiveCluster, path: str, body: dict[str, Any]) -> list[dict[str, An
     raise AssertionError(f"stream ended without [DONE] after {len(chunks)} chunks")
 
 
-def test_openai_client_chat_and_completions(live: LiveCluster, client: openai.OpenAI) -> None:
+def test_openai_client_chat_and_completions(live: cluster_fixture.LiveCluster, client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
@@ -93,7 +86,7 @@ def test_openai_client_chat_and_completions(live: LiveCluster, client: openai.Op
     live.wait_clean()
 
 
-def test_every_body_and_chunk_matches_openai_schemas(live: LiveCluster) -> None:
+def test_every_body_and_chunk_matches_openai_schemas(live: cluster_fixture.LiveCluster) -> None:
     chat: dict[str, Any] = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Name a colour."}],
@@ -124,9 +117,11 @@ def test_every_body_and_chunk_matches_openai_schemas(live: LiveCluster) -> None:
     live.wait_clean()
 
 
-def test_greedy_pd_equals_offline_engine(live: LiveCluster) -> None:
+def test_greedy_pd_equals_offline_engine(live: cluster_fixture.LiveCluster) -> None:
     """KV computed on P and shipped to D continues exactly as on one engine: same tokens, same logprobs."""
-    offline = generate_offline("--prompt", LONG_PROMPT, "--max-tokens", "24", "--logprobs", "0")
+    offline = cluster_fixture.generate_offline(
+        "--prompt", LONG_PROMPT, "--max-tokens", "24", "--logprobs", "0"
+    )
     assert len(offline["prompt_token_ids"]) > 64, "the prompt must span several KV blocks"
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 0}
     r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120)
@@ -143,9 +138,9 @@ def test_greedy_pd_equals_offline_engine(live: LiveCluster) -> None:
     live.wait_clean()
 
 
-def test_seeded_sampling_pd_equals_offline_engine(live: LiveCluster) -> None:
+def test_seeded_sampling_pd_equals_offline_engine(live: cluster_fixture.LiveCluster) -> None:
     messages = [{"role": "user", "content": "Write one sentence about the sea."}]
-    offline = generate_offline(
+    offline = cluster_fixture.generate_offline(
         "--messages",
         json.dumps(messages),
         "--max-tokens",
@@ -199,9 +194,9 @@ BAD_REQUESTS = [
 ]
 
 
-def test_min_tokens_holds_back_a_stop_token_from_prefill_to_decode(live: LiveCluster) -> None:
+def test_min_tokens_holds_back_a_stop_token_from_prefill_to_decode(live: cluster_fixture.LiveCluster) -> None:
     """The first token is sampled on P, the rest on D: min_tokens must hold a stop token back on both."""
-    tokenizer = load_tokenizer(model_path())
+    tokenizer = load_tokenizer(cluster_fixture.model_path())
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
     first = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     (stop_id,) = tokenizer.encode(first, False)
@@ -249,7 +244,7 @@ def test_chat_options_through_the_openai_client(client: openai.OpenAI) -> None:
     ("path", "body", "status", "param"), [b[1:] for b in BAD_REQUESTS], ids=[b[0] for b in BAD_REQUESTS]
 )
 def test_bad_input_gets_openai_errors(
-    live: LiveCluster, path: str, body: bytes | dict[str, Any], status: int, param: str | None
+    live: cluster_fixture.LiveCluster, path: str, body: bytes | dict[str, Any], status: int, param: str | None
 ) -> None:
     if isinstance(body, bytes):
         r = httpx.post(f"{live.base}{path}", content=body, headers={"content-type": "application/json"})
@@ -274,12 +269,12 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
     assert exc.value.status_code == 400
 
 
-def _generated(live: LiveCluster) -> float:
+def _generated(live: cluster_fixture.LiveCluster) -> float:
     return live.metric("decode-0", "pdserve_node_generation_tokens_total")
 
 
 @pytest.mark.parametrize("leave_after_chunks", [3, 0], ids=["while-decoding", "while-prefilling"])
-def test_client_disconnect_frees_blocks(live: LiveCluster, leave_after_chunks: int) -> None:
+def test_client_disconnect_frees_blocks(live: cluster_fixture.LiveCluster, leave_after_chunks: int) -> None:
     """A client that goes away mid-stream (or before its first token) frees every block on P and D."""
     prompt = LONG_PROMPT * (1 if leave_after_chunks else 4)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True}

@@ -25,22 +25,16 @@ from pdserve.shared.index.block_index_types import NodeStatus, RedisConfig
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult
 from pdserve.shared.node.node_sign import ClusterKeys, signed
 from pdserve.shared.types import RequestId
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    NodeProc,
-    kvctl,
-    node_argv,
-    stopped_on_failure,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
+def live() -> Iterator[cluster_fixture.LiveCluster]:
     """Redis, a prefill node with token A, and a decode node with token B in a cluster of its own."""
     cluster = Cluster(auth_token="token-a")
-    with stopped_on_failure(cluster):
+    with cluster_fixture.stopped_on_failure(cluster):
         redis_url = start_redis(cluster)
         nodes = {}
         for role, token, extra in (
@@ -48,18 +42,18 @@ def live() -> Iterator[LiveCluster]:
             ("decode", "token-b", ("--cluster", "isolated")),
         ):
             name, port = f"{role}-0", free_port()
-            cluster.spawn(name, node_argv(role, name, port, redis_url, token, *extra))
-            nodes[name] = NodeProc(name, f"http://127.0.0.1:{port}", token)
+            cluster.spawn(name, cluster_fixture.node_argv(role, name, port, redis_url, token, *extra))
+            nodes[name] = cluster_fixture.NodeProc(name, f"http://127.0.0.1:{port}", token)
         for node in nodes.values():
             cluster.wait_http(f"{node.url}/internal/health", timeout_s=300)
-        live = LiveCluster(cluster, "", redis_url, nodes)
+        live = cluster_fixture.LiveCluster(cluster, "", redis_url, nodes)
     try:
         yield live
     finally:
         live.stop()
 
 
-def test_transfer_handshake_with_another_token_fails_cleanly(live: LiveCluster) -> None:
+def test_transfer_handshake_with_another_token_fails_cleanly(live: cluster_fixture.LiveCluster) -> None:
     """The prefill node asked directly, as the router would: its transfer to D fails the HMAC challenge."""
 
     async def isolated() -> list[
@@ -88,24 +82,30 @@ def test_transfer_handshake_with_another_token_fails_cleanly(live: LiveCluster) 
 
 
 @pytest.fixture(scope="module")
-def block_size_32(live: LiveCluster) -> tuple[int, str]:
+def block_size_32(live: cluster_fixture.LiveCluster) -> tuple[int, str]:
     """Starts a decode node with --block-size 32 beside the block-size-16 nodes; its exit code and log."""
-    argv = node_argv("decode", "decode-bs32", free_port(), live.redis_url, "token-a", "--block-size", "32")
-    proc = live.cluster.spawn("decode-bs32", argv)
+    return refused_node(live, "decode-bs32", "--block-size", "32")
+
+
+def refused_node(live: cluster_fixture.LiveCluster, name: str, *extra: str) -> tuple[int, str]:
+    """Starts decode node `name` with `extra` arguments beside the cluster's nodes and waits for it to exit
+    (failing the test if it keeps running); its exit code and log."""
+    argv = cluster_fixture.node_argv("decode", name, free_port(), live.redis_url, "token-a", *extra)
+    proc = live.cluster.spawn(name, argv)
     try:
         proc.wait(timeout=300)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"a node with block size 32 kept running:\n{live.log('decode-bs32')[-2000:]}")
-    return proc.returncode, live.log("decode-bs32")
+        pytest.fail(f"node {name} ({' '.join(extra)}) kept running:\n{live.log(name)[-2000:]}")
+    return proc.returncode, live.log(name)
 
 
 def test_incompatible_block_size_is_refused_at_registration(
-    live: LiveCluster, block_size_32: tuple[int, str]
+    live: cluster_fixture.LiveCluster, block_size_32: tuple[int, str]
 ) -> None:
     returncode, log = block_size_32
     assert returncode != 0
     assert "IncompatibleNode" in log and "refused by cluster" in log, log[-2000:]
-    listed = [n["info"]["node_id"] for n in kvctl(live.redis_url, "nodes")["nodes"]]
+    listed = [n["info"]["node_id"] for n in cluster_fixture.kvctl(live.redis_url, "nodes")["nodes"]]
     assert "decode-bs32" not in listed
 
 
@@ -115,20 +115,14 @@ def test_block_size_refusal_names_the_field(block_size_32: tuple[int, str]) -> N
     assert "block_size is 32" in refusal, refusal
 
 
-def test_a_decode_node_with_another_kv_dtype_is_refused_at_registration(live: LiveCluster) -> None:
+def test_a_decode_node_with_another_kv_dtype_is_refused_at_registration(
+    live: cluster_fixture.LiveCluster,
+) -> None:
     """A decode node with an FP8 cache beside a prefill node with fp32's: the index's cluster record refuses
     it before it serves, in one line naming the field and both dtypes."""
-    argv = node_argv(
-        "decode", "decode-fp8", free_port(), live.redis_url, "token-a", "--kv-cache-dtype", "fp8"
-    )
-    proc = live.cluster.spawn("decode-fp8", argv)
-    try:
-        proc.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a node with an FP8 cache kept running:\n{live.log('decode-fp8')[-2000:]}")
-    log = live.log("decode-fp8")
-    assert proc.returncode != 0
+    returncode, log = refused_node(live, "decode-fp8", "--kv-cache-dtype", "fp8")
+    assert returncode != 0
     refusal = next(line for line in log.splitlines() if "refused by cluster" in line)
     assert "kv_layout.dtype is float8_e4m3fn on the node but float32 on the live nodes" in refusal, refusal
-    listed = [n["info"]["node_id"] for n in kvctl(live.redis_url, "nodes")["nodes"]]
+    listed = [n["info"]["node_id"] for n in cluster_fixture.kvctl(live.redis_url, "nodes")["nodes"]]
     assert "decode-fp8" not in listed

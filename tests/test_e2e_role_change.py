@@ -18,20 +18,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl,
-    reference_texts,
-    run_cli,
-    sample,
-    secret_file,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 PREFIX = " ".join(
     f"Rule {i}: the keeper of lighthouse number {i} lights the lamp at dusk and logs the ships on day {i}."
     for i in range(1, 15)
@@ -49,13 +40,12 @@ MIGRATE_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=2, decode=1)) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=2, decode=1)
 
 
 @pytest.fixture(scope="module")
-def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
+def client(live: cluster_fixture.LiveCluster) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{live.base}/v1", api_key="unused", max_retries=0, timeout=300) as c:
         yield c
 
@@ -63,18 +53,24 @@ def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
 @pytest.fixture(scope="module")
 def reference() -> dict[str, str]:
     prompts = [PREFIX + q for q in QUESTIONS]
-    return dict(zip(prompts, reference_texts([{"prompt": p} for p in prompts], MAX_TOKENS), strict=True))
+    return dict(
+        zip(
+            prompts,
+            cluster_fixture.reference_texts([{"prompt": p} for p in prompts], MAX_TOKENS),
+            strict=True,
+        )
+    )
 
 
-def kvctl_fails(live: LiveCluster, *args: str) -> str:
+def kvctl_fails(live: cluster_fixture.LiveCluster, *args: str) -> str:
     """Runs kvctl expecting a failure; returns its one line of stderr."""
-    done = run_cli(
+    done = cluster_fixture.run_cli(
         "pdserve.kvctl.cli",
         *args,
         "--redis",
         live.redis_url,
         "--auth-token-file",
-        secret_file(live.auth_token),
+        cluster_fixture.secret_file(live.auth_token),
     )
     assert done.returncode != 0, f"kvctl {args} succeeded: {done.stdout}"
     lines = done.stderr.strip().splitlines()
@@ -82,8 +78,8 @@ def kvctl_fails(live: LiveCluster, *args: str) -> str:
     return lines[0]
 
 
-def nodes(live: LiveCluster) -> dict[str, dict[str, Any]]:
-    return {n["info"]["node_id"]: n for n in kvctl(live.redis_url, "nodes")["nodes"]}
+def nodes(live: cluster_fixture.LiveCluster) -> dict[str, dict[str, Any]]:
+    return {n["info"]["node_id"]: n for n in cluster_fixture.kvctl(live.redis_url, "nodes")["nodes"]}
 
 
 def stream(
@@ -117,17 +113,17 @@ def streams_across(
     return out
 
 
-def router_migrations(live: LiveCluster) -> float:
+def router_migrations(live: cluster_fixture.LiveCluster) -> float:
     text = httpx.get(f"{live.base}/metrics", timeout=10).text
-    return sample(text, "pdserve_router_aborts_total", {"reason": "migrated"})
+    return cluster_fixture.sample(text, "pdserve_router_aborts_total", {"reason": "migrated"})
 
 
-def holder_of_prefix(live: LiveCluster) -> str:
+def holder_of_prefix(live: cluster_fixture.LiveCluster) -> str:
     deadline = time.monotonic() + 10
     while True:
         where = {
             r["node_id"]: r["prefix_blocks"]
-            for r in kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]
+            for r in cluster_fixture.kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]
         }
         holders = [n for n in ("prefill-0", "prefill-1") if where.get(n, 0) >= 16]
         if holders or time.monotonic() > deadline:
@@ -137,19 +133,19 @@ def holder_of_prefix(live: LiveCluster) -> str:
     return holders[0]
 
 
-def test_emptying_a_role_is_refused(live: LiveCluster) -> None:
+def test_emptying_a_role_is_refused(live: cluster_fixture.LiveCluster) -> None:
     line = kvctl_fails(live, "role", "decode-0", "prefill")
     assert "decode-0" in line and "--force" in line, line
     assert nodes(live)["decode-0"]["info"]["role"] == "decode"
 
 
-def test_a_bad_role_name_is_refused(live: LiveCluster) -> None:
+def test_a_bad_role_name_is_refused(live: cluster_fixture.LiveCluster) -> None:
     line = kvctl_fails(live, "role", "prefill-0", "router")
     assert "router" in line and "prefill" in line and "decode" in line and "single" in line, line
 
 
 def test_a_prefix_holder_changes_role_and_keeps_its_cache(
-    live: LiveCluster, client: openai.OpenAI, reference: dict[str, str]
+    live: cluster_fixture.LiveCluster, client: openai.OpenAI, reference: dict[str, str]
 ) -> None:
     prompts = list(reference)
     first = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0)
@@ -160,25 +156,32 @@ def test_a_prefix_holder_changes_role_and_keeps_its_cache(
 
     replies: list[dict[str, Any]] = []
     texts = streams_across(
-        client, prompts[1:3], lambda: replies.append(kvctl(live.redis_url, "role", holder, "decode"))
+        client,
+        prompts[1:3],
+        lambda: replies.append(cluster_fixture.kvctl(live.redis_url, "role", holder, "decode")),
     )
     assert texts == {p: reference[p] for p in prompts[1:3]}
     assert replies[0]["role"] == "decode" and replies[0]["from_role"] == "prefill", replies
     after = nodes(live)[holder]
     assert after["info"]["role"] == "decode" and after["info"]["epoch"] > before["info"]["epoch"], after
     assert not after["draining"]
-    where = {r["node_id"]: r for r in kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]}
+    where = {
+        r["node_id"]: r for r in cluster_fixture.kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]
+    }
     assert where[holder]["prefix_blocks"] >= 16 and where[holder]["role"] == "decode", where
 
     # decode-0 took the prefix's KV from P, and the streams above put it on the other prefill node too:
     # evicted there, the changed node is the only holder left, so a hit can only be its kept cache
     others = [n for n in live.nodes if n != holder]
     for node in others:
-        kvctl(live.redis_url, "evict", "--node", node, "--prompt", PREFIX)
+        cluster_fixture.kvctl(live.redis_url, "evict", "--node", node, "--prompt", PREFIX)
     deadline = time.monotonic() + 10
     while any(where[n]["prefix_blocks"] for n in others) and time.monotonic() < deadline:
         time.sleep(0.2)
-        where = {r["node_id"]: r for r in kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]}
+        where = {
+            r["node_id"]: r
+            for r in cluster_fixture.kvctl(live.redis_url, "where", "--prompt", PREFIX)["nodes"]
+        }
     assert not any(where[n]["prefix_blocks"] for n in others), where
     hits_before = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"})
     reply = client.completions.create(model=MODEL, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0)
@@ -194,19 +197,27 @@ def test_a_prefix_holder_changes_role_and_keeps_its_cache(
     live.wait_clean()
 
 
-def test_migrate_moves_its_decodes_to_the_other_decode_node(live: LiveCluster, client: openai.OpenAI) -> None:
+def test_migrate_moves_its_decodes_to_the_other_decode_node(
+    live: cluster_fixture.LiveCluster, client: openai.OpenAI
+) -> None:
     """After the test above two nodes decode; the changed one goes back to prefill with --migrate while
     long streams decode on it: they finish elsewhere (the router migrates them) with their greedy text."""
     changed = next(
         n for n, s in nodes(live).items() if n.startswith("prefill") and s["info"]["role"] == "decode"
     )
     prompts = [PREFIX + q for q in QUESTIONS[2:5]]
-    want = dict(zip(prompts, reference_texts([{"prompt": p} for p in prompts], MIGRATE_TOKENS), strict=True))
+    want = dict(
+        zip(
+            prompts,
+            cluster_fixture.reference_texts([{"prompt": p} for p in prompts], MIGRATE_TOKENS),
+            strict=True,
+        )
+    )
     migrated = router_migrations(live)
     texts = streams_across(
         client,
         prompts,
-        lambda: kvctl(live.redis_url, "role", changed, "prefill", "--migrate"),
+        lambda: cluster_fixture.kvctl(live.redis_url, "role", changed, "prefill", "--migrate"),
         MIGRATE_TOKENS,
     )
     assert texts == want

@@ -19,19 +19,13 @@ import httpx
 import pytest
 import redis
 from pdserve.cli.up import free_port
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness.chaos_faults import SMALL_KV, start_router
 from pdserve.tests.harness.chaos_load import Outcome, send
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    reference_texts,
-    sample,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 CAP = 4
 MAX_TOKENS = 12
 LEASE_TTL_S = 3.0
@@ -40,9 +34,9 @@ PROMPTS = [f"Write one short sentence about the number {i}." for i in range(20)]
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[tuple[LiveCluster, list[str]]]:
-    with LiveCluster.start(
-        up_config(prefill=1, decode=1, extra_node_args=SMALL_KV, router_args=FLEET)
+def fleet() -> Iterator[tuple[cluster_fixture.LiveCluster, list[str]]]:
+    with cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(prefill=1, decode=1, extra_node_args=SMALL_KV, router_args=FLEET)
     ) as live:
         bases = [live.base] + [start_router(live, f"router-{i}", free_port(), *FLEET) for i in (2, 3)]
         yield live, bases
@@ -51,7 +45,7 @@ def fleet() -> Iterator[tuple[LiveCluster, list[str]]]:
 class Sampler:
     """Samples every node's running + waiting gauges and the leases Redis holds per node until stopped."""
 
-    def __init__(self, live: LiveCluster) -> None:
+    def __init__(self, live: cluster_fixture.LiveCluster) -> None:
         self.live = live
         self.node_max: dict[str, float] = {}
         self.lease_max: dict[str, int] = {}
@@ -73,7 +67,7 @@ class Sampler:
         while not self._stop.is_set():
             for name, node in list(self.live.nodes.items()):
                 text = httpx.get(f"{node.url}/metrics", timeout=10).text
-                held = sample(text, "pdserve_node_running_requests") + sample(
+                held = cluster_fixture.sample(text, "pdserve_node_running_requests") + cluster_fixture.sample(
                     text, "pdserve_node_waiting_requests"
                 )
                 self.node_max[name] = max(self.node_max.get(name, 0.0), held)
@@ -91,10 +85,16 @@ def live_leases(client: redis.Redis, node: str) -> list[str]:
 
 
 def test_three_routers_hold_the_cap_for_the_fleet_and_a_killed_routers_leases_expire(
-    fleet: tuple[LiveCluster, list[str]],
+    fleet: tuple[cluster_fixture.LiveCluster, list[str]],
 ) -> None:
     live, bases = fleet
-    want = dict(zip(PROMPTS, reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS), strict=True))
+    want = dict(
+        zip(
+            PROMPTS,
+            cluster_fixture.reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS),
+            strict=True,
+        )
+    )
     outcomes: list[tuple[int, Outcome]] = []
     client = httpx.Client(timeout=300)
 

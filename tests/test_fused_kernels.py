@@ -1,24 +1,16 @@
 """Fused Triton kernels (add + RMSNorm, RoPE + KV write, SiLU x up) against their torch reference twins,
 on CPU tensors under the Triton interpreter, and a whole decoder through them against the reference ops.
 
-As in tests/test_triton_kernels.py, TRITON_INTERPRET=1 is set before triton is first imported, handed
-to triton's in-process knob and removed from the environment; tests/conftest.py installs the numpy >= 2.4
-interpreter fix. Unwritten cache slots hold a large value, so a write to the wrong slot shows.
+tests/harness/triton_interpreter.py switches the interpreter on; tests/conftest.py installs the
+numpy >= 2.4 interpreter fix. Unwritten cache slots hold a large value, so a write to the wrong slot shows.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-
-if torch.cuda.is_available():  # the interpreter would stay on for every kernel test after this one
-    pytest.skip("interpreter only; the GPU modules test the compiled kernels", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-
-import triton
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_fused import _rms_norm_kernel
@@ -26,12 +18,10 @@ from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.dummy_weights import fill_dummy_weights
 from pdserve.shared.model.model import LlamaModel, rope_inv_freq
 from pdserve.shared.model.model_config import NAMED_SHAPES
+from pdserve.tests.harness import triton_interpreter  # noqa: F401  (the interpreter, or a skip on CUDA)
 from triton.runtime.interpreter import InterpretedFunction
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
-
-triton.knobs.runtime.interpret = True
-del os.environ["TRITON_INTERPRET"]
 
 
 REF = ReferenceOps()

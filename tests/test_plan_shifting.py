@@ -20,20 +20,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from pdserve.cli.up import free_port
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness.chaos_load import Load, Outcome
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl_main,
-    reference_texts,
-    sample,
-    secret_file,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 GOODS = ("tin", "rope", "salt", "glass", "wool", "corn", "iron", "silk", "oil", "clay", "tea", "ink")
 LONG = [
     f"Report {i}. " + " ".join(f"Item {i}.{j}: gate {j} shipped {i * j} crates of {w}." for j in range(1, 22))
@@ -50,23 +42,27 @@ MEASURED = 6
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, str]:
-    long = reference_texts([{"prompt": p} for p in LONG], LONG_TOKENS, "--ignore-eos")
-    short = reference_texts([{"prompt": p} for p in SHORT], SHORT_TOKENS, "--ignore-eos")
+    long = cluster_fixture.reference_texts([{"prompt": p} for p in LONG], LONG_TOKENS, "--ignore-eos")
+    short = cluster_fixture.reference_texts([{"prompt": p} for p in SHORT], SHORT_TOKENS, "--ignore-eos")
     return dict(zip(LONG + SHORT, long + short, strict=True))
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=2, decode=2)) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=2, decode=2)
 
 
-def roles(live: LiveCluster) -> dict[str, str]:
-    return {n["info"]["node_id"]: n["info"]["role"] for n in kvctl_main(live.redis_url, "nodes")["nodes"]}
+def roles(live: cluster_fixture.LiveCluster) -> dict[str, str]:
+    return {
+        n["info"]["node_id"]: n["info"]["role"]
+        for n in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]
+    }
 
 
 def planner_metric(port: int, name: str, labels: dict[str, str] | None = None) -> float:
-    return sample(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, name, labels)
+    return cluster_fixture.sample(
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, name, labels
+    )
 
 
 def wait_for(predicate: object, timeout_s: float, what: str) -> None:
@@ -90,7 +86,7 @@ def goodput(outcomes: list[Outcome]) -> tuple[float, int]:
 
 
 def run_phase(
-    live: LiveCluster, prompts: list[str], max_tokens: int, until: object, timeout_s: float
+    live: cluster_fixture.LiveCluster, prompts: list[str], max_tokens: int, until: object, timeout_s: float
 ) -> list[Outcome]:
     workers = 4 if max_tokens > LONG_TOKENS else 3
     sampling = {"temperature": 0, "ignore_eos": True}  # every output its full length: the mix is what it says
@@ -110,13 +106,15 @@ def check(outcomes: list[Outcome], references: dict[str, str]) -> None:
     assert not wrong, f"texts differ from the greedy reference: {wrong}"
 
 
-def test_the_planner_moves_roles_with_a_shifting_mix(references: dict[str, str], live: LiveCluster) -> None:
+def test_the_planner_moves_roles_with_a_shifting_mix(
+    references: dict[str, str], live: cluster_fixture.LiveCluster
+) -> None:
     port = free_port()
     log_path = os.path.join(live.cluster.workdir, "plan.log")
     with open(log_path, "wb") as log:
         planner = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", "plan", "--router-url", live.base,
-             "--redis", live.redis_url, "--auth-token-file", secret_file(live.auth_token),
+             "--redis", live.redis_url, "--auth-token-file", cluster_fixture.secret_file(live.auth_token),
              "--watch", "2", "--window", "6", "--dwell", "20", "--stabilize", "5", "--apply",
              "--metrics-port", str(port),
              "--ttft-slo-ms", str(TTFT_SLO_S * 1000), "--tpot-slo-ms", str(TPOT_SLO_S * 1000)],
@@ -165,7 +163,7 @@ def test_the_planner_moves_roles_with_a_shifting_mix(references: dict[str, str],
     for node, role in (("decode-0", "decode"), ("decode-1", "decode"), ("prefill-0", "prefill"),
                        ("prefill-1", "prefill")):  # fmt: skip
         if roles(live)[node] != role:
-            kvctl_main(live.redis_url, "role", node, role)
+            cluster_fixture.kvctl_main(live.redis_url, "role", node, role)
     fixed = run_phase(live, SHORT, SHORT_TOKENS, lambda outs: len(outs) >= MEASURED, 150)
     check(fixed, references)
     planned_goodput, planned_met = goodput(measured[:MEASURED])

@@ -32,19 +32,11 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, PrefillResult, StepOutput
 from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import NodeId, RequestId
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    generate_offline_lines,
-    kvctl_main,
-    model_path,
-    sample,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 PREFILL = ("prefill-0", "prefill-1")
 DECODE = "decode-0"
 PREFIX = " ".join(
@@ -57,9 +49,9 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(
-        up_config(prefill=2, decode=1, extra_node_args=("--kv-cache-gib", "0.125"))
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    with cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(prefill=2, decode=1, extra_node_args=("--kv-cache-gib", "0.125"))
     ) as cluster:
         yield cluster
 
@@ -70,7 +62,7 @@ def cold() -> list[str]:
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.write("".join(json.dumps({"prompt": PREFIX + q}) + "\n" for q in QUESTIONS))
     try:
-        lines = generate_offline_lines(
+        lines = cluster_fixture.generate_offline_lines(
             "--prompts-file", f.name, "--max-tokens", str(MAX_TOKENS), "--kv-cache-gib", "0.125"
         )
     finally:
@@ -78,7 +70,7 @@ def cold() -> list[str]:
     return [line["text"] for line in lines]
 
 
-def complete(live: LiveCluster, prompt: str) -> dict[str, Any]:
+def complete(live: cluster_fixture.LiveCluster, prompt: str) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
     r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
@@ -86,7 +78,7 @@ def complete(live: LiveCluster, prompt: str) -> dict[str, Any]:
     return reply
 
 
-def prefill_line(live: LiveCluster, node: str, rid: str) -> tuple[int, int, int, int, int]:
+def prefill_line(live: cluster_fixture.LiveCluster, node: str, rid: str) -> tuple[int, int, int, int, int]:
     """(prompt tokens, cached, fetched, held on D, blocks sent) from the prefill node's log line."""
     pattern = re.compile(
         rf"prefill {re.escape(rid)}: (\d+) tokens, (\d+) cached here \((\d+) fetched\), (\d+) held on D, "
@@ -98,12 +90,14 @@ def prefill_line(live: LiveCluster, node: str, rid: str) -> tuple[int, int, int,
     return a, b, c, d, e
 
 
-def where(live: LiveCluster, prompt: str) -> dict[str, int]:
-    rows = kvctl_main(live.redis_url, "where", "--prompt", prompt)["nodes"]
+def where(live: cluster_fixture.LiveCluster, prompt: str) -> dict[str, int]:
+    rows = cluster_fixture.kvctl_main(live.redis_url, "where", "--prompt", prompt)["nodes"]
     return {r["node_id"]: r["prefix_blocks"] for r in rows}
 
 
-def wait_where(live: LiveCluster, prompt: str, want: dict[str, int], timeout_s: float = 15.0) -> None:
+def wait_where(
+    live: cluster_fixture.LiveCluster, prompt: str, want: dict[str, int], timeout_s: float = 15.0
+) -> None:
     """Waits until the index shows at least (or, for 0, exactly) `want` prefix blocks per node."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -114,16 +108,20 @@ def wait_where(live: LiveCluster, prompt: str, want: dict[str, int], timeout_s: 
         time.sleep(0.2)
 
 
-def evict(live: LiveCluster, node: str, hashes: list[bytes] | None) -> None:
+def evict(live: cluster_fixture.LiveCluster, node: str, hashes: list[bytes] | None) -> None:
     body: dict[str, Any] = {"all": True} if hashes is None else {"block_hashes": [h.hex() for h in hashes]}
     r = httpx.post(f"{live.nodes[node].url}/internal/evict", json=body, auth=signed(live.auth_token))
     r.raise_for_status()
 
 
-def placed_on(live: LiveCluster, node: str, prompt_ids: list[int], holder: str, blocks: int) -> str:
+def placed_on(
+    live: cluster_fixture.LiveCluster, node: str, prompt_ids: list[int], holder: str, blocks: int
+) -> str:
     """Runs one request as the router would on (node, DECODE), naming `holder` as holding `blocks` prefix
     blocks; returns D's text."""
-    statuses = {s["info"]["node_id"]: s["info"] for s in kvctl_main(live.redis_url, "nodes")["nodes"]}
+    statuses = {
+        s["info"]["node_id"]: s["info"] for s in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]
+    }
     rid = RequestId(f"fetch-{uuid.uuid4().hex[:8]}")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     deadline = time.time() + 600
@@ -154,7 +152,7 @@ def placed_on(live: LiveCluster, node: str, prompt_ids: list[int], holder: str, 
     return "".join(s.text for s in steps)
 
 
-def counters(live: LiveCluster, node: str) -> tuple[float, float, float]:
+def counters(live: cluster_fixture.LiveCluster, node: str) -> tuple[float, float, float]:
     return (
         live.metric(node, "pdserve_node_fetched_blocks_total"),
         live.metric(node, "pdserve_node_fetch_miss_blocks_total"),
@@ -163,7 +161,7 @@ def counters(live: LiveCluster, node: str) -> tuple[float, float, float]:
 
 
 def test_a_prefix_held_on_one_prefill_node_is_fetched_by_the_other(
-    live: LiveCluster, cold: list[str]
+    live: cluster_fixture.LiveCluster, cold: list[str]
 ) -> None:
     t0 = time.perf_counter()
     first = complete(live, PREFIX + QUESTIONS[0])
@@ -171,8 +169,8 @@ def test_a_prefix_held_on_one_prefill_node_is_fetched_by_the_other(
     assert first["choices"][0]["text"] == cold[0]
     holder = next(n for n in PREFILL if f"prefill {first['id']}-0:" in live.log(n))
     fetcher = next(n for n in PREFILL if n != holder)
-    ids = tokenize(model_path(), PREFIX + QUESTIONS[1], None)
-    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    ids = tokenize(cluster_fixture.model_path(), PREFIX + QUESTIONS[1], None)
+    prefix_blocks = len(tokenize(cluster_fixture.model_path(), PREFIX, None)) // BS
     evict(live, DECODE, None)  # the prefix stays on the holder only
     wait_where(live, PREFIX, {holder: prefix_blocks, DECODE: 0, fetcher: 0})
     before_f, before_h = counters(live, fetcher), counters(live, holder)
@@ -191,9 +189,9 @@ def test_a_prefix_held_on_one_prefill_node_is_fetched_by_the_other(
 
 
 def test_a_prefix_only_d_holds_is_fetched_from_d_and_not_sent_back(
-    live: LiveCluster, cold: list[str]
+    live: cluster_fixture.LiveCluster, cold: list[str]
 ) -> None:
-    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    prefix_blocks = len(tokenize(cluster_fixture.model_path(), PREFIX, None)) // BS
     wait_where(live, PREFIX, {DECODE: prefix_blocks})
     for node in PREFILL:
         evict(live, node, None)
@@ -213,26 +211,34 @@ def test_a_prefix_only_d_holds_is_fetched_from_d_and_not_sent_back(
     assert counters(live, DECODE)[2] - exported_before == fetched_blocks
     router = httpx.get(f"{live.base}/metrics").text
     name = "pdserve_router_prefix_hit_tokens_total"
-    remote = sample(router, name, {"kind": "remote"}) - sample(router_before, name, {"kind": "remote"})
+    remote = cluster_fixture.sample(router, name, {"kind": "remote"}) - cluster_fixture.sample(
+        router_before, name, {"kind": "remote"}
+    )
     assert remote == fetched, f"router counted {remote} remote tokens, the node fetched {fetched}"
     deadline = time.monotonic() + 10  # the index's hit statistics agree (the router records them aside)
-    while (remote_stat := kvctl_main(live.redis_url, "stats")["nodes"][node]["remote_tokens"]) < fetched:
+    while (
+        remote_stat := cluster_fixture.kvctl_main(live.redis_url, "stats")["nodes"][node]["remote_tokens"]
+    ) < fetched:
         assert time.monotonic() < deadline, f"kvctl stats: {remote_stat} remote tokens on {node}"
         time.sleep(0.2)
     for kind in ("decisions_total", "actual_ttft_seconds_count", "estimated_ttft_seconds_count"):
         series = f"pdserve_router_cost_model_{kind}"
         fetch = {"option": "pd_fetch"}
-        assert sample(router, series, fetch) - sample(router_before, series, fetch) == 1, series
+        assert (
+            cluster_fixture.sample(router, series, fetch)
+            - cluster_fixture.sample(router_before, series, fetch)
+            == 1
+        ), series
     live.wait_clean()
 
 
 def test_a_holder_that_evicted_part_of_the_prefix_makes_a_short_fetch(
-    live: LiveCluster, cold: list[str]
+    live: cluster_fixture.LiveCluster, cold: list[str]
 ) -> None:
     """Between the lookup (the index says the holder has every block) and the fetch, the holder evicts its
     last quarter: the fetch comes back short, the rest is computed, the text is the cold run's."""
-    ids = tokenize(model_path(), PREFIX + QUESTIONS[0], None)
-    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    ids = tokenize(cluster_fixture.model_path(), PREFIX + QUESTIONS[0], None)
+    prefix_blocks = len(tokenize(cluster_fixture.model_path(), PREFIX, None)) // BS
     holder = next((n for n in PREFILL if where(live, PREFIX).get(n, 0) >= prefix_blocks), None)
     if holder is None:  # the previous test's fetcher holds it now; make sure one P does
         complete(live, PREFIX + QUESTIONS[2])
@@ -241,7 +247,7 @@ def test_a_holder_that_evicted_part_of_the_prefix_makes_a_short_fetch(
     evict(live, fetcher, None)
     evict(live, DECODE, None)
     wait_where(live, PREFIX, {holder: prefix_blocks, fetcher: 0, DECODE: 0})
-    info = kvctl_main(live.redis_url, "nodes")["nodes"][0]["info"]
+    info = cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"][0]["info"]
     hashes = hash_blocks(ids, BS, hash_seed(bytes.fromhex(info["model_fingerprint"]), None))
     keep = 3 * prefix_blocks // 4  # the computed rest stays small: the CPU test stays short
     before = counters(live, fetcher)
@@ -256,20 +262,22 @@ def test_a_holder_that_evicted_part_of_the_prefix_makes_a_short_fetch(
 
 
 def test_the_decode_node_fetches_a_prefix_and_computes_the_rest_itself(
-    live: LiveCluster, cold: list[str]
+    live: cluster_fixture.LiveCluster, cold: list[str]
 ) -> None:
     """The cost model's local_fetch, as the router sends it: D is told a prefill node holds the prefix, pulls
     it over the KV-transfer protocol into its own pool and computes only the suffix; no prefill node
     computes anything, and the text is the cold run's."""
-    ids = tokenize(model_path(), PREFIX + QUESTIONS[1], None)
-    prefix_blocks = len(tokenize(model_path(), PREFIX, None)) // BS
+    ids = tokenize(cluster_fixture.model_path(), PREFIX + QUESTIONS[1], None)
+    prefix_blocks = len(tokenize(cluster_fixture.model_path(), PREFIX, None)) // BS
     holder = max(PREFILL, key=lambda n: where(live, PREFIX).get(n, 0))
     if where(live, PREFIX).get(holder, 0) < prefix_blocks:
         complete(live, PREFIX + QUESTIONS[2])
         holder = max(PREFILL, key=lambda n: where(live, PREFIX).get(n, 0))
     evict(live, DECODE, None)
     wait_where(live, PREFIX, {holder: prefix_blocks, DECODE: 0})
-    statuses = {s["info"]["node_id"]: s["info"] for s in kvctl_main(live.redis_url, "nodes")["nodes"]}
+    statuses = {
+        s["info"]["node_id"]: s["info"] for s in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]
+    }
     before_d, before_h = counters(live, DECODE), counters(live, holder)
     rid = RequestId(f"local-fetch-{uuid.uuid4().hex[:8]}")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

@@ -19,19 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from pdserve.cli.up import free_port
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness import openai_schema as schema
 from pdserve.tests.harness.chaos_faults import start_router
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    sample,
-    secret_file,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 KEY = "key-front"
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, PER_CLIENT = 3, 4, 150
 SLOW_HEADERS, SLOW_BODIES = 140, 60
@@ -39,14 +33,14 @@ ATTACKER = "127.0.0.2"  # loopback too: the per-address cap counts it apart from
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[tuple[LiveCluster, str]]:
+def live() -> Iterator[tuple[cluster_fixture.LiveCluster, str]]:
     """The cluster (its router has the short timeouts and the key) and a second router with /metrics public
     and the API docs on."""
-    keys_file = secret_file(KEY)
+    keys_file = cluster_fixture.secret_file(KEY)
     front = ("--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S),
              "--max-connections-per-client", str(PER_CLIENT))  # fmt: skip
-    with LiveCluster.start(
-        up_config(prefill=0, decode=1, router_args=("--api-keys-file", keys_file, *front))
+    with cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(prefill=0, decode=1, router_args=("--api-keys-file", keys_file, *front))
     ) as cluster:
         open_args = ("--api-keys-file", keys_file, "--metrics-public", "--api-docs")
         yield cluster, start_router(cluster, "router-open", free_port(), *open_args)
@@ -56,7 +50,7 @@ def _auth() -> dict[str, str]:
     return {"authorization": f"Bearer {KEY}"}
 
 
-def _router_pid(live: LiveCluster) -> int:
+def _router_pid(live: cluster_fixture.LiveCluster) -> int:
     return next(p.pid for name, p in live.cluster.procs if name == "router")
 
 
@@ -119,7 +113,9 @@ def _normal_requests(base: str, stop_at: float) -> list[float]:
     return latencies
 
 
-def test_slowloris_sockets_are_closed_while_requests_go_on(live: tuple[LiveCluster, str]) -> None:
+def test_slowloris_sockets_are_closed_while_requests_go_on(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
     cluster, _ = live
     port = int(cluster.base.rsplit(":", 1)[1])
     alone = _normal_requests(cluster.base, time.monotonic() + 3)
@@ -157,7 +153,7 @@ def test_slowloris_sockets_are_closed_while_requests_go_on(live: tuple[LiveClust
         assert again.get("/v1/models").status_code == 200
 
 
-def test_a_3mb_chat_body_is_refused_before_tokenizing(live: tuple[LiveCluster, str]) -> None:
+def test_a_3mb_chat_body_is_refused_before_tokenizing(live: tuple[cluster_fixture.LiveCluster, str]) -> None:
     cluster, _ = live
     pid = _router_pid(cluster)
     big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 100_000}).encode()
@@ -177,12 +173,12 @@ def test_a_3mb_chat_body_is_refused_before_tokenizing(live: tuple[LiveCluster, s
     print(f"\nrouter CPU per refused 3 MB body: {cpu * 1e3:.1f} ms (target < 50 ms)")
     for series in ("pdserve_router_tokenize_seconds_count", "pdserve_router_routing_seconds_count"):
         if series == "pdserve_router_tokenize_seconds_count":  # the prompt over the context is tokenized
-            assert sample(after, series) == sample(before, series) + 1, series
+            assert cluster_fixture.sample(after, series) == cluster_fixture.sample(before, series) + 1, series
         else:  # no index lookup (routing = hashing + lookup + choice) for any of them
-            assert sample(after, series) == sample(before, series), series
+            assert cluster_fixture.sample(after, series) == cluster_fixture.sample(before, series), series
 
 
-def test_a_client_leaving_mid_body_is_one_499_line(live: tuple[LiveCluster, str]) -> None:
+def test_a_client_leaving_mid_body_is_one_499_line(live: tuple[cluster_fixture.LiveCluster, str]) -> None:
     cluster, _ = live
     port = int(cluster.base.rsplit(":", 1)[1])
     before = _metrics(cluster.base)
@@ -202,21 +198,23 @@ def test_a_client_leaving_mid_body_is_one_499_line(live: tuple[LiveCluster, str]
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         after = _metrics(cluster.base)
-        if sample(after, "pdserve_router_requests_total", {"status": "499"}) > sample(
-            before, "pdserve_router_requests_total", {"status": "499"}
-        ):
+        if cluster_fixture.sample(
+            after, "pdserve_router_requests_total", {"status": "499"}
+        ) > cluster_fixture.sample(before, "pdserve_router_requests_total", {"status": "499"}):
             break
         time.sleep(0.2)
     five = ("500", "502", "503", "504")
-    assert sum(sample(after, "pdserve_router_requests_total", {"status": s}) for s in five) == sum(
-        sample(before, "pdserve_router_requests_total", {"status": s}) for s in five
-    )
+    assert sum(
+        cluster_fixture.sample(after, "pdserve_router_requests_total", {"status": s}) for s in five
+    ) == sum(cluster_fixture.sample(before, "pdserve_router_requests_total", {"status": s}) for s in five)
     log = cluster.log("router")
     assert "Traceback" not in log, log[-3000:]
     assert log.count(left) == lines + 1, log[-2000:]
 
 
-def test_docs_off_metrics_behind_the_key_and_no_redirect(live: tuple[LiveCluster, str]) -> None:
+def test_docs_off_metrics_behind_the_key_and_no_redirect(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
     cluster, other = live
     for path in ("/docs", "/openapi.json", "/redoc"):
         assert _error(httpx.get(cluster.base + path, headers=_auth(), timeout=10), 404)["code"] == "not_found"

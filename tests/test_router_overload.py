@@ -11,27 +11,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    generate_offline_lines,
-    sample,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 
 
 def test_a_burst_past_the_queue_gets_429_and_every_admitted_request_completes() -> None:
     limits = ("--max-requests-per-node", "2", "--max-queued-requests", "3")
-    live = LiveCluster.start(up_config(prefill=1, decode=1, router_args=limits))
+    live = cluster_fixture.LiveCluster.start(
+        cluster_fixture.up_config(prefill=1, decode=1, router_args=limits)
+    )
     try:
         prompts = [f"Write one sentence about the colour number {i}." for i in range(12)]
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
             f.write("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-        lines = generate_offline_lines("--prompts-file", f.name, "--max-tokens", "24")
+        lines = cluster_fixture.generate_offline_lines("--prompts-file", f.name, "--max-tokens", "24")
         os.unlink(f.name)
         want = [line["text"] for line in lines]
 
@@ -60,7 +56,7 @@ def test_a_burst_past_the_queue_gets_429_and_every_admitted_request_completes() 
             assert json.loads(body)["error"]["code"] == "overloaded"
         assert all(got[i][1] == want[i] for i in admitted), [(got[i][1], want[i]) for i in admitted]
         metrics = httpx.get(f"{live.base}/metrics", timeout=10).text
-        assert sample(metrics, "pdserve_router_admission_waits_total") >= 1
+        assert cluster_fixture.sample(metrics, "pdserve_router_admission_waits_total") >= 1
         live.wait_clean()
     finally:
         live.stop()

@@ -16,17 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl_main,
-    reference_texts,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 SYSTEM = " ".join(
     f"Rule {i}: answer in one short sentence, name the topic, and never mention rule {i + 1}."
     for i in range(12)
@@ -36,20 +30,19 @@ DOCUMENT = " ".join(
 )
 
 
-def client(live: LiveCluster) -> openai.OpenAI:
+def client(live: cluster_fixture.LiveCluster) -> openai.OpenAI:
     return live.openai(timeout=300)
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(up_config(prefill=1, decode=2)) as cluster:
-        yield cluster
+def live() -> Iterator[cluster_fixture.LiveCluster]:
+    yield from cluster_fixture.live_cluster(prefill=1, decode=2)
 
 
-def test_a_prefix_p_holds_and_d_lacks_is_sent(live: LiveCluster) -> None:
+def test_a_prefix_p_holds_and_d_lacks_is_sent(live: cluster_fixture.LiveCluster) -> None:
     c = client(live)
     prompts = [DOCUMENT + " Summary:", DOCUMENT + " The rent in year 3 rises by"]
-    want = reference_texts([{"prompt": p} for p in prompts], 12)
+    want = cluster_fixture.reference_texts([{"prompt": p} for p in prompts], 12)
 
     def complete(prompt: str) -> str:
         reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -57,17 +50,17 @@ def test_a_prefix_p_holds_and_d_lacks_is_sent(live: LiveCluster) -> None:
 
     assert complete(prompts[0]) == want[0]
     for node in ("decode-0", "decode-1"):  # P keeps the prefix; neither D has it any more
-        kvctl_main(live.redis_url, "evict", "--node", node, "--all")
+        cluster_fixture.kvctl_main(live.redis_url, "evict", "--node", node, "--all")
     assert complete(prompts[0]) == want[0]
     assert complete(prompts[1]) == want[1]  # the same prefix plus a new suffix
     live.wait_clean()
 
 
-def test_a_shared_system_prompt_over_two_decode_nodes(live: LiveCluster) -> None:
+def test_a_shared_system_prompt_over_two_decode_nodes(live: cluster_fixture.LiveCluster) -> None:
     c = client(live)
     questions = [f"What is {w}?" for w in ("rain", "a comet", "a harbour", "bread", "a violin", "granite")]
     chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
-    want = reference_texts([{"messages": m} for m in chats], 10)
+    want = cluster_fixture.reference_texts([{"messages": m} for m in chats], 10)
 
     def chat(messages: list[dict[str, str]]) -> str:
         reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
@@ -79,10 +72,10 @@ def test_a_shared_system_prompt_over_two_decode_nodes(live: LiveCluster) -> None
     live.wait_clean()
 
 
-def test_max_tokens_1_completes_and_d_keeps_nothing(live: LiveCluster) -> None:
+def test_max_tokens_1_completes_and_d_keeps_nothing(live: cluster_fixture.LiveCluster) -> None:
     c = client(live)
     prompt = DOCUMENT + " In one word, the lease is"
-    want = reference_texts([{"prompt": prompt}], 1)[0]
+    want = cluster_fixture.reference_texts([{"prompt": prompt}], 1)[0]
     for _ in range(3):
         reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
         assert reply.choices[0].text == want and reply.choices[0].finish_reason == "length"
@@ -102,13 +95,15 @@ def test_max_tokens_1_completes_and_d_keeps_nothing(live: LiveCluster) -> None:
 def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them() -> None:
     # D's pool holds 12 blocks of 16 tokens; each request needs 3 (a ~20-token prompt + 16 tokens), and D
     # keeps a free block per live request, so at most 3 run at once against 32 in flight: over 8x.
-    cfg = up_config(prefill=1, decode=1, role_node_args=(("decode", ("--num-kv-blocks", "12")),))
-    with LiveCluster.start(cfg) as live:
+    cfg = cluster_fixture.up_config(
+        prefill=1, decode=1, role_node_args=(("decode", ("--num-kv-blocks", "12")),)
+    )
+    with cluster_fixture.LiveCluster.start(cfg) as live:
         prompts = [
             f"Request {i}: list three facts about the number {i}, each in a short sentence."
             for i in range(32)
         ]
-        want = reference_texts([{"prompt": p} for p in prompts], 16)
+        want = cluster_fixture.reference_texts([{"prompt": p} for p in prompts], 16)
         c = client(live)
 
         def complete(prompt: str) -> str:

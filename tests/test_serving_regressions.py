@@ -28,15 +28,7 @@ from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest
 from pdserve.shared.node.node_sign import signed
 from pdserve.shared.types import RequestId
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    NodeProc,
-    kvctl_main,
-    node_argv,
-    router_argv,
-    served_model_name,
-    stopped_on_failure,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +67,7 @@ SMALL_KV = ("--kv-cache-gib", "0.125")
 """182 blocks of 16 tokens per node: enough here, and 0.9 GiB less memory each on the shared CI machine."""
 NONE = {"ready": 0, "draining": 0, "down": 0}
 """/health's count of one role's nodes when there is none."""
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 SYSTEM = (
     "You are a terse assistant for a shipping company. Answer in one short sentence, name the port, "
     "and never mention the weather."
@@ -109,23 +101,27 @@ def _answers(url: str) -> bool:
     return False
 
 
-def _listed(live: LiveCluster) -> dict[str, dict[str, Any]]:
+def _listed(live: cluster_fixture.LiveCluster) -> dict[str, dict[str, Any]]:
     """Live nodes in the index, by id (kvctl nodes --json)."""
-    return {n["info"]["node_id"]: n for n in kvctl_main(live.redis_url, "nodes")["nodes"]}
+    return {n["info"]["node_id"]: n for n in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]}
 
 
-def _health(live: LiveCluster) -> httpx.Response:
+def _health(live: cluster_fixture.LiveCluster) -> httpx.Response:
     return httpx.get(f"{live.base}/health", timeout=10)
 
 
-def _start_node(live: LiveCluster, role: str, name: str, token: str = TOKEN) -> subprocess.Popen[bytes]:
+def _start_node(
+    live: cluster_fixture.LiveCluster, role: str, name: str, token: str = TOKEN
+) -> subprocess.Popen[bytes]:
     port = free_port()
-    proc = live.cluster.spawn(name, node_argv(role, name, port, live.redis_url, token, *SMALL_KV))
-    live.nodes[name] = NodeProc(name, f"http://127.0.0.1:{port}", token)
+    proc = live.cluster.spawn(
+        name, cluster_fixture.node_argv(role, name, port, live.redis_url, token, *SMALL_KV)
+    )
+    live.nodes[name] = cluster_fixture.NodeProc(name, f"http://127.0.0.1:{port}", token)
     return proc
 
 
-def _wait_node_up(live: LiveCluster, proc: subprocess.Popen[bytes], name: str) -> None:
+def _wait_node_up(live: cluster_fixture.LiveCluster, proc: subprocess.Popen[bytes], name: str) -> None:
     def up() -> bool:
         assert proc.poll() is None, f"{name} exited {proc.returncode}:\n{live.log(name)[-3000:]}"
         return name in _listed(live)
@@ -133,7 +129,7 @@ def _wait_node_up(live: LiveCluster, proc: subprocess.Popen[bytes], name: str) -
     _wait(f"{name} registered", up, timeout_s=300, poll_s=1.0)
 
 
-def _restart_redis_empty(live: LiveCluster, down_s: float) -> None:
+def _restart_redis_empty(live: cluster_fixture.LiveCluster, down_s: float) -> None:
     """Stops the index's redis-server, waits down_s, and starts an empty one on the same port."""
     old = live.cluster.redis[0]
     port = old.port
@@ -143,22 +139,22 @@ def _restart_redis_empty(live: LiveCluster, down_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def staged() -> Iterator[LiveCluster]:
+def staged() -> Iterator[cluster_fixture.LiveCluster]:
     cluster = Cluster(auth_token=TOKEN)
-    with stopped_on_failure(cluster):
+    with cluster_fixture.stopped_on_failure(cluster):
         redis_url = start_redis(cluster)
         port = free_port()
-        cluster.spawn("router", router_argv(port, redis_url), env=cluster.secret_env)
+        cluster.spawn("router", cluster_fixture.router_argv(port, redis_url), env=cluster.secret_env)
         base = f"http://127.0.0.1:{port}"
         _wait("the router answers", lambda: _answers(f"{base}/health"), 120)
-        live = LiveCluster(cluster, base, redis_url, {}, TOKEN)
+        live = cluster_fixture.LiveCluster(cluster, base, redis_url, {}, TOKEN)
     try:
         yield live
     finally:
         live.stop()
 
 
-def test_defect5_health_is_503_while_no_pair_can_serve(staged: LiveCluster) -> None:
+def test_defect5_health_is_503_while_no_pair_can_serve(staged: cluster_fixture.LiveCluster) -> None:
     live = staged
     r = _health(live)
     assert r.status_code == 503, r.text  # no node at all
@@ -175,7 +171,9 @@ def test_defect5_health_is_503_while_no_pair_can_serve(staged: LiveCluster) -> N
     live.wait_clean()
 
 
-def test_defect4_a_node_with_another_credential_is_refused_at_registration(staged: LiveCluster) -> None:
+def test_defect4_a_node_with_another_credential_is_refused_at_registration(
+    staged: cluster_fixture.LiveCluster,
+) -> None:
     live = staged
     proc = _start_node(live, "decode", "decode-other", OTHER_TOKEN)
 
@@ -196,7 +194,7 @@ def test_defect4_a_node_with_another_credential_is_refused_at_registration(stage
     live.wait_clean()
 
 
-def test_defect5_health_is_200_once_a_pair_can_serve(staged: LiveCluster) -> None:
+def test_defect5_health_is_200_once_a_pair_can_serve(staged: cluster_fixture.LiveCluster) -> None:
     live = staged
     proc = _start_node(live, "decode", "decode-0")
     _wait_node_up(live, proc, "decode-0")
@@ -209,7 +207,9 @@ def test_defect5_health_is_200_once_a_pair_can_serve(staged: LiveCluster) -> Non
     live.wait_clean()
 
 
-def test_defect6_the_router_logs_start_up_every_request_and_every_5xx(staged: LiveCluster) -> None:
+def test_defect6_the_router_logs_start_up_every_request_and_every_5xx(
+    staged: cluster_fixture.LiveCluster,
+) -> None:
     live = staged
     late = httpx.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Antwerp?", timeout=0.001),
                       timeout=60)  # fmt: skip
@@ -225,7 +225,9 @@ def test_defect6_the_router_logs_start_up_every_request_and_every_5xx(staged: Li
     assert "504" in line and "deadline" in line, line
 
 
-def _blocks_settled(live: LiveCluster, names: tuple[str, ...]) -> dict[str, dict[str, Any]] | None:
+def _blocks_settled(
+    live: cluster_fixture.LiveCluster, names: tuple[str, ...]
+) -> dict[str, dict[str, Any]] | None:
     """The index's view of the nodes once each lists exactly the blocks it holds (and holds some)."""
     listed = _listed(live)
     ok = all(
@@ -237,7 +239,9 @@ def _blocks_settled(live: LiveCluster, names: tuple[str, ...]) -> dict[str, dict
     return listed if ok else None
 
 
-def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(staged: LiveCluster) -> None:
+def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(
+    staged: cluster_fixture.LiveCluster,
+) -> None:
     live = staged
     names = ("prefill-0", "decode-0")
     body = _chat("Which port is the largest in Europe?", max_tokens=12)
@@ -263,7 +267,9 @@ def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(stag
     live.wait_clean()
 
 
-def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: LiveCluster) -> None:
+def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(
+    staged: cluster_fixture.LiveCluster,
+) -> None:
     """decode-0 drained with a request running, then Redis restarts empty: it registers again as draining
     (the router gives it nothing new); once the request's client leaves, it deregisters and holds nothing.
     The request is sent to decode-0 as the router sends a local prefill (its /internal/generate), so it runs
@@ -278,7 +284,7 @@ def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: 
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines)  # its first step
-        kvctl_main(live.redis_url, "drain", "decode-0")
+        cluster_fixture.kvctl_main(live.redis_url, "drain", "decode-0")
         assert live.audit("decode-0")["live_requests"] == 1, f"the request ended: {[*lines][-1:]}"
         _restart_redis_empty(live, down_s=0.5)
         listed = _wait("decode-0 registered again", lambda: _listed(live).get("decode-0"), 10, poll_s=0.1)
@@ -290,11 +296,11 @@ def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(staged: 
         assert live.audit("decode-0")["live_requests"] == 1  # still running: its client leaves now
     _wait("decode-0 leaves the index once idle", lambda: "decode-0" not in _listed(live), 30)
     live.wait_clean()
-    kvctl_main(live.redis_url, "undrain", "decode-0", "--url", node.url)
+    cluster_fixture.kvctl_main(live.redis_url, "undrain", "decode-0", "--url", node.url)
     _wait("/health 200 again", lambda: _health(live).status_code == 200, 15)
 
 
-def _health_if(live: LiveCluster, role: str, state: str) -> httpx.Response | None:
+def _health_if(live: cluster_fixture.LiveCluster, role: str, state: str) -> httpx.Response | None:
     """The router's /health once it counts a `role` node as `state`."""
     r = _health(live)
     return r if r.json()["nodes"][role][state] else None

@@ -20,19 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from pdserve.cli.up import free_port
+from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness.chaos_faults import SMALL_KV
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    kvctl_main,
-    node_argv,
-    reference_texts,
-    served_model_name,
-    up_config,
-)
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 DOCUMENT = " ".join(
     f"Clause {i} of the contract sets the fee for month {i} at {3 * i} euros." for i in range(16)
 )
@@ -44,40 +37,40 @@ SIZES = {"p1-d3": ("1", "3"), "p3-d1": ("3", "1")}
 
 @pytest.fixture(scope="module")
 def want() -> list[str]:
-    return reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS)
+    return cluster_fixture.reference_texts([{"prompt": p} for p in PROMPTS], MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(SIZES.values()), ids=list(SIZES))
-def live(request: pytest.FixtureRequest) -> Iterator[LiveCluster]:
+def live(request: pytest.FixtureRequest) -> Iterator[cluster_fixture.LiveCluster]:
     p_tp, d_tp = request.param
-    cfg = up_config(
+    cfg = cluster_fixture.up_config(
         prefill=1,
         decode=1,
         extra_node_args=SMALL_KV,
         role_node_args=(("prefill", ("-tp", p_tp)), ("decode", ("-tp", d_tp))),
     )
-    with LiveCluster.start(cfg) as cluster:
+    with cluster_fixture.LiveCluster.start(cfg) as cluster:
         yield cluster
 
 
-def complete(live: LiveCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+def complete(live: cluster_fixture.LiveCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     return httpx.post(f"{live.base}/v1/completions", json=body, timeout=300)
 
 
-def text(live: LiveCluster, prompt: str) -> str:
+def text(live: cluster_fixture.LiveCluster, prompt: str) -> str:
     reply = complete(live, prompt)
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["text"])
 
 
-def tp_sizes(live: LiveCluster) -> dict[str, tuple[int, list[str]]]:
-    nodes = kvctl_main(live.redis_url, "nodes")["nodes"]
+def tp_sizes(live: cluster_fixture.LiveCluster) -> dict[str, tuple[int, list[str]]]:
+    nodes = cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]
     return {n["info"]["node_id"]: (n["info"]["kv_layout"]["tp_size"], n["info"]["devices"]) for n in nodes}
 
 
 def test_greedy_text_across_tp_sizes_with_and_without_a_held_prefix(
-    live: LiveCluster, want: list[str]
+    live: cluster_fixture.LiveCluster, want: list[str]
 ) -> None:
     sizes = tp_sizes(live)
     p_tp, d_tp = sizes["prefill-0"][0], sizes["decode-0"][0]
@@ -89,20 +82,24 @@ def test_greedy_text_across_tp_sizes_with_and_without_a_held_prefix(
     )
     assert [text(live, p) for p in PROMPTS] == want  # the second shares the first's 16 blocks, held on D
     assert live.metric("decode-0", "pdserve_node_prefix_hit_tokens_total", {"kind": "local"}) >= 16 * 16
-    kvctl_main(live.redis_url, "evict", "--node", "decode-0", "--all")  # P holds the prefix, D no longer
+    cluster_fixture.kvctl_main(
+        live.redis_url, "evict", "--node", "decode-0", "--all"
+    )  # P holds the prefix, D no longer
     assert text(live, PROMPTS[1]) == want[1]
     live.wait_clean()
 
 
-def test_a_prefix_only_d_holds_is_fetched_across_tp_sizes(live: LiveCluster, want: list[str]) -> None:
+def test_a_prefix_only_d_holds_is_fetched_across_tp_sizes(
+    live: cluster_fixture.LiveCluster, want: list[str]
+) -> None:
     """P (one size) fetches the prefix from D (the other size): D exports every rank's heads, P imports them
     onto its ranks (node/kv_fetch.py over the same remote-KV port)."""
     for _ in range(150):  # D's blocks reach the index in the node's next publish batch
-        rows = kvctl_main(live.redis_url, "where", "--prompt", DOCUMENT)["nodes"]
+        rows = cluster_fixture.kvctl_main(live.redis_url, "where", "--prompt", DOCUMENT)["nodes"]
         if {r["node_id"]: r["prefix_blocks"] for r in rows}.get("decode-0", 0) >= 16:
             break
         time.sleep(0.2)
-    kvctl_main(live.redis_url, "evict", "--node", "prefill-0", "--all")
+    cluster_fixture.kvctl_main(live.redis_url, "evict", "--node", "prefill-0", "--all")
     fetched = live.metric("prefill-0", "pdserve_node_fetched_blocks_total")
     exported = live.metric("decode-0", "pdserve_node_exported_blocks_total")
     assert text(live, PROMPTS[0]) == want[0]
@@ -111,8 +108,8 @@ def test_a_prefix_only_d_holds_is_fetched_across_tp_sizes(live: LiveCluster, wan
     live.wait_clean()
 
 
-def test_a_node_whose_kv_layout_differs_is_refused_in_one_line(live: LiveCluster) -> None:
-    argv = node_argv(
+def test_a_node_whose_kv_layout_differs_is_refused_in_one_line(live: cluster_fixture.LiveCluster) -> None:
+    argv = cluster_fixture.node_argv(
         "decode", "decode-odd", free_port(), live.redis_url, live.auth_token, *SMALL_KV, "--block-size", "32"
     )
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
@@ -138,7 +135,9 @@ def _gone(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] == "Z"
 
 
-def test_killing_one_worker_rank_under_load_takes_its_node_out(live: LiveCluster, want: list[str]) -> None:
+def test_killing_one_worker_rank_under_load_takes_its_node_out(
+    live: cluster_fixture.LiveCluster, want: list[str]
+) -> None:
     """The last test of each cluster: it leaves the TP=3 node dead."""
     name = next(n for n, (tp, _) in tp_sizes(live).items() if tp == 3)
     node = next(p for n, p in live.cluster.procs if n == name)

@@ -28,17 +28,11 @@ from typing import Any, Literal
 import httpx
 import openai
 import pytest
-from pdserve.tests.harness.cluster_fixture import (
-    LiveCluster,
-    generate_offline_lines,
-    kvctl_main,
-    served_model_name,
-    up_config,
-)
+from pdserve.tests.harness import cluster_fixture
 
 pytestmark = pytest.mark.slow
 
-MODEL = served_model_name()
+MODEL = cluster_fixture.served_model_name()
 SHAPES = {1: (1, 1), 2: (1, 2), 3: (2, 2)}
 """Seed -> (prefill nodes, decode nodes)."""
 WAVES = 8
@@ -334,7 +328,9 @@ def _said(out: Outcome) -> str:
     return f"{type(error).__name__}: {error}" if error is not None else f"200 {out.texts!r:.200}"
 
 
-def apply(live: LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict[str, Any]]) -> list[str]:
+def apply(
+    live: cluster_fixture.LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict[str, Any]]
+) -> list[str]:
     """Runs one kvctl action (the real kvctl, with the cluster's credential); returns problems found."""
     try:
         return _apply(live, op, client, refs)
@@ -342,16 +338,18 @@ def apply(live: LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict
         return [f"{op.describe()}: {exc}"]
 
 
-def _apply(live: LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict[str, Any]]) -> list[str]:
+def _apply(
+    live: cluster_fixture.LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dict[str, Any]]
+) -> list[str]:
     redis = live.redis_url
     if op.action == "evict":
         target = ["--all"] if op.call is None else _prompt_args(op.call)
-        reply = kvctl_main(redis, "evict", "--node", op.node, *target)
+        reply = cluster_fixture.kvctl_main(redis, "evict", "--node", op.node, *target)
         return [] if reply["node_reply"].get("ok") else [f"{op.describe()}: {reply}"]
     if op.action == "undrain":
         _undrain(live, op.node)
         return []
-    kvctl_main(redis, "drain", op.node)
+    cluster_fixture.kvctl_main(redis, "drain", op.node)
     if op.probe is None:
         return []
     time.sleep(ROUTER_TTL_S)
@@ -360,9 +358,9 @@ def _apply(live: LiveCluster, op: Op, client: openai.OpenAI, refs: dict[str, dic
     return problems
 
 
-def _undrain(live: LiveCluster, node: str) -> None:
+def _undrain(live: cluster_fixture.LiveCluster, node: str) -> None:
     """kvctl undrain, then waits until the index lists the node as serving and the router has seen it."""
-    kvctl_main(live.redis_url, "undrain", node, "--url", live.nodes[node].url)
+    cluster_fixture.kvctl_main(live.redis_url, "undrain", node, "--url", live.nodes[node].url)
     deadline = time.monotonic() + 60
     while not _serving(live, node):
         assert time.monotonic() < deadline, f"{node} is not back in the index 60 s after its undrain"
@@ -376,12 +374,12 @@ def _prompt_args(call: Call) -> list[str]:
     return ["--prompt", call.text]
 
 
-def _serving(live: LiveCluster, node: str) -> bool:
-    nodes = {n["info"]["node_id"]: n for n in kvctl_main(live.redis_url, "nodes")["nodes"]}
+def _serving(live: cluster_fixture.LiveCluster, node: str) -> bool:
+    nodes = {n["info"]["node_id"]: n for n in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]}
     return node in nodes and not nodes[node]["draining"]
 
 
-def cluster_cpu_s(live: LiveCluster) -> float:
+def cluster_cpu_s(live: cluster_fixture.LiveCluster) -> float:
     """CPU seconds the cluster's processes (nodes, router) have used so far, from /proc (Linux): the cost of
     the run on an otherwise idle machine, where wall time depends on what else runs."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -396,7 +394,7 @@ def cluster_cpu_s(live: LiveCluster) -> float:
     return total
 
 
-def error_lines(live: LiveCluster, per_node: int = 6) -> list[str]:
+def error_lines(live: cluster_fixture.LiveCluster, per_node: int = 6) -> list[str]:
     """The last error-looking lines of every process's log, to name the defect behind a failure, and the
     log's tail for a process that exited."""
     pattern = re.compile(r"error|exception|traceback|abort|missing|refus", re.IGNORECASE)
@@ -426,8 +424,10 @@ def test_traffic(seed: int, tmp_path: Path) -> None:
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
     t0 = time.monotonic()
     with ThreadPoolExecutor(1) as offline:  # the reference run and the cluster's start overlap
-        reference = offline.submit(generate_offline_lines, "--prompts-file", str(path))
-        live = LiveCluster.start(up_config(prefill=prefill, decode=decode, extra_node_args=NODE_ARGS))
+        reference = offline.submit(cluster_fixture.generate_offline_lines, "--prompts-file", str(path))
+        live = cluster_fixture.LiveCluster.start(
+            cluster_fixture.up_config(prefill=prefill, decode=decode, extra_node_args=NODE_ARGS)
+        )
         t1 = time.monotonic()
         try:
             refs = dict(zip(lines, reference.result(), strict=True))

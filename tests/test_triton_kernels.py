@@ -1,24 +1,16 @@
 """Triton kernels against the torch reference, on CPU tensors under the Triton interpreter.
 
-Triton decides interpreted or compiled when a function is decorated, triton.language's own helpers
-included, so TRITON_INTERPRET=1 is set before triton is first imported (nothing earlier on the CPU path
-imports it), then handed over to triton's in-process knob and removed from the environment, so that
-processes other tests start do not inherit the interpreter. Unused cache blocks and block-table padding
-hold large values, so a kernel that reads outside a sequence's context produces a visibly wrong result.
+tests/harness/triton_interpreter.py switches the interpreter on (and says why it must be on before a
+kernel is decorated). Unused cache blocks and block-table padding hold large values, so a kernel that reads
+outside a sequence's context produces a visibly wrong result.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
-
-if torch.cuda.is_available():  # the interpreter would stay on for every kernel test after this one
-    pytest.skip("interpreter only; the GPU modules test the compiled kernels", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-
 import triton
 from pdserve.kernels.ops import AttentionMetadata, RopeTables
 from pdserve.kernels.reference import ReferenceOps, write_kv
@@ -31,12 +23,10 @@ from pdserve.kernels.triton_attention import (
 )
 from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.model import rope_inv_freq
+from pdserve.tests.harness import triton_interpreter  # noqa: F401  (the interpreter, or a skip on CUDA)
 from triton.runtime.interpreter import InterpretedFunction
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
-
-triton.knobs.runtime.interpret = True
-del os.environ["TRITON_INTERPRET"]
 
 
 REF = ReferenceOps()

@@ -2,34 +2,24 @@
 on CPU tensors under the Triton interpreter, with tiny shapes: uneven expert loads, experts with no
 tokens, widths that are not multiples of the tiles, and the decode and prefill tile choices.
 
-As in test_triton_kernels.py, the interpreter is switched on before triton is first imported and handed to
-triton's knob, so processes other tests start do not inherit it.
+tests/harness/triton_interpreter.py switches the interpreter on.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if torch.cuda.is_available():  # the interpreter would stay on for every kernel test after this one
-    pytest.skip("interpreter only", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"
-
 import torch.nn.functional as F
-import triton
 from pdserve.kernels.fused_moe import ReferenceMoEExperts, Routing, route
 from pdserve.kernels.triton_moe import MoETiles, TritonMoEExperts, align_pairs
 from pdserve.shared.model.dummy_weights import fill_dummy_weights
 from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
+from pdserve.tests.harness import triton_interpreter  # noqa: F401  (the interpreter, or a skip on CUDA)
 from pdserve.tests.harness.paged_runner import PagedRunner
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
 
-triton.knobs.runtime.interpret = True
-del os.environ["TRITON_INTERPRET"]
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 """Of the largest |output|: bf16 results differ by an ulp or two where the fp32 sums round differently."""

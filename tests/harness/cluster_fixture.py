@@ -197,6 +197,13 @@ def up_config(**kw: Any) -> UpConfig:
     return UpConfig(model=model_path(), port=free_port(), threads_per_node=1, **kw)
 
 
+def live_cluster(**kw: Any) -> Iterator[LiveCluster]:
+    """A cluster fixture's body (`yield from live_cluster(...)`): a cluster of `up_config(**kw)`, stopped,
+    and checked for leftover processes, when the fixture ends."""
+    with LiveCluster.start(up_config(**kw)) as live:
+        yield live
+
+
 def run_cli(module: str, *args: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s, check=False
