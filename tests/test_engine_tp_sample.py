@@ -45,15 +45,18 @@ def _run(engine: LLMEngine, work: Sequence[tuple[Sequence[int], SamplingParams]]
     return {k: (tuple(v), None if k not in lps else tuple(lps[k])) for k, v in tokens.items()}
 
 
-def _both(loaded: LoadedModel, work: Sequence[tuple[Sequence[int], SamplingParams]], overlap: bool
-          ) -> tuple[dict[str, Result], dict[str, Result], dict[str, int]]:  # fmt: skip
-    """(TP=1's results, TP=3's results, TP=3 rank 0's steps by output kind)."""
-    one = LLMEngine(EngineConfig(model=loaded.source, num_kv_blocks=64, async_scheduling=overlap), loaded)
+def _both(loaded: LoadedModel, work: Sequence[tuple[Sequence[int], SamplingParams]], overlap: bool,
+          budget: int = 2048) -> tuple[dict[str, Result], dict[str, Result], dict[str, int]]:  # fmt: skip
+    """(TP=1's results, TP=3's results, TP=3 rank 0's steps by output kind); `budget`: tokens per step."""
+    one_cfg = EngineConfig(model=loaded.source, num_kv_blocks=64, async_scheduling=overlap,
+                           max_num_batched_tokens=budget)  # fmt: skip
+    one = LLMEngine(one_cfg, loaded)
     try:
         want = _run(one, work)
     finally:
         one.close()
-    cfg = EngineConfig(model=model_path(), tensor_parallel_size=3, num_kv_blocks=64, async_scheduling=overlap)
+    cfg = EngineConfig(model=model_path(), tensor_parallel_size=3, num_kv_blocks=64, async_scheduling=overlap,
+                       max_num_batched_tokens=budget)  # fmt: skip
     three = LLMEngine(cfg)
     try:
         got = _run(three, work)
@@ -66,8 +69,11 @@ def _both(loaded: LoadedModel, work: Sequence[tuple[Sequence[int], SamplingParam
 def test_greedy_steps_gather_only_each_ranks_best_and_give_tp1_tokens(loaded: LoadedModel) -> None:
     prompts = [loaded.tokenizer.encode(t) for t in TEXTS]
     greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    # async scheduling: the workers' next step reads the tokens of their own all-gather, not a broadcast
-    want, got, outputs = _both(loaded, [(p, greedy) for p in prompts], overlap=True)
+    # async scheduling: the workers' next step reads the tokens of their own all-gather, not a broadcast;
+    # 16 tokens a step: the long prompt's first chunk is a step that samples no row (an empty all-gather)
+    long = prompts[1] * 3
+    assert len(long) > 16
+    want, got, outputs = _both(loaded, [(p, greedy) for p in [long, *prompts]], overlap=True, budget=16)
     assert got == want
     assert outputs.get("logits", 0) == 0 and outputs["tokens"] >= 20, outputs
 
