@@ -310,8 +310,10 @@ class LLMEngine:
     ) -> RemoteReservation | None:
         """Reserves a prompt of `num_blocks` blocks: its longest held prefix (not the last block) plus fresh
         blocks for the rest; None when the pool cannot take it now. With `headroom`, also None while a
-        local request waits for blocks or unless one free block per live request remains afterwards, so
-        admitting remote work never starves the decodes already running here."""
+        local request waits for blocks, unless one free block per live request remains afterwards, and
+        while max_num_seqs requests are live here: admitting remote work never starves the decodes already
+        running, and work this node could not start waits at its transfer (its TTFT), not after its first
+        token in the engine's queue."""
         if self._inflight is not None:
             self._inflight.sample.wait()  # a block freed meanwhile may still be written by that step
         pool, sched = self.pool, self.scheduler
@@ -321,8 +323,9 @@ class LLMEngine:
         self.scheduler.heat.hit(block_hashes, len(held))
         spare = pool.num_free() - (num_blocks - len(held))
         if headroom and spare >= 0:
+            live = len(sched.running) + len(sched.waiting)
             starved = any(not r.block_ids for r in sched.waiting)
-            if starved or spare < len(sched.running) + len(sched.waiting):
+            if starved or spare < live or live >= self.cfg.max_num_seqs:
                 spare = -1
         if spare < 0:
             pool.release(held[::-1])
