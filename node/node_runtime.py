@@ -180,6 +180,7 @@ class NodeRuntime:
                 model=self.engine.loaded.description,
                 quantization=self.engine.loaded.quantization or "none",
                 devices=self.engine.devices,
+                max_num_seqs=self.engine.cfg.max_num_seqs,
             )
             self._info = info
             load = await self.aengine.call(self.load)
