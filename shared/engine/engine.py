@@ -144,11 +144,13 @@ class _InFlight:
 @dataclass
 class RemoteReservation:
     """Blocks for a prompt whose KV another node computes: `held` prefix blocks this pool already has,
-    then `dst` blocks the transfer writes. `live` is False once admitted or released."""
+    then `dst` blocks the transfer writes. `live` is False once admitted or released; `slot`: it holds
+    one of the engine's max_num_seqs places until then (a decode OPEN's, reserved with headroom)."""
 
     held: tuple[BlockId, ...]
     dst: tuple[BlockId, ...]
     live: bool = True
+    slot: bool = False
 
     @property
     def block_ids(self) -> list[BlockId]:
@@ -235,6 +237,8 @@ class LLMEngine:
         self._live: dict[RequestId, _Live] = {}
         self._seeds: dict[str | None, BlockHash] = {}
         self._inflight: _InFlight | None = None
+        self._slots_reserved = 0
+        """Live reservations holding a max_num_seqs place (`RemoteReservation.slot`)."""
 
     def bind_thread(self) -> None:
         """Makes this engine's GPU the calling thread's current device (torch's current device is per thread,
@@ -323,14 +327,16 @@ class LLMEngine:
         self.scheduler.heat.hit(block_hashes, len(held))
         spare = pool.num_free() - (num_blocks - len(held))
         if headroom and spare >= 0:
-            live = len(sched.running) + len(sched.waiting)
+            live = len(sched.running) + len(sched.waiting) + self._slots_reserved
             starved = any(not r.block_ids for r in sched.waiting)
             if starved or spare < live or live >= self.cfg.max_num_seqs:
                 spare = -1
         if spare < 0:
             pool.release(held[::-1])
             return None
-        reservation = RemoteReservation(tuple(held), tuple(pool.reserve(num_blocks - len(held))))
+        dst = tuple(pool.reserve(num_blocks - len(held)))
+        reservation = RemoteReservation(tuple(held), dst, slot=headroom)
+        self._slots_reserved += headroom
         self._run_copies()  # blocks the reservation evicted go to the host tier before the fill lands
         return reservation
 
@@ -412,6 +418,7 @@ class LLMEngine:
         if not reservation.live:
             raise ValueError(f"request {request.request_id!r}: its reservation was already ended")
         reservation.live = False
+        self._slots_reserved -= reservation.slot
         blocks = reservation.block_ids
         self.pool.fill_done(reservation.dst)
         try:
@@ -428,6 +435,7 @@ class LLMEngine:
         """Gives a reservation's blocks back; a no-op once admitted or released."""
         if reservation.live:
             reservation.live = False
+            self._slots_reserved -= reservation.slot
             self.pool.release(reservation.block_ids[::-1])
 
     def _track(self, request: Request) -> _Live:
