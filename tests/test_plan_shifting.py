@@ -50,6 +50,11 @@ WORKERS = 3
 """Concurrent requests in every phase: the slots of three decode nodes of one sequence each."""
 MEASURED = 6
 """Requests of the second phase whose goodput is measured, per setup."""
+HEARTBEAT_S = 0.25
+THINK_S = 0.75
+"""Each client's pause between requests: longer than the router's view of the nodes' load can lag (a
+heartbeat and a node-list refresh), so a decode node that just finished a stream looks free, not busy; with
+no pause, the next request can land behind a running stream on another node while this one idles."""
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +66,13 @@ def references() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveCluster]:
-    with LiveCluster.start(
-        up_config(prefill=2, decode=2, extra_node_args=("--max-num-seqs", "1"))
-    ) as cluster:
+    fresh = up_config(
+        prefill=2,
+        decode=2,
+        extra_node_args=("--max-num-seqs", "1", "--heartbeat-s", str(HEARTBEAT_S)),
+        router_args=("--node-list-ttl", str(HEARTBEAT_S)),
+    )
+    with LiveCluster.start(fresh) as cluster:
         yield cluster
 
 
@@ -104,7 +113,8 @@ def run_phase(
     live: LiveCluster, prompts: list[str], max_tokens: int, until: object, timeout_s: float
 ) -> list[Outcome]:
     sampling = {"temperature": 0, "ignore_eos": True}  # every output its full length: the mix is what it says
-    load = Load(live.base, MODEL, prompts, WORKERS, max_tokens=max_tokens, timeout_s=120, sampling=sampling)
+    load = Load(live.base, MODEL, prompts, WORKERS, max_tokens=max_tokens, timeout_s=120, pause_s=THINK_S,
+                sampling=sampling)  # fmt: skip
     load.start()
     try:
         wait_for(lambda: until(load.snapshot()), timeout_s, "the phase did not reach its end")  # type: ignore[operator]
