@@ -9,12 +9,10 @@ Score (lower is better), in *token equivalents*: the prefill work one prompt tok
   against computing.
 - Prefill node P:  queued_prefill_tokens(P) * queue_token_weight + tokens_to_compute(P)
   (work queued ahead of this request delays it as much as its own compute does.)
-- Decode node D:   blocks_to_transfer(D) * transfer_block_cost + requests(D) * decode_running_cost
+- Decode node D:   blocks_to_transfer(D) * transfer_block_cost + running(D) * decode_running_cost
                    + kv_use_after(D) * kv_pressure_cost
   where blocks_to_transfer = ceil(prompt_tokens / block_size) - hits(D) (blocks D holds are not sent) and
-  kv_use_after = (kv_used + blocks_to_transfer) / kv_total, a fraction from 0 to 1 (0 when unknown), and
-  requests = running + waiting (the waiting ones include what the router booked there since the node's last
-  heartbeat: they will run there too, so a burst spreads instead of herding onto the emptiest pool).
+  kv_use_after = (kv_used + blocks_to_transfer) / kv_total, a fraction from 0 to 1 (0 when unknown).
   A D without room for the prompt's blocks ranks after every D with room.
 - Single node S (one node does both): the P score plus the D terms for running and KV use.
 P and D are chosen independently (the score is separable). Draining nodes get no new work. Ties in score
@@ -123,7 +121,7 @@ def _decode_terms(cfg: PolicyConfig, node: NodeView, new_blocks: int, sent_block
     if node.kv_total_blocks > 0:
         use = min(1.0, (node.kv_used_blocks + new_blocks) / node.kv_total_blocks)
         full = node.kv_used_blocks + new_blocks > node.kv_total_blocks
-    score = sent_blocks * cfg.transfer_block_cost + (node.running + node.waiting) * cfg.decode_running_cost
+    score = sent_blocks * cfg.transfer_block_cost + node.running * cfg.decode_running_cost
     return full, score + use * cfg.kv_pressure_cost
 
 

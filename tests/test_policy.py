@@ -48,15 +48,6 @@ def test_queue_depth_and_decode_load_steer_choices() -> None:
     assert (d.prefill, d.decode) == ("p1", "d1")
 
 
-def test_requests_booked_on_a_decode_node_weigh_like_running_ones() -> None:
-    """A burst placed within one heartbeat: the ledger books its requests on D as `waiting` (booked_view);
-    they will run there, so the next request goes to the idle decode node, even one whose KV is a little
-    fuller (else every request of the burst herds onto the node with the emptiest pool)."""
-    booked = view("d0", "decode", waiting=2, kv_used_blocks=10, kv_total_blocks=1000)
-    idle = view("d1", "decode", kv_used_blocks=20, kv_total_blocks=1000)
-    assert choose(0, 8, {}, [P0, booked, idle], block_size=16).decode == "d1"
-
-
 def test_a_decode_node_without_room_ranks_last() -> None:
     full = view("d0", "decode", kv_used_blocks=998, kv_total_blocks=1000)  # 4 more blocks do not fit
     roomy = view("d1", "decode", running=60, kv_used_blocks=10, kv_total_blocks=1000)
