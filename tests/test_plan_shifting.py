@@ -52,9 +52,10 @@ MEASURED = 6
 """Requests of the second phase whose goodput is measured, per setup."""
 HEARTBEAT_S = 0.25
 THINK_S = 0.75
-"""Each client's pause between requests: longer than the router's view of the nodes' load can lag (a
-heartbeat and a node-list refresh), so a decode node that just finished a stream looks free, not busy; with
-no pause, the next request can land behind a running stream on another node while this one idles."""
+"""Each client's pause between requests, and between the clients' first requests: longer than the router's
+view of the nodes' load can lag (a heartbeat and a node-list refresh), so a decode node that just finished a
+stream looks free, not busy; with no pause, the next request can land behind a running stream on another
+node while this one idles (the router's decode score weighs the heartbeat's running requests)."""
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +114,9 @@ def run_phase(
     live: LiveCluster, prompts: list[str], max_tokens: int, until: object, timeout_s: float
 ) -> list[Outcome]:
     sampling = {"temperature": 0, "ignore_eos": True}  # every output its full length: the mix is what it says
-    load = Load(live.base, MODEL, prompts, WORKERS, max_tokens=max_tokens, timeout_s=120, pause_s=THINK_S,
-                sampling=sampling)  # fmt: skip
+    think = THINK_S if max_tokens > LONG_TOKENS else 0.0  # the first phase's load is prefill, not slots
+    load = Load(live.base, MODEL, prompts, WORKERS, max_tokens=max_tokens, timeout_s=120, pause_s=think,
+                sampling=sampling, stagger_s=think)  # fmt: skip
     load.start()
     try:
         wait_for(lambda: until(load.snapshot()), timeout_s, "the phase did not reach its end")  # type: ignore[operator]
