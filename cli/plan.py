@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ from pdserve.cli.plan_model import (
     RoleChange,
     Slo,
     decide,
+    decode_slots,
     inputs_record,
     need,
 )
@@ -80,8 +82,8 @@ class PlannerMetrics(MetricsRegistry):
         self.inputs = self.gauge(
             "pdserve_planner_input",
             "The latest decision's inputs: rate (requests/s), prompt_tokens and output_tokens (means), "
-            "prefill_tokens_per_s, decode_step_s, decode_step_s_per_seq, need_prefill and need_decode "
-            "(fractional nodes).",
+            "prefill_tokens_per_s, decode_step_s, decode_step_s_per_seq, decode_slots (sequences a decode "
+            "node runs at once at most), need_prefill and need_decode (fractional nodes).",
             ["input"],
         )
 
@@ -125,7 +127,12 @@ class Planner:
         w = window(history[0], new, roles)
         load = self.bench or w.load or Load(0.0, 0.0, 0.0)
         rates = self.estimate.rates()
-        needed = need(load, rates, self.cfg.slo)
+        slots = min(
+            (decode_slots(load, s.info.max_num_seqs, s.info.capacity_blocks, s.info.block_size)
+             for s in statuses),
+            default=math.inf,
+        )  # fmt: skip
+        needed = need(load, rates, self.cfg.slo, slots)
         window_s, ideals = self.cfg.damping.stabilize_s, self.ideals
         while len(ideals) > 1 and now - ideals[1][0] >= window_s:
             ideals.popleft()  # ideals[0]: the newest round at least window_s old
@@ -139,7 +146,7 @@ class Planner:
         if decision.changes and self.apply_role is not None:
             self.ideals.clear()  # the split changes: the window starts again from it
         record = inputs_record(
-            load, rates, self.cfg.slo, needed, decision, {v.node_id: v.role for v in views}
+            load, rates, self.cfg.slo, needed, decision, {v.node_id: v.role for v in views}, slots
         )
         record |= {"window_s": round(w.seconds, 3), "observed_ttft_s": w.observed_ttft_s,
                    "observed_itl_s": w.observed_itl_s}  # fmt: skip
@@ -154,7 +161,8 @@ class Planner:
         for role, count in record["desired"].items():
             m.desired.labels(role=role).set(count)
         m.decisions.labels(reason=record["reason"]).inc()
-        values = {**record["load"], **record["rates"], "need_prefill": need_p, "need_decode": need_d}
+        values = {**record["load"], **record["rates"], "need_prefill": need_p, "need_decode": need_d,
+                  "decode_slots": record["decode_slots"] or math.inf}  # fmt: skip
         for name, value in values.items():
             m.inputs.labels(input=name).set(value)
 

@@ -13,8 +13,10 @@ The sizing, per role (the estimates DistServe and Dynamo's planner make, in thei
   queues like M/M/1, so its TTFT is about s / (1 - u) at utilisation u, and the SLO allows u <= 1 - s / TTFT;
   prefill nodes = prefill tokens per second / (rate per node * that utilisation);
 - decode: a step of b sequences takes a + c * b seconds (a: reading the weights, c: one sequence's KV and
-  compute), so the TPOT SLO allows b <= (TPOT - a) / c sequences per node, i.e. b / TPOT tokens per second;
-  decode nodes = output tokens per second / that.
+  compute), so the TPOT SLO allows b <= (TPOT - a) / c sequences per node, and the node's slots allow
+  b <= slots (its --max-num-seqs, and the streams its KV holds: a request that finds no slot waits before its
+  first token); a node makes b / (a + c * b) tokens per second; decode nodes = output tokens per second /
+  that (by Little's law, the streams in flight over the slots when the slots bind).
 """
 
 from __future__ import annotations
@@ -115,8 +117,18 @@ class Decision:
     reason: str
 
 
-def need(load: Load, rates: Rates, slo: Slo) -> Need:
-    """The nodes `load` needs at `rates` under `slo` (estimates; see the module's docstring)."""
+def decode_slots(load: Load, max_num_seqs: int, capacity_blocks: int, block_size: int) -> int:
+    """The sequences one decode node can run at once for `load`: its max_num_seqs (0: not known, from a node
+    that predates it) and the streams its pool of `capacity_blocks` holds, each its computed prompt tokens
+    (a prefix hit's blocks are shared) and its output tokens; one at least."""
+    per_stream = math.ceil((load.prompt_tokens + load.output_tokens) / block_size)
+    by_kv = capacity_blocks // per_stream if per_stream > 0 else capacity_blocks
+    return max(1, min(by_kv, max_num_seqs or by_kv))
+
+
+def need(load: Load, rates: Rates, slo: Slo, slots: float = math.inf) -> Need:
+    """The nodes `load` needs at `rates` under `slo`, a decode node running `slots` sequences at most
+    (`decode_slots`; estimates, see the module's docstring)."""
     assert rates.prefill_tokens_per_s > 0 and rates.decode_step_s > 0 and rates.decode_step_s_per_seq > 0
     service_s = load.prompt_tokens / rates.prefill_tokens_per_s
     utilisation = 1.0 - service_s / slo.ttft_s
@@ -125,7 +137,7 @@ def need(load: Load, rates: Rates, slo: Slo) -> Need:
     prefill = load.rate * load.prompt_tokens / (rates.prefill_tokens_per_s * utilisation)
     batch = (slo.tpot_s - rates.decode_step_s) / rates.decode_step_s_per_seq
     tpot_ok = batch >= 1.0
-    batch = max(1.0, batch)
+    batch = max(1.0, min(batch, slots))
     decode_tokens_per_s = batch / (rates.decode_step_s + rates.decode_step_s_per_seq * batch)
     decode = load.rate * load.output_tokens / decode_tokens_per_s
     return Need(prefill, decode, utilisation, batch, ttft_ok, tpot_ok)
@@ -173,11 +185,18 @@ def decide(
 
 
 def inputs_record(
-    load: Load, rates: Rates, slo: Slo, needed: Need, decision: Decision, nodes: Mapping[str, PlanRole]
+    load: Load,
+    rates: Rates,
+    slo: Slo,
+    needed: Need,
+    decision: Decision,
+    nodes: Mapping[str, PlanRole],
+    slots: float = math.inf,
 ) -> dict[str, object]:
     """One decision with everything it was made from, as the planner logs it (one JSON line)."""
     return {
         "load": vars(load), "rates": vars(rates), "slo": vars(slo),
+        "decode_slots": slots if math.isfinite(slots) else None,
         "need": {"prefill": round(needed.prefill, 3), "decode": round(needed.decode, 3),
                  "prefill_utilisation": round(needed.prefill_utilisation, 3),
                  "decode_batch": round(needed.decode_batch, 2),

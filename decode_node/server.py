@@ -3,9 +3,10 @@
 Owns the receiving end of the KV transfer, through the engine's remote-KV port only. D answers P's OPEN once
 the router's request for it has arrived and the pool has room: OPENs wait, first come first served, in one
 admission queue until `reserve_remote` succeeds with headroom (no local request starved of blocks, one
-free block left per live request), so a full pool delays a transfer instead of refusing it, and P computes
-nothing until D can take it. DATA is scattered straight into the reserved blocks; on COMPLETE the request
-enters continuous batching with the first token P sampled (and ends there at once if that token ends it).
+free block left per live request, fewer than --max-num-seqs requests live), so a full pool or a full batch
+delays a transfer instead of refusing it, and P computes nothing until D can take it. DATA is scattered
+straight into the reserved blocks; on COMPLETE the request enters continuous batching with the first token
+P sampled (and ends there at once if that token ends it).
 
 A transfer that fails (aborted, cut, corrupted, or its prefill node silent past the transfer connection's
 liveness window) falls back to compute under `kv_load_failure_policy` "recompute" (vLLM's name; the

@@ -147,6 +147,7 @@ class NodeRuntime:
                 model=self.engine.loaded.description,
                 quantization=self.engine.loaded.quantization or "none",
                 devices=self.engine.devices,
+                max_num_seqs=self.engine.cfg.max_num_seqs,
             )
             await self.presence.register(info)  # IncompatibleNode propagates: refuse to start
             log.info("node %s registered as %s, epoch %d", self.node_id, self.settings.role, self.epoch)

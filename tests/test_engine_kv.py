@@ -17,6 +17,7 @@ from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.loader import LoadedModel
+from pdserve.shared.types import RequestId
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -113,6 +114,32 @@ def test_small_pool_preempts_and_every_request_matches_unconstrained(loaded: Loa
         assert have.finish_reason == "length" and len(have.token_ids) == params.max_tokens
         assert have.token_ids == want.token_ids, f"request {i} changed under preemption"
         assert have.text == want.text
+
+
+def test_remote_work_waits_while_the_node_runs_max_num_seqs(loaded: LoadedModel) -> None:
+    """A decode node takes remote KV (reserve_remote with headroom) only while it could start the request:
+    at max_num_seqs live requests, the OPEN waits (the client's first token with it) instead of the request
+    being admitted, its first token streamed, and then stalling in the engine's queue."""
+    engine = _engine(loaded, num_kv_blocks=64, max_num_seqs=1)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.add_request(engine.new_request(RequestId("local"), loaded.tokenizer.encode("Once upon a"), params))
+    engine.step()  # it runs: the one slot is taken, the pool has room
+    assert len(engine.scheduler.running) == 1 and not engine.scheduler.waiting
+    assert engine.reserve_remote([], 2, headroom=True) is None
+    plain = engine.reserve_remote([], 2)  # without headroom (a prefix fetch), the pool's room alone decides
+    assert plain is not None
+    engine.release_remote(plain)
+    while engine.has_unfinished():
+        engine.step()
+    room = engine.reserve_remote([], 2, headroom=True)
+    assert room is not None
+    # a reservation not yet admitted (its KV in flight) holds the slot too: a burst of OPENs takes one
+    assert engine.reserve_remote([], 2, headroom=True) is None
+    engine.release_remote(room)
+    again = engine.reserve_remote([], 2, headroom=True)
+    assert again is not None
+    engine.release_remote(again)
+    _assert_pool_clean(engine)
 
 
 def test_chunked_prefill_under_small_budget_matches_one_shot(loaded: LoadedModel) -> None:

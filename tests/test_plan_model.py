@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pdserve.cli.plan_model import Damping, Load, Need, NodeView, Rates, RoleChange, Slo, decide, need
+from pdserve.cli.plan_model import (
+    Damping,
+    Load,
+    Need,
+    NodeView,
+    Rates,
+    RoleChange,
+    Slo,
+    decide,
+    decode_slots,
+    need,
+)
 
 RATES = Rates(prefill_tokens_per_s=10_000.0, decode_step_s=0.02, decode_step_s_per_seq=0.001)
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
@@ -28,6 +39,39 @@ def test_sizing_follows_the_queueing_and_step_models() -> None:
     assert n.decode == pytest.approx(1000 / 600)
     assert n.desired() == {"prefill": 3, "decode": 2}
     assert n.ttft_feasible and n.tpot_feasible
+
+
+def test_a_decode_nodes_slots_bound_its_batch_below_what_the_tpot_allows() -> None:
+    load = Load(rate=1.0, prompt_tokens=20, output_tokens=100)
+    free = need(load, RATES, SLO)
+    bound = need(load, RATES, SLO, slots=2)
+    assert free.decode_batch == pytest.approx(30) and bound.decode_batch == 2
+    # 2 sequences at 0.022 s a step: 2 / 0.022 tokens/s per node; 100 tokens/s needed
+    assert bound.decode == pytest.approx(100 / (2 / 0.022))
+    assert bound.tpot_feasible
+
+
+def test_slots_are_the_fewer_of_max_num_seqs_and_the_streams_the_kv_holds() -> None:
+    load = Load(rate=1.0, prompt_tokens=20, output_tokens=300)  # 320 tokens: 20 blocks of 16 a stream
+    assert decode_slots(load, max_num_seqs=4, capacity_blocks=100, block_size=16) == 4
+    assert decode_slots(load, max_num_seqs=64, capacity_blocks=100, block_size=16) == 5
+    assert decode_slots(load, max_num_seqs=0, capacity_blocks=100, block_size=16) == 5  # an older node
+    assert decode_slots(load, max_num_seqs=64, capacity_blocks=10, block_size=16) == 1  # at least one
+    idle = Load(0.0, 0.0, 0.0)
+    assert decode_slots(idle, max_num_seqs=0, capacity_blocks=100, block_size=16) == 100
+
+
+def test_a_load_that_fills_the_decode_slots_moves_prefill_nodes_to_decode() -> None:
+    """A CPU-like cluster (slow prefill, a loose TPOT): by the step time alone, one decode node is enough
+    and the split stays; one sequence per decode node makes the same load need three."""
+    cpu = Rates(prefill_tokens_per_s=200.0, decode_step_s=0.05, decode_step_s_per_seq=0.01)
+    load = Load(rate=0.4, prompt_tokens=100, output_tokens=64)
+    slo = Slo(ttft_s=2.0, tpot_s=0.3)
+    assert decide(need(load, cpu, slo), nodes(2, 2), Damping(), now=1000.0).changes == ()
+    bound = need(load, cpu, slo, slots=1)
+    assert bound.decode == pytest.approx(0.4 * 64 * 0.06)
+    d = decide(bound, nodes(2, 2), Damping(), now=1000.0)
+    assert d.target_prefill == 1 and d.changes == (RoleChange("p0", "decode"),)
 
 
 def test_an_slo_out_of_reach_is_flagged_and_sized_with_margin() -> None:

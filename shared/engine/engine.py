@@ -144,11 +144,13 @@ class _InFlight:
 @dataclass
 class RemoteReservation:
     """Blocks for a prompt whose KV another node computes: `held` prefix blocks this pool already has,
-    then `dst` blocks the transfer writes. `live` is False once admitted or released."""
+    then `dst` blocks the transfer writes. `live` is False once admitted or released; `slot`: it holds
+    one of the engine's max_num_seqs places until then (a decode OPEN's, reserved with headroom)."""
 
     held: tuple[BlockId, ...]
     dst: tuple[BlockId, ...]
     live: bool = True
+    slot: bool = False
 
     @property
     def block_ids(self) -> list[BlockId]:
@@ -235,6 +237,8 @@ class LLMEngine:
         self._live: dict[RequestId, _Live] = {}
         self._seeds: dict[str | None, BlockHash] = {}
         self._inflight: _InFlight | None = None
+        self._slots_reserved = 0
+        """Live reservations holding a max_num_seqs place (`RemoteReservation.slot`)."""
 
     def bind_thread(self) -> None:
         """Makes this engine's GPU the calling thread's current device (torch's current device is per thread,
@@ -310,8 +314,10 @@ class LLMEngine:
     ) -> RemoteReservation | None:
         """Reserves a prompt of `num_blocks` blocks: its longest held prefix (not the last block) plus fresh
         blocks for the rest; None when the pool cannot take it now. With `headroom`, also None while a
-        local request waits for blocks or unless one free block per live request remains afterwards, so
-        admitting remote work never starves the decodes already running here."""
+        local request waits for blocks, unless one free block per live request remains afterwards, and
+        while max_num_seqs requests are live here: admitting remote work never starves the decodes already
+        running, and work this node could not start waits at its transfer (its TTFT), not after its first
+        token in the engine's queue."""
         if self._inflight is not None:
             self._inflight.sample.wait()  # a block freed meanwhile may still be written by that step
         pool, sched = self.pool, self.scheduler
@@ -321,13 +327,16 @@ class LLMEngine:
         self.scheduler.heat.hit(block_hashes, len(held))
         spare = pool.num_free() - (num_blocks - len(held))
         if headroom and spare >= 0:
+            live = len(sched.running) + len(sched.waiting) + self._slots_reserved
             starved = any(not r.block_ids for r in sched.waiting)
-            if starved or spare < len(sched.running) + len(sched.waiting):
+            if starved or spare < live or live >= self.cfg.max_num_seqs:
                 spare = -1
         if spare < 0:
             pool.release(held[::-1])
             return None
-        reservation = RemoteReservation(tuple(held), tuple(pool.reserve(num_blocks - len(held))))
+        dst = tuple(pool.reserve(num_blocks - len(held)))
+        reservation = RemoteReservation(tuple(held), dst, slot=headroom)
+        self._slots_reserved += headroom
         self._run_copies()  # blocks the reservation evicted go to the host tier before the fill lands
         return reservation
 
@@ -409,6 +418,7 @@ class LLMEngine:
         if not reservation.live:
             raise ValueError(f"request {request.request_id!r}: its reservation was already ended")
         reservation.live = False
+        self._slots_reserved -= reservation.slot
         blocks = reservation.block_ids
         self.pool.fill_done(reservation.dst)
         try:
@@ -425,6 +435,7 @@ class LLMEngine:
         """Gives a reservation's blocks back; a no-op once admitted or released."""
         if reservation.live:
             reservation.live = False
+            self._slots_reserved -= reservation.slot
             self.pool.release(reservation.block_ids[::-1])
 
     def _track(self, request: Request) -> _Live:

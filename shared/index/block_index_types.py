@@ -163,6 +163,9 @@ class NodeInfo(_Record):
     devices: tuple[str, ...] = ()
     """The device of each tensor-parallel rank, rank 0 first (`kv_layout.tp_size` of them; () from a node
     that predates it)."""
+    max_num_seqs: int = 0
+    """The most requests the node's engine runs at once (--max-num-seqs): with capacity_blocks, what bounds
+    its concurrent decodes (0 from a node that predates it)."""
 
     def __post_init__(self) -> None:
         if not _NAME_RE.fullmatch(self.node_id):
@@ -181,10 +184,10 @@ class NodeInfo(_Record):
             raise ValueError(f"quantization={self.quantization!r}: accepted {list(QUANTIZATIONS)}")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
-        if self.capacity_blocks < 0 or self.protocol_version < 0 or self.epoch < 0:
+        if min(self.capacity_blocks, self.protocol_version, self.epoch, self.max_num_seqs) < 0:
             raise ValueError(
                 f"capacity_blocks={self.capacity_blocks}, protocol_version={self.protocol_version}, "
-                f"epoch={self.epoch}: must be >= 0"
+                f"epoch={self.epoch}, max_num_seqs={self.max_num_seqs}: must be >= 0"
             )
 
     @property

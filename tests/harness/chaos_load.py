@@ -48,7 +48,8 @@ class Outcome:
 
 class Load:
     """`workers` threads each sending streaming completions of `prompts` (round robin) to `base` until
-    `stop()`; `leave_after` (chunks) makes every `leave_every`-th request of a worker leave early."""
+    `stop()`; `leave_after` (chunks) makes every `leave_every`-th request of a worker leave early; worker w
+    sends its first request `w * stagger_s` after `start()` (clients that do not all arrive at once)."""
 
     def __init__(
         self,
@@ -62,8 +63,10 @@ class Load:
         leave_after: int = 2,
         pause_s: float = 0.0,
         sampling: dict[str, Any] | None = None,
+        stagger_s: float = 0.0,
     ) -> None:
         self.base = base
+        self.stagger_s = stagger_s
         self.model = model
         self.prompts = list(prompts)
         self.max_tokens = max_tokens
@@ -102,6 +105,8 @@ class Load:
             return list(self.outcomes)
 
     def _work(self, worker: int) -> None:
+        if self._stop.wait(worker * self.stagger_s):
+            return
         with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=10)) as client:
             n = 0
             while not self._stop.is_set():
