@@ -9,7 +9,8 @@ Each engine loads its own seeded dummy weights (rank r draws its shard of the sa
 as `--async-scheduling` says, at every size. Batch-1 decode runs at ~1.2k context, throughput at batch 64
 and 2k context. The roofline of TP=N: the copy bandwidth of one GPU over the bytes one rank reads per step
 (its weight shard, the embedding table excepted, plus its KV heads' share), since the N GPUs read in
-parallel.
+parallel. Every request is greedy, so at TP > 1 every step should end in the greedy tokens' all-gather
+(no logits gathered on rank 0: docs/engine.md); a row says how many steps did.
 """
 
 from __future__ import annotations
@@ -94,13 +95,15 @@ def decode_rows(
         b64 = engine_decode(engine, prompts, 16 + 40, 4)[0]
         kv64 = kv_bytes_per_token(c, kv_dtype) * (2048 + 30) * 64 / min(tp, c.num_kv_heads)
         roof64 = 64 * bw / (_weight_bytes(shape, tp, 64) + kv64)
+        steps = dict(engine.runner.outputs)  # greedy: at TP > 1 every step should end in "tokens"
     finally:
         engine.close()
         release(torch.device("cuda:0"))
     rate = statistics.median(b1)
     kv_name = "" if kv_cache_dtype == "auto" else f"/kv-{kv_cache_dtype}"
     key = f"{shape}/tp{tp}/async-{'on' if overlap else 'off'}/{quantization or 'bf16'}{kv_name}"
-    res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64, "pool_tokens": pool_tokens}
+    res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64, "pool_tokens": pool_tokens,
+                "steps": steps}  # fmt: skip
     what = f"{shape} {quantization or 'bf16'}{kv_name} TP={tp} async {'on' if overlap else 'off'}"
     return [
         (f"{what}: KV pool (gpu_memory_utilization 0.90)", f"{pool_tokens} tokens", "", ""),
@@ -108,6 +111,8 @@ def decode_rows(
          f"roofline {roof:.1f}", f"{rate / roof:.1%}"),
         (f"{what}: batch 64 at 2k ctx, tok/s", f"{b64:.0f}", f"roofline {roof64:.0f}",
          f"{b64 / roof64:.1%}"),
+        (f"{what}: steps ending in greedy tokens / in gathered logits", f"{steps.get('tokens', 0)}",
+         f"{steps.get('logits', 0)}", "TP > 1: no logits gather" if tp > 1 else "TP = 1: own logits"),
     ]  # fmt: skip
 
 

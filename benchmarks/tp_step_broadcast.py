@@ -78,7 +78,7 @@ def bench_shm(items: list[BatchItem], iters: int) -> tuple[list[float], list[flo
     )
     writer.started()
     os.close(ack_w)
-    times = _timed(iters, lambda: writer.publish(items), ack_r)
+    times = _timed(iters, lambda: writer.publish(items, False), ack_r)
     writer.close()
     proc.wait()
     return times

@@ -210,7 +210,10 @@ def test_step_message_round_trip() -> None:
         BatchItem([7, 8, 9], 2, 1, [4], False),
     ]
     on_device = BatchItem([7, 8, 9], 3, 1, [4], True, prev_row=1)  # async scheduling: its token is a tensor's
-    got = unpack(pack([*items, on_device]).tobytes())
+    assert unpack(pack(items).tobytes()).argmax is False
+    step = unpack(pack([*items, on_device], argmax=True).tobytes())
+    got = step.items
+    assert step.argmax  # a greedy step: every rank ends it in the tokens' all-gather
     for a, b in zip([*items, on_device], got, strict=True):
         assert (a.start, a.num_tokens, list(a.block_ids), a.sample, a.prev_row) == (
             b.start, b.num_tokens, b.block_ids, b.sample, b.prev_row,

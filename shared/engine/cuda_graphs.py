@@ -8,7 +8,10 @@ never moves; blocks changing hands in the pool change only table contents, never
 n rows replays the smallest bucket >= n; rows n.. of the bucket are padding (token 0, position 0, slot -1
 so no KV is written, seq_len 1 over a table row of valid block ids) and their logits are dropped. The
 metadata inside a graph says max_seq_len = max_model_len, so the decode kernel's split count depends on
-the bucket alone, never on the batch replayed. Everything captured lives in one private memory pool that
+the bucket alone, never on the batch replayed. At tensor-parallel size > 1 every bucket has two graphs, one
+ending in the logits gathered on rank 0 and one in the greedy tokens (`LlamaModel.greedy_tokens`: only each
+rank's best per row is exchanged); every rank replays the same one, as the step message says. Everything
+captured lives in one private memory pool that
 `close()` gives back; `close()` is idempotent. On CPU the same buffers and padding run eagerly (the test
 path).
 """
@@ -68,7 +71,7 @@ def pick_bucket(buckets: Sequence[int], n: int) -> int:
 
 
 class _Bucket(Protocol):
-    logits: torch.Tensor  # [bucket, V] fp32, valid after replay()
+    logits: torch.Tensor  # [bucket, V] fp32 (the greedy variant: [bucket] int64 tokens), valid after replay()
 
     def replay(self) -> None: ...
 
@@ -95,7 +98,8 @@ class _EagerBucket:
 class GraphSet:
     """One kind of step replayed from graphs, one graph per bucket (ascending), over one model, KV tensor
     and ops. A subclass allocates its static buffers for the largest bucket (`_stage_buffers`) and builds a
-    bucket's forward (`_forward_fn`); `close()` gives the graphs and their pool back and is idempotent.
+    bucket's forward (`_forward_fn`, ending in the logits or, with `argmax`, the greedy tokens); `close()`
+    gives the graphs and their pool back and is idempotent.
     `capture=False` runs the same static-buffer path eagerly (CPU, and the oracle for the graph path in
     tests). Build it after the weights are loaded and the KV tensor is allocated."""
 
@@ -124,19 +128,20 @@ class GraphSet:
         self._fence = torch.cuda.Event() if self._pin else None
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._stage_buffers(max(buckets, default=1))
-        graphs: dict[int, _Bucket] = {}
+        graphs: dict[tuple[int, bool], _Bucket] = {}
         start, reserved = time.perf_counter(), _reserved(dev)
         with torch.inference_mode():
-            for b in reversed(buckets):  # largest first: smaller graphs reuse its pool memory
-                fn = self._forward_fn(b)
+            # largest first: smaller graphs reuse its pool memory
+            for b, argmax in [(b, a) for b in reversed(buckets) for a in graph_variants(model)]:
+                fn = self._forward_fn(b, argmax)
                 if self._pool is None:
-                    graphs[b] = _EagerBucket(fn)
+                    graphs[b, argmax] = _EagerBucket(fn)
                     continue
                 for _ in range(2):  # compile Triton kernels and create cuBLAS handles outside the capture
                     fn()
                 torch.cuda.synchronize(dev)
-                graphs[b] = _GraphBucket(fn, self._pool)
-        self._graphs: dict[int, _Bucket] | None = graphs
+                graphs[b, argmax] = _GraphBucket(fn, self._pool)
+        self._graphs: dict[tuple[int, bool], _Bucket] | None = graphs
         self.pool_bytes = _reserved(dev) - reserved
         """Device memory the capture took (graph pool and workspaces), measured; 0 on CPU."""
         log.info(
@@ -148,16 +153,23 @@ class GraphSet:
     def _stage_buffers(self, max_bucket: int) -> None:
         raise NotImplementedError
 
-    def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
+    def _forward_fn(self, b: int, argmax: bool) -> Callable[[], torch.Tensor]:
         raise NotImplementedError
 
-    def _bucket(self, b: int) -> _Bucket:
+    def _output(self, hidden: torch.Tensor, argmax: bool) -> torch.Tensor:
+        """The step's result from the rows that sample, hidden [S, E]: logits [S, V] fp32, or with `argmax`
+        the greedy tokens [S] int64."""
+        if argmax:
+            return self.model.greedy_tokens(hidden, self.ops)
+        return self.model.compute_logits(hidden, self.ops)
+
+    def _bucket(self, b: int, argmax: bool) -> _Bucket:
         """Bucket b's graph, once the previous step's staging copies have left the host buffers."""
         if self._graphs is None:
             raise RuntimeError(f"{type(self).__name__}.run after close()")
         if self._fence is not None:
             self._fence.synchronize()
-        return self._graphs[b]
+        return self._graphs[b, argmax]
 
     def close(self) -> None:
         """Drops every graph and the private pool; a later `run` raises. Idempotent."""
@@ -195,7 +207,7 @@ class DecodeGraphs(GraphSet):
         self._tab = self._h_tab.to(dev, copy=True)
         self._qsl = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
 
-    def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
+    def _forward_fn(self, b: int, argmax: bool) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(
             positions=self._i64[1, :b],
             slot_mapping=self._i64[2, :b],
@@ -209,7 +221,7 @@ class DecodeGraphs(GraphSet):
 
         def fn() -> torch.Tensor:
             hidden = self.model.forward(self._i64[0, :b], self.kv_cache, meta, self.ops)
-            return self.model.compute_logits(hidden, self.ops)  # [b, V] fp32
+            return self._output(hidden, argmax)  # [b, V] fp32 or [b] int64
 
         return fn
 
@@ -223,16 +235,18 @@ class DecodeGraphs(GraphSet):
         block_ids: Sequence[Sequence[int]],
         seq_lens: Sequence[int],
         from_device: tuple[Sequence[tuple[int, int]], torch.Tensor] | None = None,
+        argmax: bool = False,
     ) -> torch.Tensor:
         """One decode step: row i feeds token input_ids[i] at position seq_lens[i] - 1 of a sequence whose
         blocks are block_ids[i]; `from_device` = (pairs (row, j), tokens) replaces row's input with
-        tokens[j] on the device (the previous step's sample, never read back). Returns fp32 logits [n, V]
-        (a copy, so the next replay cannot change it)."""
+        tokens[j] on the device (the previous step's sample, never read back). Returns fp32 logits [n, V],
+        or with `argmax` (tensor-parallel size > 1) the greedy tokens [n] int64 (a copy, so the next replay
+        cannot change it)."""
         n = len(input_ids)
         assert len(block_ids) == n == len(seq_lens), (n, len(block_ids), len(seq_lens))
         assert self.fits(seq_lens), f"batch of {n} rows, longest context {max(seq_lens)}: does not fit"
         b = pick_bucket(self.buckets, n)
-        bucket = self._bucket(b)
+        bucket = self._bucket(b, argmax)
         self._stage(input_ids, block_ids, seq_lens, b)
         if from_device is not None:
             src = self._h_i64.numpy()[3]
@@ -269,6 +283,11 @@ class DecodeGraphs(GraphSet):
         # padding rows; their table rows keep earlier valid block ids (all entries ever written are)
         i64[0, n:b], i64[1, n:b], i64[2, n:b] = 0, 0, -1
         seq[n:b] = 1
+
+
+def graph_variants(model: LlamaModel) -> tuple[bool, ...]:
+    """The `argmax` values a graph set captures per bucket: a group of one samples from its own logits."""
+    return (False,) if model.tp.size == 1 else (False, True)
 
 
 def _reserved(dev: torch.device) -> int:
@@ -327,7 +346,9 @@ def plan_gpu_memory(
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
-    n_graphs = len(bucket_sizes(max_num_seqs)) + len(short) if cuda_graphs else 0
+    n_graphs = (
+        (len(bucket_sizes(max_num_seqs)) + len(short)) * len(graph_variants(model)) if cuda_graphs else 0
+    )
     graph_reserve = decode + short_peak + GRAPH_OVERHEAD_BYTES * n_graphs if cuda_graphs else 0
     sampler = SAMPLER_COPIES * max_num_seqs * c.vocab_size * 4
     used = total - free

@@ -533,13 +533,6 @@ class LLMEngine:
             def hook(layer: int) -> None:
                 observer.on_layer(layer, slices)
 
-        self.ranks.publish(items)
-        logits = self.runner.execute(
-            items,
-            hook,
-            prev_tokens=None if prev is None else prev.sample.tokens,
-            wait=not self.cfg.overlap,
-        )
         sampling = tuple(s for s in out.scheduled if s.samples)
         states = [
             SamplingState(
@@ -550,11 +543,23 @@ class LLMEngine:
             )
             for s in sampling
         ]
+        # across ranks, a greedy step moves each rank's best per row, not the whole vocabulary's logits
+        argmax = self.ranks.comm.size > 1 and self.sampler.argmax_suffices(states)
+        self.ranks.publish(items, argmax)
+        result = self.runner.execute(
+            items,
+            hook,
+            prev_tokens=None if prev is None else prev.sample.tokens,
+            wait=not self.cfg.overlap,
+            argmax=argmax,
+        )
         rows = {s.request.request_id: i for i, s in enumerate(sampling)}
-        bitmask = self._grammar_masks(sampling, prev)
-        sample = self.sampler.launch(logits, states, bitmask)
-        if self.cfg.overlap and sampling:
-            self.ranks.share_tokens(sample.tokens)  # the other ranks' next step reads its placeholders there
+        if argmax:  # every rank holds the tokens: nothing to share
+            sample = self.sampler.chosen(result)
+        else:
+            sample = self.sampler.launch(result, states, self._grammar_masks(sampling, prev))
+            if self.cfg.overlap and sampling:
+                self.ranks.share_tokens(sample.tokens)  # the other ranks' next step reads its placeholders
         return _InFlight(out, sampling, sample, rows)
 
     def _grammar_masks(

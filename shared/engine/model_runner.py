@@ -1,4 +1,5 @@
-"""Owns the KV cache tensor and turns one scheduled batch into a forward pass and logits.
+"""Owns the KV cache tensor and turns one scheduled batch into a forward pass and logits (or, for a step
+whose rows are all plain greedy at tensor-parallel size > 1, the greedy tokens: `execute(argmax=True)`).
 
 Invariants: the KV tensor is allocated once, `[num_layers, 2, num_blocks, block_size, Hkv, D]`, and never
 moves (transfer connectors and CUDA graphs hold its address); a token's KV goes to slot
@@ -14,6 +15,7 @@ import logging
 import math
 import mmap
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -141,6 +143,8 @@ class ModelRunner:
         self.device = device or cfg.torch_device
         self.ops: AttentionOps = ops or get_ops(self.device)
         self.num_blocks = num_blocks
+        self.outputs: Counter[str] = Counter()
+        """Steps run, by what they returned: "logits" or "tokens" (`execute`'s `argmax`)."""
         if self.device.type == "cuda":
             # Accumulate half-precision matmuls in fp32 end to end: more exact, and for the skinny (M = 1..8)
             # decode GEMMs cuBLAS then skips its separate split-K reduction kernels. Process-wide; a node
@@ -224,10 +228,15 @@ class ModelRunner:
         *,
         prev_tokens: torch.Tensor | None = None,
         wait: bool = True,
+        argmax: bool = False,
     ) -> torch.Tensor:
-        """Runs one step; returns fp32 logits [num sampled items, V] in item order. `prev_tokens` [S] int64
-        (on the device) feeds the items with a `prev_row`. With `wait=False` the logits may still be in
-        the making on the device (the caller queues more work behind them)."""
+        """Runs one step; returns fp32 logits [num sampled items, V] in item order (at tensor-parallel size
+        > 1: on rank 0; the other ranks get their own columns back), or with `argmax` the greedy tokens
+        [num sampled items] int64 on every rank (only each rank's best per row crosses ranks; every rank
+        must pass the same `argmax`). `prev_tokens` [S] int64 (on the device) feeds the items with a
+        `prev_row`. With `wait=False` the result may still be in the making on the device (the caller
+        queues more work behind it)."""
+        self.outputs["tokens" if argmax else "logits"] += 1
         fill = [(i, it.prev_row) for i, it in enumerate(items) if it.prev_row >= 0]
         from_device = None
         if fill:
@@ -237,14 +246,14 @@ class ModelRunner:
             seq_lens = [it.start + 1 for it in items]
             if self.graphs.fits(seq_lens):
                 ids = [0 if it.prev_row >= 0 else it.token_ids[it.start] for it in items]
-                logits = self.graphs.run(ids, [it.block_ids for it in items], seq_lens, from_device)
+                logits = self.graphs.run(ids, [it.block_ids for it in items], seq_lens, from_device, argmax)
                 keep = [i for i, it in enumerate(items) if it.sample]
                 logits = logits if len(keep) == len(items) else logits[keep]
                 return self._wait(logits) if wait else logits
         if self.prefill_graphs is not None and len(items) == 1 and items[0].prev_row < 0:
             it = items[0]
             if self.prefill_graphs.fits(it.num_tokens, it.start + it.num_tokens):
-                logits = self.prefill_graphs.run(it.token_ids, it.start, it.num_tokens, it.block_ids)
+                logits = self.prefill_graphs.run(it.token_ids, it.start, it.num_tokens, it.block_ids, argmax)
                 if layer_hook is not None:  # every layer's KV writes are queued before the hook's work
                     for layer in range(self.config.num_layers):
                         layer_hook(layer)
@@ -269,6 +278,9 @@ class ModelRunner:
             if it.sample:
                 rows.append(end - 1)
         picked = hidden[torch.tensor(rows, dtype=torch.int64, device=dev)]
+        if argmax:
+            tokens = self.model.greedy_tokens(picked, self.ops)  # [S] int64
+            return self._wait(tokens) if wait else tokens
         logits = self.model.compute_logits(picked, self.ops)
         return self._wait(logits) if wait else logits
 

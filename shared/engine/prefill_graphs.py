@@ -45,7 +45,7 @@ class PrefillGraphs(GraphSet):
         self._last = self._h_last.to(dev, copy=True)
         self._tab = self._h_tab.to(dev, copy=True)
 
-    def _forward_fn(self, b: int) -> Callable[[], torch.Tensor]:
+    def _forward_fn(self, b: int, argmax: bool) -> Callable[[], torch.Tensor]:
         meta = AttentionMetadata(
             positions=self._i64[1, :b],
             slot_mapping=self._i64[2, :b],
@@ -59,7 +59,7 @@ class PrefillGraphs(GraphSet):
 
         def fn() -> torch.Tensor:
             hidden = self.model.forward(self._i64[0, :b], self.kv_cache, meta, self.ops)
-            return self.model.compute_logits(hidden.index_select(0, self._last), self.ops)  # [1, V] fp32
+            return self._output(hidden.index_select(0, self._last), argmax)  # [1, V] fp32 or [1] int64
 
         return fn
 
@@ -68,16 +68,21 @@ class PrefillGraphs(GraphSet):
         return bool(self.buckets) and 1 <= num_tokens <= self.buckets[-1] and seq_len <= self.max_model_len
 
     def run(
-        self, token_ids: Sequence[int], start: int, num_tokens: int, block_ids: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        start: int,
+        num_tokens: int,
+        block_ids: Sequence[int],
+        argmax: bool = False,
     ) -> torch.Tensor:
         """Tokens [start, start + num_tokens) of `token_ids` over the sequence's cached [0, start), whose
-        blocks are `block_ids`; writes their KV and returns fp32 logits [1, V] of the last one (a copy, so
-        the next replay cannot change it)."""
+        blocks are `block_ids`; writes their KV and returns fp32 logits [1, V] of the last one, or with
+        `argmax` its greedy token [1] int64 (a copy, so the next replay cannot change it)."""
         end, bs = start + num_tokens, self.block_size
         assert self.fits(num_tokens, end), f"{num_tokens} new tokens ending at {end}: does not fit"
         assert len(block_ids) * bs >= end, f"blocks cover {len(block_ids) * bs} tokens, need {end}"
         b = pick_bucket(self.buckets, num_tokens)
-        bucket = self._bucket(b)
+        bucket = self._bucket(b, argmax)
         i64, i32, tab = self._h_i64.numpy(), self._h_i32.numpy(), self._h_tab.numpy()
         used = -(-end // bs)
         tab[0, :used] = block_ids[:used]  # later columns keep earlier valid block ids (never read)

@@ -17,6 +17,9 @@ Invariants:
   truncation, so they describe the model's (biased) distribution for the context, are finite for every
   token, and do not change with min_tokens/temperature/top-k/top-p; the sampled token's logprob comes from
   the same distribution.
+- `argmax_suffices` says when a step's tokens are just its logits' argmax (every row greedy, with nothing
+  above that changes or reads the logits): a tensor-parallel engine then reduces the argmax across ranks
+  instead of gathering the logits (`ModelRunner.execute(argmax=True)`), and `chosen` wraps its tokens.
 """
 
 from __future__ import annotations
@@ -75,6 +78,26 @@ class Sampler:
         model's end tokens, held back (with each request's stop_token_ids) until its min_tokens."""
         self._rng = random.Random(seed)
         self._eos = eos_token_ids
+
+    @staticmethod
+    def argmax_suffices(states: Sequence[SamplingState]) -> bool:
+        """Whether every row's token is the argmax of its raw logits: greedy (temperature < GREEDY_EPS, so
+        top-k/top-p/min-p do not apply), no logprobs, no penalties, no logit_bias, no grammar mask, and
+        min_tokens met (no stop token held back)."""
+        return all(
+            s.params.temperature < GREEDY_EPS
+            and s.params.logprobs is None
+            and not s.params.penalized
+            and not s.params.logit_bias
+            and s.params.constraint is None
+            and s.position - len(s.prompt_token_ids) >= s.params.min_tokens
+            for s in states
+        )
+
+    @staticmethod
+    def chosen(tokens: torch.Tensor) -> PendingSample:
+        """A step's greedy tokens [S] int64 (on the device), when `argmax_suffices` held for its rows."""
+        return PendingSample(tokens, [], [], None)
 
     def sample(
         self, logits: torch.Tensor, states: Sequence[SamplingState], bitmask: torch.Tensor | None = None

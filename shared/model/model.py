@@ -21,7 +21,9 @@ Tensor parallelism (shared/model/parallel.py): a model holds one rank's share (`
 heads, its slice of the MLP and of the vocabulary. QKV and gate/up are column-parallel (this rank's rows),
 O and down row-parallel (this rank's columns, partial sums all-reduced through `comm`; a bias is added on
 rank 0 only, so the sum holds it once); the embedding all-reduces each rank's rows, and `compute_logits`
-gathers the vocabulary slices on rank 0. Every rank runs the same collectives in the same order.
+gathers the vocabulary slices on rank 0 (`greedy_tokens`, for a step that needs only each row's argmax,
+exchanges each rank's best (value, id) per row instead). Every rank runs the same collectives in the same
+order.
 """
 
 from __future__ import annotations
@@ -279,6 +281,19 @@ class LlamaModel(nn.Module):
         normed = self.norm(hidden) if ops is None else ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
         local = self.linear.linear(normed, self.lm_head_w, None)  # [S, V / N]
         return self.comm.gather_logits(local)[:, : self.config.vocab_size].float()  # [S, V]
+
+    def greedy_tokens(self, hidden: torch.Tensor, ops: AttentionOps | None = None) -> torch.Tensor:
+        """hidden: [S, E] as for `compute_logits` -> [S] int64 the argmax of each row's logits, on every
+        rank: each rank reduces its own vocabulary columns (its padding past V at -inf) and the group
+        exchanges only (value, id) per row, the first maximum winning as in torch's argmax."""
+        normed = self.norm(hidden) if ops is None else ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        local = self.linear.linear(normed, self.lm_head_w, None).float()  # [S, V / N]
+        real = self.tp.vocab()
+        if real.stop - real.start < local.shape[1]:
+            local[:, max(0, real.stop - real.start) :] = float("-inf")
+        index = local.argmax(dim=-1)  # [S] first maximum of this rank's columns
+        best = local.gather(1, index[:, None])[:, 0]  # [S]
+        return self.comm.argmax_tokens(best, index + self.tp.vocab_start)  # [S]
 
     @torch.no_grad()
     def load_weights(self, weights: WeightSource) -> None:

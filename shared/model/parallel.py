@@ -34,6 +34,19 @@ class Collectives(Protocol):
         """local: [S, V/N] this rank's vocabulary columns -> [S, V_padded] on rank 0 (columns in rank
         order); other ranks get `local` back and discard it (only rank 0 samples)."""
 
+    def argmax_tokens(self, best: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """best: [S] fp32 this rank's largest logit per row, index: [S] int64 its global vocabulary id ->
+        [S] int64 the id of the largest over every rank (a tie to the lowest id: torch's argmax over the
+        whole row), on every rank. What moves is [S, 2] per rank instead of [S, V / N]."""
+
+
+def best_of_ranks(pairs: torch.Tensor) -> torch.Tensor:
+    """pairs: [N, S, 2] float64 (value, global id) of each rank's best per row, ranks in vocabulary order ->
+    [S] int64 the winning ids. argmax over ranks returns the first (lowest) rank among equal values, whose
+    id is the lowest since each rank's id is its first maximum; float64 holds fp32 values and ids exactly."""
+    winner = pairs[:, :, 0].argmax(dim=0)  # [S] rank
+    return pairs[:, :, 1].gather(0, winner[None])[0].long()  # [S]
+
 
 class SingleRank:
     """The collectives of a group of one: nothing to exchange."""
@@ -46,6 +59,9 @@ class SingleRank:
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         return local
+
+    def argmax_tokens(self, best: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return index
 
 
 @dataclass(frozen=True)

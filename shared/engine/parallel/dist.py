@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from pdserve.shared.model.parallel import best_of_ranks
 
 COLLECTIVE_TIMEOUT_S = 30.0
 """Longest wait of one collective (and of the rendezvous while the ranks load their weights)."""
@@ -121,6 +122,16 @@ class DistCollectives:
         except RuntimeError as exc:
             raise self._failure("logits gather", exc) from exc
         return local if parts is None else torch.cat(parts, dim=1)  # rank 0: [S, V_padded]
+
+    def argmax_tokens(self, best: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        pair = torch.stack((best.double(), index.double()), dim=1)  # [S, 2]: fp32 values and ids exact
+        # [N * S, 2] flat: gloo accepts no [N, S, 2] output for an empty step (S = 0)
+        pairs = torch.empty((self.size * pair.shape[0], 2), dtype=pair.dtype, device=pair.device)
+        try:
+            dist.all_gather_into_tensor(pairs, pair)
+        except RuntimeError as exc:
+            raise self._failure("argmax all-gather", exc) from exc
+        return best_of_ranks(pairs.view(self.size, -1, 2))  # [S] on every rank
 
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (each rank's KV pool size: all ranks take the smallest)."""

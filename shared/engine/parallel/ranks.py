@@ -53,12 +53,14 @@ class Ranks(Protocol):
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value`."""
 
-    def publish(self, items: Sequence[BatchItem]) -> None:
-        """Sends a step's batch to the other ranks (before rank 0 runs it)."""
+    def publish(self, items: Sequence[BatchItem], argmax: bool) -> None:
+        """Sends a step's batch to the other ranks (before rank 0 runs it); `argmax`: every rank ends the
+        step in the greedy tokens (`ModelRunner.execute`)."""
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         """With async scheduling: a step's sampled tokens [S] (on the device) to the other ranks, whose next
-        step reads its placeholders from them (every step that samples, in launch order)."""
+        step reads its placeholders from them (every step that samples from logits, in launch order; an
+        `argmax` step's tokens are on every rank already)."""
 
     def open_pools(self, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
         """The KV pools of ranks 1..N-1 (each of `shape`), mapped into this process (kv_pools.py)."""
@@ -83,7 +85,7 @@ class SoloRank:
     def agree_min(self, value: int) -> int:
         return value
 
-    def publish(self, items: Sequence[BatchItem]) -> None:
+    def publish(self, items: Sequence[BatchItem], argmax: bool) -> None:
         return None
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
@@ -170,8 +172,8 @@ class TPRanks:
     def agree_min(self, value: int) -> int:
         return self.dist.agree_min(value)
 
-    def publish(self, items: Sequence[BatchItem]) -> None:
-        self.channel.publish(items)
+    def publish(self, items: Sequence[BatchItem], argmax: bool) -> None:
+        self.channel.publish(items, argmax)
 
     def share_tokens(self, tokens: torch.Tensor) -> None:
         self.dist.broadcast_tokens(tokens)

@@ -8,12 +8,14 @@ know beforehand (a second broadcast, or a fixed maximum of ~100 KiB every step);
 tells a worker at once that rank 0 is gone. The region is a memfd, passed to the workers as a file
 descriptor, so nothing is left in /dev/shm on any exit.
 
-Message (int32, little-endian): [VERSION, n_items, n_tokens, n_table], then per item (start, num_tokens,
-sample, n_blocks, prev_row), then the items' new token ids (a placeholder 0 for an item whose token is the
-previous step's, still on the device: `prev_row` >= 0), then their block ids. Sampling parameters do not
-travel: only rank 0 samples, over the logits gathered from every rank; with async scheduling it broadcasts
-each step's sampled tokens on the device (`DistCollectives.broadcast_tokens`), which the workers' next step
-reads for its placeholders.
+Message (int32, little-endian): [VERSION, n_items, n_tokens, n_table, argmax], then per item (start,
+num_tokens, sample, n_blocks, prev_row), then the items' new token ids (a placeholder 0 for an item whose
+token is the previous step's, still on the device: `prev_row` >= 0), then their block ids. Sampling parameters
+do not travel: only rank 0 samples, over the logits gathered from every rank; with async scheduling it
+broadcasts each step's sampled tokens on the device (`DistCollectives.broadcast_tokens`), which the workers'
+next step reads for its placeholders. `argmax` = 1 marks a step whose rows are all plain greedy: every rank
+ends it in the greedy tokens' all-gather (`ModelRunner.execute(argmax=True)`) instead of the logits' gather,
+and every rank then holds its tokens, so none are broadcast.
 Invariants: message n goes to slot n % SLOTS of the region; a worker copies a message out, then counts it
 in its own counter after the slots, and rank 0 writes a slot only once every worker has counted the message
 that slot held, so a slot is never read while it is rewritten (with async scheduling rank 0 runs a step
@@ -27,14 +29,15 @@ import os
 import time
 from array import array
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import overload
 
 from pdserve.shared.engine.model_runner import BatchItem
 from pdserve.shared.engine.parallel.dist import COLLECTIVE_TIMEOUT_S, RankFailure
 
-VERSION = 2
+VERSION = 3
 SLOTS = 4
-_HEADER = 4
+_HEADER = 5
 _PER_ITEM = 5
 _COUNTER = 8  # bytes of a worker's consumed-message counter
 
@@ -52,7 +55,16 @@ def capacity_bytes(max_num_seqs: int, max_num_batched_tokens: int, max_blocks_pe
     return 4 * ints
 
 
-def pack(items: Sequence[BatchItem]) -> array[int]:
+@dataclass(frozen=True)
+class StepMessage:
+    """One step as a worker runs it."""
+
+    items: list[BatchItem]
+    argmax: bool
+    """Every row of the step is plain greedy: the step returns tokens, on every rank."""
+
+
+def pack(items: Sequence[BatchItem], argmax: bool = False) -> array[int]:
     head, tokens, table = array("i"), array("i"), array("i")
     for it in items:
         head.extend((it.start, it.num_tokens, int(it.sample), len(it.block_ids), it.prev_row))
@@ -61,16 +73,16 @@ def pack(items: Sequence[BatchItem]) -> array[int]:
         else:
             tokens.extend(it.token_ids[it.start : it.start + it.num_tokens])
         table.extend(it.block_ids)
-    msg = array("i", (VERSION, len(items), len(tokens), len(table)))
+    msg = array("i", (VERSION, len(items), len(tokens), len(table), int(argmax)))
     msg.extend(head)
     msg.extend(tokens)
     msg.extend(table)
     return msg
 
 
-def unpack(buf: bytes | memoryview) -> list[BatchItem]:
+def unpack(buf: bytes | memoryview) -> StepMessage:
     header = array("i", bytes(buf[: 4 * _HEADER]))
-    version, n_items, n_tokens, n_table = header
+    version, n_items, n_tokens, n_table, argmax = header
     assert version == VERSION, f"step message version {version}, this rank reads {VERSION}"
     body = array("i", bytes(buf[4 * _HEADER : 4 * (_HEADER + _PER_ITEM * n_items + n_tokens + n_table)]))
     tok_at, table_at = _PER_ITEM * n_items, _PER_ITEM * n_items + n_tokens
@@ -82,7 +94,7 @@ def unpack(buf: bytes | memoryview) -> list[BatchItem]:
         tok_at, table_at = tok_at + num, table_at + n_blocks
         tail = _Tail(start, [] if prev_row >= 0 else new)
         items.append(BatchItem(tail, start, num, blocks, bool(sample), prev_row))
-    return items
+    return StepMessage(items, bool(argmax))
 
 
 class _Tail(Sequence[int]):
@@ -134,8 +146,8 @@ class StepWriter:
             os.close(read_end)
         os.close(self.region_fd)
 
-    def publish(self, items: Sequence[BatchItem]) -> None:
-        data = pack(items).tobytes()
+    def publish(self, items: Sequence[BatchItem], argmax: bool) -> None:
+        data = pack(items, argmax).tobytes()
         if len(data) > self.capacity:
             raise ValueError(f"a step message of {len(data)} bytes exceeds the region's {self.capacity}")
         self._wait_for_slot()
@@ -180,13 +192,13 @@ class StepReader:
         self.bell = bell_fd
         self.read = 0
 
-    def receive(self) -> list[BatchItem] | None:
+    def receive(self) -> StepMessage | None:
         """The next step's batch, waiting as long as it takes; None once rank 0 has closed the channel
         (shut down or died)."""
         if not os.read(self.bell, 1):
             return None
         at = (self.read % SLOTS) * self.capacity
-        items = unpack(memoryview(self.region)[at : at + self.capacity])
+        step = unpack(memoryview(self.region)[at : at + self.capacity])
         self.read += 1
         self.consumed[self.worker] = self.read
-        return items
+        return step

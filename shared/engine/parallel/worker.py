@@ -2,7 +2,8 @@
 pdserve.shared.engine.parallel.worker '<json>'`, started by rank 0 (ranks.py) with its arguments as JSON.
 
 It loads its share of the model, sets its "loaded" key, joins the group, agrees on the KV pool's size, then
-runs every step rank 0 broadcasts (the same forward, its heads, no sampling) until the channel closes.
+runs every step rank 0 broadcasts (the same forward, its heads, no sampling: a greedy step's argmax is
+reduced across ranks, so every rank holds its tokens) until the channel closes.
 Invariants: it never schedules, allocates blocks or samples (rank 0 does); it runs exactly the steps rank 0
 runs, in the same order, so their collectives pair up; any failure ends the process with one log line and a
 non-zero exit, and the end of the channel (rank 0 closed it or died) ends it with 0. It ends through
@@ -62,10 +63,12 @@ def serve(args: dict[str, Any]) -> None:
         publish_cuda_pool(store, rank, kv)
     runner = ModelRunner(loaded, cfg, num_blocks, max_model_len=max_model_len, device=device, kv_cache=kv)
     prev: torch.Tensor | None = None  # async scheduling: the last sampling step's tokens, from rank 0
-    while (items := reader.receive()) is not None:
-        runner.execute(items, prev_tokens=prev, wait=not cfg.overlap)
-        sampled = sum(it.sample for it in items)
-        if cfg.overlap and sampled:
+    while (step := reader.receive()) is not None:
+        out = runner.execute(step.items, prev_tokens=prev, wait=not cfg.overlap, argmax=step.argmax)
+        sampled = sum(it.sample for it in step.items)
+        if cfg.overlap and step.argmax:  # its tokens are this rank's already (an all-gather)
+            prev = out
+        elif cfg.overlap and sampled:
             prev = comm.broadcast_tokens(torch.empty(sampled, dtype=torch.int64, device=device))
 
 
