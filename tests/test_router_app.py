@@ -89,6 +89,10 @@ class FakeNodes:
         """Nodes that answer their health (the router keeps them while Redis is away)."""
         self.epochs: dict[str, int] = {}
         """Each node's registered epoch, which its answer to the router's challenge names."""
+        self.challenge_delay_s = 0.0
+        """How long a challenge takes to answer (a loaded machine widens the router's refresh this way)."""
+        self.challenged: list[str] = []
+        """The nodes challenged so far, in order."""
         self.app = FastAPI()
         self.app.add_api_route("/{node}/internal/health", self.health, methods=["GET"])
         self.app.add_api_route("/{node}/internal/challenge", self.challenge, methods=["POST"])
@@ -106,6 +110,8 @@ class FakeNodes:
 
     async def challenge(self, node: str, body: dict[str, Any]) -> Response:
         nonce = ChallengeRequest.from_json(json.dumps(body)).nonce
+        self.challenged.append(node)
+        await asyncio.sleep(self.challenge_delay_s)
         epoch = self.epochs.get(node, 0)
         reply = ChallengeReply(NodeId(node), epoch, KEYS.challenge_answer(nonce, node, epoch))
         return Response(reply.to_json(), media_type="application/json")
@@ -198,41 +204,53 @@ class Cluster:
     infos: dict[str, NodeInfo] = field(default_factory=dict)
 
     def set_nodes(self, node_ids: list[str]) -> None:
-        """Make exactly node_ids live in the index (roles from their first letter: p, d, s)."""
+        """Make exactly node_ids live in the index (roles from their first letter: p, d, s).
 
-        async def go() -> None:
+        The old nodes are gone from the router's view before the new ones register, and it returns once the
+        view holds these nodes, ready: a view that still held the last test's nodes in the same number (its
+        refresh had not run yet, as on a loaded machine) would route this test's first request to them."""
+
+        async def deregister_all() -> None:
             async with BlockIndex(self.redis, KEYS) as index:
                 for status in await index.nodes():
                     await index.deregister(status.info.node_id)
-                for nid in node_ids:
-                    role: Role = {"p": "prefill", "d": "decode", "s": "single"}[nid[0]]  # type: ignore[assignment]
-                    info = NodeInfo(
-                        NodeId(nid),
-                        role,
-                        f"{self.node_url}/{nid}",
-                        f"127.0.0.1:{9100 + len(nid)}",
-                        FINGERPRINT,
-                        LAYOUT,
-                        1,
-                        1000,
-                        credential_digest(TOKEN),
-                        MAX_MODEL_LEN,
-                    )
-                    self.infos[nid] = info
-                    self.nodes.epochs[nid] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
 
+        async def register_all() -> None:
+            for nid in node_ids:
+                await self.register(nid)
+
+        asyncio.run(deregister_all())
+        self.wait_view(_health_counts())
         self.nodes.live = set(node_ids)
-        asyncio.run(go())
-        self.wait_view(len(node_ids))
+        asyncio.run(register_all())
+        roles = [{"p": "prefill", "d": "decode", "s": "single"}[nid[0]] for nid in node_ids]
+        self.wait_view(_health_counts(**{role: roles.count(role) for role in set(roles)}))
 
-    def wait_view(self, count: int) -> None:
-        """Until the router's view holds `count` nodes (listed, and each URL answered its challenge)."""
-        for _ in range(600):
-            health = httpx.get(self.router + "/health", timeout=10).json()
-            if sum(sum(c.values()) for c in health["nodes"].values()) == count:
-                return
+    async def register(self, nid: str) -> None:
+        """Registers node nid (its role from its first letter: p, d, s) under a new epoch."""
+        role: Role = {"p": "prefill", "d": "decode", "s": "single"}[nid[0]]  # type: ignore[assignment]
+        info = NodeInfo(
+            NodeId(nid),
+            role,
+            f"{self.node_url}/{nid}",
+            f"127.0.0.1:{9100 + len(nid)}",
+            FINGERPRINT,
+            LAYOUT,
+            1,
+            1000,
+            credential_digest(TOKEN),
+            MAX_MODEL_LEN,
+        )
+        self.infos[nid] = info
+        async with BlockIndex(self.redis, KEYS) as index:
+            self.nodes.epochs[nid] = await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
+
+    def wait_view(self, counts: dict[str, dict[str, int]]) -> None:
+        """Until the router's /health counts the nodes of its view as `counts` (by role and state)."""
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(self.router + "/health", timeout=10).json())["nodes"] != counts:
+            assert time.monotonic() < deadline, f"the router's view never counted {counts}: {health}"
             time.sleep(0.05)
-        raise AssertionError(f"the router's view never held {count} nodes: {health}")
 
     async def drain(self, nid: str) -> None:
         """What the node does when drained: a signed heartbeat whose load says so."""
@@ -770,7 +788,7 @@ def test_health_is_503_unless_a_node_pair_can_serve(cluster: Cluster) -> None:
         },
     )
     asyncio.run(cluster.drain("d0"))
-    time.sleep(0.1)  # past the router's node-list TTL
+    cluster.wait_view({**_health_counts(prefill=1), "decode": {"ready": 0, "draining": 1, "down": 0}})
     status, body = health()
     assert (status, body["nodes"]["decode"]) == (503, {"ready": 0, "draining": 1, "down": 0})
     cluster.set_nodes(["d0"])  # a decode node alone prefills locally, as the policy routes it
@@ -799,6 +817,23 @@ def test_health_counts_no_node_signed_with_another_credential(redis_url: str, to
     assert health.status_code == 503, health.text
     assert health.json()["nodes"]["single"] == {"ready": 0, "draining": 0, "down": 0}
     assert "pdserve_router_invalid_node_records_total 1.0" in metrics
+
+
+def test_set_nodes_waits_for_the_nodes_it_set(cluster: Cluster) -> None:
+    """set_nodes returns only once the router's view holds the nodes it registered, not the last test's
+    nodes in the same number: here the router's refresh is held in a slow challenge (as on a loaded
+    machine) while d0 leaves and s0 joins, so its view still holds d0 for a while."""
+    cluster.set_nodes(["d0"])
+    cluster.nodes.challenge_delay_s = 1.0
+    try:
+        asked = len(cluster.nodes.challenged)
+        asyncio.run(cluster.register("d0"))  # a new epoch: the next refresh challenges d0 again
+        wait_for(lambda: len(cluster.nodes.challenged) > asked)
+        cluster.set_nodes(["s0"])
+        health = httpx.get(cluster.router + "/health", timeout=10).json()
+    finally:
+        cluster.nodes.challenge_delay_s = 0.0
+    assert (health["status"], health["mode"], health["nodes"]) == ("ok", "single", _health_counts(single=1))
 
 
 def test_redis_down_routes_load_only(cluster: Cluster, redis_server: LocalRedis) -> None:
