@@ -57,8 +57,8 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     # (activation dtype, weight dtype, dot dtype): FP8 weights with a row scale beside bf16 activations
     for dtype, weight, dot in (("bf16", "bf16", tl.bfloat16), ("fp32", "fp32", tl.float32),
                                ("bf16", "fp8e4nv", tl.bfloat16)):  # fmt: skip
-        tiles = ((1, 2, 4096), (16, 32, 256))
-        for (rows, block_n, block_k), split in itertools.product(tiles, (False, True)):
+        gemv_tiles = ((1, 2, 4096), (16, 32, 256))
+        for (rows, block_n, block_k), split in itertools.product(gemv_tiles, (False, True)):
             ptrs = {"x_ptr": f"*{dtype}", "w_ptr": f"*{weight}", "b_ptr": f"*{dtype}", "s_ptr": "*fp32",
                     "y_ptr": f"*{dtype}", "p_ptr": "*fp32" if split else f"*{dtype}"}  # fmt: skip
             gemv = {"HAS_BIAS": rows == 1, "HAS_SCALE": weight == "fp8e4nv", "M_PAD": rows,
