@@ -29,6 +29,12 @@ same weights, runs alternated, three rounds): batch-1 decode at 1k context again
 throughput at batch 8 and 64 at 2k context. `--short-prefill-only` measures one engine step of a short
 prefill replayed from a prefill graph against the same step launched eagerly (one engine each): 16 new
 tokens over a cached 16k prefix, and prompts of 16, 100 and 500 tokens.
+
+`--kernels-only` (also a section of the full run) times each kernel of one layer of the main shape at
+batch 1 on its own (bf16, TP=1): the GEMVs with the launcher's config (kernels/gemv_configs.json or its
+heuristic) and the norms and SiLU as back-to-back launches in a CUDA graph, the GEMVs rotating over weight
+copies that exceed the L2 cache so that each reads HBM as in decode; decode attention at 1k context. A table
+row per kernel: bytes it must move, µs, GiB/s and % of copy (issue 37's target: every GEMV >= 90 %).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -329,6 +336,78 @@ def attention_bandwidth(
     return kv.numel() * kv.element_size() / (ms / 1e3)
 
 
+def graph_us(launches: Sequence[Callable[[], object]], reps: int = 24) -> float:
+    """Median µs per launch of at least `reps` launches, cycling through `launches`, back to back in a CUDA
+    graph (as decode replays them); each is run once outside the capture first (compilation)."""
+    for fn in launches:
+        fn()
+    torch.cuda.synchronize()
+    n = len(launches) * -(-reps // len(launches))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            launches[i % len(launches)]()
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    del graph
+    return statistics.median(times)
+
+
+def kernel_rows(
+    shape: str, dev: torch.device, bw: float, gen: torch.Generator, res: dict[str, Any]
+) -> list[Row]:
+    """Each kernel of one decode layer of `shape` (+ the final norm and the LM head) at batch 1, bf16,
+    TP=1, on its own: bytes it must read and write, µs, GiB/s, % of the copy bandwidth."""
+    from pdserve.kernels import triton_fused
+    from pdserve.kernels.triton_gemv import choose_config, gemv
+
+    c = NAMED_SHAPES[shape]
+    e, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * hd
+    l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20))
+    bf16 = torch.bfloat16
+    x = torch.randn(1, e, device=dev, dtype=bf16)
+    residual = torch.randn(1, e, device=dev, dtype=bf16)
+    norm_w = torch.ones(e, device=dev, dtype=bf16)
+    gate_up = torch.randn(1, 2 * f, device=dev, dtype=bf16)
+    measured: list[tuple[str, int, float]] = []  # name, bytes, µs
+    rms, eps = triton_fused.rms_norm, c.rms_norm_eps
+    measured.append(("add + RMSNorm [1, E] (input, post-attention)", 5 * e * 2,
+                     graph_us([partial(rms, x, residual, norm_w, eps)])))  # fmt: skip
+    for name, n, k in (("QKV", qkv, e), ("O", e, c.num_heads * hd), ("gate+up", 2 * f, e), ("down", e, f),
+                       ("LM head", c.vocab_size, e)):  # fmt: skip
+        size = n * k * 2
+        copies = max(1, min(16, -(-4 * l2 // size)))
+        ws = [torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
+        xk = torch.randn(1, k, device=dev, dtype=bf16)
+        cfg = choose_config(dev, bf16, n, k, 1)
+        us = graph_us([partial(gemv, xk, w, None) for w in ws])
+        label = (f"GEMV {name} [N={n}, K={k}] ({cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
+                 f"s{cfg.num_stages} k{cfg.split_k})")  # fmt: skip
+        measured.append((label, size + 2 * (n + k), us))
+        del ws
+        if name == "gate+up":
+            measured.append(("SiLU * up [1, 2F] -> [1, F]", 3 * f * 2,
+                             graph_us([partial(triton_fused.silu_mul, gate_up)])))  # fmt: skip
+    measured.append(("RMSNorm [1, E] (final)", 3 * e * 2,
+                     graph_us([partial(rms, x, None, norm_w, eps)])))  # fmt: skip
+    att = attention_bandwidth(c, dev, batch=1, ctx=1024)
+    att_bytes = 2 * 1024 * c.num_kv_heads * hd * 2
+    measured.append(
+        ("decode attention, 1k ctx (KV bytes; do_bench, L2 flushed)", att_bytes, att_bytes / att * 1e6)
+    )
+    res["kernels_batch1"] = [{"kernel": k, "bytes": b, "us": us} for k, b, us in measured]
+    return [(f"batch-1 kernel: {k}", f"{us:.1f} µs", f"{b / 1e6:.3f} MB, {b / (us / 1e6) / GIB:.0f} GiB/s",
+             f"{b / (us / 1e6) / bw:.0%} of copy") for k, b, us in measured]  # fmt: skip
+
+
 def hf_peer(
     c: ModelConfig, dev: torch.device, gen: torch.Generator, prefill_len: int, ctx: int
 ) -> dict[str, float]:
@@ -398,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--overlap-only", action="store_true",
                         help="only the engine loop with async scheduling off vs on")  # fmt: skip
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="only the batch-1 per-kernel bandwidth table of one layer")  # fmt: skip
     parser.add_argument("--short-prefill-only", action="store_true",
                         help="only short prefill steps, replayed from prefill graphs vs eager")  # fmt: skip
     parser.add_argument("--quantization", default="none", choices=("none", "fp8"),
@@ -427,8 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     bw = res["copy_bytes_per_s"] = copy_bandwidth(dev)
     release(dev)
     rows.append(("HBM copy bandwidth (4 GiB, read + written)", f"{bw / GIB:.0f} GiB/s", "", ""))
-    if args.overlap_only or args.short_prefill_only:
-        only = overlap_rows if args.overlap_only else short_prefill_rows
+    if args.overlap_only or args.short_prefill_only or args.kernels_only:
+        only = (
+            overlap_rows
+            if args.overlap_only
+            else short_prefill_rows
+            if args.short_prefill_only
+            else kernel_rows
+        )
         rows += only(args.shape, dev, bw, gen, res)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=2)
@@ -454,6 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     kv_name = str(kv_dtype).removeprefix("torch.")
     rows.append((f"decode attention kernel, batch 64 x 4k ctx, {kv_name} KV (KV bytes / median time)",
                  f"{att / GIB:.0f} GiB/s", f"copy {bw / GIB:.0f} GiB/s", f"{att / bw:.0%}"))  # fmt: skip
+
+    log("batch-1 kernels of one layer, each on its own")
+    rows += kernel_rows(args.shape, dev, bw, gen, res)
+    release(dev)
 
     log("Hugging Face peer: prefill 4096 and generate")
     hf = res["hf"] = hf_peer(c, dev, gen, prefill_len=4096, ctx=1024)

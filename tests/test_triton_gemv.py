@@ -1,14 +1,17 @@
 """The Triton GEMV (kernels/triton_gemv.py) against F.linear in fp32 arithmetic, under the interpreter on
 the CPU and compiled where CUDA is: one row and several, with and without bias, ragged N and K, each dtype,
-and through the model's GPU matmul backend."""
+split-K (FP8 weights too), the tuned-config table (kernels/gemv_configs.py), and through the model's GPU
+matmul backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from pdserve.kernels import gemv_configs
+from pdserve.kernels.gemv_configs import TableKey, default_config, load_table, parse_table, table_document
 from pdserve.kernels.linear import GemvLinear
-from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, default_config, gemv
+from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, choose_config, gemv
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
 
@@ -39,7 +42,7 @@ def test_default_tiles_and_strided_rows() -> None:
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(40, 300, generator=gen).to(DEV)
     x = torch.randn(6, 600, generator=gen).to(DEV)[:, ::2]  # strided rows: the backend makes them contiguous
-    assert default_config(40, 300, 1).block_k == 512 and default_config(40, 300, 4).block_n == 32
+    assert default_config(40, 300, 1, 132).block_k == 512 and default_config(40, 300, 4, 132).block_n == 32
     got = GemvLinear().linear(x, w, None)
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
     row = gemv(x[:1].contiguous(), w, None)
@@ -71,3 +74,77 @@ def test_fp8_weights_with_row_scales(rows: int, dtype: torch.dtype) -> None:
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * want.float().abs().max().item()
     with pytest.raises(AssertionError, match="an FP8 weight comes with its scale"):
         gemv(x, q, None)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+def test_split_k_matches_linear(rows: int, split_k: int) -> None:
+    # K = 1000 in 32-wide steps: 7 splits of 5 steps leave the last one short and drop none; N = 70 ragged
+    gen = torch.Generator().manual_seed(split_k)
+    x = torch.randn(rows, 1000, generator=gen).to(DEV, torch.bfloat16)
+    w = torch.randn(70, 1000, generator=gen).to(DEV, torch.bfloat16)
+    b = torch.randn(70, generator=gen).to(DEV, torch.bfloat16)
+    cfg = GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, split_k=split_k)
+    got = gemv(x, w, b, cfg)
+    want = _want(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
+    assert _rel_err(got, want) <= TOL[torch.bfloat16]
+    assert torch.equal(gemv(x, w, b, cfg), got)  # partials added in split order: the same bits every run
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_k_fp32_and_more_splits_than_steps(rows: int) -> None:
+    # 40 splits asked over K = 100 in 32-wide steps: 4 steps, so 4 splits; fp32 keeps the tolerance tight
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 100, generator=gen).to(DEV)
+    w = torch.randn(33, 100, generator=gen).to(DEV)
+    got = gemv(x, w, None, GemvConfig(block_n=8, block_k=32, num_warps=4, num_stages=2, split_k=40))
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_split_k_fp8_weights(rows: int) -> None:
+    # the row scale and the bias are applied once, by the reduction, to the sum of the partials
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(rows, 300, generator=gen).to(DEV, torch.bfloat16)
+    q = (torch.randn(70, 300, generator=gen) * 100).to(torch.float8_e4m3fn).to(DEV)
+    scale = (torch.rand(70, generator=gen) * 1e-3 + 1e-4).to(DEV)
+    b = torch.randn(70, generator=gen).to(DEV, torch.bfloat16)
+    cfg = GemvConfig(block_n=16, block_k=64, num_warps=4, num_stages=2, split_k=3)
+    got = gemv(x, q, b, cfg, scale=scale)
+    want = _want(x, q.float() * scale[:, None], b)
+    assert _rel_err(got, want) <= TOL[torch.bfloat16]
+
+
+def test_heuristic_splits_k_when_columns_are_few() -> None:
+    # 132 SMs: one row over N = 4096 gives 2048 programs, no split; 16 rows over N = 1024 give 32 programs
+    assert default_config(4096, 4096, 1, 132).split_k == 1
+    assert default_config(1024, 4096, 16, 132) == GemvConfig(32, 256, 4, 3, split_k=8)
+    assert default_config(1024, 256, 16, 132).split_k == 1  # K of one step: nothing to split
+    # on the CPU (4 "SMs" under the interpreter) 4 rows over N = 40 split K = 2048 four ways, unasked
+    cfg = choose_config(torch.device("cpu"), torch.float32, 40, 2048, 4)
+    assert cfg.split_k == 4
+    if DEV.type == "cpu":
+        gen = torch.Generator().manual_seed(5)
+        x, w = torch.randn(4, 2048, generator=gen), torch.randn(40, 2048, generator=gen)
+        torch.testing.assert_close(gemv(x, w, None), F.linear(x, w), rtol=1e-5, atol=1e-3)
+
+
+def test_tuned_table_is_used_and_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
+    tuned = GemvConfig(block_n=4, block_k=64, num_warps=2, num_stages=1, split_k=2)
+    key = TableKey("cpu", "float32", 24, 200, 4)  # rows 2..4 share the bucket of 4
+    monkeypatch.setitem(gemv_configs.TUNED, key, tuned)
+    cpu = torch.device("cpu")
+    assert choose_config(cpu, torch.float32, 24, 200, 3) == tuned
+    assert choose_config(cpu, torch.float32, 24, 200, 5) != tuned  # the bucket of 16: the heuristic
+    assert choose_config(cpu, torch.bfloat16, 24, 200, 3) != tuned  # another weight dtype
+    assert parse_table(table_document({key: tuned})) == {key: tuned}
+    load_table()  # the committed table parses
+    with pytest.raises(AssertionError, match="power of two"):
+        GemvConfig(block_n=3, block_k=64, num_warps=4, num_stages=2)
+    with pytest.raises(AssertionError, match=r"rerun benchmarks/gemv_sweep\.py"):
+        parse_table({"version": 0, "configs": []})
