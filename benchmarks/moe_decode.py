@@ -8,7 +8,7 @@ bandwidth counts the bytes the step must read, the router and the distinct selec
 down rows, and is printed next to the device-to-device copy bandwidth measured in the same run (bytes read
 + written). Then the decode path's tiles are swept at T = 1 (gate/up and down separately), the best
 printed as a `DecodeTiles` for kernels/triton_moe_decode.py. Every case runs under try/except: a failing
-one prints its error in its row. About 30 s on an H200.
+one prints its error in its row. Sized to finish within a minute.
 
     python3 benchmarks/moe_decode.py
 """

@@ -1,6 +1,8 @@
-"""The fused MoE Triton kernel (kernels/triton_moe.py) against the torch reference (kernels/fused_moe.py),
-on CPU tensors under the Triton interpreter, with tiny shapes: uneven expert loads, experts with no
-tokens, widths that are not multiples of the tiles, and the decode and prefill tile choices.
+"""The fused MoE Triton kernels against the torch reference (kernels/fused_moe.py), on CPU tensors under the
+Triton interpreter, with tiny shapes: the grouped kernels (kernels/triton_moe.py) with uneven expert loads,
+experts with no tokens, widths that are not multiples of the tiles, and the decode and prefill tile
+choices; the few-pairs decode path and its one-kernel router (kernels/triton_moe_decode.py) through a
+sparse layer's forward for Qwen3-MoE, Mixtral and a shared-expert config, fp32 and bf16, T = 1, 2 and 7.
 
 As in test_triton_kernels.py, the interpreter is switched on before triton is first imported and handed to
 triton's knob, so processes other tests start do not inherit it.
