@@ -5,9 +5,11 @@ Invariants: experts are stacked, `gate_up: [X, 2F, E]` (rows gate | up of each e
 (F: this rank's share of each expert's intermediate dim; the caller all-reduces a split's partial sums);
 `route` returns a `Routing` (int64 expert ids and fp32 weights, `[T, K]`, checked once); every
 implementation returns `[T, E]` in x's dtype, each token's K expert outputs summed in fp32 (rounded once).
-The torch reference here groups the (token, expert) pairs by expert and runs one fused gate/up product and
-one down product per expert that has tokens (the CPU path and the oracle); the GPU one is the Triton kernel
-of kernels/triton_moe.py.
+`route` is the router's reference (softmax, top-k, renormalisation); each implementation routes through
+its own `route`, which gives the same experts and weights (in any order among tied logits). The torch
+reference here groups the (token, expert) pairs by expert and runs one fused gate/up product and one down
+product per expert that has tokens (the CPU path and the oracle); the GPU one is the Triton kernels of
+kernels/triton_moe.py (a grouped GEMM) and kernels/triton_moe_decode.py (few pairs: GEMVs).
 `select_moe_experts` picks one by device, once.
 """
 
@@ -40,6 +42,9 @@ class Routing:
 class MoEExperts(Protocol):
     name: str
 
+    def route(self, router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
+        """router_logits: [T, X] -> `route`'s routing (an implementation may fuse its ops)."""
+
     def __call__(self, x: Tensor, gate_up: Tensor, down: Tensor, routing: Routing) -> Tensor:
         """x: [T, E]; gate_up: [X, 2F, E]; down: [X, E, F] -> sum_k routing.weights[t, k] * down[e] @
         (silu(gate[e] x_t) * up[e] x_t), e = routing.ids[t, k]: [T, E] in x's dtype."""
@@ -68,6 +73,9 @@ class ReferenceMoEExperts:
     one [n, F] x [F, E] product; the weighted rows are added into their tokens in fp32."""
 
     name = "torch-grouped"
+
+    def route(self, router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
+        return route(router_logits, top_k, renormalize)
 
     def __call__(self, x: Tensor, gate_up: Tensor, down: Tensor, routing: Routing) -> Tensor:
         check_experts(x, gate_up, down, routing)

@@ -1,5 +1,6 @@
 """The fused mixture-of-experts MLP on the GPU: (token, expert) pairs sorted by expert, then two grouped
-GEMMs over the selected experts only.
+GEMMs over the selected experts only. Up to `DECODE_MAX_PAIRS` pairs (decode), `TritonMoEExperts` takes
+kernels/triton_moe_decode.py's unsorted GEMV path instead, and routes through its one-kernel router always.
 
 1. `align_pairs` (torch, no host sync, so a CUDA graph can hold it): the T*K pairs sorted by expert, each
    expert's run padded to a multiple of BLOCK_M with the pad id T*K, and the expert of every BLOCK_M block;
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 from pdserve.kernels.fused_moe import Routing, check_experts
 from pdserve.kernels.triton_attention import dot_dtype
+from pdserve.kernels.triton_moe_decode import DECODE_MAX_PAIRS, DecodeTiles, fused_route, moe_decode
 from torch import Tensor
 
 
@@ -151,12 +153,24 @@ def _down_kernel(
 
 
 class TritonMoEExperts:
-    """The fused kernels above; the tiles by the number of pairs (`choose_tiles`) unless given."""
+    """The decode path (kernels/triton_moe_decode.py) up to `decode_max_pairs` pairs, the grouped kernels
+    above past it; their tiles by the shape (`choose_tiles`, `default_decode_tiles`) unless given. Which
+    path runs depends only on T, so each CUDA graph's batch bucket holds one."""
 
     name = "triton-fused-moe"
 
-    def __init__(self, tiles: MoETiles | None = None) -> None:
+    def __init__(
+        self,
+        tiles: MoETiles | None = None,
+        decode_max_pairs: int = DECODE_MAX_PAIRS,
+        decode_tiles: DecodeTiles | None = None,
+    ) -> None:
         self.tiles = tiles
+        self.decode_max_pairs = decode_max_pairs
+        self.decode_tiles = decode_tiles
+
+    def route(self, router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
+        return fused_route(router_logits, top_k, renormalize)
 
     def __call__(self, x: Tensor, gate_up: Tensor, down: Tensor, routing: Routing) -> Tensor:
         check_experts(x, gate_up, down, routing)
@@ -167,6 +181,8 @@ class TritonMoEExperts:
         n_tokens, top_k = routing.ids.shape
         n_experts, hidden, f = down.shape
         n_pairs = n_tokens * top_k
+        if n_pairs <= self.decode_max_pairs:
+            return moe_decode(x, gate_up, down, routing, self.decode_tiles)
         t = self.tiles or choose_tiles(n_pairs)
         aligned = align_pairs(routing.ids, n_experts, t.block_m)
         n_blocks = aligned.block_expert.shape[0]

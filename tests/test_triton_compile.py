@@ -76,6 +76,18 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         cases.append((moe, "_gate_up_kernel", gate_up))
         down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "weights_ptr": "*fp32"}
         cases.append((moe, "_down_kernel", {**down, **pairs, **tiles}))
+    # the few-pairs decode path at qwen3-30b-a3b's shape (E 2048, F 768, 128 experts, top 8): default tiles
+    dec = "pdserve.kernels.triton_moe_decode"
+    routing = {"ids_ptr": "*i64", "weights_ptr": "*fp32"}
+    route = {"logits_ptr": "*bf16", **routing, "TOP_K": 8, "K_PAD": 8, "X_PAD": 128, "RENORMALIZE": True}
+    cases.append((dec, "_route_kernel", route))
+    for dtype in ("bf16", "fp32"):
+        cases.append((dec, "_gate_up_gemv_kernel", {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+                                                    "act_ptr": f"*{dtype}", "ids_ptr": "*i64",
+                                                    "BLOCK_N": 2, "BLOCK_K": 2048}))  # fmt: skip
+        cases.append((dec, "_down_sum_kernel", {"act_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
+                                                "out_ptr": f"*{dtype}", **routing, "TOP_K": 8, "BLOCK_N": 4,
+                                                "BLOCK_K": 1024}))  # fmt: skip
     return cases
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.fused_moe import route, select_moe_experts
+from pdserve.kernels.fused_moe import select_moe_experts
 from pdserve.kernels.linear import DenseLinear, Linear
 from pdserve.kernels.ops import AttentionOps
 from pdserve.shared.model.model_config import ModelConfig
@@ -94,7 +94,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: AttentionOps) -> torch.Tensor:
         """x: [T, E] normed -> [T, E] this rank's partial sum (the caller all-reduces)."""
         logits = F.linear(x, self.router_weight)  # [T, X]
-        routing = route(logits, self.top_k, self.renormalize)  # [T, K] each
+        routing = self.experts.route(logits, self.top_k, self.renormalize)  # [T, K] each
         y = self.experts(x, self.gate_up_weight, self.down_weight, routing)  # [T, E]
         if self.shared_gate_weight is None:
             return y
