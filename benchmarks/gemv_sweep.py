@@ -129,7 +129,9 @@ class Bench:
         self.gemv, self.choose_config = gemv, choose_config
         props = torch.cuda.get_device_properties(dev)
         self.l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
-        self.pool = torch.cuda.graph_pool_handle()
+        # its own generator: a capture that fails leaves the default one registered to that graph
+        self.gen = torch.Generator(device=dev)
+        self.gen.manual_seed(0)
 
     def copy_bandwidth(self) -> float:
         """Bytes/s of a device-to-device copy of 1 GiB, counting bytes read plus bytes written."""
@@ -145,9 +147,9 @@ class Bench:
         one row scale."""
         per = n * k * (1 if self.fp8 else 2)
         copies = max(1, min(16, math.ceil(4 * self.l2_bytes / per)))
-        w = torch.randn(n, k, device=self.dev) * 0.05
+        w = torch.randn(n, k, device=self.dev, generator=self.gen) * 0.05
         if self.fp8:
-            scale = torch.rand(n, device=self.dev) * 1e-3 + 1e-4
+            scale = torch.rand(n, device=self.dev, generator=self.gen) * 1e-3 + 1e-4
             q = (w / scale[:, None] * 1e-2).clamp(-448, 448).to(torch.float8_e4m3fn)
             return [q] + [q.clone() for _ in range(copies - 1)], scale
         wb = w.to(torch.bfloat16)
@@ -157,7 +159,7 @@ class Bench:
         """Median µs per launch of back-to-back launches in a CUDA graph, launch i on copy i % copies."""
         reps = copies * max(1, math.ceil(LAUNCHES / copies))
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph):  # its own pool: a pool shared with deleted graphs trips the allocator
             for i in range(reps):
                 launch(i % copies)
         graph.replay()
@@ -176,7 +178,7 @@ class Bench:
         self, shape: Shape, rows: int, configs: Iterable[GemvConfig], deadline: float, res: Result
     ) -> None:
         ws, scale = self.weights(shape.n, shape.k)
-        x = torch.randn(rows, shape.k, device=self.dev).to(torch.bfloat16)
+        x = torch.randn(rows, shape.k, device=self.dev, generator=self.gen).to(torch.bfloat16)
         w_ref = ws[0].float() * (scale[:, None] if scale is not None else 1.0)
         ref = x.float() @ w_ref.T
         del w_ref
@@ -221,10 +223,10 @@ def precompile(
     compile in the sweep instead)."""
     out = {rows: list(grid) for rows, grid in grids.items()}
     weight = torch.float8_e4m3fn if bench.fp8 else torch.bfloat16
-    w = torch.randn(256, 4096, device=bench.dev).to(weight)
+    w = torch.randn(256, 4096, device=bench.dev, generator=bench.gen).to(weight)
     scale = torch.ones(256, device=bench.dev) if bench.fp8 else None
     for rows, grid in grids.items():
-        x = torch.randn(rows, 4096, device=bench.dev).to(torch.bfloat16)
+        x = torch.randn(rows, 4096, device=bench.dev, generator=bench.gen).to(torch.bfloat16)
         for cfg in grid:
             if time.monotonic() > deadline:
                 break
