@@ -119,6 +119,12 @@ class AttentionOps(Protocol):
         """x, residual: [T, E]. residual += x in place (rounded to its dtype); returns
         (rms_norm(residual), residual)."""
 
+    def qk_norm(
+        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
+    ) -> None:
+        """Per-head RMSNorm of q and k (Qwen3), in place in qkv: [T, (Hq + 2 Hkv) * D] (q | k | v heads);
+        q heads scaled by q_weight [D], k heads by k_weight [D], v left as it is. Rounds as `rms_norm`."""
+
     def rope_write_kv(
         self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:

@@ -84,6 +84,16 @@ class ReferenceOps:
         residual.add_(x)
         return self.rms_norm(residual, weight, eps), residual
 
+    def qk_norm(
+        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
+    ) -> None:
+        head_dim = q_weight.shape[0]
+        heads = qkv.view(qkv.shape[0], -1, head_dim)  # [T, Hq + 2 Hkv, D]
+        n_kv = (heads.shape[1] - num_heads) // 2
+        for first, count, weight in ((0, num_heads, q_weight), (num_heads, n_kv, k_weight)):
+            part = heads[:, first : first + count]
+            part.copy_(F.rms_norm(part.float(), (head_dim,), eps=eps).to(qkv.dtype) * weight)
+
     def rope_write_kv(
         self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Triton kernels for the elementwise work between a decoder layer's matrix products, one pass each:
-residual add + RMSNorm, RoPE on q and k with the KV-cache write, and SiLU(gate) x up.
+residual add + RMSNorm, Qwen3's per-head RMSNorm of q and k, RoPE on q and k with the KV-cache write, and
+SiLU(gate) x up.
 
 Each kernel rounds where the torch reference (kernels/reference.py) rounds, so the two agree to the last
 bit in fp32 up to summation order and fused multiply-adds: the residual sum is rounded to the model
@@ -131,6 +132,42 @@ def rms_norm(
         num_warps=_norm_warps(n_cols),
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _qk_norm_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, stride_t, eps,
+    N_Q: tl.constexpr, N_QK: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+):  # fmt: skip
+    # one token's q and k heads [H_PAD, D_PAD] in one tile, each row normalised on its own, in place
+    row = tl.program_id(0).to(tl.int64)
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    d_mask = offs_d < HEAD_DIM
+    mask = (offs_h < N_QK)[:, None] & d_mask[None, :]
+    ptrs = qkv_ptr + row * stride_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+    normed = (x * rstd[:, None]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
+    wq = tl.load(qw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    wk = tl.load(kw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    w = tl.where((offs_h < N_Q)[:, None], wq[None, :], wk[None, :])
+    tl.store(ptrs, normed * w, mask=mask)
+
+
+def qk_norm(
+    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int, n_kv: int
+) -> None:
+    """qkv: [T, (Hq + 2 Hkv) * D]; q and k heads RMS-normalised per head in place (rounded before the weight
+    multiply, as `rms_norm`), v untouched. One program per token."""
+    n_tokens, head_dim = qkv.shape[0], q_weight.shape[0]
+    if n_tokens == 0:
+        return
+    _qk_norm_kernel[(n_tokens,)](
+        qkv, q_weight, k_weight, qkv.stride(0), eps,
+        N_Q=num_heads, N_QK=num_heads + n_kv, HEAD_DIM=head_dim,
+        H_PAD=triton.next_power_of_2(num_heads + n_kv), D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
+    )  # fmt: skip
 
 
 def rope_write_kv(qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int) -> None:

@@ -127,6 +127,25 @@ class TritonOps:
         assert residual.shape == x.shape, f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}"
         return triton_fused.rms_norm(x, residual, weight, eps), residual
 
+    def qk_norm(
+        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
+    ) -> None:
+        """Per-head RMSNorm of q and k in place in qkv [T, (Hq + 2 Hkv) * D], one launch for both."""
+        head_dim = q_weight.shape[0]
+        assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype in _FLOAT_DTYPES, (
+            f"qkv must be [T, cols] contiguous along its columns in a float dtype, got {tuple(qkv.shape)} "
+            f"{qkv.dtype} strides {qkv.stride()}"
+        )
+        heads, rest = divmod(qkv.shape[1], head_dim)
+        assert rest == 0 and heads > num_heads and (heads - num_heads) % 2 == 0, (
+            f"qkv's {qkv.shape[1]} columns are not {num_heads} q heads + 2 x Hkv heads of {head_dim}"
+        )
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            assert w.shape == (head_dim,) and w.is_contiguous() and w.device == qkv.device, (
+                f"{name} must be [{head_dim}] contiguous on {qkv.device}, got {tuple(w.shape)} on {w.device}"
+            )
+        triton_fused.qk_norm(qkv, q_weight, k_weight, eps, num_heads, (heads - num_heads) // 2)
+
     def rope_write_kv(
         self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
     ) -> torch.Tensor:

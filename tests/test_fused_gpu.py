@@ -60,6 +60,18 @@ def test_add_rms_norm_on_gpu(dtype: torch.dtype, n_tokens: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tokens", [1, 300])
+def test_qk_norm_on_gpu(dtype: torch.dtype, n_tokens: int) -> None:
+    dev, n_q, n_kv, d = torch.device("cuda"), 32, 4, 128  # Qwen3-30B-A3B's heads
+    qkv = torch.randn(n_tokens, (n_q + 2 * n_kv) * d, device=dev).to(dtype) * 3
+    q_w, k_w = torch.rand(d, device=dev).to(dtype) + 0.5, torch.rand(d, device=dev).to(dtype) + 0.5
+    got, want = qkv.clone(), qkv.clone()
+    TRI.qk_norm(got, q_w, k_w, 1e-6, n_q)
+    REF.qk_norm(want, q_w, k_w, 1e-6, n_q)
+    _ulp_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_tokens", [1, 300])
 def test_rope_write_kv_and_silu_mul_on_gpu(dtype: torch.dtype, n_tokens: int) -> None:
     dev = torch.device("cuda")
     # a 1-layer model for its RoPE tables

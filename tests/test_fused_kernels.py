@@ -1,5 +1,6 @@
-"""Fused Triton kernels (add + RMSNorm, RoPE + KV write, SiLU x up) against their torch reference twins,
-on CPU tensors under the Triton interpreter, and a whole decoder through them against the reference ops.
+"""Fused Triton kernels (add + RMSNorm, Qwen3's q/k norm, RoPE + KV write, SiLU x up) against their torch
+reference twins, on CPU tensors under the Triton interpreter, and a whole decoder (Llama and Qwen3) through
+them against the reference ops.
 
 tests/harness/triton_interpreter.py switches the interpreter on; tests/conftest.py installs the
 numpy >= 2.4 interpreter fix. Unwritten cache slots hold a large value, so a write to the wrong slot shows.
@@ -154,6 +155,29 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
     _assert_close(TRI.silu_mul(gate_up), REF.silu_mul(gate_up))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(4, 2, 16), (5, 1, 24)])  # 24: a padded head
+def test_qk_norm_normalises_q_and_k_heads_in_place_and_leaves_v(
+    dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(n_q * head_dim)
+    qkv = (torch.randn(3, (n_q + 2 * n_kv) * head_dim, generator=gen) * 4).to(dtype)
+    q_w = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    k_w = (1 - 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
+    got, want = qkv.clone(), qkv.clone()
+    TRI.qk_norm(got, q_w, k_w, 1e-6, n_q)
+    REF.qk_norm(want, q_w, k_w, 1e-6, n_q)
+    _assert_close(got, want)
+    v_cols = slice((n_q + n_kv) * head_dim, None)
+    assert torch.equal(got[:, v_cols], qkv[:, v_cols])  # v untouched
+    heads = want.view(3, -1, head_dim).float()
+    # each q head is its own RMSNorm times q_w, each k head times k_w
+    for h, w in ((0, q_w), (n_q, k_w)):
+        x = qkv.view(3, -1, head_dim)[:, h].float()
+        expect = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float() * w.float()
+        _assert_close(heads[:, h].to(dtype), expect.to(dtype))
+
+
 def test_boundary_checks_name_the_bad_value() -> None:
     qkv, kv, meta = _rope_case(torch.float32, 4, 2, 16)
     with pytest.raises(AssertionError, match=r"qkv must be \[T, 144\] for 5 q heads"):
@@ -175,16 +199,20 @@ def test_boundary_checks_name_the_bad_value() -> None:
         TRI.silu_mul(torch.ones(2, 7))
 
 
-def _tiny_model(dtype: torch.dtype) -> LlamaModel:
-    cfg = dataclasses.replace(
-        NAMED_SHAPES["smollm2-135m"], num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=160
-    )
+def _tiny_model(dtype: torch.dtype, shape: str = "smollm2-135m") -> LlamaModel:
+    """Two small layers of `shape`'s architecture (qwen3-8b: q/k norms, head_dim apart from hidden/heads)."""
+    cfg = NAMED_SHAPES[shape]
+    if shape.startswith("qwen3"):
+        cfg = dataclasses.replace(cfg, num_heads=4, num_kv_heads=2, head_dim=32, bos_token_id=None,
+                                  eos_token_ids=(1,))  # fmt: skip
+    cfg = dataclasses.replace(cfg, num_layers=2, vocab_size=256, hidden_size=96, intermediate_size=160)
     model = LlamaModel(cfg, torch.device("cpu"), dtype)
     fill_dummy_weights(model, seed=4)
     with torch.no_grad():  # norms of 1 would hide a wrong weight multiply
         for layer in model.decoder_layers:
-            layer.input_norm.weight.uniform_(0.5, 1.5)
-            layer.post_norm.weight.uniform_(0.5, 1.5)
+            for norm in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm):
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
     return model
 
 
@@ -213,9 +241,10 @@ def _prefill_then_decode(model: LlamaModel, ops: AttentionOps, tokens: list[int]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decoder_through_fused_kernels_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-8b"])
+def test_decoder_through_fused_kernels_matches_reference(dtype: torch.dtype, shape: str) -> None:
     torch.set_num_threads(1)
-    model = _tiny_model(dtype)
+    model = _tiny_model(dtype, shape)
     tokens = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.inference_mode():
         want = _prefill_then_decode(model, REF, tokens)

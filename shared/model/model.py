@@ -10,8 +10,8 @@ caller may select rows first). Nothing in `forward` syncs with the host, so it c
 graph. Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
 RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer's norm to add into the
 residual stream, so the stream is updated in place and only the last add is a separate op. Qwen3's
-per-head q/k RMSNorm runs between the QKV product and RoPE, in place in qkv, in plain torch (not yet a
-fused kernel). A sparse layer's MLP is shared/model/moe.py's `SparseMoE`, picked at construction.
+per-head q/k RMSNorm runs between the QKV product and RoPE, in place in qkv (`ops.qk_norm`: one kernel for
+both on GPU). A sparse layer's MLP is shared/model/moe.py's `SparseMoE`, picked at construction.
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
 once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
 until then the handles are the parameters and the product is `F.linear`. With `quantization="fp8"` the
@@ -126,13 +126,15 @@ class DecoderLayer(nn.Module):
         if not quantized:
             self.prepare(DenseLinear())
 
-    def prepare(self, linear: Linear) -> None:
-        """Make the matmul handles of this layer's current weights (detached: not registered twice)."""
+    def prepare(self, linear: Linear, model_linear: Linear | None = None) -> None:
+        """Make the matmul handles of this layer's current weights (detached: not registered twice) with
+        `linear`; the mixture of experts, which stays in the model dtype, with `model_linear` (default
+        `linear`: they differ in an FP8 model)."""
         self.linear = linear
         self.qkv_w = linear.prepare(self.qkv_weight.detach(), _detach(self.qkv_scale))
         self.o_w = linear.prepare(self.o_weight.detach(), _detach(self.o_scale))
         if self.moe is not None:
-            self.moe.prepare(linear)
+            self.moe.prepare(model_linear or linear)
         else:
             self.gate_up_w = linear.prepare(self.gate_up_weight.detach(), _detach(self.gate_up_scale))
             self.down_w = linear.prepare(self.down_weight.detach(), _detach(self.down_scale))
@@ -141,14 +143,6 @@ class DecoderLayer(nn.Module):
         """normed: [T, E] -> [T, E] this rank's partial sum."""
         gate_up = self.linear.linear(normed, self.gate_up_w, None)  # gate_up: [T, 2F]
         return self.linear.linear(ops.silu_mul(gate_up), self.down_w, None)  # [T, E]
-
-    def _norm_qk(self, qkv: torch.Tensor) -> None:
-        """Per-head RMSNorm of q and k, in place in qkv: [T, (Hq + 2 Hkv) * D]."""
-        assert self.q_norm is not None and self.k_norm is not None
-        hq, hkv = self.num_heads, self.num_kv_heads
-        heads = qkv.view(qkv.shape[0], hq + 2 * hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]
-        heads[:, :hq] = self.q_norm(heads[:, :hq])
-        heads[:, hq : hq + hkv] = self.k_norm(heads[:, hq : hq + hkv])
 
     def forward(
         self,
@@ -170,8 +164,8 @@ class DecoderLayer(nn.Module):
             normed, residual = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
         linear = self.linear.linear
         qkv = linear(normed, self.qkv_w, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
-        if self.q_norm is not None:
-            self._norm_qk(qkv)
+        if self.q_norm is not None and self.k_norm is not None:  # per-head RMSNorm of q and k, in place
+            ops.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, hq)
         # q: [T, Hq, D], rotated in place in qkv; rotated K and V are in kv_layer
         q = ops.rope_write_kv(qkv, kv_layer, meta, hq)
         if meta.is_decode:
@@ -229,7 +223,7 @@ class LlamaModel(nn.Module):
         fp8 = self.quantization == "fp8" and linear is None
         layer_linear: Linear = Fp8Linear(self.embed_weight.device) if fp8 else self.linear
         for layer in self.decoder_layers:
-            layer.prepare(layer_linear)
+            layer.prepare(layer_linear, self.linear)
         self.lm_head_w = self.linear.prepare(self.lm_head_weight.detach())
 
     @property

@@ -85,15 +85,17 @@ class SparseMoE(nn.Module):
         self.prepare(DenseLinear())
 
     def prepare(self, linear: Linear) -> None:
-        """The shared expert's matmul handles (the routed experts go through `experts` as stored)."""
+        """The router's and the shared expert's matmul handles (the routed experts go through `experts` as
+        stored); on GPU the router's [X, E] product is then the decode GEMV, not a cuBLAS launch."""
         self.linear = linear
+        self.router_w = linear.prepare(self.router_weight.detach())
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             self.shared_gate_up_w = linear.prepare(self.shared_gate_up_weight.detach())
             self.shared_down_w = linear.prepare(self.shared_down_weight.detach())
 
     def forward(self, x: torch.Tensor, ops: AttentionOps) -> torch.Tensor:
         """x: [T, E] normed -> [T, E] this rank's partial sum (the caller all-reduces)."""
-        logits = F.linear(x, self.router_weight)  # [T, X]
+        logits = self.linear.linear(x, self.router_w, None)  # [T, X]
         routing = self.experts.route(logits, self.top_k, self.renormalize)  # [T, K] each
         y = self.experts(x, self.gate_up_weight, self.down_weight, routing)  # [T, E]
         if self.shared_gate_weight is None:
