@@ -71,3 +71,29 @@ def test_min_tokens_gives_way_to_a_grammar_that_only_allows_the_end(grammars: Gr
     ]
     out = sampler.sample(torch.randn(2, grammars.vocab_size), states, mask)
     assert out.token_ids == (eos, eos)
+
+
+def test_reused_mask_buffers_give_the_masks_of_fresh_ones(tokenizer: Tokenizer) -> None:
+    """The ring of host buffers (allocated once, reused every step) gives each step the mask a fresh buffer
+    gives, as rows join, leave, end and the batch grows past the buffers' first size."""
+    ring, fresh = Grammars(tokenizer, tokenizer.vocab_size), Grammars(tokenizer, tokenizer.vocab_size)
+    json_obj = Constraint("json_object", "")
+    a, b = ring.matcher(YES_NO), ring.matcher(json_obj)
+    fa, fb = fresh.matcher(YES_NO), fresh.matcher(json_obj)
+    yes, brace = tokenizer.encode("yes"), tokenizer.encode("{")
+    steps: list[tuple[list[int | None], list[int], list[int]]] = [
+        ([0, None, 1], [], []),  # 0: matcher a, 1: matcher b; None: an unconstrained row
+        ([1, 0], [], brace),
+        ([None, None, None, None, 1], yes, brace),  # a leaves; the batch grows past the first buffers' rows
+        ([0], yes, brace),  # a has ended: only end tokens
+        ([None, 1, None], yes, brace),
+    ]
+    for rows, out_a, out_b in steps:
+        for m, fm, out in ((a, fa, out_a), (b, fb, out_b)):
+            m.advance_to(out)
+            fm.advance_to(out)
+        got = ring.fill_masks([None if r is None else (a, b)[r] for r in rows]).clone()
+        once = Grammars(tokenizer, tokenizer.vocab_size)  # its first mask: a buffer never used before
+        want = once.fill_masks([None if r is None else (fa, fb)[r] for r in rows])
+        assert got.shape == (len(rows), (tokenizer.vocab_size + 31) // 32)
+        assert torch.equal(got, want), rows

@@ -229,7 +229,7 @@ class LLMEngine:
         )
         self.tier = HostTierCopier(self.pools, self.host_blocks) if self.host_blocks else None
         self.sampler = Sampler(eos_token_ids=self.eos_token_ids)
-        self.grammars = Grammars(self.tokenizer, mc.vocab_size)
+        self.grammars = Grammars(self.tokenizer, mc.vocab_size, pinned=cfg.torch_device.type == "cuda")
         self.fingerprint = model_fingerprint(
             mc.to_dict(), self.loaded.weights_identity, cfg.kv_dtype_name, cfg.block_size
         )

@@ -6,8 +6,11 @@ Invariants: a Matcher has accepted exactly the first `consumed` output tokens of
 brings it to a request's output, rolling back when the output is shorter, so a token applied late or dropped
 never leaves it ahead); it holds no other resource than its memory, so a request frees it by dropping it. A
 bitmask row allows exactly the tokens that keep the output a prefix of the language, and only end tokens once
-the output is complete. Why xgrammar, against llguidance: docs/architecture.md
-(benchmarks/grammar_engines.py measures both).
+the output is complete. `fill_masks` writes into one of `_MASK_RING` host buffers allocated once (pinned for
+a GPU engine) and reused in turn: the engine fills one mask per step and a step's mask is on the device
+before the step after next is filled (its sampling, which follows the copy on the stream, was waited for),
+so a buffer is never rewritten while its copy may be in flight. Why xgrammar, against llguidance:
+docs/architecture.md (benchmarks/grammar_engines.py measures both).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pdserve.shared.model.tokenizer import Tokenizer
 
 _CACHE_LIMIT = 256
 """Compiled grammars kept per node (each a few hundred KiB to a few MiB for a 49k vocabulary)."""
+_MASK_RING = 3
+"""Host bitmask buffers used in turn (two would do: a third is margin)."""
 _JSON_OBJECT = '{"type": "object"}'
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: .*? is false: )?")
 
@@ -115,14 +120,20 @@ class Grammars:
     """The compiled grammars of one engine's tokenizer, cached by constraint (thread-safe: the node's request
     handlers compile, the engine thread makes matchers)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, pinned: bool = False) -> None:
+        """`pinned`: the masks go to a GPU, so their host buffers are page-locked (the copy does not wait)."""
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self._pinned = pinned
+        self._masks: list[torch.Tensor] = []  # [rows, ceil(V / 32)] int32 each, grown on demand
+        self._next_mask = 0
         self._info: xgr.TokenizerInfo | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: dict[Constraint, xgr.CompiledGrammar] = {}
         self._lock = threading.Lock()
-        self.batcher = xgr.BatchGrammarMatcher()
+        # one thread: on a 16-core GPU host xgrammar's default (half the cores) made batch-64 decode with a
+        # JSON schema 30 % slower than without, one thread 2 % (docs/benchmarks.md, structured output)
+        self.batcher = xgr.BatchGrammarMatcher(max_threads=1)
         self.stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
@@ -152,8 +163,9 @@ class Grammars:
 
     def fill_masks(self, matchers: Sequence[Matcher | None]) -> torch.Tensor:
         """Bitmask [S, ceil(V / 32)] int32 on the host, row i for matchers[i]; a None row allows everything.
-        One call fills every constrained row (xgrammar's threads)."""
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # all bits set: allow all
+        One call fills every constrained row."""
+        mask = self._mask_buffer(len(matchers))
+        mask.fill_(-1)  # all bits set: allow all
         live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.ended]
         if live:
             self.batcher.batch_fill_next_token_bitmask(
@@ -168,11 +180,25 @@ class Grammars:
                 mask[ended, t // 32] |= 1 << (t % 32)
         return mask
 
+    def _mask_buffer(self, rows: int) -> torch.Tensor:
+        """The next host buffer of the ring, its first `rows` rows ([rows, ceil(V / 32)] int32)."""
+        words = (self.vocab_size + 31) // 32
+        if not self._masks or self._masks[0].shape[0] < rows:
+            capacity = max(rows, 2 * self._masks[0].shape[0] if self._masks else 0)
+            self._masks = [
+                torch.empty((capacity, words), dtype=torch.int32, pin_memory=self._pinned)
+                for _ in range(_MASK_RING)
+            ]
+        buf = self._masks[self._next_mask]
+        self._next_mask = (self._next_mask + 1) % _MASK_RING
+        return buf[:rows]
+
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [S, V] float32 with every token a bitmask [S, ceil(V / 32)] (host) forbids at -inf, in place,
     on the logits' device (the mask goes there without waiting: pinned memory on a GPU)."""
     if logits.is_cuda:
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
+        host = bitmask if bitmask.is_pinned() else bitmask.pin_memory()
+        bitmask = host.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(logits.shape[1], bitmask.shape[1] * 32))
     return logits
