@@ -29,8 +29,9 @@ from pdserve.router.handler import Incoming, Reply, RequestHandler, error_reply
 from pdserve.router.openai_protocol import OpenAIError
 from pdserve.router.responses_api import ResponsesAPI
 from pdserve.router.tokenize_api import TokenizeAPI
+from pdserve.shared.engine import grammar
 from pdserve.shared.index.block_index import BlockIndex
-from pdserve.shared.model.tokenizer import Tokenizer
+from pdserve.shared.model.tokenizer import Tokenizer, preload_chat_templates
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -78,6 +79,10 @@ class _NoTrailingSlash:
 
 
 def create_app(config: RouterConfig, tokenizer: Tokenizer, index: BlockIndex) -> FastAPI:
+    # imported now, not by the first chat or constrained request (a second or two each, on the event loop
+    # for a constraint's check); the nodes import them only when a request needs them
+    preload_chat_templates()
+    grammar.preload()
     handler = RequestHandler(config, tokenizer, index)
 
     @asynccontextmanager

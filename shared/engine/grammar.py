@@ -15,15 +15,21 @@ docs/architecture.md (benchmarks/grammar_engines.py measures both).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import re
 import threading
 from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 from pdserve.shared.engine.sampling_params import Constraint
 from pdserve.shared.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _CACHE_LIMIT = 256
 """Compiled grammars kept per node (each a few hundred KiB to a few MiB for a 49k vocabulary)."""
@@ -31,6 +37,18 @@ _MASK_RING = 3
 """Host bitmask buffers used in turn (two would do: a third is margin)."""
 _JSON_OBJECT = '{"type": "object"}'
 _NATIVE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: .*? is false: )?")
+
+
+@functools.cache
+def _xgr() -> ModuleType:
+    """xgrammar, imported on first use: it imports transformers (about a second and a half of CPU), which a
+    process that never sees a constraint should not pay at start (the router warms it: `preload`)."""
+    return importlib.import_module("xgrammar")
+
+
+def preload() -> None:
+    """Imports the grammar engine now (the router calls it off its event loop at start-up)."""
+    _xgr()
 
 
 class GrammarError(ValueError):
@@ -43,12 +61,12 @@ def _grammar(constraint: Constraint) -> xgr.Grammar:
     try:
         if kind == "json_schema" or kind == "json_object":
             schema = _JSON_OBJECT if kind == "json_object" else spec
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+            return _xgr().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
         if kind == "regex":
-            return xgr.Grammar.from_regex(spec)
+            return _xgr().Grammar.from_regex(spec)
         if kind == "choice":
-            return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec)))
-        return xgr.Grammar.from_ebnf(spec)
+            return _xgr().Grammar.from_ebnf(choice_ebnf(json.loads(spec)))
+        return _xgr().Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise GrammarError(f"the {kind} constraint does not compile: {_reason(exc)}") from exc
 
@@ -79,19 +97,19 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
         from transformers import PreTrainedTokenizerFast
 
         hf = PreTrainedTokenizerFast(tokenizer_object=rust)
-        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
+        return _xgr().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop)
     # A byte-level tokenizer (dummy models): id i is byte i % 256; special ids decode to nothing here, which
     # xgrammar treats as special (never inside a sentence).
     special = tokenizer.special_token_ids
     vocab = [b"" if i in special else bytes([i % 256]) for i in range(vocab_size)]
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
+    return _xgr().TokenizerInfo(vocab, _xgr().VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop)
 
 
 class Matcher:
     """One request's grammar state."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self._m = xgr.GrammarMatcher(compiled)
+        self._m = _xgr().GrammarMatcher(compiled)
         self.consumed = 0
         self.failed = False
         """A token the grammar refused was forced on it (it cannot happen under the mask): only an end
@@ -131,9 +149,7 @@ class Grammars:
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: dict[Constraint, xgr.CompiledGrammar] = {}
         self._lock = threading.Lock()
-        # one thread: on a 16-core GPU host xgrammar's default (half the cores) made batch-64 decode with a
-        # JSON schema 30 % slower than without, one thread 2 % (docs/benchmarks.md, structured output)
-        self.batcher = xgr.BatchGrammarMatcher(max_threads=1)
+        self._batcher: xgr.BatchGrammarMatcher | None = None  # made at the first mask
         self.stop_ids = sorted(t for t in tokenizer.eos_token_ids if t < vocab_size)
 
     def compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
@@ -145,7 +161,7 @@ class Grammars:
                 return hit
             if self._compiler is None:
                 self._info = tokenizer_info(self._tokenizer, self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
+                self._compiler = _xgr().GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
             compiler = self._compiler
         grammar = _grammar(constraint)
         try:
@@ -168,7 +184,11 @@ class Grammars:
         mask.fill_(-1)  # all bits set: allow all
         live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.ended]
         if live:
-            self.batcher.batch_fill_next_token_bitmask(
+            if self._batcher is None:
+                # one thread: on a 16-core GPU host xgrammar's default (half the cores) made batch-64 decode
+                # with a JSON schema 30 % slower than without, one thread 2 % (docs/benchmarks.md)
+                self._batcher = _xgr().BatchGrammarMatcher(max_threads=1)
+            self._batcher.batch_fill_next_token_bitmask(
                 [m._m for _, m in live], mask, indices=[i for i, _ in live]
             )
         # Ended: a speculative step (async scheduling) after the end token, whose token is dropped, or a
@@ -200,5 +220,7 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda:
         host = bitmask if bitmask.is_pinned() else bitmask.pin_memory()
         bitmask = host.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(logits.shape[1], bitmask.shape[1] * 32))
+    _xgr().apply_token_bitmask_inplace(
+        logits, bitmask, vocab_size=min(logits.shape[1], bitmask.shape[1] * 32)
+    )
     return logits

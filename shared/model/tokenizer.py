@@ -5,21 +5,31 @@ Built from a GGUF file's metadata (transformers' GGUF tokenizer conversion), fro
 models. Invariants: `encode` never adds the chat template; `apply_chat_template` renders with the
 template's own special-token strings and encodes with add_special_tokens=False, as transformers does.
 Loading a tokenizer never touches model weights, so its time is measured on its own.
+
+A GGUF vocabulary's conversion (importing transformers and building the BPE: about 2 s of CPU per process)
+is kept as tokenizer.json under `~/.cache/pdserve/tokenizers`, named by a digest of the file's tokenizer
+metadata and transformers' version, so that every later process (each node, each `pdserve generate`) loads
+it with `tokenizers` alone; an unreadable entry is converted again, an unwritable directory only costs the
+cache. The loaded tokenizer is the converted one, byte for byte (`identity` is its serialisation).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
+import logging
 import mmap
 import os
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import tokenizers
 from pdserve.shared.model.gguf_header import parse_header
 
+log = logging.getLogger("pdserve.tokenizer")
 GGUF_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
 GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 BYTE_CHAT_TEMPLATE = (
@@ -158,7 +168,7 @@ class Tokenizer:
         variable is one this call sets itself."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name!r} has no chat template; use a completion request")
-        from transformers.utils.chat_template_utils import render_jinja_template
+        render_jinja_template = _template_renderer()
 
         template_tokens: dict[str, Any] = dict(self._template_tokens)
         clash = sorted(set(template_kwargs or {}) & (set(template_tokens) | _TEMPLATE_ARGS))
@@ -245,30 +255,15 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, path: str) -> Tokenizer:
-        """From a GGUF file's tokenizer metadata (vocabulary, merges, special ids, chat template)."""
-        try:  # transformers >= 5.18 moved the tokenizer table and converter next to the GGUF reader
-            from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-                GGUF_TOKENIZER_MAPPING,
-                convert_gguf_tokenizer,
-            )
-        except ImportError:
-            from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
-                GGUF_TOKENIZER_MAPPING,
-                convert_gguf_tokenizer,
-            )
-
+    def from_gguf(cls, path: str, cache_dir: str | None = None) -> Tokenizer:
+        """From a GGUF file's tokenizer metadata (vocabulary, merges, special ids, chat template); the
+        converted vocabulary is cached in `cache_dir` (default `~/.cache/pdserve/tokenizers`)."""
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             meta = parse_header(buf, GGUF_STRING_ARRAYS).metadata
-        tok_dict = {
-            field: meta[f"tokenizer.{key}"]
-            for key, field in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
-            if f"tokenizer.{key}" in meta
-        }
-        if "tokens" not in tok_dict:
+        if "tokenizer.ggml.tokens" not in meta:
             raise ValueError(f"{path} has no tokenizer.ggml.tokens in its metadata")
-        backend, _ = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)
-        tokens: list[str] = tok_dict["tokens"]
+        backend = _gguf_backend(meta, cache_dir or _default_cache_dir())
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
         template_tokens = {
             name: tokens[meta[key]]
             for name, key in (
@@ -284,6 +279,74 @@ class Tokenizer:
             chat_template=meta.get("tokenizer.chat_template"),
             template_tokens=template_tokens,
         )
+
+
+@functools.cache
+def _template_renderer() -> Any:
+    """transformers' chat-template renderer, imported on first use (transformers takes about a second)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template
+
+
+def preload_chat_templates() -> None:
+    """Imports the chat-template renderer now (the router does at start, so no request imports it)."""
+    _template_renderer()
+
+
+def _default_cache_dir() -> str:
+    return os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "tokenizers")
+
+
+def _gguf_backend(meta: Mapping[str, Any], cache_dir: str) -> tokenizers.Tokenizer:
+    """The GGUF vocabulary as a Rust tokenizer: from the cache when it holds this metadata's conversion,
+    else converted by transformers and written there (atomically: concurrent processes may race)."""
+    tok_meta = sorted((k, v) for k, v in meta.items() if k.startswith("tokenizer."))
+    key = hashlib.sha256(
+        repr(
+            (meta.get("general.architecture"), importlib.metadata.version("transformers"), tok_meta)
+        ).encode()
+    ).hexdigest()
+    entry = os.path.join(cache_dir, f"{key}.json")
+    try:
+        with open(entry, encoding="utf-8") as f:
+            return tokenizers.Tokenizer.from_str(f.read())
+    except FileNotFoundError:
+        pass
+    except Exception as exc:  # a torn or foreign file (tokenizers' own errors too): convert again, rewrite
+        log.warning("tokenizer cache entry %s unreadable (%s); converting again", entry, exc)
+    backend = _convert_gguf(meta)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(backend.to_str())
+        os.replace(tmp, entry)
+    except OSError as exc:
+        log.info("tokenizer cache %s not written (%s)", cache_dir, exc)
+    return backend
+
+
+def _convert_gguf(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """transformers' conversion of the GGUF tokenizer metadata (imports transformers: about a second)."""
+    try:  # transformers >= 5.18 moved the tokenizer table and converter next to the GGUF reader
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    except ImportError:
+        from transformers.integrations.ggml import (  # type: ignore[attr-defined,no-redef]
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+    tok_dict = {
+        field: meta[f"tokenizer.{key}"]
+        for key, field in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    backend: tokenizers.Tokenizer = convert_gguf_tokenizer(meta["general.architecture"], tok_dict)[0]
+    return backend
 
 
 def _read_json(path: str) -> dict[str, Any]:
