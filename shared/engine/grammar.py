@@ -47,7 +47,7 @@ def _xgr() -> ModuleType:
 
 
 def preload() -> None:
-    """Imports the grammar engine now (the router calls it off its event loop at start-up)."""
+    """Imports the grammar engine now (the router does before it serves, so no request's check imports it)."""
     _xgr()
 
 

@@ -15,6 +15,7 @@ cache. The loaded tokenizer is the converted one, byte for byte (`identity` is i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -316,6 +317,7 @@ def _gguf_backend(meta: Mapping[str, Any], cache_dir: str) -> tokenizers.Tokeniz
     except Exception as exc:  # a torn or foreign file (tokenizers' own errors too): convert again, rewrite
         log.warning("tokenizer cache entry %s unreadable (%s); converting again", entry, exc)
     backend = _convert_gguf(meta)
+    tmp = None
     try:
         os.makedirs(cache_dir, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
@@ -324,6 +326,9 @@ def _gguf_backend(meta: Mapping[str, Any], cache_dir: str) -> tokenizers.Tokeniz
         os.replace(tmp, entry)
     except OSError as exc:
         log.info("tokenizer cache %s not written (%s)", cache_dir, exc)
+        if tmp is not None:  # a write cut short (a full disk) leaves no partial file behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
     return backend
 
 
