@@ -17,9 +17,10 @@ client: an admitted request never fails for load.
 
 Invariants: a Booking gives back exactly what it took, once (`release` and `prefill_done` are idempotent;
 `release` includes `prefill_done`; `OnceBooking` keeps that for both ledgers); counts never go negative and
-a node with nothing booked has no entry; waiters are woken in arrival order, one per booking that ends. `InFlight` is the seam both ledgers
-implement: `Ledger` is this process's own (`--admission local`, one router); router/ledger_redis.py's is
-the fleet's, leases in Redis shared by every router of a cluster (`--admission redis`).
+a node with nothing booked has no entry; waiters are woken in arrival order, one per booking that ends.
+`InFlight` is the seam both ledgers implement: `Ledger` is this process's own (`--admission local`, one
+router); router/ledger_redis.py's is the fleet's, leases in Redis shared by every router of a cluster
+(`--admission redis`).
 """
 
 from __future__ import annotations
