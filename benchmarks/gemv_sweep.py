@@ -27,12 +27,14 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pdserve.benchmarks.gpu_decode import graph_us
 from pdserve.kernels.gemv_configs import (
     TABLE_PATH,
     GemvConfig,
@@ -155,25 +157,6 @@ class Bench:
         wb = w.to(torch.bfloat16)
         return [wb] + [wb.clone() for _ in range(copies - 1)], None
 
-    def graph_us(self, launch: Callable[[int], object], copies: int) -> float:
-        """Median µs per launch of back-to-back launches in a CUDA graph, launch i on copy i % copies."""
-        reps = copies * max(1, math.ceil(LAUNCHES / copies))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # its own pool: a pool shared with deleted graphs trips the allocator
-            for i in range(reps):
-                launch(i % copies)
-        graph.replay()
-        times = []
-        for _ in range(REPLAYS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / reps)
-        del graph
-        return sorted(times)[len(times) // 2]
-
     def sweep_shape(
         self, shape: Shape, rows: int, configs: Iterable[GemvConfig], deadline: float, res: Result
     ) -> None:
@@ -194,7 +177,8 @@ class Bench:
                 err = (y.float() - ref).abs().max().item() / ref_max
                 if not err <= TOL:
                     raise ValueError(f"max error {err:.2e} of the largest output > {TOL:.1e}")
-                entry["us"] = self.graph_us(lambda i: self.gemv(x, ws[i], None, cfg, scale=scale), len(ws))
+                launches = [partial(self.gemv, x, w, None, cfg, scale=scale) for w in ws]
+                entry["us"] = graph_us(launches, LAUNCHES, REPLAYS)
             except Exception as exc:  # a bad config is reported and skipped, the sweep goes on
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
                 log(f"{shape.label} M={rows} {cfg}: skipped, {entry['error']}")
@@ -202,8 +186,7 @@ class Bench:
         # the peer first, so that it is there whatever the budget leaves; FP8 weights: cuBLAS on bf16 copies
         dense = [w if scale is None else w.to(torch.bfloat16) for w in ws]
         try:
-            F.linear(x, dense[0])  # cuBLAS initialises its handle outside the capture
-            res.cublas_us = self.graph_us(lambda i: F.linear(x, dense[i]), len(dense))
+            res.cublas_us = graph_us([partial(F.linear, x, w) for w in dense], LAUNCHES, REPLAYS)
         except Exception as exc:
             log(f"{shape.label} M={rows} cuBLAS: skipped, {type(exc).__name__}: {exc}")
         dense.clear()

@@ -336,9 +336,11 @@ def attention_bandwidth(
     return kv.numel() * kv.element_size() / (ms / 1e3)
 
 
-def graph_us(launches: Sequence[Callable[[], object]], reps: int = 24) -> float:
-    """Median µs per launch of at least `reps` launches, cycling through `launches`, back to back in a CUDA
-    graph (as decode replays them); each is run once outside the capture first (compilation)."""
+def graph_us(launches: Sequence[Callable[[], object]], reps: int = 24, replays: int = 5) -> float:
+    """Median over `replays` timed replays of the µs per launch of at least `reps` launches, cycling through
+    `launches`, back to back in a CUDA graph (as decode replays them; the graph has its own memory pool: one
+    shared with deleted graphs trips the caching allocator); each is run once outside the capture first
+    (compilation, cuBLAS's handle)."""
     for fn in launches:
         fn()
     torch.cuda.synchronize()
@@ -349,7 +351,7 @@ def graph_us(launches: Sequence[Callable[[], object]], reps: int = 24) -> float:
             launches[i % len(launches)]()
     graph.replay()
     times = []
-    for _ in range(5):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

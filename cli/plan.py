@@ -43,6 +43,7 @@ from pdserve.cli.plan_model import (
 )
 from pdserve.cli.plan_options import PlanOptions
 from pdserve.shared.index.block_index import BlockIndex
+from pdserve.shared.index.block_index_types import RedisConfig
 from pdserve.shared.metrics import MetricsRegistry
 
 log = logging.getLogger("pdserve.plan")
@@ -212,15 +213,12 @@ def _config(opts: PlanOptions, api_key: str | None) -> PlanConfig:
     )
 
 
-async def _main(opts: PlanOptions, token: str, redis_password: str | None, api_key: str | None) -> int:
+async def _main(opts: PlanOptions, token: str, redis: RedisConfig, api_key: str | None) -> int:
     from pdserve.kvctl import commands
-    from pdserve.shared.index.block_index_types import RedisConfig
     from pdserve.shared.node.node_sign import ClusterKeys
     from prometheus_client import start_http_server
 
     cfg = _config(opts, api_key)
-    redis = RedisConfig(url=opts.redis, password=redis_password, cluster=opts.cluster,
-                        tls_ca_file=opts.tls_ca_file)  # fmt: skip
     metrics = PlannerMetrics()
     server = None
     if opts.metrics_port is not None and opts.watch is not None:
@@ -267,14 +265,13 @@ def main(opts: PlanOptions) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s plan %(levelname)s: %(message)s")  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape would bury the decisions
-    token = read_secret("auth_token", "the cluster's credential", opts.auth_token_file, required=True)
-    assert token is not None
-    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+    token = opts.auth_token()
+    redis = opts.redis_config(opts.redis, opts.cluster)
     api_key = read_secret("api_key", "a router API key", opts.api_key_file, required=False)
     if opts.metrics_port is not None and opts.watch is None:
         raise SettingsError("--metrics-port needs --watch SECONDS (a single decision serves nothing)")
     try:
-        return asyncio.run(_main(opts, token, password, api_key))
+        return asyncio.run(_main(opts, token, redis, api_key))
     except (httpx.HTTPError, BlockIndexError) as exc:
         print(f"pdserve plan: error: {exc!r}"[:400], file=sys.stderr)
         return 1

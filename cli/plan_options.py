@@ -3,11 +3,11 @@ Imports nothing heavy, so `pdserve plan --help` is fast."""
 
 from __future__ import annotations
 
-from pdserve.shared.cli.settings import SecretFiles
+from pdserve.shared.cli.settings import ClusterCredential
 from pydantic import Field
 
 
-class PlanOptions(SecretFiles):
+class PlanOptions(ClusterCredential):
     """Where to measure, the SLOs, the priors of the rates, the damping and what to do with a decision."""
 
     router_url: str = Field("http://127.0.0.1:8000", description="the router whose /metrics gives the load")
@@ -19,15 +19,9 @@ class PlanOptions(SecretFiles):
         description="redis://, rediss:// or redis+sentinel:// URL of the index (the nodes and their roles)",
     )
     cluster: str = Field("default", description="the cluster name (key prefix) in Redis")
-    auth_token_file: str | None = Field(
-        None,
-        description="file holding the cluster's credential (else PDSERVE_AUTH_TOKEN): it verifies the nodes' "
-        "records and signs role changes",
-    )
     api_key_file: str | None = Field(
         None, description="file holding a router API key for its /metrics (else PDSERVE_API_KEY, else none)"
     )
-    tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
     ttft_slo_ms: float = Field(1000.0, gt=0, description="time-to-first-token SLO")
     tpot_slo_ms: float = Field(50.0, gt=0, description="time-per-output-token SLO")
     prefill_tokens_per_s: float = Field(

@@ -16,7 +16,7 @@ from typing import Any
 import click
 from pdserve.shared.cli import cluster_file
 from pdserve.shared.cli.settings import (
-    SecretFiles,
+    RedisAccess,
     SettingsError,
     chat_template_text,
     click_options,
@@ -29,7 +29,7 @@ from pydantic import Field
 _CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 
-class Common(SecretFiles):
+class Common(RedisAccess):
     redis: str | None = Field(
         None,
         description="redis://, rediss:// or redis+sentinel://host:port[,host:port]/service URL of the index "
@@ -46,7 +46,6 @@ class Common(SecretFiles):
         "PDSERVE_AUTH_TOKEN is read, else the file the `pdserve up` cluster file names): it verifies the "
         "nodes' records and signs calls to nodes",
     )
-    tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
     json_output: bool = Field(
         False, description="print JSON instead of a table", json_schema_extra={"flag": "--json"}
     )
@@ -181,7 +180,7 @@ async def _run(opts: Common, action: Callable[[Any], Any]) -> dict[str, Any]:
     from pdserve.shared.node.node_sign import ClusterKeys
 
     up = _up_cluster(opts)
-    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+    password = opts.redis_password()
     url, cluster = opts.redis, opts.cluster or "default"
     if up is not None:
         url, cluster, password = up.redis_url, up.index_cluster, password or up.redis_password or None

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from pdserve.kvtransfer.common import ConnectionLost, HandshakeError, PeerIdentity, ProtocolError
 from pdserve.kvtransfer.connector import ConnectorConfig
@@ -27,6 +28,7 @@ from pdserve.kvtransfer.messages import PROTOCOL_VERSION, Auth, Error, Hello, Me
 
 NONCE_BYTES = 32
 _LABEL = b"pdserve-kvtransfer-v1"
+M = TypeVar("M", bound=Message)
 _LINGER_S = 1.0  # how long a refusing end waits for the refused peer to read ERROR and hang up
 
 
@@ -64,7 +66,7 @@ async def _refuse(conn: FramedConnection, code: str, detail: str) -> HandshakeEr
     return HandshakeError(code, detail)
 
 
-async def _expect(conn: FramedConnection, kind: type[Message]) -> Message:
+async def _expect(conn: FramedConnection, kind: type[M]) -> M:
     try:
         msg = (await conn.recv()).msg
     except VersionMismatch as e:
@@ -74,6 +76,21 @@ async def _expect(conn: FramedConnection, kind: type[Message]) -> Message:
     if not isinstance(msg, kind):
         raise await _refuse(conn, "protocol", f"expected {kind.__name__}, got {type(msg).__name__}")
     return msg
+
+
+async def _peer_hello(conn: FramedConnection, me: PeerIdentity) -> Hello:
+    """The peer's HELLO; refused (HandshakeError, after ERROR) when its model or KV layout differs."""
+    peer = await _expect(conn, Hello)
+    problem = _mismatch(me, peer)
+    if problem is not None:
+        raise await _refuse(conn, *problem)
+    return peer
+
+
+async def _check_proof(conn: FramedConnection, expected: bytes, proof: bytes, who: str) -> None:
+    """Refuses (HandshakeError `auth`, after ERROR) a peer whose HMAC proof is not the expected one."""
+    if not hmac.compare_digest(expected, proof):
+        raise await _refuse(conn, "auth", f"{who} failed the HMAC challenge (token differs)")
 
 
 @contextlib.asynccontextmanager
@@ -94,16 +111,9 @@ async def client_handshake(conn: FramedConnection, config: ConnectorConfig, me: 
     async with _in_time(conn, config.handshake_timeout_s):
         nonce_p = os.urandom(NONCE_BYTES)
         await conn.send(_hello(config, me, nonce_p, proof=b""))
-        peer = await _expect(conn, Hello)
-        assert isinstance(peer, Hello)
-        problem = _mismatch(me, peer)
-        if problem is not None:
-            raise await _refuse(conn, *problem)
+        peer = await _peer_hello(conn, me)
         expected = _proof(token, b"receiver", nonce_p, peer.nonce, me.node_id, peer.node_id)
-        if not hmac.compare_digest(expected, peer.proof):
-            raise await _refuse(
-                conn, "auth", f"receiver {peer.node_id!r} failed the HMAC challenge (token differs)"
-            )
+        await _check_proof(conn, expected, peer.proof, f"receiver {peer.node_id!r}")
         await conn.send(Auth(_proof(token, b"sender", nonce_p, peer.nonce, me.node_id, peer.node_id)))
         await _expect(conn, Ready)
         _authenticated(conn, config, peer)
@@ -115,21 +125,13 @@ async def server_handshake(conn: FramedConnection, config: ConnectorConfig, me: 
     """D's side, within config.handshake_timeout_s; returns P's HELLO after sending READY."""
     token = config.auth_token
     async with _in_time(conn, config.handshake_timeout_s):
-        peer = await _expect(conn, Hello)
-        assert isinstance(peer, Hello)
-        problem = _mismatch(me, peer)
-        if problem is not None:
-            raise await _refuse(conn, *problem)
+        peer = await _peer_hello(conn, me)
         nonce_d = os.urandom(NONCE_BYTES)
         proof = _proof(token, b"receiver", peer.nonce, nonce_d, peer.node_id, me.node_id)
         await conn.send(_hello(config, me, nonce_d, proof))
         auth = await _expect(conn, Auth)
-        assert isinstance(auth, Auth)
         expected = _proof(token, b"sender", peer.nonce, nonce_d, peer.node_id, me.node_id)
-        if not hmac.compare_digest(expected, auth.proof):
-            raise await _refuse(
-                conn, "auth", f"sender {peer.node_id!r} failed the HMAC challenge (token differs)"
-            )
+        await _check_proof(conn, expected, auth.proof, f"sender {peer.node_id!r}")
         await conn.send(Ready())
         _authenticated(conn, config, peer)
         await conn.channel.authenticated()

@@ -10,7 +10,7 @@ payload is not part of the header.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, get_args
+from typing import ClassVar, dataclass_transform, get_args
 
 from pdserve.kvtransfer.common import ProtocolError
 from pdserve.shared.types import BlockHash, FirstToken, KVLayout, RequestId
@@ -19,11 +19,22 @@ from pdserve.shared.wire import Codec, WireError
 PROTOCOL_VERSION = 7
 
 
-@dataclass(frozen=True)
-class Hello:
+@dataclass_transform(frozen_default=True)
+class _Message:
+    """Every message: a frozen dataclass whose one-byte wire type is given with its class,
+    `class Ack(_Message, type=10)`."""
+
+    TYPE: ClassVar[int]
+
+    def __init_subclass__(cls, *, type: int) -> None:
+        super().__init_subclass__()
+        cls.TYPE = type
+        dataclass(frozen=True)(cls)
+
+
+class Hello(_Message, type=1):
     """Both ends, first: identity, layout, a fresh nonce; D's reply adds its HMAC proof."""
 
-    TYPE: ClassVar[int] = 1
     version: int
     node_id: str
     fingerprint: bytes
@@ -34,63 +45,48 @@ class Hello:
     liveness_s: float = 0.0  # this end's liveness window: the peer pings at least every quarter of it
 
 
-@dataclass(frozen=True)
-class Auth:
+class Auth(_Message, type=2):
     """P's HMAC proof, sent after it has verified D's."""
 
-    TYPE: ClassVar[int] = 2
     proof: bytes
 
 
-@dataclass(frozen=True)
-class Ready:
+class Ready(_Message, type=3):
     """D accepted P's proof: the connection may carry transfers."""
 
-    TYPE: ClassVar[int] = 3
 
-
-@dataclass(frozen=True)
-class Error:
+class Error(_Message, type=4):
     """Connection-level refusal or protocol violation; the sender closes the connection after it."""
 
-    TYPE: ClassVar[int] = 4
     code: str
     detail: str
 
 
-@dataclass(frozen=True)
-class Open:
+class Open(_Message, type=5):
     """P reserves `num_blocks` blocks on D for `transfer_id` (every block of the prompt, a trailing partial
     one included); `block_hashes` name its full blocks; `deadline` in unix seconds. D's handler gets it as it
     came (`TransferHandler.on_open`), once the receiver checked the deadline and the counts."""
 
-    TYPE: ClassVar[int] = 5
     transfer_id: RequestId
     block_hashes: tuple[BlockHash, ...]
     num_blocks: int
     deadline: float
 
 
-@dataclass(frozen=True)
-class OpenOk:
-    TYPE: ClassVar[int] = 6
+class OpenOk(_Message, type=6):
     transfer_id: str
     num_held_blocks: int
     dst_block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class OpenRefusal:
-    TYPE: ClassVar[int] = 7
+class OpenRefusal(_Message, type=7):
     transfer_id: str
     reason: str
 
 
-@dataclass(frozen=True)
-class Data:
+class Data(_Message, type=8):
     """Layers [layer_start, layer_start + num_layers) of the listed blocks; payload [nl, 2, n, B, Hkv, D]."""
 
-    TYPE: ClassVar[int] = 8
     transfer_id: str
     layer_start: int
     num_layers: int
@@ -99,32 +95,23 @@ class Data:
     dst_blocks: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class Complete:
-    TYPE: ClassVar[int] = 9
+class Complete(_Message, type=9):
     transfer_id: str
     first_token: FirstToken | None  # None: the transfer carried only KV (a prefix fetch)
 
 
-@dataclass(frozen=True)
-class Ack:
-    TYPE: ClassVar[int] = 10
+class Ack(_Message, type=10):
     transfer_id: str
 
 
-@dataclass(frozen=True)
-class Abort:
-    TYPE: ClassVar[int] = 11
+class Abort(_Message, type=11):
     transfer_id: str
     reason: str
 
 
-@dataclass(frozen=True)
-class Ping:
+class Ping(_Message, type=12):
     """Both ends, after READY, whenever they sent nothing for a quarter of the liveness window: the peer is
     alive even while no transfer runs (framing.FramedConnection.keep_alive)."""
-
-    TYPE: ClassVar[int] = 12
 
 
 Message = Hello | Auth | Ready | Error | Open | OpenOk | OpenRefusal | Data | Complete | Ack | Abort | Ping

@@ -1,6 +1,6 @@
 """The settings every node process takes (flags, PDSERVE_* variables or the --config file), and turning them
 into the node's frozen configs. Only entry points call this; the transfer token and the Redis password come
-from the environment or files (read_secret), never from argv."""
+from the environment or files (shared/cli/settings.py), never from argv."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from pdserve.shared.cli.engine_args import EngineOptions, engine_config
-from pdserve.shared.cli.settings import ClusterMember, LogLevel, SettingsError, check_model_path, read_secret
+from pdserve.shared.cli.settings import ClusterMember, LogLevel, SettingsError, check_model_path
 from pdserve.shared.types import Role
 from pydantic import Field, field_validator
 
@@ -134,15 +134,11 @@ def node_configs(opts: NodeOptions, role: Role) -> NodeConfigs:
     check_model_path(opts.model)
     if opts.connector == "ucx" and importlib.util.find_spec("ucxx") is None:
         raise SettingsError("--connector ucx needs ucxx: install the [ucx] extra (pdserve[ucx])")
-    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
+    redis = opts.redis_config(opts.redis, opts.cluster) if opts.redis else None
 
     from pdserve.kvtransfer.connector import ConnectorConfig
     from pdserve.node.node_runtime import NodeSettings
-    from pdserve.shared.index.block_index_types import RedisConfig
 
-    redis = None
-    if opts.redis:
-        redis = RedisConfig(url=opts.redis, password=password, cluster=opts.cluster)
     node = NodeSettings(
         opts.node_id, role, opts.host, opts.port, redis, opts.heartbeat_s, auth_window_s=opts.auth_window_s
     )

@@ -152,18 +152,16 @@ def router_config(opts: RouterOptions) -> RouterConfig:
     from pdserve.router.config import RouterConfig
     from pdserve.router.policy import PolicyConfig
     from pdserve.router.tenants import RateLimit
-    from pdserve.shared.index.block_index_types import RedisConfig
 
     model = check_model_path(opts.model)
     keys = read_secret("api_keys", "the API keys", opts.api_keys_file, required=False) or ""
     token = opts.auth_token()
-    password = read_secret("redis_password", "the Redis password", opts.redis_password_file, required=False)
     names = opts.served_model_name or (os.path.basename(os.path.normpath(model)),)
     return RouterConfig(
         model_path=model,
         served_model_name=names[0],
         served_model_aliases=names[1:],
-        redis=RedisConfig(url=opts.redis, password=password, cluster=opts.redis_cluster),
+        redis=opts.redis_config(opts.redis, opts.redis_cluster),
         host=opts.host,
         port=opts.port,
         default_deadline_s=opts.deadline,

@@ -16,10 +16,11 @@ the queue it is refused with 429 and Retry-After before anything was sent to a n
 client: an admitted request never fails for load.
 
 Invariants: a Booking gives back exactly what it took, once (`release` and `prefill_done` are idempotent;
-`release` includes `prefill_done`); counts never go negative and a node with nothing booked has no entry;
-waiters are woken in arrival order, one per booking that ends. `InFlight` is the seam both ledgers
-implement: `Ledger` is this process's own (`--admission local`, one router); router/ledger_redis.py's is
-the fleet's, leases in Redis shared by every router of a cluster (`--admission redis`).
+`release` includes `prefill_done`; `OnceBooking` keeps that for both ledgers); counts never go negative and
+a node with nothing booked has no entry; waiters are woken in arrival order, one per booking that ends.
+`InFlight` is the seam both ledgers implement: `Ledger` is this process's own (`--admission local`, one
+router); router/ledger_redis.py's is the fleet's, leases in Redis shared by every router of a cluster
+(`--admission redis`).
 """
 
 from __future__ import annotations
@@ -167,27 +168,47 @@ def booked_view(node: NodeView, count: Load) -> NodeView:
 
 
 @dataclass(eq=False)
-class _Booking(Booking):
-    _ledger: Ledger
-    _decode: NodeId
-    _prefill: NodeId | None
-    _prefilling: NodeId
-    _tokens: int
+class OnceBooking(Booking):
+    """A ledger's booking, given back in two parts, each exactly once on every path: `prefill_done` gives
+    back the prefilling part, `release` (idempotent) the rest, after the prefilling part if that is still
+    held. A ledger says what giving back each part means."""
+
     _prefilling_live: bool = field(default=True, init=False)
     _live: bool = field(default=True, init=False)
 
     def prefill_done(self) -> None:
         if self._prefilling_live:
             self._prefilling_live = False
-            self._ledger._add(self._prefilling, 0, -self._tokens)
-            if self._prefill is not None:
-                self._ledger._end(self._prefill)
+            self._end_prefilling()
 
     def release(self) -> None:
         if self._live:
             self._live = False
             self.prefill_done()
-            self._ledger._end(self._decode)
+            self._end_rest()
+
+    def _end_prefilling(self) -> None:
+        raise NotImplementedError
+
+    def _end_rest(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class _Booking(OnceBooking):
+    _ledger: Ledger
+    _decode: NodeId
+    _prefill: NodeId | None
+    _prefilling: NodeId
+    _tokens: int
+
+    def _end_prefilling(self) -> None:
+        self._ledger._add(self._prefilling, 0, -self._tokens)
+        if self._prefill is not None:
+            self._ledger._end(self._prefill)
+
+    def _end_rest(self) -> None:
+        self._ledger._end(self._decode)
 
 
 class Ledger:

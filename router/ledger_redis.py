@@ -35,7 +35,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pdserve.router.admission import (
     AdmissionConfig,
@@ -44,6 +44,7 @@ from pdserve.router.admission import (
     Ledger,
     Load,
     NodeFull,
+    OnceBooking,
     Turn,
     booked_view,
     refuse_when_queue_full,
@@ -72,7 +73,7 @@ Member = tuple[str, str]
 
 
 @dataclass(eq=False)
-class _Lease(Booking):
+class _Lease(OnceBooking):
     """One choice's booking: this router's own (`_inner`) and, unless booked while degraded, its leases."""
 
     _ledger: RedisLedger
@@ -81,21 +82,14 @@ class _Lease(Booking):
     _decode_member: Member | None
     _prefill_members: tuple[Member, ...]
     _prefill: NodeId | None
-    _prefilling_live: bool = field(default=True, init=False)
-    _live: bool = field(default=True, init=False)
 
-    def prefill_done(self) -> None:
-        if self._prefilling_live:
-            self._prefilling_live = False
-            self._inner.prefill_done()
-            self._ledger._ended(self._prefill_members, self._prefill)
+    def _end_prefilling(self) -> None:
+        self._inner.prefill_done()
+        self._ledger._ended(self._prefill_members, self._prefill)
 
-    def release(self) -> None:
-        if self._live:
-            self._live = False
-            self.prefill_done()
-            self._inner.release()
-            self._ledger._ended(() if self._decode_member is None else (self._decode_member,), self._decode)
+    def _end_rest(self) -> None:
+        self._inner.release()
+        self._ledger._ended(() if self._decode_member is None else (self._decode_member,), self._decode)
 
 
 class RedisLedger:

@@ -261,3 +261,34 @@ def test_connector_choices_match_the_registry() -> None:
     code = "from pdserve.kvtransfer.connector import connector_kinds; print(','.join(connector_kinds()))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert sorted(typing.get_args(Connector)) == done.stdout.strip().split(",")
+
+
+def test_every_process_that_reaches_redis_takes_its_password_file_and_ca_bundle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Redis access (password's file, CA bundle of a rediss:// server) is declared once and taken by every
+    command with --redis; the router's and a node's index clients get both."""
+    from pdserve.node.node_cli import DecodeOptions, node_configs
+    from pdserve.router.__main__ import RouterOptions, router_config
+
+    for group, name in COMMANDS:
+        fields = settings_class(group, name).model_fields
+        if "redis" in fields:
+            assert {"redis_password_file", "tls_ca_file"} <= set(fields), name
+    for key in list(os.environ):
+        if key.startswith("PDSERVE_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PDSERVE_AUTH_TOKEN", "token")
+    (tmp_path / "password").write_text("s3cret\n")
+    ca = str(tmp_path / "ca.pem")
+    access = {
+        "redis": "rediss://h:6380",
+        "redis_password_file": str(tmp_path / "password"),
+        "tls_ca_file": ca,
+    }
+    router = router_config(load_settings(RouterOptions, {"model": str(tmp_path), **access}, None))
+    node_opts = {"model": "dummy:tiny", "node_id": "d0", "port": 9, **access}
+    node = node_configs(load_settings(DecodeOptions, node_opts, None), "decode")
+    assert node.node.redis is not None
+    for redis in (router.redis, node.node.redis):
+        assert (redis.password, redis.tls_ca_file) == ("s3cret", ca)

@@ -15,7 +15,7 @@ import os
 import re
 import types
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import click
 from click.core import ParameterSource
@@ -27,6 +27,9 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+if TYPE_CHECKING:
+    from pdserve.shared.index.block_index_types import RedisConfig
 
 ENV_PREFIX = "PDSERVE_"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+")
@@ -64,27 +67,37 @@ CommaList = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_comma_split)]
 LogLevel = Annotated[Literal["DEBUG", "INFO", "WARNING", "ERROR"], BeforeValidator(lambda v: str(v).upper())]
 
 
-class SecretFiles(Settings):
-    """Where a process may read its secrets from: paths are settings, the values never go on argv."""
+class RedisAccess(Settings):
+    """How a process reaches the cluster's Redis besides its URL (whose default differs per process: required
+    for a router, none for a node, the running `pdserve up`'s for kvctl): the password, read from a file or
+    the environment and never from argv, and the CA bundle of a rediss:// server."""
 
     redis_password_file: str | None = Field(
         None, description="file holding the Redis password (else PDSERVE_REDIS_PASSWORD is read)"
     )
+    tls_ca_file: str | None = Field(None, description="CA bundle to verify a rediss:// server")
+
+    def redis_password(self) -> str | None:
+        """The password; None when neither its file nor PDSERVE_REDIS_PASSWORD gives one."""
+        return read_secret("redis_password", "the Redis password", self.redis_password_file, required=False)
+
+    def redis_config(self, url: str, cluster: str) -> RedisConfig:
+        """The index's client settings for `url` and the `cluster` key prefix; SettingsError when the
+        password's file cannot be read, ValueError when the URL is malformed."""
+        from pdserve.shared.index.block_index_types import RedisConfig
+
+        password = self.redis_password()
+        return RedisConfig(url=url, password=password, cluster=cluster, tls_ca_file=self.tls_ca_file)
 
 
-class ClusterMember(SecretFiles):
-    """What a router and a node both take: the cluster's token (the KV-transfer and internal-API credential)
-    and the collector their request spans go to."""
+class ClusterCredential(RedisAccess):
+    """What every process that signs calls to the nodes or verifies their records takes: the cluster's
+    token."""
 
     auth_token_file: str | None = Field(
         None,
         description="file holding the cluster's KV-transfer token, the credential of the transfers and of "
         "every internal call between router and nodes (else PDSERVE_AUTH_TOKEN is read; required)",
-    )
-    otlp_endpoint: str | None = Field(
-        None,
-        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the request spans are exported to "
-        "(default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
     )
 
     def auth_token(self) -> str:
@@ -94,6 +107,17 @@ class ClusterMember(SecretFiles):
         )
         assert token is not None  # required=True
         return token
+
+
+class ClusterMember(ClusterCredential):
+    """What a router and a node both take: the Redis access, the cluster's token and the collector their
+    request spans go to."""
+
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP collector URL (e.g. http://127.0.0.1:4318) the request spans are exported to "
+        "(default: OTEL_EXPORTER_OTLP_ENDPOINT if set; else no tracing)",
+    )
 
     def trace_endpoint(self) -> str | None:
         """The collector: the setting, else the standard OpenTelemetry variable; None: not traced."""
