@@ -25,8 +25,9 @@ from pdserve.cli.up import free_port
 from pdserve.tests.harness.chaos_load import Load, Outcome
 from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
+    book_key,
     kvctl_main,
-    reference_texts,
+    reference_book,
     sample,
     secret_file,
     served_model_name,
@@ -60,9 +61,10 @@ node while this one idles (the router's decode score weighs the heartbeat's runn
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, str]:
-    long = reference_texts([{"prompt": p} for p in LONG], LONG_TOKENS, "--ignore-eos")
-    short = reference_texts([{"prompt": p} for p in SHORT], SHORT_TOKENS, "--ignore-eos")
-    return dict(zip(LONG + SHORT, long + short, strict=True))
+    """Both phases' greedy references (every output its full length), from one offline run."""
+    lines = [(p, LONG_TOKENS) for p in LONG] + [(p, SHORT_TOKENS) for p in SHORT]
+    book = reference_book([{"prompt": p, "max_tokens": n} for p, n in lines], "--ignore-eos")
+    return {p: book[book_key({"prompt": p, "max_tokens": n})] for p, n in lines}
 
 
 @pytest.fixture(scope="module")

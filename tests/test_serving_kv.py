@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import openai
 import pytest
@@ -34,15 +35,40 @@ def client(live: cluster_fixture.LiveCluster) -> openai.OpenAI:
     return live.openai(timeout=300)
 
 
+HELD = [DOCUMENT + " Summary:", DOCUMENT + " The rent in year 3 rises by"]
+CHATS = [
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"What is {w}?"}]
+    for w in ("rain", "a comet", "a harbour", "bread", "a violin", "granite")
+]
+ONE_TOKEN = DOCUMENT + " In one word, the lease is"
+QUEUED = [f"Request {i}: list three facts about the number {i}, each in a short sentence." for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def book() -> dict[str, str]:
+    """Every test's greedy references, from one offline run."""
+    lines = [{"prompt": p, "max_tokens": 12} for p in HELD]
+    lines += [{"messages": m, "max_tokens": 10} for m in CHATS]
+    lines += [{"prompt": ONE_TOKEN, "max_tokens": 1}]
+    lines += [{"prompt": p, "max_tokens": 16} for p in QUEUED]
+    return cluster_fixture.reference_book(lines)
+
+
+def greedy(book: dict[str, str], lines: list[dict[str, Any]]) -> list[str]:
+    return [book[cluster_fixture.book_key(line)] for line in lines]
+
+
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
     yield from cluster_fixture.live_cluster(prefill=1, decode=2)
 
 
-def test_a_prefix_p_holds_and_d_lacks_is_sent(live: cluster_fixture.LiveCluster) -> None:
+def test_a_prefix_p_holds_and_d_lacks_is_sent(
+    live: cluster_fixture.LiveCluster, book: dict[str, str]
+) -> None:
     c = client(live)
-    prompts = [DOCUMENT + " Summary:", DOCUMENT + " The rent in year 3 rises by"]
-    want = cluster_fixture.reference_texts([{"prompt": p} for p in prompts], 12)
+    prompts = HELD
+    want = greedy(book, [{"prompt": p, "max_tokens": 12} for p in prompts])
 
     def complete(prompt: str) -> str:
         reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
@@ -56,11 +82,12 @@ def test_a_prefix_p_holds_and_d_lacks_is_sent(live: cluster_fixture.LiveCluster)
     live.wait_clean()
 
 
-def test_a_shared_system_prompt_over_two_decode_nodes(live: cluster_fixture.LiveCluster) -> None:
+def test_a_shared_system_prompt_over_two_decode_nodes(
+    live: cluster_fixture.LiveCluster, book: dict[str, str]
+) -> None:
     c = client(live)
-    questions = [f"What is {w}?" for w in ("rain", "a comet", "a harbour", "bread", "a violin", "granite")]
-    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
-    want = cluster_fixture.reference_texts([{"messages": m} for m in chats], 10)
+    chats = CHATS
+    want = greedy(book, [{"messages": m, "max_tokens": 10} for m in chats])
 
     def chat(messages: list[dict[str, str]]) -> str:
         reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
@@ -72,10 +99,12 @@ def test_a_shared_system_prompt_over_two_decode_nodes(live: cluster_fixture.Live
     live.wait_clean()
 
 
-def test_max_tokens_1_completes_and_d_keeps_nothing(live: cluster_fixture.LiveCluster) -> None:
+def test_max_tokens_1_completes_and_d_keeps_nothing(
+    live: cluster_fixture.LiveCluster, book: dict[str, str]
+) -> None:
     c = client(live)
-    prompt = DOCUMENT + " In one word, the lease is"
-    want = cluster_fixture.reference_texts([{"prompt": prompt}], 1)[0]
+    prompt = ONE_TOKEN
+    (want,) = greedy(book, [{"prompt": prompt, "max_tokens": 1}])
     for _ in range(3):
         reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
         assert reply.choices[0].text == want and reply.choices[0].finish_reason == "length"
@@ -92,18 +121,15 @@ def test_max_tokens_1_completes_and_d_keeps_nothing(live: cluster_fixture.LiveCl
     live.wait_clean()
 
 
-def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them() -> None:
+def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them(book: dict[str, str]) -> None:
     # D's pool holds 12 blocks of 16 tokens; each request needs 3 (a ~20-token prompt + 16 tokens), and D
     # keeps a free block per live request, so at most 3 run at once against 32 in flight: over 8x.
     cfg = cluster_fixture.up_config(
         prefill=1, decode=1, role_node_args=(("decode", ("--num-kv-blocks", "12")),)
     )
     with cluster_fixture.LiveCluster.start(cfg) as live:
-        prompts = [
-            f"Request {i}: list three facts about the number {i}, each in a short sentence."
-            for i in range(32)
-        ]
-        want = cluster_fixture.reference_texts([{"prompt": p} for p in prompts], 16)
+        prompts = QUEUED
+        want = greedy(book, [{"prompt": p, "max_tokens": 16} for p in prompts])
         c = client(live)
 
         def complete(prompt: str) -> str:

@@ -271,6 +271,22 @@ def reference_texts(prompts: list[dict[str, Any]], max_tokens: int, *args: str) 
     return [line["text"] for line in lines]
 
 
+def reference_book(lines: list[dict[str, Any]], *args: str) -> dict[str, str]:
+    """Greedy texts of prompts-file lines that each carry their own max_tokens (and any other sampling field),
+    from ONE `pdserve generate` run (with `args`), by `book_key(line)`: a module's references for every test
+    cost one engine start (~8 CPU s of imports and loading), not one per test. The offline engine's greedy
+    text does not depend on what else is in the batch (tests/test_traffic.py holds it to that)."""
+    assert all("max_tokens" in line for line in lines), "every line of a reference book names its max_tokens"
+    keys = [book_key(line) for line in lines]
+    assert len(set(keys)) == len(keys), "a line is in the book twice"
+    return dict(zip(keys, reference_texts(lines, 1, *args), strict=True))
+
+
+def book_key(line: dict[str, Any]) -> str:
+    """A prompts-file line's key in a `reference_book`."""
+    return json.dumps(line, sort_keys=True)
+
+
 def secret_file(value: str) -> str:
     """A file only this user can read holding `value` (for the PDSERVE_*_FILE settings: secrets never go on
     argv). One private directory per test process, removed with the system's temporary files."""
