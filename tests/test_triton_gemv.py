@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pdserve.kernels import gemv_configs
 from pdserve.kernels.gemv_configs import TableKey, default_config, load_table, parse_table, table_document
 from pdserve.kernels.linear import GemvLinear
-from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, choose_config, gemv
+from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, choose_config, gemv, gemv_silu_mul
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
 
@@ -148,3 +148,36 @@ def test_tuned_table_is_used_and_round_trips(monkeypatch: pytest.MonkeyPatch) ->
         GemvConfig(block_n=3, block_k=64, num_warps=4, num_stages=2)
     with pytest.raises(AssertionError, match=r"rerun benchmarks/gemv_sweep\.py"):
         parse_table({"version": 0, "configs": []})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_silu_mul_matches_unfused(rows: int, dtype: torch.dtype, split_k: int, fp8: bool) -> None:
+    # gate+up GEMV with SiLU x up in its epilogue: the same bits as the GEMV then the SiLU x up kernel at the
+    # same tiles; F = 35 and K = 300 ragged against the tiles, several K steps a program (or split)
+    from pdserve.kernels.triton_fused import silu_mul
+
+    gen = torch.Generator().manual_seed(rows * 10 + split_k)
+    x = torch.randn(rows, 300, generator=gen).to(DEV, dtype)
+    w = torch.randn(70, 300, generator=gen) * 0.2
+    scale = None
+    if fp8:
+        scale = (torch.rand(70, generator=gen) * 1e-2 + 1e-3).to(DEV)
+        w = (w * 50).to(torch.float8_e4m3fn).to(DEV)
+    else:
+        w = w.to(DEV, dtype)
+    cfg = GemvConfig(block_n=32 if rows > 1 else 4, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    got = gemv_silu_mul(x, w, cfg, scale=scale)
+    assert got.dtype == dtype and got.shape == (rows, 35)
+    assert torch.equal(got, silu_mul(gemv(x, w, None, cfg, scale=scale)))
+    wf = w.float() * (scale[:, None] if scale is not None else 1.0)
+    gate_up = F.linear(x.float(), wf)
+    want = F.silu(gate_up[:, :35]) * gate_up[:, 35:]
+    assert _rel_err(got, want) <= 4 * TOL[dtype]
+
+
+def test_gemv_silu_mul_checks_its_weight() -> None:
+    with pytest.raises(AssertionError, match="even row count"):
+        gemv_silu_mul(torch.ones(1, 4), torch.ones(7, 4))
