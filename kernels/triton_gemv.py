@@ -13,8 +13,9 @@ the bias and casts: deterministic, no atomics, no zeroed workspace. One row over
 products elementwise in an fp32 tile and reduces across the program's threads once, after the loop (a
 reduction per step is a barrier per step), where that tile fits in 32 registers a thread. `gemv_silu_mul`
 is the MLP's gate | up product with SiLU(gate) x up in the epilogue: each program reads its outputs' gate
-rows and up rows and writes only [M, F]: per decode layer one launch fewer and no [M, 2F] intermediate. The tiles come from the table of kernels/gemv_configs.py (measured per device and shape; the
-[2F, K] entry is measured on the fused kernel), else from its heuristic.
+rows and up rows and writes only [M, F]: per decode layer one launch fewer and no [M, 2F] intermediate.
+The tiles come from the table of kernels/gemv_configs.py (measured per device and shape; the [2F, K] entry
+is measured on the fused kernel), else from its heuristic.
 
 Invariants: x and W share a dtype (bf16, fp16 or fp32), or W is float8_e4m3fn with one fp32 scale per
 row (shared/model/fp8.py: widened in registers, the scale applied to the fp32 sum); both have unit stride
