@@ -181,3 +181,16 @@ def test_gemv_silu_mul_matches_unfused(rows: int, dtype: torch.dtype, split_k: i
 def test_gemv_silu_mul_checks_its_weight() -> None:
     with pytest.raises(AssertionError, match="even row count"):
         gemv_silu_mul(torch.ones(1, 4), torch.ones(7, 4))
+
+
+@pytest.mark.parametrize("rows", [1, MAX_ROWS + 1])
+def test_backend_gate_up_with_silu_mul(rows: int) -> None:
+    # decode-sized products take the fused GEMV, larger ones F.linear and the caller's SiLU x up
+    from pdserve.kernels.reference import ReferenceOps
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(DEV)
+    w = torch.randn(2 * 40, 96, generator=gen).to(DEV)
+    got = GemvLinear().linear_silu_mul(x, w, ReferenceOps().silu_mul)
+    gate_up = F.linear(x, w)
+    torch.testing.assert_close(got, F.silu(gate_up[:, :40]) * gate_up[:, 40:], rtol=1e-5, atol=1e-4)
