@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 import torch
+from pdserve.kernels.linear import GemvLinear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.kernels.linear import GemvLinear
 from pdserve.kernels.triton_fused import _rms_norm_kernel
 from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.dummy_weights import fill_dummy_weights
