@@ -194,3 +194,21 @@ def test_backend_gate_up_with_silu_mul(rows: int) -> None:
     got = GemvLinear().linear_silu_mul(x, w, ReferenceOps().silu_mul)
     gate_up = F.linear(x, w)
     torch.testing.assert_close(got, F.silu(gate_up[:, :40]) * gate_up[:, 40:], rtol=1e-5, atol=1e-4)
+
+
+def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    # benchmarks/gemv_sweep.py's pure parts: FP8 one-row tiles reach twice bf16's elements (the same bytes),
+    # --models narrows the shapes, gate+up's output is F wide (SiLU x up fused), a bad pair is one line
+    from pdserve.benchmarks import gemv_sweep
+
+    bf16, fp8 = gemv_sweep.base_grid(1), gemv_sweep.base_grid(1, fp8=True)
+    assert max(c.block_n * c.block_k for c in bf16) == 16384 and max(c.block_k for c in bf16) == 4096
+    assert max(c.block_n * c.block_k for c in fp8) == 32768 and set(bf16) < set(fp8)
+    shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
+    assert [s.name for s in shapes] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    gate_up = shapes[2]
+    assert gemv_sweep.gemv_bytes(gate_up, 1, False) == gate_up.n * gate_up.k * 2 + 2 * (
+        gate_up.k + gate_up.n // 2
+    )
+    assert gemv_sweep.main(["--models", "llama-3.1-8b:x"]) == 2
+    assert "--models 'llama-3.1-8b:x' must be comma-separated model:tp pairs" in capsys.readouterr().out
