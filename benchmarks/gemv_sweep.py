@@ -6,8 +6,11 @@ measured entries replaced), ready to copy over kernels/gemv_configs.json.
     python benchmarks/gemv_sweep.py --budget-s 200 --out gemv_sweep.json --table-out gemv_configs.json
 
 Shapes: the decode products (QKV, O, gate+up fused as the model holds them, down, LM head) of
-Llama-3.1-8B at TP=1 and TP=2 and Llama-3.1-70B at TP=2, one rank's shard (shared/model/parallel.py), at
-M = 1 (a fine grid), then M = 4 and 16 (a coarse one). Each candidate (block_n, block_k, num_warps,
+Llama-3.1-8B at TP=1 and TP=2 and Llama-3.1-70B at TP=2 (`--models` picks fewer), one rank's shard
+(shared/model/parallel.py), at M = 1 (a fine grid; FP8 weights: tiles of up to twice the elements, the
+same bytes), then M = 4 and 16 (a coarse one). gate+up is timed as the model runs it, with SiLU x up in
+the GEMV's epilogue (kernels/triton_gemv.py's `gemv_silu_mul`), and checked against silu(gate) * up.
+Each candidate (block_n, block_k, num_warps,
 num_stages, split_k), the launcher's current choice first (the table's or the heuristic's: "current µs"), is
 checked against torch in fp32 (max error <= 2^-6 of the largest output) and timed as a CUDA graph of
 back-to-back launches that rotate over enough copies of the weight to exceed the L2 cache several times, so
@@ -81,10 +84,10 @@ class Result:
         return min(self.timed(), key=lambda t: t["us"], default=None)
 
 
-def decode_shapes() -> list[Shape]:
-    """The GEMV shapes of one decode layer plus the LM head, per (model, TP) of MODELS, one rank's shard."""
+def decode_shapes(models: Iterable[tuple[str, int]] = MODELS) -> list[Shape]:
+    """The GEMV shapes of one decode layer plus the LM head, per (model, TP) of `models`, one rank's shard."""
     shapes = []
-    for model, tp in MODELS:
+    for model, tp in models:
         c = NAMED_SHAPES[model]
         p = plan(c, 0, tp)
         for name, n, k in (
@@ -98,12 +101,13 @@ def decode_shapes() -> list[Shape]:
     return shapes
 
 
-def base_grid(rows: int) -> list[GemvConfig]:
-    """Unsplit candidates. One row: tiles of 2k-16k weight elements per step, 4 or 8 warps. Several rows
-    (tl.dot): a coarse set of tiles at 3 stages."""
+def base_grid(rows: int, fp8: bool = False) -> list[GemvConfig]:
+    """Unsplit candidates. One row: tiles of 2k-16k weight elements per step (FP8: up to 32k, the same
+    bytes), 4 or 8 warps. Several rows (tl.dot): a coarse set of tiles at 3 stages."""
     if rows == 1:
-        tiles = [(bn, bk) for bn, bk in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096))
-                 if 2048 <= bn * bk <= 16384]  # fmt: skip
+        most = 32768 if fp8 else 16384
+        tiles = [(bn, bk) for bn, bk in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096, 8192))
+                 if 2048 <= bn * bk <= most and bk <= (8192 if fp8 else 4096)]  # fmt: skip
         return [GemvConfig(bn, bk, w, 2) for (bn, bk), w in itertools.product(tiles, (4, 8))]
     tiles = [(16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)]
     return [GemvConfig(bn, bk, 4, 3) for bn, bk in tiles]
@@ -125,10 +129,10 @@ class Bench:
     """Timing and checking on one device; owns the weight copies of the shape being swept."""
 
     def __init__(self, dev: torch.device, weight: str) -> None:
-        from pdserve.kernels.triton_gemv import choose_config, gemv
+        from pdserve.kernels.triton_gemv import choose_config, gemv, gemv_silu_mul
 
         self.dev, self.fp8 = dev, weight == "fp8"
-        self.gemv, self.choose_config = gemv, choose_config
+        self.gemv, self.gemv_silu_mul, self.choose_config = gemv, gemv_silu_mul, choose_config
         props = torch.cuda.get_device_properties(dev)
         self.l2_bytes = int(getattr(props, "L2_cache_size", 50 << 20))
         # its own generator: a capture that fails leaves the default one registered to that graph
@@ -165,7 +169,15 @@ class Bench:
         w_ref = ws[0].float() * (scale[:, None] if scale is not None else 1.0)
         ref = x.float() @ w_ref.T
         del w_ref
+        glu = shape.name == "gate_up"  # the model runs gate+up with SiLU x up fused: time that kernel
+        if glu:
+            ref = F.silu(ref[:, : shape.n // 2]) * ref[:, shape.n // 2 :]
         ref_max = ref.abs().max().item()
+
+        def product(x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> torch.Tensor:
+            if glu:
+                return self.gemv_silu_mul(x, w, cfg, scale=scale)
+            return self.gemv(x, w, None, cfg, scale=scale)
 
         def run(cfg: GemvConfig) -> None:
             if time.monotonic() > deadline or any(t["config"] == asdict(cfg) for t in res.tried):
@@ -173,11 +185,11 @@ class Bench:
             entry: dict[str, Any] = {"config": asdict(cfg)}
             res.tried.append(entry)
             try:
-                y = self.gemv(x, ws[0], None, cfg, scale=scale)
+                y = product(x, ws[0], cfg)
                 err = (y.float() - ref).abs().max().item() / ref_max
                 if not err <= TOL:
                     raise ValueError(f"max error {err:.2e} of the largest output > {TOL:.1e}")
-                launches = [partial(self.gemv, x, w, None, cfg, scale=scale) for w in ws]
+                launches = [partial(product, x, w, cfg) for w in ws]
                 entry["us"] = graph_us(launches, LAUNCHES, REPLAYS)
             except Exception as exc:  # a bad config is reported and skipped, the sweep goes on
                 entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
@@ -224,7 +236,7 @@ def precompile(
 
 def gemv_bytes(shape: Shape, rows: int, fp8: bool) -> int:
     weight = shape.n * shape.k * (1 if fp8 else 2) + (4 * shape.n if fp8 else 0)
-    return weight + 2 * rows * (shape.k + shape.n)
+    return weight + 2 * rows * (shape.k + (shape.n // 2 if shape.name == "gate_up" else shape.n))
 
 
 def fmt_cfg(c: dict[str, Any]) -> str:
@@ -260,8 +272,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="gemv_sweep.json", help="every timing, as JSON")
     parser.add_argument("--table-out", default=None,
                         help="write the committed config table plus this device's best here")  # fmt: skip
+    parser.add_argument("--models", default=",".join(f"{m}:{tp}" for m, tp in MODELS),
+                        help="comma-separated model:tp pairs whose shapes are swept")  # fmt: skip
     parser.add_argument("--device", default="cuda:0")
     args = parser.parse_args(argv)
+    try:
+        models = [(m, int(tp)) for m, _, tp in (pair.partition(":") for pair in args.models.split(","))]
+    except ValueError:
+        models = []
+    if not models or not all(m in NAMED_SHAPES and tp >= 1 for m, tp in models):
+        print(f"gemv_sweep: --models {args.models!r} must be comma-separated model:tp pairs of "
+              f"{sorted(NAMED_SHAPES)}")  # fmt: skip
+        return 2
     try:
         rows_list = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -283,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{device_name}, torch {torch.__version__}, budget {args.budget_s:.0f} s: copy bandwidth")
     copy_bw = bench.copy_bandwidth()
     log(f"copy {copy_bw / GIB:.0f} GiB/s; compiling the grids")
-    grids = precompile(bench, {r: base_grid(r) for r in rows_list}, start + 0.5 * args.budget_s)
+    grids = precompile(bench, {r: base_grid(r, bench.fp8) for r in rows_list}, start + 0.5 * args.budget_s)
     log(f"{sum(map(len, grids.values()))} configs left after compiling, {time.monotonic() - start:.0f} s in")
-    shapes = decode_shapes()
+    shapes = decode_shapes(models)
     # M = 1 first for every shape (the acceptance target), then the other row counts
     units = [(s, r) for r in rows_list for s in shapes]
     results: dict[tuple[Shape, int], Result] = {}

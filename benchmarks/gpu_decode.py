@@ -31,10 +31,15 @@ prefill replayed from a prefill graph against the same step launched eagerly (on
 tokens over a cached 16k prefix, and prompts of 16, 100 and 500 tokens.
 
 `--kernels-only` (also a section of the full run) times each kernel of one layer of the main shape at
-batch 1 on its own (bf16, TP=1): the GEMVs with the launcher's config (kernels/gemv_configs.json or its
-heuristic) and the norms and SiLU as back-to-back launches in a CUDA graph, the GEMVs rotating over weight
-copies that exceed the L2 cache so that each reads HBM as in decode; decode attention at 1k context. A table
-row per kernel: bytes it must move, µs, GiB/s and % of copy (issue 37's target: every GEMV >= 90 %).
+batch 1 on its own, as the model launches them (TP=1, bf16 activations; FP8 weights with `--quantization
+fp8`): add + RMSNorm, the QKV GEMV, RoPE + KV write, decode attention at 1k context (split + reduce), the O
+GEMV, add + RMSNorm, gate+up GEMV with SiLU x up fused, the down GEMV, then the final norm and the LM head;
+each as back-to-back launches in a CUDA graph, the GEMVs with the launcher's config (kernels/gemv_configs.json
+or its heuristic) rotating over weight copies that exceed the L2 cache so that each reads HBM as in decode.
+A table row per kernel: bytes it must move, µs, GiB/s and % of copy (issue 37's target: every GEMV >= 90 %);
+then the layer's sum, the same launches back to back in one graph (the sum plus the gaps between kernels),
+and the layer graph times the layer count plus the final norm and LM head: the step's kernel time, to set
+beside the engine's step. The unfused gate+up GEMV and SiLU x up follow, for comparison.
 """
 
 from __future__ import annotations
@@ -304,6 +309,23 @@ def engine_decode(
     return steady_rate(steps, len(prompts), skip)
 
 
+def decode_meta(
+    c: ModelConfig, dev: torch.device, batch: int, ctx: int, block: int = 16
+) -> AttentionMetadata:
+    """Decode metadata of `batch` sequences of `ctx` tokens over a cache of batch * ctx / block blocks in a
+    random order; each sequence's new token goes to its last slot."""
+    per_seq = ctx // block
+    tables = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
+    return AttentionMetadata(
+        positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
+        slot_mapping=tables[:, -1].to(torch.int64) * block + block - 1,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        block_tables=tables, max_query_len=1, max_seq_len=ctx,
+        rope=RopeTables.from_inv_freq(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), ctx, dev),
+    )  # fmt: skip
+
+
 def attention_bandwidth(
     c: ModelConfig,
     dev: torch.device,
@@ -317,17 +339,8 @@ def attention_bandwidth(
     from pdserve.kernels.triton_ops import TritonOps
 
     block = 16
-    per_seq = ctx // block
-    kv = torch.randn(2, batch * per_seq, block, c.num_kv_heads, c.head_dim, device=dev).to(kv_dtype)
-    tables = torch.randperm(batch * per_seq, device=dev).to(torch.int32).view(batch, per_seq)
-    meta = AttentionMetadata(
-        positions=torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev),
-        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=dev),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
-        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
-        block_tables=tables, max_query_len=1, max_seq_len=ctx,
-        rope=RopeTables.from_inv_freq(rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling), ctx, dev),
-    )  # fmt: skip
+    kv = torch.randn(2, batch * ctx // block, block, c.num_kv_heads, c.head_dim, device=dev).to(kv_dtype)
+    meta = decode_meta(c, dev, batch, ctx, block)
     q = torch.randn(batch, c.num_heads, c.head_dim, device=dev, dtype=torch.bfloat16)
     ops = TritonOps()
     ms = triton.testing.do_bench(
@@ -362,52 +375,133 @@ def graph_us(launches: Sequence[Callable[[], object]], reps: int = 24, replays: 
     return statistics.median(times)
 
 
+KERNELS_CTX = 1024  # the context of the attention rows of the kernel table
+
+
 def kernel_rows(
-    shape: str, dev: torch.device, bw: float, gen: torch.Generator, res: dict[str, Any]
+    shape: str, dev: torch.device, bw: float, gen: torch.Generator, res: dict[str, Any], fp8: bool = False
 ) -> list[Row]:
-    """Each kernel of one decode layer of `shape` (+ the final norm and the LM head) at batch 1, bf16,
-    TP=1, on its own: bytes it must read and write, µs, GiB/s, % of the copy bandwidth."""
+    """Each kernel of one decode layer of `shape` at batch 1, TP=1, bf16 activations (`fp8`: FP8 weights
+    with row scales), as the model launches them, each on its own in a CUDA graph: bytes it must read and
+    write, µs, GiB/s, % of the copy bandwidth. Then their sum times the layer count plus the final norm and
+    the LM head, against the same layer's launches back to back in one graph (the gaps between kernels
+    included) times the layer count: what a decode step's kernels take. The unfused gate+up GEMV and
+    SiLU x up are timed beside the fused kernel for comparison (not in the sums)."""
     from pdserve.kernels import triton_fused
-    from pdserve.kernels.triton_gemv import choose_config, gemv
+    from pdserve.kernels.triton_gemv import choose_config, gemv, gemv_silu_mul
+    from pdserve.kernels.triton_ops import TritonOps
 
     c = NAMED_SHAPES[shape]
-    e, f, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    qkv = (c.num_heads + 2 * c.num_kv_heads) * hd
+    e, f, hd, hq = c.hidden_size, c.intermediate_size, c.head_dim, c.num_heads
+    qkv_n = (hq + 2 * c.num_kv_heads) * hd
     l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20))
     bf16 = torch.bfloat16
+    ops = TritonOps()
     x = torch.randn(1, e, device=dev, dtype=bf16)
     residual = torch.randn(1, e, device=dev, dtype=bf16)
     norm_w = torch.ones(e, device=dev, dtype=bf16)
-    gate_up = torch.randn(1, 2 * f, device=dev, dtype=bf16)
-    measured: list[tuple[str, int, float]] = []  # name, bytes, µs
     rms, eps = triton_fused.rms_norm, c.rms_norm_eps
-    measured.append(("add + RMSNorm [1, E] (input, post-attention)", 5 * e * 2,
-                     graph_us([partial(rms, x, residual, norm_w, eps)])))  # fmt: skip
-    for name, n, k in (("QKV", qkv, e), ("O", e, c.num_heads * hd), ("gate+up", 2 * f, e), ("down", e, f),
-                       ("LM head", c.vocab_size, e)):  # fmt: skip
-        size = n * k * 2
-        copies = max(1, min(16, -(-4 * l2 // size)))
-        ws = [torch.randn(n, k, device=dev, dtype=bf16) for _ in range(copies)]
+    shapes = {
+        "QKV": (qkv_n, e),
+        "O": (e, hq * hd),
+        "gate+up": (2 * f, e),
+        "down": (e, f),
+        "LM head": (c.vocab_size, e),
+    }
+
+    def weight(n: int, k: int, quantized: bool = fp8) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = torch.randn(n, k, device=dev, dtype=bf16)
+        if not quantized:
+            return w, None
+        return (w * 64).to(torch.float8_e4m3fn), torch.full((n,), 1 / 64, device=dev)
+
+    measured: list[tuple[str, int, float]] = []  # name, bytes, µs: the layer's kernels
+    aside: list[tuple[str, int, float]] = []  # not in the sums
+
+    def gemv_row(name: str, fused: bool = False, quantized: bool = fp8) -> tuple[str, int, float]:
+        """A GEMV of the layer timed over weight copies that exceed the L2 cache (each launch reads HBM)."""
+        n, k = shapes[name]
+        wdt = torch.float8_e4m3fn if quantized else bf16
+        size = n * k * (1 if quantized else 2)
+        ws = [weight(n, k, quantized) for _ in range(max(1, min(16, -(-4 * l2 // size))))]
         xk = torch.randn(1, k, device=dev, dtype=bf16)
-        cfg = choose_config(dev, bf16, n, k, 1)
-        us = graph_us([partial(gemv, xk, w, None) for w in ws])
-        label = (f"GEMV {name} [N={n}, K={k}] ({cfg.block_n}x{cfg.block_k} w{cfg.num_warps} "
-                 f"s{cfg.num_stages} k{cfg.split_k})")  # fmt: skip
-        measured.append((label, size + 2 * (n + k), us))
-        del ws
-        if name == "gate+up":
-            measured.append(("SiLU * up [1, 2F] -> [1, F]", 3 * f * 2,
-                             graph_us([partial(triton_fused.silu_mul, gate_up)])))  # fmt: skip
-    measured.append(("RMSNorm [1, E] (final)", 3 * e * 2,
-                     graph_us([partial(rms, x, None, norm_w, eps)])))  # fmt: skip
-    att = attention_bandwidth(c, dev, batch=1, ctx=1024)
-    att_bytes = 2 * 1024 * c.num_kv_heads * hd * 2
-    measured.append(
-        ("decode attention, 1k ctx (KV bytes; do_bench, L2 flushed)", att_bytes, att_bytes / att * 1e6)
+        fn = gemv_silu_mul if fused else partial(gemv, bias=None)
+        us = graph_us([partial(fn, xk, w, scale=s) for w, s in ws])
+        ws.clear()
+        cfg = choose_config(dev, wdt, n, k, 1)
+        label = (f"GEMV {name} [N={n}, K={k}] {str(wdt).removeprefix('torch.')} ({cfg.block_n}x{cfg.block_k} "
+                 f"w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k})")  # fmt: skip
+        return label, size + (4 * n if quantized else 0) + 2 * (k + (n // 2 if fused else n)), us
+
+    # one layer's tensors (two copies of the weights, so that each layer's launches read HBM)
+    layers = [{name: weight(*nk) for name, nk in shapes.items() if name != "LM head"} for _ in range(2)]
+    kv = torch.randn(2, KERNELS_CTX // 16, 16, c.num_kv_heads, hd, device=dev, dtype=bf16)
+    meta = decode_meta(c, dev, 1, KERNELS_CTX)
+    qkv = torch.randn(1, qkv_n, device=dev, dtype=bf16)
+    q = torch.randn(1, hq, hd, device=dev, dtype=bf16)
+    att_bytes = 2 * KERNELS_CTX * c.num_kv_heads * hd * 2 + 2 * 2 * hq * hd
+
+    def layer(i: int) -> None:
+        w = layers[i % 2]
+        normed, _ = ops.add_rms_norm(x, residual, norm_w, eps)
+        qkv_out = gemv(normed, w["QKV"][0], None, scale=w["QKV"][1])
+        att = ops.decode_attention(ops.rope_write_kv(qkv_out, kv, meta, hq), kv, meta, hd**-0.5)
+        o = gemv(att.reshape(1, hq * hd), w["O"][0], None, scale=w["O"][1])
+        normed, _ = ops.add_rms_norm(o, residual, norm_w, eps)
+        act = gemv_silu_mul(normed, w["gate+up"][0], scale=w["gate+up"][1])
+        gemv(act, w["down"][0], None, scale=w["down"][1])
+
+    add_norm = (
+        "add + RMSNorm [1, E]",
+        5 * e * 2,
+        graph_us([partial(ops.add_rms_norm, x, residual, norm_w, eps)]),
     )
-    res["kernels_batch1"] = [{"kernel": k, "bytes": b, "us": us} for k, b, us in measured]
-    return [(f"batch-1 kernel: {k}", f"{us:.1f} µs", f"{b / 1e6:.3f} MB, {b / (us / 1e6) / GIB:.0f} GiB/s",
-             f"{b / (us / 1e6) / bw:.0%} of copy") for k, b, us in measured]  # fmt: skip
+    measured.append(add_norm)
+    measured.append(gemv_row("QKV"))
+    measured.append((f"RoPE + KV write [1, {qkv_n}] (q in place, k and v to the cache)",
+                     2 * (qkv_n + hq * hd + 2 * c.num_kv_heads * hd),
+                     graph_us([partial(ops.rope_write_kv, qkv, kv, meta, hq)])))  # fmt: skip
+    measured.append((f"decode attention, {KERNELS_CTX} ctx (split + reduce; KV bytes + q + out)", att_bytes,
+                     graph_us([partial(ops.decode_attention, q, kv, meta, hd**-0.5)])))  # fmt: skip
+    measured.append(gemv_row("O"))
+    measured.append(add_norm)
+    fused = gemv_row("gate+up", fused=True)
+    measured.append((fused[0] + " + SiLU x up, fused", *fused[1:]))
+    measured.append(gemv_row("down"))
+    unfused = gemv_row("gate+up")
+    aside.append((unfused[0] + ", unfused", *unfused[1:]))
+    gate_up = torch.randn(1, 2 * f, device=dev, dtype=bf16)
+    aside.append(
+        ("SiLU x up [1, 2F] -> [1, F], unfused", 3 * f * 2, graph_us([partial(ops.silu_mul, gate_up)]))
+    )
+    final = [("RMSNorm [1, E] (final)", 3 * e * 2, graph_us([partial(rms, x, None, norm_w, eps)]))]
+    final.append(gemv_row("LM head", quantized=False))  # the LM head stays in the model dtype
+    layer_graph = graph_us([partial(layer, i) for i in range(2)], reps=8)
+    layers.clear()
+    per_layer = sum(us for _, _, us in measured)
+    tail = sum(us for _, _, us in final)
+    layer_bytes = sum(b for _, b, _ in measured)
+    res["kernels_batch1"] = [{"kernel": k, "bytes": b, "us": us} for k, b, us in [*measured, *final, *aside]]
+    res["kernels_layer_sum_us"], res["kernels_layer_graph_us"] = per_layer, layer_graph
+    res["kernels_step_us"] = c.num_layers * layer_graph + tail
+
+    def row(k: str, b: int, us: float) -> Row:
+        return (f"batch-1 kernel: {k}", f"{us:.1f} µs", f"{b / 1e6:.3f} MB, {b / (us / 1e6) / GIB:.0f} GiB/s",
+                f"{b / (us / 1e6) / bw:.0%} of copy")  # fmt: skip
+
+    rows = [row(*m) for m in [*measured, *final]]
+    rows.append((f"one layer: sum of its {len(measured)} kernels", f"{per_layer:.1f} µs",
+                 f"{layer_bytes / 1e6:.3f} MB",
+                 f"{layer_bytes / (per_layer / 1e6) / bw:.0%} of copy"))  # fmt: skip
+    rows.append(("one layer: its launches back to back in one graph (gaps included)", f"{layer_graph:.1f} µs",
+                 f"{layer_graph - per_layer:+.1f} µs vs the sum",
+                 f"{layer_bytes / (layer_graph / 1e6) / bw:.0%} of copy"))  # fmt: skip
+    step_bytes = c.num_layers * layer_bytes + sum(b for _, b, _ in final)
+    rows.append((f"step's kernels: {c.num_layers} x layer graph + final norm + LM head",
+                 f"{res['kernels_step_us'] / 1e3:.3f} ms", f"{step_bytes / 1e6:.0f} MB",
+                 f"{step_bytes / (res['kernels_step_us'] / 1e6) / bw:.0%} of copy"))  # fmt: skip
+    rows += [(f"{r[0]} (aside, not in the sums)", *r[1:]) for r in (row(*a) for a in aside)]
+    return rows
 
 
 def hf_peer(
@@ -516,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.overlap_only
             else short_prefill_rows
             if args.short_prefill_only
-            else kernel_rows
+            else partial(kernel_rows, fp8=quant == "fp8")
         )
         rows += only(args.shape, dev, bw, gen, res)
         with open(args.out, "w", encoding="utf-8") as f:
@@ -545,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{att / GIB:.0f} GiB/s", f"copy {bw / GIB:.0f} GiB/s", f"{att / bw:.0%}"))  # fmt: skip
 
     log("batch-1 kernels of one layer, each on its own")
-    rows += kernel_rows(args.shape, dev, bw, gen, res)
+    rows += kernel_rows(args.shape, dev, bw, gen, res, fp8=quant == "fp8")
     release(dev)
 
     log("Hugging Face peer: prefill 4096 and generate")

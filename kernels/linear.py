@@ -9,12 +9,14 @@ inductor CPU build does) reads and multiplies faster than `F.linear` over the pl
 batch sizes of decode (1-64 rows; docs/benchmarks.md, Engine on the CPU). The packed copy costs the
 weights' size again in host memory. On a GPU the handle is the weight
 itself (CUDA graphs see the parameters); products of up to 16 rows (decode) run the Triton GEMV of
-kernels/triton_gemv.py, which reads the 8B shapes' weights faster than cuBLAS's small-M kernels, and larger
-ones `F.linear` (cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over the weight as stored.
+kernels/triton_gemv.py, which reads the 8B shapes' weights faster than cuBLAS's small-M kernels (the
+gate | up product with SiLU x up fused into its epilogue: `linear_silu_mul`), and larger ones `F.linear`
+(cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over the weight as stored.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +33,12 @@ class Linear(Protocol):
     def linear(self, x: torch.Tensor, handle: Any, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] -> [T, N]; `handle`: what `prepare` returned."""
 
+    def linear_silu_mul(
+        self, x: torch.Tensor, handle: Any, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """x: [T, K], `handle` of a [2F, K] gate | up weight -> silu(gate) * up: [T, F], as
+        `silu_mul(self.linear(x, handle, None))` (the op the caller would run unfused) computes it."""
+
 
 class DenseLinear:
     """`F.linear` over the weight as stored."""
@@ -43,6 +51,11 @@ class DenseLinear:
 
     def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, handle, bias)
+
+    def linear_silu_mul(
+        self, x: torch.Tensor, handle: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        return silu_mul(F.linear(x, handle))
 
 
 class OneDnnPackedLinear:
@@ -66,6 +79,11 @@ class OneDnnPackedLinear:
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), handle, bias, "none", [], "")
         return y
 
+    def linear_silu_mul(
+        self, x: torch.Tensor, handle: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        return silu_mul(self.linear(x, handle, None))
+
 
 class GemvLinear:
     """Triton GEMV for decode-sized products (rows <= 16), cuBLAS for the rest; CUDA."""
@@ -76,7 +94,8 @@ class GemvLinear:
         # triton comes with the [gpu] extra: a CPU install has none, and never builds this class
         from pdserve.kernels import triton_gemv
 
-        self._gemv, self._max_rows = triton_gemv.gemv, triton_gemv.MAX_ROWS
+        self._gemv, self._gemv_silu_mul = triton_gemv.gemv, triton_gemv.gemv_silu_mul
+        self._max_rows = triton_gemv.MAX_ROWS
 
     def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         assert scale is None, f"{self.name} multiplies unquantized weights"
@@ -86,6 +105,14 @@ class GemvLinear:
         if 1 <= x.shape[0] <= self._max_rows:
             return self._gemv(x if x.stride(-1) == 1 else x.contiguous(), handle, bias)
         return F.linear(x, handle, bias)
+
+    def linear_silu_mul(
+        self, x: torch.Tensor, handle: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """Decode-sized: one GEMV launch with SiLU x up in its epilogue (no [T, 2F] intermediate)."""
+        if 1 <= x.shape[0] <= self._max_rows:
+            return self._gemv_silu_mul(x if x.stride(-1) == 1 else x.contiguous(), handle)
+        return silu_mul(F.linear(x, handle))
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> Linear:

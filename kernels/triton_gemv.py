@@ -9,13 +9,20 @@ several rows go through `tl.dot` with x padded to 16 rows (fp32 operands in IEEE
 bf16 widened to fp32 under the CPU interpreter, as in triton_attention.py). Without split-K a product is
 one launch. With split-K (shapes whose output columns give fewer programs than SMs) each program writes its
 slice's fp32 partial sums to a workspace and a second kernel adds them in split order, then scales, adds
-the bias and casts: deterministic, no atomics, no zeroed workspace. The tiles come from the table of
-kernels/gemv_configs.py (measured per device and shape), else from its heuristic.
+the bias and casts: deterministic, no atomics, no zeroed workspace. One row over several K steps sums the
+products elementwise in an fp32 tile and reduces across the program's threads once, after the loop (a
+reduction per step is a barrier per step), where that tile fits in 32 registers a thread. `gemv_silu_mul`
+is the MLP's gate | up product with SiLU(gate) x up in the epilogue: each program reads its outputs' gate
+rows and up rows and writes only [M, F]: per decode layer one launch fewer and no [M, 2F] intermediate.
+The tiles come from the table of kernels/gemv_configs.py (measured per device and shape; the [2F, K] entry
+is measured on the fused kernel), else from its heuristic.
 
 Invariants: x and W share a dtype (bf16, fp16 or fp32), or W is float8_e4m3fn with one fp32 scale per
 row (shared/model/fp8.py: widened in registers, the scale applied to the fp32 sum); both have unit stride
-along K; y is new, x's dtype, rounded once from the fp32 sum (x scale, + bias); a split covers a whole
-number of BLOCK_K steps, so no tile straddles two splits; the launcher never synchronises with the device.
+along K; y is new, x's dtype, rounded once from the fp32 sum (x scale, + bias); the fused SiLU x up rounds
+gate, up and silu(gate) where the unfused GEMV and kernels/triton_fused.py's SiLU x up do, so the two give
+the same bits at the same tiles; a split covers a whole number of BLOCK_K steps, so no tile straddles two
+splits; the launcher never synchronises with the device.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import triton.language as tl
 from pdserve.kernels.gemv_configs import TUNED, GemvConfig, TableKey, default_config, m_bucket
 from pdserve.kernels.triton_attention import dot_dtype
 
-__all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv"]
+__all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul"]
 
 MAX_ROWS = 16  # x rows one launch takes; larger batches belong to a GEMM
 _INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; few SMs keep split-K exercised
@@ -39,73 +46,122 @@ _REDUCE_BLOCK = 256  # output columns per program of the split-K reduction
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
+    ACC_2D: tl.constexpr,
 ):  # fmt: skip
-    # program (n block, split): K_SPLIT is a multiple of BLOCK_K; without SPLIT it covers all of K
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # program (n block, split): K_SPLIT is a multiple of BLOCK_K; without SPLIT it covers all of K.
+    # GLU: W is [gate; up] ([2F, K], N = 2F) and a program owns BLOCK_N // 2 outputs j, reading gate row j
+    # and up row F + j (BLOCK_N weight rows in all); y = silu(gate) * up [M, F]. Else BLOCK_N rows of y.
+    OUT_N: tl.constexpr = BLOCK_N // 2 if GLU else BLOCK_N
+    n_out = N // 2 if GLU else N
+    offs_n = tl.program_id(0) * OUT_N + tl.arange(0, OUT_N)
     k_lo = tl.program_id(1) * K_SPLIT
     offs_k = tl.arange(0, BLOCK_K)
-    n_mask = offs_n < N
+    n_mask = offs_n < n_out
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = w_rows + n_out * stride_wn  # GLU: the up rows
     if M_PAD == 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        # ACC_2D (several K steps per program): products summed elementwise and reduced across the
+        # program's threads once, after the loop, not once per step
+        if ACC_2D:
+            acc_t = tl.zeros((OUT_N, BLOCK_K), dtype=tl.float32)
+            acc_u_t = tl.zeros((OUT_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((OUT_N,), dtype=tl.float32)
+        acc_u = tl.zeros((OUT_N,), dtype=tl.float32)
         for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
             kk = k0 + offs_k
             k_mask = kk < K
-            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+            if GLU:
+                u = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
+                if ACC_2D:
+                    acc_u_t += u.to(tl.float32) * x
+                else:
+                    acc_u += tl.sum(u.to(tl.float32) * x, axis=1)
+            if ACC_2D:
+                acc_t += w.to(tl.float32) * x
+            else:
+                acc += tl.sum(w.to(tl.float32) * x, axis=1)
+        if ACC_2D:
+            acc = tl.sum(acc_t, axis=1)
+            if GLU:
+                acc_u = tl.sum(acc_u_t, axis=1)
         if SPLIT:  # partials [split, 1, N]
             tl.store(p_ptr + tl.program_id(1) * N + offs_n, acc, mask=n_mask)
+            if GLU:
+                tl.store(p_ptr + tl.program_id(1) * N + n_out + offs_n, acc_u, mask=n_mask)
         else:
-            if HAS_SCALE:
-                acc *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+            out = _epilogue(acc, acc_u, b_ptr, s_ptr, offs_n, n_mask, n_out, y_ptr.dtype.element_ty,
+                            HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
+            tl.store(y_ptr + offs_n, out, mask=n_mask)
     else:
         offs_m = tl.arange(0, M_PAD)
         m_mask = offs_m < M
-        acc2 = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((M_PAD, OUT_N), dtype=tl.float32)
+        acc2_u = tl.zeros((M_PAD, OUT_N), dtype=tl.float32)
         for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
             kk = k0 + offs_k
             k_mask = kk < K
+            w_mask = n_mask[:, None] & k_mask[None, :]
             x2 = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-            w2 = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            acc2 += tl.dot(
-                x2.to(DOT_DTYPE), tl.trans(w2.to(DOT_DTYPE)), input_precision="ieee", out_dtype=tl.float32
-            )
+                         mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)  # fmt: skip
+            w2 = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+            acc2 += tl.dot(x2, tl.trans(w2.to(DOT_DTYPE)), input_precision="ieee", out_dtype=tl.float32)
+            if GLU:
+                u2 = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
+                acc2_u += tl.dot(x2, tl.trans(u2.to(DOT_DTYPE)), input_precision="ieee", out_dtype=tl.float32)
         out_mask = m_mask[:, None] & n_mask[None, :]
         if SPLIT:  # partials [split, M, N]
             part = p_ptr + (tl.program_id(1) * M + offs_m[:, None]) * N + offs_n[None, :]
             tl.store(part, acc2, mask=out_mask)
+            if GLU:
+                tl.store(part + n_out, acc2_u, mask=out_mask)
         else:
-            if HAS_SCALE:
-                acc2 *= tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-            if HAS_BIAS:
-                acc2 += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-            tl.store(y, acc2.to(y_ptr.dtype.element_ty), mask=out_mask)
+            out2 = _epilogue(acc2, acc2_u, b_ptr, s_ptr, offs_n[None, :], n_mask[None, :], n_out,
+                             y_ptr.dtype.element_ty, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out2, mask=out_mask)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, b_ptr, s_ptr, offs, mask, n_out, OUT_TY: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_SCALE: tl.constexpr, GLU: tl.constexpr):  # fmt: skip
+    # fp32 sums -> the output in OUT_TY: x scale, + bias; GLU: gate and up each rounded to OUT_TY as the
+    # unfused product rounds them, silu(gate) rounded before the multiply as the unfused SiLU kernel does
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + offs, mask=mask, other=0.0)
+        if GLU:
+            acc_u *= tl.load(s_ptr + n_out + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if GLU:
+        gate = acc.to(OUT_TY).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(OUT_TY).to(tl.float32)
+        acc = silu * acc_u.to(OUT_TY).to(tl.float32)
+    return acc.to(OUT_TY)
 
 
 @triton.jit
 def _splitk_reduce_kernel(
     p_ptr, b_ptr, s_ptr, y_ptr, M, N, SPLITS, stride_ym,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # program (column block, row): adds the partials [SPLITS, M, N] in split order, the same every run
+    # program (column block, row): adds the partials [SPLITS, M, N] in split order, the same every run;
+    # GLU: output column j from partial columns j (gate) and N / 2 + j (up)
     row = tl.program_id(1)
+    n_out = N // 2 if GLU else N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    mask = offs < n_out
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, SPLITS):
         acc += tl.load(p_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
-    if HAS_SCALE:
-        acc *= tl.load(s_ptr + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        if GLU:
+            acc_u += tl.load(p_ptr + (s * M + row) * N + n_out + offs, mask=mask, other=0.0)
+    out = _epilogue(acc, acc_u, b_ptr, s_ptr, offs, mask, n_out, y_ptr.dtype.element_ty, HAS_BIAS, HAS_SCALE,
+                    GLU)  # fmt: skip
+    tl.store(y_ptr + row * stride_ym + offs, out, mask=mask)
 
 
 @functools.cache
@@ -136,6 +192,32 @@ def gemv(
     """x: [M, K] with M <= MAX_ROWS; weight: [N, K] in x's dtype, or float8_e4m3fn with `scale` [N] fp32
     (W = weight * scale[:, None]); bias: [N] or None -> y [M, N] in x's dtype. `config`: the tiles, by
     default `choose_config`'s."""
+    return _launch(x, weight, bias, scale, config, glu=False)
+
+
+def gemv_silu_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: GemvConfig | None = None,
+    *,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [M, K] with M <= MAX_ROWS; weight: [2F, K] (gate rows, then up rows) as for `gemv` ->
+    silu(x gate^T) * (x up^T): [M, F] in x's dtype, the same bits as `gemv` followed by the SiLU x up kernel
+    (kernels/triton_fused.py) at the same tiles, in one launch (two with split-K) and without the [M, 2F]
+    intermediate. `config`: the tiles of the [2F, K] product (block_n counts weight rows, at least 2)."""
+    assert weight.shape[0] % 2 == 0, f"gate+up weight must have an even row count, got {tuple(weight.shape)}"
+    return _launch(x, weight, None, scale, config, glu=True)
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    config: GemvConfig | None,
+    glu: bool,
+) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= MAX_ROWS and weight.shape == (n, k), (
@@ -152,24 +234,30 @@ def gemv(
     )
     assert bias is None or bias.shape == (n,), f"bias must be [{n}], got {tuple(bias.shape)}"
     cfg = config or choose_config(x.device, weight.dtype, n, k, m)
+    # GLU: a program's gate and up rows are BLOCK_N together; tl.dot (several rows) needs 16 outputs
+    block_n = max(cfg.block_n, 2 if m == 1 else 32) if glu else cfg.block_n
+    n_out = n // 2 if glu else n
     steps = triton.cdiv(k, cfg.block_k)
     split = min(cfg.split_k, steps)  # no split without a step of K to read
     k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # rounding k_split up can leave the last splits empty: drop them
-    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    # one row over several K steps: products summed elementwise, reduced once, if the fp32 tile stays
+    # within 32 registers a thread
+    acc_2d = m == 1 and k_split > cfg.block_k and block_n * cfg.block_k <= 32 * 32 * cfg.num_warps
+    y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _gemv_kernel[(triton.cdiv(n_out, block_n // 2 if glu else block_n), split)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, part,
         m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1,
+        M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
-        _splitk_reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK), m)](
+        _splitk_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK), m)](
             part, bias if bias is not None else part, scale if scale is not None else part, y,
             m, n, split, y.stride(0),
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu, BLOCK=_REDUCE_BLOCK, num_warps=4,
         )  # fmt: skip
     return y

@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from pdserve.kernels.linear import GemvLinear
 from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_fused import _rms_norm_kernel
@@ -242,12 +243,17 @@ def _prefill_then_decode(model: LlamaModel, ops: AttentionOps, tokens: list[int]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen3-8b"])
-def test_decoder_through_fused_kernels_matches_reference(dtype: torch.dtype, shape: str) -> None:
+@pytest.mark.parametrize("gemv", [False, True])
+def test_decoder_through_fused_kernels_matches_reference(dtype: torch.dtype, shape: str, gemv: bool) -> None:
+    # gemv: the GPU's products (kernels/linear.py's GemvLinear): the decode step's through the Triton GEMV,
+    # its MLP's gate+up with SiLU x up fused into the GEMV; the 20-token prefill's through F.linear
     torch.set_num_threads(1)
     model = _tiny_model(dtype, shape)
     tokens = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.inference_mode():
         want = _prefill_then_decode(model, REF, tokens)
+        if gemv:
+            model.prepare_weights(GemvLinear())
         got = _prefill_then_decode(model, TRI, tokens)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)

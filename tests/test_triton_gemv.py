@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from pdserve.kernels import gemv_configs
 from pdserve.kernels.gemv_configs import TableKey, default_config, load_table, parse_table, table_document
 from pdserve.kernels.linear import GemvLinear
-from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, choose_config, gemv
+from pdserve.kernels.triton_gemv import MAX_ROWS, GemvConfig, choose_config, gemv, gemv_silu_mul
 
 pytestmark = pytest.mark.extras  # needs triton, the [gpu] extra: `make test-extras`
 
@@ -148,3 +148,67 @@ def test_tuned_table_is_used_and_round_trips(monkeypatch: pytest.MonkeyPatch) ->
         GemvConfig(block_n=3, block_k=64, num_warps=4, num_stages=2)
     with pytest.raises(AssertionError, match=r"rerun benchmarks/gemv_sweep\.py"):
         parse_table({"version": 0, "configs": []})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gemv_silu_mul_matches_unfused(rows: int, dtype: torch.dtype, split_k: int, fp8: bool) -> None:
+    # gate+up GEMV with SiLU x up in its epilogue: the same bits as the GEMV then the SiLU x up kernel at the
+    # same tiles; F = 35 and K = 300 ragged against the tiles, several K steps a program (or split)
+    from pdserve.kernels.triton_fused import silu_mul
+
+    gen = torch.Generator().manual_seed(rows * 10 + split_k)
+    x = torch.randn(rows, 300, generator=gen).to(DEV, dtype)
+    w = torch.randn(70, 300, generator=gen) * 0.2
+    scale = None
+    if fp8:
+        scale = (torch.rand(70, generator=gen) * 1e-2 + 1e-3).to(DEV)
+        w = (w * 50).to(torch.float8_e4m3fn).to(DEV)
+    else:
+        w = w.to(DEV, dtype)
+    cfg = GemvConfig(block_n=32 if rows > 1 else 4, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    got = gemv_silu_mul(x, w, cfg, scale=scale)
+    assert got.dtype == dtype and got.shape == (rows, 35)
+    assert torch.equal(got, silu_mul(gemv(x, w, None, cfg, scale=scale)))
+    wf = w.float() * (scale[:, None] if scale is not None else 1.0)
+    gate_up = F.linear(x.float(), wf)
+    want = F.silu(gate_up[:, :35]) * gate_up[:, 35:]
+    assert _rel_err(got, want) <= 4 * TOL[dtype]
+
+
+def test_gemv_silu_mul_checks_its_weight() -> None:
+    with pytest.raises(AssertionError, match="even row count"):
+        gemv_silu_mul(torch.ones(1, 4), torch.ones(7, 4))
+
+
+@pytest.mark.parametrize("rows", [1, MAX_ROWS + 1])
+def test_backend_gate_up_with_silu_mul(rows: int) -> None:
+    # decode-sized products take the fused GEMV, larger ones F.linear and the caller's SiLU x up
+    from pdserve.kernels.reference import ReferenceOps
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(DEV)
+    w = torch.randn(2 * 40, 96, generator=gen).to(DEV)
+    got = GemvLinear().linear_silu_mul(x, w, ReferenceOps().silu_mul)
+    gate_up = F.linear(x, w)
+    torch.testing.assert_close(got, F.silu(gate_up[:, :40]) * gate_up[:, 40:], rtol=1e-5, atol=1e-4)
+
+
+def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    # benchmarks/gemv_sweep.py's pure parts: FP8 one-row tiles reach twice bf16's elements (the same bytes),
+    # --models narrows the shapes, gate+up's output is F wide (SiLU x up fused), a bad pair is one line
+    from pdserve.benchmarks import gemv_sweep
+
+    bf16, fp8 = gemv_sweep.base_grid(1), gemv_sweep.base_grid(1, fp8=True)
+    assert max(c.block_n * c.block_k for c in bf16) == 16384 and max(c.block_k for c in bf16) == 4096
+    assert max(c.block_n * c.block_k for c in fp8) == 32768 and set(bf16) < set(fp8)
+    shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
+    assert [s.name for s in shapes] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    gate_up = shapes[2]
+    assert gemv_sweep.gemv_bytes(gate_up, 1, False) == gate_up.n * gate_up.k * 2 + 2 * (
+        gate_up.k + gate_up.n // 2
+    )
+    assert gemv_sweep.main(["--models", "llama-3.1-8b:x"]) == 2
+    assert "--models 'llama-3.1-8b:x' must be comma-separated model:tp pairs" in capsys.readouterr().out

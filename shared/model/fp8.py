@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -176,7 +177,8 @@ class Fp8Linear:
         if device.type == "cuda":  # triton comes with the [gpu] extra
             from pdserve.kernels import triton_gemv
 
-            self._gemv, self._max_rows = triton_gemv.gemv, triton_gemv.MAX_ROWS
+            self._gemv, self._gemv_silu_mul = triton_gemv.gemv, triton_gemv.gemv_silu_mul
+            self._max_rows = triton_gemv.MAX_ROWS
 
     def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
         assert weight.dtype == FP8 and scale is not None and scale.shape == (weight.shape[0],), (
@@ -191,6 +193,15 @@ class Fp8Linear:
         if 1 <= x.shape[0] <= self._max_rows:
             return self._gemv(x if x.stride(-1) == 1 else x.contiguous(), w, bias, scale=scale)
         return scaled_mm(x, w, scale, bias)
+
+    def linear_silu_mul(
+        self, x: torch.Tensor, handle: Any, silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """x: [T, K] bf16, a [2F, K] gate | up handle -> silu(gate) * up [T, F]: one GEMV launch at decode."""
+        w, scale = handle
+        if 1 <= x.shape[0] <= self._max_rows:
+            return self._gemv_silu_mul(x if x.stride(-1) == 1 else x.contiguous(), w, scale=scale)
+        return silu_mul(scaled_mm(x, w, scale, None))
 
 
 def scaled_mm(

@@ -141,8 +141,8 @@ class DecoderLayer(nn.Module):
 
     def _dense_mlp(self, normed: torch.Tensor, ops: AttentionOps) -> torch.Tensor:
         """normed: [T, E] -> [T, E] this rank's partial sum."""
-        gate_up = self.linear.linear(normed, self.gate_up_w, None)  # gate_up: [T, 2F]
-        return self.linear.linear(ops.silu_mul(gate_up), self.down_w, None)  # [T, E]
+        act = self.linear.linear_silu_mul(normed, self.gate_up_w, ops.silu_mul)  # act: [T, F]
+        return self.linear.linear(act, self.down_w, None)  # [T, E]
 
     def forward(
         self,

@@ -100,8 +100,8 @@ class SparseMoE(nn.Module):
         y = self.experts(x, self.gate_up_weight, self.down_weight, routing)  # [T, E]
         if self.shared_gate_weight is None:
             return y
-        shared = self.linear.linear(ops.silu_mul(self.linear.linear(x, self.shared_gate_up_w, None)),
-                                    self.shared_down_w, None)  # fmt: skip
+        act = self.linear.linear_silu_mul(x, self.shared_gate_up_w, ops.silu_mul)  # [T, F_shared]
+        shared = self.linear.linear(act, self.shared_down_w, None)
         return y.add_(torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared)  # [T, E]
 
     def load(self, cfg: ModelConfig, layer: int, tp: TPPlan, take: Take) -> None:
