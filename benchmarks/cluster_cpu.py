@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 from pdserve.cli.up import Cluster, UpConfig, free_port, start_cluster
 from pdserve.shared.cli.default_model import default_model_path
 
@@ -56,7 +56,7 @@ def stream_once(base: str, model: str, prompt: list[int], max_tokens: int) -> Sa
     marks: list[float] = []
     tokens = 0
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+    with httpx2.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{base} answered {r.status_code}: {r.read().decode()[:300]}")
         for line in r.iter_lines():

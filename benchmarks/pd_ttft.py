@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import httpx2
 from pdserve.cli.redis_launch import free_port
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest, StepOutput
@@ -75,15 +75,15 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"node at {url} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/internal/health", timeout=1).status_code == 200:
+        with contextlib.suppress(httpx2.HTTPError):
+            if httpx2.get(f"{url}/internal/health", timeout=1).status_code == 200:
                 return
         time.sleep(0.5)
     raise RuntimeError(f"node at {url} not ready in {timeout_s}s")
 
 
 async def drive(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     d_url: str,
     gen: NodeGenerateRequest,
     prefill: tuple[str, PrefillRequest] | None,
@@ -129,7 +129,7 @@ def logprob_gap(a: list[list[Position]], b: list[list[Position]]) -> float:
     return worst
 
 
-async def one(client: httpx.AsyncClient, d_url: str, p: tuple[str, str] | None, rid: str, prompt: list[int],
+async def one(client: httpx2.AsyncClient, d_url: str, p: tuple[str, str] | None, rid: str, prompt: list[int],
               max_tokens: int) -> tuple[float, float, list[Position], dict[str, Any]]:  # fmt: skip
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=TOP_N)
     deadline = time.time() + 120
@@ -161,7 +161,7 @@ Measured = tuple[list[float], list[float], list[list[Position]], list[dict[str, 
 async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]], max_tokens: int, tag: str,
                   token: str) -> Measured:  # fmt: skip
     ttft, t2, outs, results = [], [], [], []
-    async with httpx.AsyncClient(timeout=300, auth=signed(token)) as client:
+    async with httpx2.AsyncClient(timeout=300, auth=signed(token)) as client:
         await one(client, d_url, p, f"{tag}-warm", prompts[0][::-1], max_tokens)
         for i, prompt in enumerate(prompts):
             a, b, toks, result = await one(client, d_url, p, f"{tag}-{i}", prompt, max_tokens)
@@ -184,7 +184,7 @@ def kv_bytes_per_token_of(model: str, kv_cache_dtype: str, dtype: str) -> int:
 
 
 def audit(url: str, token: str) -> dict[str, int]:
-    return dict(httpx.get(f"{url}/internal/audit", auth=signed(token), timeout=10).json())
+    return dict(httpx2.get(f"{url}/internal/audit", auth=signed(token), timeout=10).json())
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:

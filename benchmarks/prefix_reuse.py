@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-import httpx
+import httpx2
 import torch
 from pdserve.benchmarks.pd_ttft import add_node_options, drive, node_argv, start_node, stop, wait_ready
 from pdserve.cli.up import Cluster, free_port, start_redis
@@ -45,7 +45,7 @@ BS = 16
 
 
 async def request(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     d_url: str,
     prefill: tuple[str, str, str] | None,
     prompt: list[int],
@@ -85,7 +85,7 @@ async def request(
     return first, tokens, result
 
 
-async def evict(client: httpx.AsyncClient, *urls: str) -> None:
+async def evict(client: httpx2.AsyncClient, *urls: str) -> None:
     for url in urls:
         (await client.post(f"{url}/internal/evict", json={"all": True})).raise_for_status()
 
@@ -103,7 +103,7 @@ async def nodes_phase(
     p2 = ("prefill-1", urls["prefill-1"], d_addr)
     d = urls["decode-0"]
     out: dict[str, Any] = {}
-    async with httpx.AsyncClient(timeout=600, auth=signed(token)) as client:
+    async with httpx2.AsyncClient(timeout=600, auth=signed(token)) as client:
         await request(client, d, p1, [t + 1 for t in prompt[:512]])  # warm-up (kernels, connections)
         await request(client, d, p2, [t + 2 for t in prompt[:512]], (urls["prefill-0"], 512 // BS))
         cold, fetched, fetched_blocks = [], [], []
@@ -147,7 +147,7 @@ def decisions(metrics: str, series: str = "decisions_total") -> dict[str, float]
 
 
 async def routed(
-    client: httpx.AsyncClient, base: str, model: str, prompt: list[int]
+    client: httpx2.AsyncClient, base: str, model: str, prompt: list[int]
 ) -> tuple[float, float, str, str, float]:
     """(time to the first streamed token, time to the first non-empty text, greedy text of 4 tokens, the
     cost model's option, its estimate of the choice's time to first token) of one request through the
@@ -218,7 +218,7 @@ async def router_phase(
         d_addr = next(s.info.transfer_addr for s in await index.nodes() if s.info.node_id == "decode-0")
         p1 = ("prefill-0", urls["prefill-0"], d_addr)
         p2 = ("prefill-1", urls["prefill-1"], d_addr)
-        async with httpx.AsyncClient(timeout=600, auth=signed(token)) as client:
+        async with httpx2.AsyncClient(timeout=600, auth=signed(token)) as client:
             model = (await client.get(f"{base}/v1/models")).json()["data"][0]["id"]
             for warm in range(3):  # kernels, connections, and the cost model's first observations
                 await routed(client, base, model, [t + warm + 1 for t in prompt[:2048]])

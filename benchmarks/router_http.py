@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
-import httpx
+import httpx2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -126,8 +126,8 @@ async def load(base: str, model: str, requests: int, concurrency: int) -> tuple[
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx2.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
 
         async def worker() -> None:
             nonlocal errors
@@ -146,7 +146,7 @@ async def load(base: str, model: str, requests: int, concurrency: int) -> tuple[
         return time.perf_counter() - t0, latencies, errors
 
 
-async def first_token(client: httpx.AsyncClient, method_url: str, **kwargs: object) -> float:
+async def first_token(client: httpx2.AsyncClient, method_url: str, **kwargs: object) -> float:
     """Seconds from sending a streamed request to its first token (an SSE text chunk or an NDJSON step); the
     stream is read to its end, so the connection is kept for the next request."""
     t0 = time.perf_counter()
@@ -170,7 +170,7 @@ async def latency(base: str, node: str, model: str, tokens: int, runs: int) -> d
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True})
     params = SamplingParams(max_tokens=1, temperature=0.0)
     out: dict[str, list[float]] = {"router": [], "straight": []}
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx2.AsyncClient(timeout=60) as client:
         for i in range(runs + 2):  # two warm-ups
             routed = await first_token(client, f"{base}/v1/completions", content=body, headers=JSON)
             gen = NodeGenerateRequest(RequestId(f"s{i}"), tuple(prompt), params, None, time.time() + 60)
@@ -218,11 +218,11 @@ def main() -> int:
             base = f"http://127.0.0.1:{router_port}"
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                with contextlib.suppress(httpx2.HTTPError):
+                    if httpx2.get(f"{base}/health", timeout=1).status_code == 200:
                         break
                 time.sleep(0.3)
-            name = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]
+            name = httpx2.get(f"{base}/v1/models").json()["data"][0]["id"]
             if args.prompt_tokens:
                 node = f"http://127.0.0.1:{node_port}"
                 times = asyncio.run(latency(base, node, name, args.prompt_tokens, args.runs))

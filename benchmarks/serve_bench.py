@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-import httpx
+import httpx2
 from pdserve.cli.up import MODULES, Cluster, free_port, start_redis
 from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.node.node_sign import signed
@@ -171,9 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spy.send_signal(signal.SIGINT)
             for spy in spies:
                 spy.wait(timeout=60)
-            print(cost_model_table(httpx.get(f"{base}/metrics", timeout=30).text), flush=True)
+            print(cost_model_table(httpx2.get(f"{base}/metrics", timeout=30).text), flush=True)
         for name, url in nodes:
-            a = httpx.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=30).json()
+            a = httpx2.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=30).json()
             clean = a["in_use"] == a["reserved"] == a.get("pinned", 0) == a["live_requests"] == 0
             print(f"audit {name}: in_use {a['in_use']} reserved {a['reserved']} "
                   f"live {a['live_requests']} free+cached {a['free'] + a['cached']}/{a['num_blocks']} "

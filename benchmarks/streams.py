@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 
-import httpx
+import httpx2
 from pdserve.cli.up import Cluster, UpConfig, free_port, start_cluster
 from pdserve.shared.node.node_sign import signed
 
@@ -61,7 +61,7 @@ def references(model: str, prompts: list[str], max_tokens: int, extra: list[str]
 
 
 async def one(
-    client: httpx.AsyncClient, base: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool
+    client: httpx2.AsyncClient, base: str, model: str, prompt: str, max_tokens: int, ignore_eos: bool
 ) -> tuple[str, str]:
     """(outcome, text): outcome is 'ok', 'refused <status>' before streaming, or 'failed <why>'."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
@@ -82,16 +82,16 @@ async def one(
                         return f"failed {chunk['error'].get('code')}", text
                     text += chunk["choices"][0]["text"]
             return "ok", text
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         return f"failed {type(exc).__name__}", ""
 
 
 async def load(
     base: str, model: str, prompts: list[str], concurrency: int, max_tokens: int, ignore_eos: bool
 ) -> tuple[list[tuple[str, str]], float]:
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    limits = httpx2.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     gate = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=60.0), limits=limits) as client:
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(1800.0, connect=60.0), limits=limits) as client:
 
         async def gated(prompt: str) -> tuple[str, str]:
             async with gate:
@@ -110,7 +110,7 @@ def _shared(got: str, want: str) -> float:
 
 def audits(cluster: Cluster, nodes: dict[str, str]) -> dict[str, dict[str, int]]:
     return {
-        name: httpx.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=120).json()
+        name: httpx2.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=120).json()
         for name, url in nodes.items()
     }
 
@@ -164,7 +164,7 @@ def main() -> int:
     bad = False
     try:
         base = start_cluster(cfg, cluster)
-        served = httpx.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
+        served = httpx2.get(f"{base}/v1/models", timeout=30).json()["data"][0]["id"]
         procs = {name: proc.pid for name, proc in cluster.procs}
         nodes = {}
         for name, proc in cluster.procs:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import httpx2
 import numpy as np
 from pdserve.cli.bench_datasets import (
     BenchRequest,
@@ -124,8 +124,8 @@ class OpenAIClient:
         self.tokenizer = tokenizer
         self.body = {"model": model, "stream": True, "stream_options": {"include_usage": True}}
         self.body |= {"temperature": args.temperature, "ignore_eos": args.ignore_eos}
-        limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-        self.http = httpx.AsyncClient(timeout=args.request_timeout, limits=limits)
+        limits = httpx2.Limits(max_connections=conns, max_keepalive_connections=conns)
+        self.http = httpx2.AsyncClient(timeout=args.request_timeout, limits=limits)
 
     async def send(self, req: BenchRequest) -> RequestResult:
         body = dict(self.body, max_tokens=req.output_len)
@@ -160,7 +160,7 @@ class OpenAIClient:
                         else:
                             result.ttft_s = now - start
                         events, last = events + 1, now
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:200]
             return result
         result.e2e_s = time.perf_counter() - start
@@ -215,11 +215,11 @@ class EngineClient:
 
 async def served_model(base_url: str) -> str:
     try:
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx2.AsyncClient(timeout=30) as http:
             reply = await http.get(base_url.rstrip("/") + "/v1/models")
             reply.raise_for_status()
             return str(reply.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+    except (httpx2.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise ValueError(
             f"cannot read the model from {base_url}/v1/models ({exc}); start a server (`pdserve up`), "
             "point --base-url at one, or pass --served-model-name"

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import httpx
+import httpx2
 from pdserve.cli.plan_measure import RateEstimate, Scrape, bench_load, scrape, window
 from pdserve.cli.plan_model import (
     Damping,
@@ -94,7 +94,7 @@ class Planner:
     them, so requests that end in bursts do not read as a rate that jumps), the rate estimate (from the
     last interval) and when it moved each node."""
 
-    def __init__(self, cfg: PlanConfig, index: BlockIndex, client: httpx.AsyncClient,
+    def __init__(self, cfg: PlanConfig, index: BlockIndex, client: httpx2.AsyncClient,
                  metrics: PlannerMetrics, apply_role: ApplyRole | None) -> None:  # fmt: skip
         self.cfg, self.index, self.client = cfg, index, client
         self.metrics, self.apply_role = metrics, apply_role
@@ -191,7 +191,7 @@ async def run(planner: Planner, cfg: PlanConfig) -> dict[str, Any]:
         await asyncio.sleep(period)
         try:
             record = await planner.round(time.monotonic())
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             if cfg.watch_s is None:
                 raise
             log.warning("scrape failed, no decision this round: %r", exc)
@@ -224,7 +224,7 @@ async def _main(opts: PlanOptions, token: str, redis: RedisConfig, api_key: str 
     if opts.metrics_port is not None and opts.watch is not None:
         server, _ = start_http_server(opts.metrics_port, registry=metrics.registry)
     try:
-        async with BlockIndex(redis, ClusterKeys(token)) as index, httpx.AsyncClient(timeout=10.0) as client:
+        async with BlockIndex(redis, ClusterKeys(token)) as index, httpx2.AsyncClient(timeout=10.0) as client:
             apply_role: ApplyRole | None = None
             if opts.apply:
 
@@ -264,7 +264,7 @@ def main(opts: PlanOptions) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s plan %(levelname)s: %(message)s")  # fmt: skip
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape would bury the decisions
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per scrape would bury the decisions
     token = opts.auth_token()
     redis = opts.redis_config(opts.redis, opts.cluster)
     api_key = read_secret("api_key", "a router API key", opts.api_key_file, required=False)
@@ -272,6 +272,6 @@ def main(opts: PlanOptions) -> int:
         raise SettingsError("--metrics-port needs --watch SECONDS (a single decision serves nothing)")
     try:
         return asyncio.run(_main(opts, token, redis, api_key))
-    except (httpx.HTTPError, BlockIndexError) as exc:
+    except (httpx2.HTTPError, BlockIndexError) as exc:
         print(f"pdserve plan: error: {exc!r}"[:400], file=sys.stderr)
         return 1

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-import httpx
+import httpx2
 from pdserve.cli.plan_model import Load, PlanRole, Rates
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -172,14 +172,14 @@ def bench_load(path: str) -> Load:
 
 
 async def scrape(
-    client: httpx.AsyncClient,
+    client: httpx2.AsyncClient,
     t: float,
     router_url: str | None,
     node_urls: Mapping[str, str],
     api_key: str | None,
 ) -> Scrape:
     """The router's (None: not read) and the nodes' /metrics now; a node that does not answer is left out of
-    this scrape (a router that does not answer raises httpx.HTTPError)."""
+    this scrape (a router that does not answer raises httpx2.HTTPError)."""
     router = dict.fromkeys(ROUTER_SERIES, 0.0)
     if router_url is not None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -191,7 +191,7 @@ async def scrape(
         try:
             page = await client.get(url.rstrip("/") + "/metrics")
             page.raise_for_status()
-        except httpx.HTTPError:
+        except httpx2.HTTPError:
             continue
         nodes[node_id] = parse(page.text, NODE_SERIES)
     return Scrape(t, router, nodes)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import httpx
+import httpx2
 from pdserve.cli.redis_launch import LocalRedis, die_with_parent, free_port
 from pdserve.shared.cli import cluster_file
 
@@ -151,8 +151,8 @@ class Cluster:
                 self.children[name].failures = child.failures
                 self.children[name].serving = False
             elif child.due is None and not child.serving:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(child.health, timeout=0.5).status_code == 200:
+                with contextlib.suppress(httpx2.HTTPError):
+                    if httpx2.get(child.health, timeout=0.5).status_code == 200:
                         child.serving, child.failures = True, 0
                         say(f"{name} is back (pid {proc.pid})")
 
@@ -185,14 +185,14 @@ class Cluster:
         self.redis.clear()
 
     def wait_http(
-        self, url: str, timeout_s: float, ready: Callable[[httpx.Response], bool] | None = None
+        self, url: str, timeout_s: float, ready: Callable[[httpx2.Response], bool] | None = None
     ) -> None:
         """Until `url` answers 200 (and `ready` holds for the reply); RuntimeError when a child dies first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                reply = httpx.get(url, timeout=1.0)
+            with contextlib.suppress(httpx2.HTTPError, ValueError):
+                reply = httpx2.get(url, timeout=1.0)
                 if reply.status_code == 200 and (ready is None or ready(reply)):
                     return
             time.sleep(0.2)
@@ -310,7 +310,7 @@ def start_cluster(cfg: UpConfig, cluster: Cluster) -> str:
     return base
 
 
-def _ready_nodes(health: httpx.Response) -> int:
+def _ready_nodes(health: httpx2.Response) -> int:
     """How many nodes the router's /health body counts ready, over every role."""
     return sum(int(role["ready"]) for role in health.json()["nodes"].values())
 
@@ -319,14 +319,14 @@ DEMO_QUESTION = "In one sentence, what is the capital of France?"
 
 
 def demo_request(base: str) -> str:
-    models = httpx.get(f"{base}/v1/models", timeout=10).json()
+    models = httpx2.get(f"{base}/v1/models", timeout=10).json()
     body = {
         "model": models["data"][0]["id"],
         "messages": [{"role": "user", "content": DEMO_QUESTION}],
         "max_tokens": 48,
         "temperature": 0,
     }
-    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=300)
+    r = httpx2.post(f"{base}/v1/chat/completions", json=body, timeout=300)
     r.raise_for_status()
     return str(r.json()["choices"][0]["message"]["content"])
 
@@ -402,7 +402,7 @@ def run_up(cfg: UpConfig, environ: Mapping[str, str]) -> int:
         with contextlib.suppress(OSError):
             print(flush=True)
         _say("stopping")
-    except (RuntimeError, httpx.HTTPError) as exc:
+    except (RuntimeError, httpx2.HTTPError) as exc:
         _say(f"error: {exc}", err=True)
         code = 1
     finally:

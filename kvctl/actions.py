@@ -119,7 +119,7 @@ class Diff(Common):
 
 
 def _commands() -> ModuleType:
-    """kvctl/commands.py, imported when a command runs (Redis, httpx and the cost model: not for --help)."""
+    """kvctl/commands.py, imported when a command runs (Redis, httpx2 and the cost model: not for --help)."""
     from pdserve.kvctl import commands
 
     return commands

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, cast
 
-import httpx
+import httpx2
 from pdserve.router.cost_model import CostModel, Inputs, Rates
 from pdserve.shared.cli.default_model import default_model_path
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
@@ -197,7 +197,7 @@ async def diff(
     cannot be asked gets an `error` row; `clean` is whether every node answered with no disagreement."""
     statuses = [await live_node(index, node_id)] if node_id is not None else await index.nodes()
     rows: dict[str, Any] = {}
-    async with httpx.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
+    async with httpx2.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
         for status in statuses:
             url = status.info.http_url.rstrip("/") + "/internal/index-diff"
             try:
@@ -207,7 +207,7 @@ async def diff(
                     reply = await client.get(url)
                 reply.raise_for_status()
                 rows[status.info.node_id] = reply.json()
-            except (httpx.HTTPError, ValueError) as exc:
+            except (httpx2.HTTPError, ValueError) as exc:
                 rows[status.info.node_id] = {"node_id": status.info.node_id, "error": f"{url}: {exc!r}"[:300]}
     clean = all("error" not in r and r["extra"] == 0 and r["missing"] == 0 for r in rows.values())
     return {"nodes": rows, "clean": clean, "repair": repair}
@@ -219,13 +219,13 @@ async def _post(
     """POST to a node's internal API, signed with the cluster's credential (`token`)."""
     url = base_url.rstrip("/") + path
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
+        async with httpx2.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
             reply = await client.post(url, json=body)
             reply.raise_for_status()
-    except httpx.HTTPStatusError as exc:
+    except httpx2.HTTPStatusError as exc:
         text = exc.response.text.strip().replace("\n", " ")[:200]
         raise KvctlError(f"node {node_id!r} at {url} answered {exc.response.status_code}: {text}") from exc
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         raise KvctlError(f"node {node_id!r} at {url} is unreachable: {exc!r}") from exc
     return reply.json() if reply.content else {}
 

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from typing import Any
 
-import httpx
+import httpx2
 from pdserve.router.policy import NodeView, NoNodeAvailable, choose
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeStatus
@@ -59,7 +59,7 @@ async def move_prefixes(
     (default: its registered URL, which the receivers always use)."""
     deadline = time.time() + timeout_s
     node = draining.info.node_id
-    async with httpx.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
+    async with httpx2.AsyncClient(timeout=timeout_s, auth=signed(token)) as client:
         holder = draining.info.http_url.rstrip("/")
         url = (url or holder).rstrip("/")
         try:
@@ -67,7 +67,7 @@ async def move_prefixes(
                                       content=HotPrefixesRequest(budget_bytes).to_json())  # fmt: skip
             reply.raise_for_status()
             hot = HotPrefixes.from_json(reply.content)
-        except (httpx.HTTPError, WireError) as exc:
+        except (httpx2.HTTPError, WireError) as exc:
             raise MoveError(f"node {node!r} at {url} did not list its hot prefixes: {exc!r}"[:300]) from exc
         others = [s for s in await index.nodes() if s.info.node_id != node]
         rows: list[dict[str, Any]] = []
@@ -92,7 +92,7 @@ async def move_prefixes(
                 got = await client.post(f"{status.info.http_url.rstrip('/')}/internal/pull-prefix",
                                         content=pull.to_json())  # fmt: skip
                 result = PullResult.from_json(got.content)
-            except (httpx.HTTPError, WireError) as exc:
+            except (httpx2.HTTPError, WireError) as exc:
                 row["skipped"] = f"{to} could not pull it: {exc!r}"[:300]
                 continue
             row["moved_blocks"], row["bytes"] = result.landed_blocks, result.bytes_moved

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -205,7 +205,7 @@ class PrefixFetcher:
         self.rt = rt
         self.receiver = receiver
         self.transfer_addr = transfer_addr
-        self._client = httpx.AsyncClient(auth=signed(auth_token), timeout=None)  # each call signed
+        self._client = httpx2.AsyncClient(auth=signed(auth_token), timeout=None)  # each call signed
 
     async def fetch_for(
         self,
@@ -254,7 +254,7 @@ class PrefixFetcher:
                 result = ExportResult.from_json(reply.content)
                 if result.error is not None:
                     log.warning("prefix fetch %s from %s: %s", tid, holder_url, result.error)
-            except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+            except (httpx2.HTTPError, TimeoutError, ValueError) as exc:
                 log.warning("prefix fetch %s from %s failed: %s", tid, holder_url, exc or type(exc).__name__)
             kept = f.reservation if f.committed else KVReservation()
             res = kept.blocks

@@ -203,8 +203,8 @@ def run(opts: RouterOptions) -> int:
     from pdserve.shared.model.loader import ModelLoadError, load_tokenizer
 
     logging.basicConfig(level=opts.log_level, format="%(asctime)s router %(levelname)s %(name)s: %(message)s")
-    if opts.log_level != "DEBUG":  # httpx logs every call to a node at INFO: the access log is per request
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    if opts.log_level != "DEBUG":  # httpx2 logs every call to a node at INFO: the access log is per request
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
     try:
         tokenizer = load_tokenizer(config.model_path)
     except ModelLoadError as exc:

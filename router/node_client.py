@@ -5,7 +5,7 @@ client and the old pool is closed. Every call is signed with a key derived from 
 (shared/node/node_sign.py; the token itself never travels) and is bounded by the request's deadline
 (absolute unix seconds). Every failure (unreachable, non-2xx,
 malformed message, stream cut before finish_reason) is raised as NodeError naming the node; callers never
-see httpx exceptions. A transport failure (refused, reset, cut mid-stream; `NodeError.unreachable`) is also
+see httpx2 exceptions. A transport failure (refused, reset, cut mid-stream; `NodeError.unreachable`) is also
 reported to `on_down` at once, which opens the node's circuit breaker (router/breaker.py). A read timeout is
 the request's deadline, never the node's fault.
 """
@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
-import httpx
+import httpx2
 from pdserve.shared.index.block_index_types import NodeInfo
 from pdserve.shared.node.node_protocol import (
     CLIENT_KEEPALIVE_S,
@@ -41,7 +41,7 @@ _INFO_TIMEOUT_S = 10.0
 _HEALTH_TIMEOUT_S = 1.0
 _CHALLENGE_TIMEOUT_S = 2.0
 _DRAIN_S = 0.5
-_DOWN = (httpx.NetworkError, httpx.RemoteProtocolError)
+_DOWN = (httpx2.NetworkError, httpx2.RemoteProtocolError)
 """Refused, reset or cut connections: the node (or the way to it) is gone."""
 
 OnDown = Callable[[NodeId, str, str], None]
@@ -49,10 +49,10 @@ OnDown = Callable[[NodeId, str, str], None]
 
 
 async def _drain(lines: AsyncIterator[str]) -> None:
-    """Reads a finished stream to its end (the node closes it right after its last step), so that httpx
+    """Reads a finished stream to its end (the node closes it right after its last step), so that httpx2
     keeps the connection for the next request: one closed unread makes the next request connect anew.
     A node that keeps it open past _DRAIN_S only costs that connection."""
-    with contextlib.suppress(TimeoutError, httpx.HTTPError):
+    with contextlib.suppress(TimeoutError, httpx2.HTTPError):
         async with asyncio.timeout(_DRAIN_S):
             async for _ in lines:
                 pass
@@ -93,33 +93,33 @@ class NodeClient:
         self._keys = keys
         self._connect_timeout_s = connect_timeout_s
         self._on_down = on_down
-        self._http = httpx.AsyncClient(
+        self._http = httpx2.AsyncClient(
             base_url=http_url,
             auth=SignedRequests(keys),
-            limits=httpx.Limits(
+            limits=httpx2.Limits(
                 max_connections=max_connections,
                 max_keepalive_connections=max_connections,
                 keepalive_expiry=CLIENT_KEEPALIVE_S,
             ),
-            timeout=httpx.Timeout(_INFO_TIMEOUT_S, connect=connect_timeout_s),
+            timeout=httpx2.Timeout(_INFO_TIMEOUT_S, connect=connect_timeout_s),
         )
 
-    def _timeout(self, deadline: float) -> httpx.Timeout:
+    def _timeout(self, deadline: float) -> httpx2.Timeout:
         remaining = max(deadline - time.time(), 0.001)
-        return httpx.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
+        return httpx2.Timeout(remaining, connect=min(self._connect_timeout_s, remaining))
 
-    def _within(self, seconds: float) -> httpx.Timeout:
+    def _within(self, seconds: float) -> httpx2.Timeout:
         """A call's fixed timeout (not the request's deadline); the connect within the client's own."""
-        return httpx.Timeout(seconds, connect=self._connect_timeout_s)
+        return httpx2.Timeout(seconds, connect=self._connect_timeout_s)
 
-    async def _post(self, path: str, message: JsonMessage, timeout: httpx.Timeout) -> httpx.Response:
+    async def _post(self, path: str, message: JsonMessage, timeout: httpx2.Timeout) -> httpx2.Response:
         return await self._http.post(path, content=message.to_json(), headers=_JSON, timeout=timeout)
 
     def _failed(self, what: str, exc: Exception, deadline: float | None = None) -> NodeError:
         """The NodeError of a failed call; a transport failure is reported to on_down first. A connect
         timeout counts as one only while the deadline (if any) had time left for the connect."""
         down = isinstance(exc, _DOWN) or (
-            isinstance(exc, httpx.ConnectTimeout) and (deadline is None or deadline - time.time() > 0.0)
+            isinstance(exc, httpx2.ConnectTimeout) and (deadline is None or deadline - time.time() > 0.0)
         )
         if down and self._on_down is not None:
             self._on_down(self.node_id, self.http_url, f"{what}: {type(exc).__name__}")
@@ -133,7 +133,7 @@ class NodeClient:
             body = resp.json()
             if resp.status_code == 200 and body.get("node_id") == self.node_id:
                 return bool(body.get("draining"))
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx2.HTTPError, ValueError, AttributeError):
             pass
         return None
 
@@ -145,7 +145,7 @@ class NodeClient:
             timeout = self._within(_CHALLENGE_TIMEOUT_S)
             resp = await self._post("/internal/challenge", ChallengeRequest(nonce), timeout)
             reply = ChallengeReply.from_json(resp.content) if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+        except (httpx2.HTTPError, ValueError):
             return False
         expected = self._keys.challenge_answer(nonce, self.node_id, epoch)
         return (
@@ -176,9 +176,9 @@ class NodeClient:
                     if step.finish_reason is not None:
                         await _drain(lines)
                         return
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx2.HTTPError, ValueError) as exc:
             raise self._failed("/internal/generate", exc, request.deadline) from exc
-        cut = httpx.RemoteProtocolError(f"generate stream of {request.request_id} ended before it finished")
+        cut = httpx2.RemoteProtocolError(f"generate stream of {request.request_id} ended before it finished")
         raise self._failed("/internal/generate", cut, request.deadline)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
@@ -189,7 +189,7 @@ class NodeClient:
                     return PrefillResult.from_json(resp.content)
             self._check(resp.status_code, resp.text)
             return PrefillResult.from_json(resp.content)
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx2.HTTPError, ValueError) as exc:
             raise self._failed("/internal/prefill", exc, request.deadline) from exc
 
     async def abort(self, request_id: RequestId) -> None:
@@ -197,7 +197,7 @@ class NodeClient:
             timeout = self._within(_ABORT_TIMEOUT_S)
             resp = await self._post("/internal/abort", AbortRequest(request_id), timeout)
             self._check(resp.status_code, resp.text)
-        except httpx.HTTPError as exc:
+        except httpx2.HTTPError as exc:
             raise self._failed(f"/internal/abort of {request_id}", exc) from exc
 
     def _check(self, status: int, body: str) -> None:
@@ -221,9 +221,9 @@ class NodeClients:
         self.on_down = on_down
         self._clients: dict[NodeId, NodeClient] = {}
         self._retired: list[NodeClient] = []
-        self._seed_http = httpx.AsyncClient(
+        self._seed_http = httpx2.AsyncClient(
             auth=SignedRequests(keys),
-            timeout=httpx.Timeout(_HEALTH_TIMEOUT_S, connect=min(connect_timeout_s, _HEALTH_TIMEOUT_S)),
+            timeout=httpx2.Timeout(_HEALTH_TIMEOUT_S, connect=min(connect_timeout_s, _HEALTH_TIMEOUT_S)),
         )
 
     def get(self, node_id: NodeId, http_url: str) -> NodeClient:
@@ -256,7 +256,7 @@ class NodeClients:
             if status != 200:
                 raise NodeError(NodeId("?"), f"{url}: HTTP {status}: {body}", status)
             return NodeInfo.from_json(resp.content)
-        except (httpx.HTTPError, ValueError, TypeError, KeyError) as exc:
+        except (httpx2.HTTPError, ValueError, TypeError, KeyError) as exc:
             raise NodeError(NodeId("?"), f"{url} failed: {exc!r}", unreachable=True) from exc
 
     async def aclose(self) -> None:

@@ -12,7 +12,7 @@ import itertools
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from pdserve.tests.harness.chaos_faults import SMALL_KV, kill9, reference, restart_node, small_cluster
 from pdserve.tests.harness.chaos_load import Load, metric_of
@@ -91,7 +91,7 @@ def test_kill_decode_node_under_load(live: LiveCluster) -> None:
     deadline = time.monotonic() + 30
     for i in itertools.count():
         body = {"model": MODEL, "prompt": PROMPTS[i % 4], "max_tokens": 4, "temperature": 0}
-        assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
+        assert httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
         if metric_of(live.base, "pdserve_router_node_requests_total", in_flight) > before:
             break
         assert time.monotonic() < deadline, "the restarted node got no request within 30 s"

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.kvctl.commands import prompt_hashes, tokenize
 from pdserve.shared.engine.block_pool import BlockEvent, BlockRemoved, BlockStored
@@ -45,7 +45,7 @@ def live() -> Iterator[LiveCluster]:
 
 def complete(live: LiveCluster, prompt: str) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     reply: dict[str, Any] = r.json()
     return reply
@@ -129,7 +129,7 @@ def test_decisions_on_stale_records_are_counted(live: LiveCluster) -> None:
     lie(live, "prefill-0", [BlockStored(tuple(unseen[:4]), None)])
     time.sleep(0.1)
     body = {"model": MODEL, "prompt": tokens, "max_tokens": 2, "temperature": 0}
-    assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
+    assert httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
     assert metric_of(live.base, "pdserve_router_stale_decisions_total", labels) == before + 1
     live.wait_clean()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from pdserve.tests.harness.chaos_faults import SMALL_KV, kill9, reference
 from pdserve.tests.harness.chaos_load import Load, metric_of
@@ -25,7 +25,7 @@ SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
 
 def generated(live: LiveCluster, node: str) -> float:
     """Tokens the node has generated so far (counted as each step's output goes out), from its /metrics."""
-    page = httpx.get(f"{live.nodes[node].url}/metrics", timeout=10).text
+    page = httpx2.get(f"{live.nodes[node].url}/metrics", timeout=10).text
     return sample(page, "pdserve_node_generation_tokens_total")
 
 

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.shared.engine.block_hash import model_fingerprint
@@ -39,7 +39,7 @@ def registered(live: LiveCluster) -> dict[str, str]:
 
 def refused(base: str, model: str) -> dict[str, str]:
     body = {"model": model, "prompt": "Hello there", "max_tokens": 4}
-    r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    r = httpx2.post(f"{base}/v1/completions", json=body, timeout=60)
     assert r.status_code == 503, r.text
     error: dict[str, str] = r.json()["error"]
     assert error["code"] == "model_mismatch", error
@@ -48,7 +48,7 @@ def refused(base: str, model: str) -> dict[str, str]:
 
 def test_the_routers_own_model_serves(live: LiveCluster) -> None:
     body = {"model": served_model_name(), "prompt": "Hello there", "max_tokens": 4}
-    assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
+    assert httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120).status_code == 200
     assert registered(live)["tokenizer"] == load_tokenizer(model_path()).fingerprint
 
 

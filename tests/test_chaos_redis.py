@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.tests.harness.chaos_faults import (
@@ -101,15 +101,15 @@ def test_a_router_started_while_redis_is_away_finds_the_nodes_by_its_seeds(
         seeds = ",".join(n.url for n in live.nodes.values())
         base = start_router(live, "router-seeded", free_port(), "--seed-nodes", seeds)
         deadline = time.monotonic() + 30
-        while seen(httpx.get(f"{base}/health", timeout=10).json()) < len(live.nodes):
-            assert time.monotonic() < deadline, httpx.get(f"{base}/health", timeout=10).json()
+        while seen(httpx2.get(f"{base}/health", timeout=10).json()) < len(live.nodes):
+            assert time.monotonic() < deadline, httpx2.get(f"{base}/health", timeout=10).json()
             time.sleep(0.2)
         for prompt in PROMPTS:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-            r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+            r = httpx2.post(f"{base}/v1/completions", json=body, timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == expected[prompt]
-        assert httpx.get(f"{base}/health", timeout=10).json()["index"] == "unavailable"
+        assert httpx2.get(f"{base}/health", timeout=10).json()["index"] == "unavailable"
     finally:
         restart_redis(live, port)
     live.wait_clean()

@@ -13,7 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from pdserve.tests.harness.chaos_faults import reference, wait_index_clean
 from pdserve.tests.harness.chaos_load import Load, metric_of
@@ -52,7 +52,7 @@ def test_the_primary_dies_under_load_and_serving_and_the_index_carry_on(live: Li
 
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
     while True:
-        reply = httpx.post(f"{live.base}/v1/completions", json=body, timeout=60)
+        reply = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=60)
         if reply.status_code == 200:
             assert reply.json()["choices"][0]["text"] == want[PROMPTS[0]]
             break
@@ -69,7 +69,7 @@ def test_the_primary_dies_under_load_and_serving_and_the_index_carry_on(live: Li
 
     deadline = time.monotonic() + 30  # the router's membership and its ledger's refresh run about every 1 s
     while not (
-        httpx.get(f"{live.base}/health", timeout=10).json().get("index") == "ok"
+        httpx2.get(f"{live.base}/health", timeout=10).json().get("index") == "ok"
         and metric_of(live.base, "pdserve_router_admission_fleet_degraded") == 0
     ):
         assert time.monotonic() < deadline, "the router did not reach the new primary in 30 s"

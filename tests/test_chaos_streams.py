@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 
-import httpx
+import httpx2
 import pytest
 from pdserve.tests.harness import cluster_fixture
 from pdserve.tests.harness.chaos_faults import SMALL_KV
@@ -29,7 +29,7 @@ LIMIT_S = 240.0
 PROMPTS = [f"Stream test {i}: the best thing about mornings is" for i in range(16)]
 
 
-async def _one(client: httpx.AsyncClient, base: str, prompt: str) -> tuple[str, str]:
+async def _one(client: httpx2.AsyncClient, base: str, prompt: str) -> tuple[str, str]:
     """('ok', text) | ('refused', why) before any byte streamed | ('failed', why) | ('hung', '')."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     try:
@@ -53,14 +53,14 @@ async def _one(client: httpx.AsyncClient, base: str, prompt: str) -> tuple[str, 
                 return ("ok", text) if done else ("failed", "stream ended without [DONE]")
     except TimeoutError:
         return "hung", ""
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         return "failed", f"{type(exc).__name__}: {exc}"
 
 
 async def _burst(base: str) -> list[tuple[str, str]]:
-    limits = httpx.Limits(max_connections=STREAMS + 8, max_keepalive_connections=STREAMS + 8)
-    timeout = httpx.Timeout(LIMIT_S, connect=60.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    limits = httpx2.Limits(max_connections=STREAMS + 8, max_keepalive_connections=STREAMS + 8)
+    timeout = httpx2.Timeout(LIMIT_S, connect=60.0)
+    async with httpx2.AsyncClient(timeout=timeout, limits=limits) as client:
         return list(
             await asyncio.gather(*(_one(client, base, PROMPTS[i % len(PROMPTS)]) for i in range(STREAMS)))
         )
@@ -89,7 +89,7 @@ def test_a_thousand_concurrent_streams_complete_or_are_refused_before_streaming(
         ]
         assert not wrong, f"{len(wrong)} completions differ from the reference, e.g. {wrong[:3]}"
         assert kinds["ok"] >= 116, kinds  # at least what fits at once: 16 per node in flight + 100 queued
-        assert httpx.get(f"{live.base}/health", timeout=30).status_code == 200
+        assert httpx2.get(f"{live.base}/health", timeout=30).status_code == 200
 
         live.wait_clean(timeout_s=60)
         rows = cluster_fixture.kvctl_main(live.redis_url, "diff", "--timeout", "60")["nodes"]

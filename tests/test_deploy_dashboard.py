@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import yaml
 from pdserve.cli.redis_launch import LocalRedis, free_port
@@ -196,7 +196,7 @@ def exposed() -> Iterator[Exposed]:
             "temperature": 0,
             "messages": [{"role": "user", "content": "In one sentence, what is the capital of France?"}],
         }
-        reply = httpx.post(f"{live.base}/v1/chat/completions", json=chat, headers=headers, timeout=120)
+        reply = httpx2.post(f"{live.base}/v1/chat/completions", json=chat, headers=headers, timeout=120)
         assert reply.status_code == 200, reply.text
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]
         body = {
@@ -205,13 +205,13 @@ def exposed() -> Iterator[Exposed]:
             "max_tokens": 8,
             "temperature": 0,
         }
-        reply = httpx.post(f"{live.base}/v1/completions", json=body, headers=headers, timeout=120)
+        reply = httpx2.post(f"{live.base}/v1/completions", json=body, headers=headers, timeout=120)
         assert reply.status_code == 200, reply.text
-        assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=30).status_code == 401
+        assert httpx2.post(f"{live.base}/v1/completions", json=body, timeout=30).status_code == 401
         live.wait_clean()
         seen = Exposed()
         for url in [live.base, *(n.url for n in live.nodes.values())]:
-            parse_exposition(httpx.get(f"{url}/metrics", headers=headers, timeout=10).text, seen)
+            parse_exposition(httpx2.get(f"{url}/metrics", headers=headers, timeout=10).text, seen)
         yield seen
     finally:
         live.stop()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.kvctl.commands import tokenize
@@ -59,7 +59,7 @@ def complete(live: cluster_fixture.LiveCluster, prompt: str) -> dict[str, Any]:
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
     }
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=600)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     reply: dict[str, Any] = r.json()
     return reply

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anthropic
-import httpx
+import httpx2
 import openai
 import pytest
 from openai.types.responses import Response
@@ -96,7 +96,7 @@ def test_anthropic_stream_events_add_up_to_the_message(
     assert final.content[0].type == "text" and msg.content[0].type == "text"
     assert final.content[0].text == msg.content[0].text
     assert final.stop_reason == msg.stop_reason and final.usage.output_tokens == msg.usage.output_tokens
-    raw = httpx.post(
+    raw = httpx2.post(
         f"{live.base}/v1/messages",
         headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
         json={"model": MODEL, "messages": QUESTION, "max_tokens": 10, "temperature": 0, "stream": True},
@@ -132,7 +132,7 @@ def test_anthropic_errors_in_anthropic_shape(
     stranger = anthropic.Anthropic(base_url=live.base, api_key="wrong-key", max_retries=0)
     with stranger, pytest.raises(anthropic.AuthenticationError):
         stranger.messages.create(model=MODEL, messages=QUESTION, max_tokens=5)
-    r = httpx.post(
+    r = httpx2.post(
         f"{live.base}/v1/messages", headers=AUTH, json={"model": MODEL, "messages": QUESTION}, timeout=30
     )
     assert r.status_code == 400
@@ -143,7 +143,7 @@ def test_anthropic_errors_in_anthropic_shape(
 
 def test_anthropic_client_leaving_mid_stream_frees_the_nodes(live: cluster_fixture.LiveCluster) -> None:
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "stream": True, "temperature": 0}
-    with httpx.stream(
+    with httpx2.stream(
         "POST", f"{live.base}/v1/messages", headers={"x-api-key": KEY}, json=body, timeout=120
     ) as r:
         assert r.status_code == 200
@@ -193,7 +193,7 @@ def test_responses_text_and_stream(live: cluster_fixture.LiveCluster, oai: opena
     )
     assert resp.object == "response" and resp.status in ("completed", "incomplete") and resp.output_text
     assert resp.usage is not None and resp.usage.output_tokens <= 10
-    raw = httpx.post(
+    raw = httpx2.post(
         f"{live.base}/v1/responses",
         headers=AUTH,
         timeout=120,
@@ -243,7 +243,7 @@ def test_responses_stateless_and_bad_input_are_400(
         oai.responses.create(model=MODEL, input=[{"type": "input_image", "image_url": "x"}])  # type: ignore[list-item]
     with pytest.raises(openai.NotFoundError):
         oai.responses.retrieve("resp_123")
-    r = httpx.post(f"{live.base}/v1/responses", headers=AUTH, json={"model": MODEL}, timeout=30)
+    r = httpx2.post(f"{live.base}/v1/responses", headers=AUTH, json={"model": MODEL}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
 
 
@@ -273,18 +273,18 @@ def test_responses_function_tool_round_trip(oai: openai.OpenAI) -> None:
 def test_tokenize_round_trip(live: cluster_fixture.LiveCluster) -> None:
     tok = load_tokenizer(cluster_fixture.model_path())
     text = "Tokenize me, please: 1 + 1 = 2."
-    r = httpx.post(
+    r = httpx2.post(
         f"{live.base}/tokenize", headers=AUTH, json={"model": MODEL, "prompt": text}, timeout=30
     ).json()
     assert r["tokens"] == tok.encode(text, add_special_tokens=True) and r["count"] == len(r["tokens"])
-    models = httpx.get(f"{live.base}/v1/models", headers=AUTH, timeout=30).json()
+    models = httpx2.get(f"{live.base}/v1/models", headers=AUTH, timeout=30).json()
     assert r["max_model_len"] == models["data"][0]["max_model_len"]
-    back = httpx.post(
+    back = httpx2.post(
         f"{live.base}/detokenize", headers=AUTH, json={"tokens": r["tokens"]}, timeout=30
     ).json()
     assert back["prompt"] == tok.decode(r["tokens"], skip_special_tokens=False) and text in back["prompt"]
-    chat = httpx.post(f"{live.base}/tokenize", headers=AUTH, json={"messages": QUESTION}, timeout=30).json()
-    done = httpx.post(
+    chat = httpx2.post(f"{live.base}/tokenize", headers=AUTH, json={"messages": QUESTION}, timeout=30).json()
+    done = httpx2.post(
         f"{live.base}/v1/chat/completions",
         headers=AUTH,
         timeout=60,
@@ -296,9 +296,9 @@ def test_tokenize_round_trip(live: cluster_fixture.LiveCluster) -> None:
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
         ("/tokenize", {"prompt": "x", "model": "nope"}, "model"),
     ):
-        bad = httpx.post(f"{live.base}{path}", headers=AUTH, json=body, timeout=30)
+        bad = httpx2.post(f"{live.base}{path}", headers=AUTH, json=body, timeout=30)
         assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param
-    assert httpx.post(f"{live.base}/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
+    assert httpx2.post(f"{live.base}/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401
 
 
 def test_logit_bias_holds_on_prefill_and_decode(
@@ -354,11 +354,11 @@ def test_reasoning_parser_and_template_kwargs_on_the_chat_path(
         "temperature": 0,
         "chat_template_kwargs": {"enable_thinking": False},
     }
-    whole = httpx.post(f"{live.base}/v1/chat/completions", headers=AUTH, json=body, timeout=60).json()
+    whole = httpx2.post(f"{live.base}/v1/chat/completions", headers=AUTH, json=body, timeout=60).json()
     message = whole["choices"][0]["message"]
     assert "reasoning_content" in message and message["reasoning_content"] is None and message["content"]
     text = ""
-    with httpx.stream(
+    with httpx2.stream(
         "POST", f"{live.base}/v1/chat/completions", headers=AUTH, json={**body, "stream": True}, timeout=60
     ) as r:
         for line in r.iter_lines():

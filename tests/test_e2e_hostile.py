@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -48,15 +48,15 @@ def live() -> Iterator[tuple[cluster_fixture.LiveCluster, str]]:
         yield cluster, start_router(cluster, "router-limited", free_port(), *keys, *limits)
 
 
-def post(base: str, path: str, body: bytes | dict[str, Any], key: str | None = KEYS[0]) -> httpx.Response:
+def post(base: str, path: str, body: bytes | dict[str, Any], key: str | None = KEYS[0]) -> httpx2.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json"}
     if key is not None:
         headers["authorization"] = f"Bearer {key}"
-    return httpx.post(base + path, content=content, headers=headers, timeout=120)
+    return httpx2.post(base + path, content=content, headers=headers, timeout=120)
 
 
-def error_of(r: httpx.Response, status: int) -> dict[str, Any]:
+def error_of(r: httpx2.Response, status: int) -> dict[str, Any]:
     assert r.status_code == status, r.text[:500]
     schema.validate(r.json(), "ErrorResponse")
     return dict(r.json()["error"])
@@ -132,22 +132,22 @@ def test_the_cluster_is_healthy_and_clean_after_hostile_input(
 ) -> None:
     cluster, _ = live
     assert post(cluster.base, "/v1/completions", CMPL).status_code == 200
-    assert httpx.get(f"{cluster.base}/health", timeout=10).json()["status"] == "ok"
+    assert httpx2.get(f"{cluster.base}/health", timeout=10).json()["status"] == "ok"
     cluster.wait_clean(timeout_s=30)
 
 
 def test_an_api_key_counts_only_as_a_bearer_token(live: tuple[cluster_fixture.LiveCluster, str]) -> None:
     cluster, _ = live
     for header in (KEYS[0], f"Basic {KEYS[0]}", "Bearer", f"Bearer {KEYS[0]}x", f"Bearer{KEYS[0]}"):
-        r = httpx.post(
+        r = httpx2.post(
             f"{cluster.base}/v1/completions", json=CMPL, headers={"authorization": header}, timeout=30
         )
         assert error_of(r, 401)["code"] == "invalid_api_key", header
     assert error_of(post(cluster.base, "/v1/completions", CMPL, key=None), 401)["code"] == "invalid_api_key"
-    r = httpx.get(f"{cluster.base}/v1/models", headers={"authorization": KEYS[0]}, timeout=10)
+    r = httpx2.get(f"{cluster.base}/v1/models", headers={"authorization": KEYS[0]}, timeout=10)
     assert error_of(r, 401)["code"] == "invalid_api_key"
     for header in (f"Bearer {KEYS[1]}", f"bearer {KEYS[1]}"):
-        r = httpx.post(
+        r = httpx2.post(
             f"{cluster.base}/v1/completions", json=CMPL, headers={"authorization": header}, timeout=60
         )
         assert r.status_code == 200, r.text
@@ -339,7 +339,7 @@ def test_no_streamed_body_gets_a_server_error(
     body = data.draw(bodies(request)) | {"stream": True, "stream_options": {"include_usage": include_usage}}
     raw = json.dumps(body).replace(json.dumps(_DEEP), nested(5000).decode()).encode()
     headers = {"content-type": "application/json", "authorization": f"Bearer {KEYS[2]}"}
-    with httpx.stream("POST", live[0].base + path, content=raw, headers=headers, timeout=120) as r:
+    with httpx2.stream("POST", live[0].base + path, content=raw, headers=headers, timeout=120) as r:
         event(f"HTTP {r.status_code}")
         assert r.status_code < 500, (body, r.read()[:500])
         if r.status_code != 200:
@@ -384,12 +384,12 @@ def test_node_routes_refuse_a_caller_without_the_cluster_credential(
     raw = {"authorization": cluster.auth_token}
     for headers, auth in (({}, None), ({}, signed("not-the-token")), (raw, None), (bearer, None)):
         for method, path in NODE_ROUTES:
-            r = httpx.request(method, url + path, content=evict_all, headers=headers, auth=auth, timeout=10)
+            r = httpx2.request(method, url + path, content=evict_all, headers=headers, auth=auth, timeout=10)
             assert r.status_code == 401, (method, path, headers, r.text)
             assert "cluster's KV-transfer token" in r.json()["error"]
-    assert httpx.get(f"{url}/internal/health", timeout=10).json()["draining"] is False  # no drain ran
-    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
-    info = httpx.get(f"{url}/internal/info", auth=signed(cluster.auth_token), timeout=10)
+    assert httpx2.get(f"{url}/internal/health", timeout=10).json()["draining"] is False  # no drain ran
+    assert httpx2.get(f"{url}/metrics", timeout=10).status_code == 200
+    info = httpx2.get(f"{url}/internal/info", auth=signed(cluster.auth_token), timeout=10)
     assert info.status_code == 200, info.text
     assert post(cluster.base, "/v1/completions", CMPL).status_code == 200  # the router holds the credential
 

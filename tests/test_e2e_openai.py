@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import openai
 import pytest
 from pdserve.shared.model.loader import load_tokenizer
@@ -45,7 +45,7 @@ def client(live: cluster_fixture.LiveCluster) -> Iterator[openai.OpenAI]:
 def sse(live: cluster_fixture.LiveCluster, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The data objects of one streamed response (raw bytes, no client library), up to [DONE]."""
     chunks: list[dict[str, Any]] = []
-    with httpx.stream("POST", f"{live.base}{path}", json=body, timeout=120) as r:
+    with httpx2.stream("POST", f"{live.base}{path}", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -95,7 +95,7 @@ def test_every_body_and_chunk_matches_openai_schemas(live: cluster_fixture.LiveC
         "logprobs": True,
         "top_logprobs": 2,
     }
-    r = httpx.post(f"{live.base}/v1/chat/completions", json=chat, timeout=120)
+    r = httpx2.post(f"{live.base}/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text
     schema.validate(r.json(), "CreateChatCompletionResponse")
     chunks = sse(
@@ -105,14 +105,14 @@ def test_every_body_and_chunk_matches_openai_schemas(live: cluster_fixture.LiveC
     for chunk in chunks:
         schema.validate(chunk, "CreateChatCompletionStreamResponse")
     comp = {"model": MODEL, "prompt": "Colours: red,", "max_tokens": 6, "temperature": 0, "logprobs": 2}
-    r = httpx.post(f"{live.base}/v1/completions", json=comp, timeout=120)
+    r = httpx2.post(f"{live.base}/v1/completions", json=comp, timeout=120)
     assert r.status_code == 200, r.text
     schema.validate(r.json(), "CreateCompletionResponse")
     chunks = sse(live, "/v1/completions", comp | {"stream": True})
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
     for chunk in chunks:
         schema.validate(chunk, "CreateCompletionResponse", streamed_completion=True)
-    models = httpx.get(f"{live.base}/v1/models", timeout=10).json()
+    models = httpx2.get(f"{live.base}/v1/models", timeout=10).json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     live.wait_clean()
 
@@ -124,7 +124,7 @@ def test_greedy_pd_equals_offline_engine(live: cluster_fixture.LiveCluster) -> N
     )
     assert len(offline["prompt_token_ids"]) > 64, "the prompt must span several KV blocks"
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 0}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["usage"]["prompt_tokens"] == len(offline["prompt_token_ids"])
@@ -151,7 +151,7 @@ def test_seeded_sampling_pd_equals_offline_engine(live: cluster_fixture.LiveClus
         "1234",
     )
     body = {"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0.8, "seed": 1234}
-    r = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=120)
+    r = httpx2.post(f"{live.base}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == offline["text"]
     chunks = sse(live, "/v1/chat/completions", body | {"stream": True})
@@ -198,10 +198,10 @@ def test_min_tokens_holds_back_a_stop_token_from_prefill_to_decode(live: cluster
     """The first token is sampled on P, the rest on D: min_tokens must hold a stop token back on both."""
     tokenizer = load_tokenizer(cluster_fixture.model_path())
     body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
-    first = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    first = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
     (stop_id,) = tokenizer.encode(first, False)
     body |= {"max_tokens": 6, "stop_token_ids": [stop_id]}
-    stopped = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120).json()
+    stopped = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120).json()
     assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["text"] == ""
     for stream in (False, True):
         asked = body | {"min_tokens": 3, "stream": stream}
@@ -211,7 +211,7 @@ def test_min_tokens_holds_back_a_stop_token_from_prefill_to_decode(live: cluster
                 schema.validate(chunk, "CreateCompletionResponse", streamed_completion=True)
             text = "".join(c["choices"][0]["text"] for c in chunks)
         else:
-            r = httpx.post(f"{live.base}/v1/completions", json=asked, timeout=120)
+            r = httpx2.post(f"{live.base}/v1/completions", json=asked, timeout=120)
             assert r.status_code == 200, r.text
             schema.validate(r.json(), "CreateCompletionResponse")
             assert r.json()["usage"]["completion_tokens"] >= 3
@@ -247,9 +247,9 @@ def test_bad_input_gets_openai_errors(
     live: cluster_fixture.LiveCluster, path: str, body: bytes | dict[str, Any], status: int, param: str | None
 ) -> None:
     if isinstance(body, bytes):
-        r = httpx.post(f"{live.base}{path}", content=body, headers={"content-type": "application/json"})
+        r = httpx2.post(f"{live.base}{path}", content=body, headers={"content-type": "application/json"})
     else:
-        r = httpx.post(f"{live.base}{path}", json=body, timeout=60)
+        r = httpx2.post(f"{live.base}{path}", json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()
     schema.validate(err, "ErrorResponse")
@@ -279,7 +279,7 @@ def test_client_disconnect_frees_blocks(live: cluster_fixture.LiveCluster, leave
     prompt = LONG_PROMPT * (1 if leave_after_chunks else 4)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True}
     before = _generated(live)
-    with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=120) as r:
+    with httpx2.stream("POST", f"{live.base}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         if leave_after_chunks:
             lines = r.iter_lines()

@@ -13,7 +13,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import openai
 import pytest
 from pdserve.tests.harness.cluster_fixture import LiveCluster, kvctl, model_path, sample, up_config
@@ -81,9 +81,9 @@ def test_models_retrieve_behind_the_api_key(live: LiveCluster, client: openai.Op
         assert model.id == name and model.object == "model"
     with pytest.raises(openai.NotFoundError):  # a server path is not a model id
         client.completions.create(model=model_path(), prompt="hi", max_tokens=1)
-    assert httpx.get(f"{live.base}/v1/models", timeout=10).status_code == 401
-    assert httpx.get(f"{live.base}/v1/models/{NAMES[0]}", timeout=10).status_code == 401
-    assert httpx.get(f"{live.base}/metrics", timeout=10).status_code == 401  # no --metrics-public
+    assert httpx2.get(f"{live.base}/v1/models", timeout=10).status_code == 401
+    assert httpx2.get(f"{live.base}/v1/models/{NAMES[0]}", timeout=10).status_code == 401
+    assert httpx2.get(f"{live.base}/metrics", timeout=10).status_code == 401  # no --metrics-public
     done = client.chat.completions.create(
         model=NAMES[1], messages=[{"role": "user", "content": "Say hi"}], max_tokens=4, temperature=0
     )
@@ -93,7 +93,9 @@ def test_models_retrieve_behind_the_api_key(live: LiveCluster, client: openai.Op
 def test_vllm_series_with_model_name(live: LiveCluster, client: openai.OpenAI) -> None:
     client.completions.create(model=NAMES[0], prompt="Metrics, in vLLM's words:", max_tokens=6)
     labels = {"model_name": NAMES[0]}
-    texts = {n: httpx.get(f"{live.nodes[n].url}/metrics", timeout=10).text for n in ("prefill-0", "decode-0")}
+    texts = {
+        n: httpx2.get(f"{live.nodes[n].url}/metrics", timeout=10).text for n in ("prefill-0", "decode-0")
+    }
     for node, text in texts.items():
         for series in ENGINE_SERIES:  # each with the label, whatever its value (preemptions may be 0)
             assert re.search(rf'^vllm:{series}{{[^}}]*model_name="smol"[^}}]*}} ', text, re.M), (node, series)
@@ -107,7 +109,7 @@ def test_vllm_series_with_model_name(live: LiveCluster, client: openai.OpenAI) -
     assert sample(texts["prefill-0"], "vllm:prefix_cache_queries_total", labels) > 0
     assert 0 <= sample(texts["decode-0"], "vllm:kv_cache_usage_perc", labels) <= 1
     key = {"authorization": f"Bearer {API_KEY}"}  # the router's /metrics asks for it (no --metrics-public)
-    router = httpx.get(f"{live.base}/metrics", headers=key, timeout=10).text
+    router = httpx2.get(f"{live.base}/metrics", headers=key, timeout=10).text
     assert "_created" not in router and "process_cpu_seconds_total" in router
     assert "pdserve_router_e2e_request_latency_seconds_count" in router
     assert "pdserve_node_e2e_request_latency_seconds_count" in texts["decode-0"]

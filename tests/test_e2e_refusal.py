@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import Cluster, free_port, start_redis
 from pdserve.shared.engine.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ def test_transfer_handshake_with_another_token_fails_cleanly(live: cluster_fixtu
     )  # fmt: skip
     url = f"{live.nodes['prefill-0'].url}/internal/prefill"
     t0 = time.monotonic()
-    r = httpx.post(url, content=pre.to_json(), auth=signed("token-a"), timeout=90)
+    r = httpx2.post(url, content=pre.to_json(), auth=signed("token-a"), timeout=90)
     took = time.monotonic() - t0
     result = PrefillResult.from_json(r.content)
     assert result.error is not None and ("handshake" in result.error or "auth" in result.error), r.text

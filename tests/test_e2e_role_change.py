@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import openai
 import pytest
 from pdserve.tests.harness import cluster_fixture
@@ -114,7 +114,7 @@ def streams_across(
 
 
 def router_migrations(live: cluster_fixture.LiveCluster) -> float:
-    text = httpx.get(f"{live.base}/metrics", timeout=10).text
+    text = httpx2.get(f"{live.base}/metrics", timeout=10).text
     return cluster_fixture.sample(text, "pdserve_router_aborts_total", {"reason": "migrated"})
 
 

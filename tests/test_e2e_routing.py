@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.shared.node.node_protocol import CLIENT_KEEPALIVE_S, NODE_KEEPALIVE_S
 from pdserve.shared.node.node_sign import ClusterKeys
@@ -40,7 +40,7 @@ def live() -> Iterator[cluster_fixture.LiveCluster]:
 
 def complete(live: cluster_fixture.LiveCluster, prompt: str, max_tokens: int = 4) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=180)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=180)
     assert r.status_code == 200, r.text
     reply: dict[str, Any] = r.json()
     return reply
@@ -95,7 +95,7 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(
     assert where[holder] >= 256 // 16, f"kvctl where: {where}"
     assert where[other] == 0, f"kvctl where: {where}"
     hits_before = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"})
-    metrics_before = httpx.get(f"{live.base}/metrics").text
+    metrics_before = httpx2.get(f"{live.base}/metrics").text
     router_before = cluster_fixture.sample(
         metrics_before, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"}
     )
@@ -107,7 +107,7 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
     hits = live.metric(holder, "pdserve_node_prefix_hit_tokens_total", {"kind": "local"}) - hits_before
     assert hits == cached
-    metrics = httpx.get(f"{live.base}/metrics").text
+    metrics = httpx2.get(f"{live.base}/metrics").text
     router_hits = cluster_fixture.sample(metrics, "pdserve_router_prefix_hit_tokens_total", {"kind": "local"})
     assert router_hits - router_before >= 256
     assert (
@@ -131,7 +131,7 @@ def test_shared_prefix_goes_to_its_holder_and_only_new_blocks_are_computed(
 
 
 def router_hits(live: cluster_fixture.LiveCluster) -> dict[str, float]:
-    text = httpx.get(f"{live.base}/metrics", timeout=10).text
+    text = httpx2.get(f"{live.base}/metrics", timeout=10).text
     return {
         k: cluster_fixture.sample(text, "pdserve_router_prefix_hit_tokens_total", {"kind": k})
         for k in KVSource
@@ -143,7 +143,7 @@ def test_a_rejected_prompt_counts_no_prefix_hits_or_misses(live: cluster_fixture
     neither the router's hit counters nor the index's statistics (kvctl stats) count it."""
     before, stats_before = router_hits(live), cluster_fixture.kvctl_main(live.redis_url, "stats")["overall"]
     body = {"model": MODEL, "prompt": [1000 + i % 1000 for i in range(9000)], "max_tokens": 4}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=60)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == "context_length_exceeded"
     time.sleep(0.5)  # what the router records in the index is written in the background
@@ -179,7 +179,7 @@ def test_kvctl_stats_hit_rate_is_the_prefill_nodes(live: cluster_fixture.LiveClu
         complete(live, f"{PREFIX} Question {i}: {question}")
         if i == 1:
             body = {"model": MODEL, "prompt": [1000 + j % 1000 for j in range(9000)], "max_tokens": 4}
-            assert httpx.post(f"{live.base}/v1/completions", json=body, timeout=60).status_code == 400
+            assert httpx2.post(f"{live.base}/v1/completions", json=body, timeout=60).status_code == 400
     node_after = nodes()
     deadline = time.monotonic() + 10
     while True:
@@ -201,7 +201,7 @@ def test_node_keeps_an_idle_connection_longer_than_the_routers_pool(
 ) -> None:
     """A node's HTTP server outlives the router's keep-alive: a connection idle past the router's pool expiry
     still carries the next request, so the router never reuses a connection the node is closing."""
-    url = httpx.URL(live.nodes[PREFILL[0]].url)
+    url = httpx2.URL(live.nodes[PREFILL[0]].url)
     assert url.host is not None and url.port is not None
     conn = http.client.HTTPConnection(url.host, url.port, timeout=10)
     try:
@@ -223,7 +223,7 @@ def test_no_request_fails_right_after_a_drain(live: cluster_fixture.LiveCluster)
     time.sleep(
         1.1
     )  # let the router's node list age out, so that /health reads it afresh just before the drain
-    assert httpx.get(f"{live.base}/health", timeout=10).status_code == 200
+    assert httpx2.get(f"{live.base}/health", timeout=10).status_code == 200
     for node in ("prefill-0", "decode-0"):
         reply = cluster_fixture.kvctl_main(live.redis_url, "drain", node)
         assert reply["draining"] is True and reply["node_reply"]["draining"] is True
@@ -231,7 +231,7 @@ def test_no_request_fails_right_after_a_drain(live: cluster_fixture.LiveCluster)
     with ThreadPoolExecutor(max_workers=4) as pool:
         replies = list(
             pool.map(
-                lambda w: httpx.post(
+                lambda w: httpx2.post(
                     f"{live.base}/v1/completions", json=body | {"prompt": f"{w} drained are"}, timeout=180
                 ),
                 WORDS[:4],

@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 import redis
 from pdserve.shared.node.node_sign import signed
@@ -26,13 +26,13 @@ def live() -> Iterator[LiveCluster]:
 
 
 def completion(live: LiveCluster) -> str:
-    r = httpx.post(live.base + "/v1/completions", json=CMPL, timeout=120)
+    r = httpx2.post(live.base + "/v1/completions", json=CMPL, timeout=120)
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["text"])
 
 
 def router_metric(live: LiveCluster, name: str) -> float:
-    text = httpx.get(live.base + "/metrics", timeout=10).text
+    text = httpx2.get(live.base + "/metrics", timeout=10).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
@@ -75,7 +75,7 @@ def test_a_malformed_record_and_a_forged_drain_change_nothing(live: LiveCluster)
     time.sleep(2.5)  # a few membership refreshes and node heartbeats
     for _ in range(3):
         assert completion(live) == expected
-    assert httpx.get(live.base + "/health", timeout=10).json()["nodes"]["single"]["ready"] == 1
+    assert httpx2.get(live.base + "/health", timeout=10).json()["nodes"]["single"]["ready"] == 1
     nodes = kvctl(live.redis_url, "nodes")
     assert [(n["info"]["node_id"], n["draining"]) for n in nodes["nodes"]] == [("single-0", False)]
     assert "broken" in [bad["node_id"] for bad in nodes["invalid"]]
@@ -88,12 +88,12 @@ def test_a_captured_node_request_replays_nowhere(live: LiveCluster) -> None:
     """A signed request is accepted once; the same bytes 1 s later are refused (its nonce), and so is a
     request signed with another credential or sent with the token itself as a bearer token."""
     url = live.nodes["single-0"].url + "/internal/audit"
-    request = httpx.Request("GET", url)
+    request = httpx2.Request("GET", url)
     auth = signed(live.auth_token)
     flow = auth.sync_auth_flow(request)
     captured = next(flow)
     assert live.auth_token not in json.dumps(dict(captured.headers))
-    with httpx.Client(timeout=10) as client:
+    with httpx2.Client(timeout=10) as client:
         assert client.send(captured).status_code == 200
         time.sleep(1.0)
         again = client.send(captured)
@@ -108,5 +108,5 @@ def test_a_request_outside_the_clock_window_is_refused(live: LiveCluster) -> Non
 
     url = live.nodes["single-0"].url + "/internal/audit"
     old = ClusterKeys(live.auth_token).sign_request("GET", b"/internal/audit", b"", now_s=time.time() - 31)
-    r = httpx.get(url, headers={"authorization": old}, timeout=10)
+    r = httpx2.get(url, headers={"authorization": old}, timeout=10)
     assert r.status_code == 401 and "outside the" in r.text

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import cast
 
-import httpx
+import httpx2
 import pytest
 import redis
 from pdserve.cli.up import free_port
@@ -66,7 +66,7 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             for name, node in list(self.live.nodes.items()):
-                text = httpx.get(f"{node.url}/metrics", timeout=10).text
+                text = httpx2.get(f"{node.url}/metrics", timeout=10).text
                 held = cluster_fixture.sample(text, "pdserve_node_running_requests") + cluster_fixture.sample(
                     text, "pdserve_node_waiting_requests"
                 )
@@ -96,7 +96,7 @@ def test_three_routers_hold_the_cap_for_the_fleet_and_a_killed_routers_leases_ex
         )
     )
     outcomes: list[tuple[int, Outcome]] = []
-    client = httpx.Client(timeout=300)
+    client = httpx2.Client(timeout=300)
 
     def stream(i: int) -> None:
         prompt = PROMPTS[i % len(PROMPTS)]

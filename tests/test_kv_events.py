@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import msgspec
 import pytest
 import zmq
@@ -76,7 +76,7 @@ def node() -> Iterator[tuple[LiveCluster, str, str]]:
 
 def _complete(live: LiveCluster, prompt: list[int]) -> None:
     body = {"model": served_model_name(), "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=180)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=180)
     assert r.status_code == 200, r.text
 
 
@@ -105,7 +105,7 @@ def test_stored_and_evicted_blocks_arrive_in_order_and_replay_refills(
 ) -> None:
     live, pub, replay = node
     prefill = next(n for n in live.nodes if n.startswith("prefill"))
-    reg = httpx.get(
+    reg = httpx2.get(
         f"{live.nodes[prefill].url}/internal/registration", auth=signed(live.auth_token), timeout=10
     )
     seed = hash_seed(bytes.fromhex(reg.json()["model_fingerprint"]), None)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 import redis
 from pdserve.cli.redis_launch import free_port
@@ -135,10 +135,10 @@ def kvctl(rundir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _chat(base: str) -> httpx.Response:
+def _chat(base: str) -> httpx2.Response:
     body = {"model": "smol", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
     headers = {"authorization": f"Bearer {API_KEY}"}
-    return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
+    return httpx2.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +293,7 @@ def test_a_killed_node_is_started_again_while_the_router_answers(up: Up) -> None
     up.wait_line("prefill-0 exited", 30, seen)
     up.wait_line("prefill-0 is back", 300, seen)
     assert up.proc.poll() is None
-    health = httpx.get(f"{url}/internal/health", timeout=10)
+    health = httpx2.get(f"{url}/internal/health", timeout=10)
     assert health.status_code == 200
     assert _chat(base).status_code == 200
 
@@ -331,7 +331,7 @@ def test_sighup_stops_the_cluster_and_removes_its_files(tmp_path: Path) -> None:
         assert piped.stdout.strip() and "Traceback" not in piped.stderr, piped.stderr
         body = {"model": "SmolLM2-135M-Instruct.Q4_1.gguf", "prompt": "Ports:", "max_tokens": 4}
         assert (
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code == 200
+            httpx2.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code == 200
         )
         router_log = Path(up.table["router"][2]).read_text()
         assert '"POST /v1/completions HTTP/1.1" 200' in router_log, router_log[-2000:]

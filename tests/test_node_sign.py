@@ -4,7 +4,7 @@ refuses rather than forgets when full; the token never appears in what goes on t
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 import pytest
 from pdserve.shared.node.node_sign import SCHEME, Claim, ClusterKeys, RequestVerifier, signed
 
@@ -75,7 +75,7 @@ def test_a_full_nonce_cache_refuses() -> None:
 
 def test_httpx_auth_signs_path_query_and_body() -> None:
     clock = Clock()
-    request = httpx.Request("POST", "http://node:1/internal/evict?x=%20y", content=b'{"all":true}')
+    request = httpx2.Request("POST", "http://node:1/internal/evict?x=%20y", content=b'{"all":true}')
     signed_request = next(signed("the-cluster-token").sync_auth_flow(request))
     header = signed_request.headers["authorization"]
     v = RequestVerifier(KEYS, window_s=10**9, clock=clock)

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.tests.harness.chaos_load import Load, Outcome
@@ -89,7 +89,7 @@ def changing(live: LiveCluster) -> bool:
 
 
 def planner_metric(port: int, name: str, labels: dict[str, str] | None = None) -> float:
-    return sample(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, name, labels)
+    return sample(httpx2.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text, name, labels)
 
 
 def wait_for(predicate: object, timeout_s: float, what: str) -> None:
@@ -209,6 +209,6 @@ def test_the_planner_moves_roles_with_a_shifting_mix(references: dict[str, str],
 
 def _answers(port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
-    except httpx.HTTPError:
+        return httpx2.get(f"http://127.0.0.1:{port}/metrics", timeout=2).status_code == 200
+    except httpx2.HTTPError:
         return False

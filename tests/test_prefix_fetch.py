@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.kvctl.commands import tokenize
 from pdserve.shared.engine.block_hash import hash_blocks, hash_seed
@@ -72,7 +72,7 @@ def cold() -> list[str]:
 
 def complete(live: cluster_fixture.LiveCluster, prompt: str) -> dict[str, Any]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=600)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=600)
     assert r.status_code == 200, r.text
     reply: dict[str, Any] = r.json()
     return reply
@@ -110,7 +110,7 @@ def wait_where(
 
 def evict(live: cluster_fixture.LiveCluster, node: str, hashes: list[bytes] | None) -> None:
     body: dict[str, Any] = {"all": True} if hashes is None else {"block_hashes": [h.hex() for h in hashes]}
-    r = httpx.post(f"{live.nodes[node].url}/internal/evict", json=body, auth=signed(live.auth_token))
+    r = httpx2.post(f"{live.nodes[node].url}/internal/evict", json=body, auth=signed(live.auth_token))
     r.raise_for_status()
 
 
@@ -134,7 +134,7 @@ def placed_on(
     steps: list[StepOutput] = []
 
     def stream() -> None:
-        with httpx.stream(
+        with httpx2.stream(
             "POST", f"{live.nodes[DECODE].url}/internal/generate", content=gen.to_json(), auth=auth,
             timeout=600,
         ) as r:  # fmt: skip
@@ -144,7 +144,7 @@ def placed_on(
 
     reader = threading.Thread(target=stream)
     reader.start()
-    r = httpx.post(f"{live.nodes[node].url}/internal/prefill", content=pre.to_json(), auth=auth, timeout=600)
+    r = httpx2.post(f"{live.nodes[node].url}/internal/prefill", content=pre.to_json(), auth=auth, timeout=600)
     reader.join(600)
     result = PrefillResult.from_json(r.content)
     assert result.error is None, result.error
@@ -196,7 +196,7 @@ def test_a_prefix_only_d_holds_is_fetched_from_d_and_not_sent_back(
     for node in PREFILL:
         evict(live, node, None)
     wait_where(live, PREFIX, {PREFILL[0]: 0, PREFILL[1]: 0, DECODE: prefix_blocks})
-    router_before = httpx.get(f"{live.base}/metrics").text
+    router_before = httpx2.get(f"{live.base}/metrics").text
     exported_before = counters(live, DECODE)[2]
     fetched_before = sum(counters(live, n)[0] for n in PREFILL)
 
@@ -209,7 +209,7 @@ def test_a_prefix_only_d_holds_is_fetched_from_d_and_not_sent_back(
     fetched_blocks = sum(counters(live, n)[0] for n in PREFILL) - fetched_before
     assert fetched_blocks * BS == fetched
     assert counters(live, DECODE)[2] - exported_before == fetched_blocks
-    router = httpx.get(f"{live.base}/metrics").text
+    router = httpx2.get(f"{live.base}/metrics").text
     name = "pdserve_router_prefix_hit_tokens_total"
     remote = cluster_fixture.sample(router, name, {"kind": "remote"}) - cluster_fixture.sample(
         router_before, name, {"kind": "remote"}
@@ -285,7 +285,7 @@ def test_the_decode_node_fetches_a_prefix_and_computes_the_rest_itself(
         rid, tuple(ids), sampling, None, time.time() + 600, None, statuses[holder]["http_url"], prefix_blocks
     )
     steps: list[StepOutput] = []
-    with httpx.stream(
+    with httpx2.stream(
         "POST", f"{live.nodes[DECODE].url}/internal/generate", content=gen.to_json(),
         auth=signed(live.auth_token), timeout=600,
     ) as r:  # fmt: skip

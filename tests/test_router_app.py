@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 import openai
 import pytest
 import uvicorn
@@ -248,7 +248,7 @@ class Cluster:
     def wait_view(self, counts: dict[str, dict[str, int]]) -> None:
         """Until the router's /health counts the nodes of its view as `counts` (by role and state)."""
         deadline = time.monotonic() + 30
-        while (health := httpx.get(self.router + "/health", timeout=10).json())["nodes"] != counts:
+        while (health := httpx2.get(self.router + "/health", timeout=10).json())["nodes"] != counts:
             assert time.monotonic() < deadline, f"the router's view never counted {counts}: {health}"
             time.sleep(0.05)
 
@@ -258,8 +258,8 @@ class Cluster:
             load = NodeLoad(0, 0, 0, 1000, 0, draining=True)
             await index.heartbeat(self.infos[nid], load, self.nodes.epochs[nid])
 
-    def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
-        return httpx.post(self.router + path, json=body, timeout=30, **kw)
+    def post(self, path: str, body: Any, **kw: Any) -> httpx2.Response:
+        return httpx2.post(self.router + path, json=body, timeout=30, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -287,14 +287,14 @@ def cluster(redis_url: str, tokenizer: Tokenizer) -> Iterator[Cluster]:
     node_server.stop()
 
 
-def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
+def error_of(resp: httpx2.Response, status: int) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     body = resp.json()
     validate(body, "ErrorResponse")
     return dict(body["error"])
 
 
-def sse_events(resp: httpx.Response) -> list[Any]:
+def sse_events(resp: httpx2.Response) -> list[Any]:
     events = []
     for line in resp.iter_lines():
         if line.startswith("data: "):
@@ -315,7 +315,7 @@ CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Hello there"}
 
 def test_errors_are_openai_shaped(cluster: Cluster) -> None:
     cluster.set_nodes([])
-    r = httpx.post(cluster.router + "/v1/chat/completions", content=b"{not json", timeout=10)
+    r = httpx2.post(cluster.router + "/v1/chat/completions", content=b"{not json", timeout=10)
     assert "parse the JSON" in error_of(r, 400)["message"]
     assert (
         error_of(cluster.post("/v1/chat/completions", {**CHAT, "temperature": 9}), 400)["param"]
@@ -326,8 +326,8 @@ def test_errors_are_openai_shaped(cluster: Cluster) -> None:
         == "model_not_found"
     )
     assert error_of(cluster.post("/v1/completions", {"model": "smol", "prompt": "x" * 20000}), 413)
-    assert error_of(httpx.get(cluster.router + "/v1/nope", timeout=10), 404)["code"] == "not_found"
-    assert error_of(httpx.get(cluster.router + "/v1/completions", timeout=10), 405)
+    assert error_of(httpx2.get(cluster.router + "/v1/nope", timeout=10), 404)["code"] == "not_found"
+    assert error_of(httpx2.get(cluster.router + "/v1/completions", timeout=10), 405)
     assert error_of(cluster.post("/v1/chat/completions", CHAT), 503)["code"] == "no_nodes"
     cluster.set_nodes(["s0"])
     long = {"model": "smol", "prompt": "word " * 300, "max_tokens": 1}
@@ -337,7 +337,7 @@ def test_errors_are_openai_shaped(cluster: Cluster) -> None:
         cluster.post("/v1/completions", {**long, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}), 400
     )
     assert err["param"] == "max_tokens"
-    models = httpx.get(cluster.router + "/v1/models", timeout=10).json()
+    models = httpx2.get(cluster.router + "/v1/models", timeout=10).json()
     validate(models, "ListModelsResponse")
     assert [m["id"] for m in models["data"]] == ["smol"]
 
@@ -402,7 +402,7 @@ def test_single_node_chat_and_completion(cluster: Cluster, tokenizer: Tokenizer)
 def test_streaming_chat_and_completion(cluster: Cluster) -> None:
     cluster.set_nodes(["s0"])
     body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "n": 2}
-    with httpx.stream("POST", cluster.router + "/v1/chat/completions", json=body, timeout=30) as r:
+    with httpx2.stream("POST", cluster.router + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -416,7 +416,7 @@ def test_streaming_chat_and_completion(cluster: Cluster) -> None:
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == " w1000 w1001 w1002"
         assert mine[-1]["finish_reason"] == "length"
-    with httpx.stream(
+    with httpx2.stream(
         "POST",
         cluster.router + "/v1/completions",
         timeout=30,
@@ -476,7 +476,7 @@ def test_disaggregated_route_and_prefill_failure(cluster: Cluster) -> None:
     for failed in attempts:
         wait_for(lambda failed=failed: cluster.nodes.aborted("d0", failed.request_id))
         assert not cluster.nodes.aborted("p0", failed.request_id)  # P already reported its end
-    metrics = httpx.get(cluster.router + "/metrics", timeout=10).text
+    metrics = httpx2.get(cluster.router + "/metrics", timeout=10).text
     assert 'pdserve_router_decisions_total{kind="pd"}' in metrics
 
 
@@ -488,7 +488,7 @@ def test_a_drains_migration_signal_continues_the_stream_elsewhere(cluster: Clust
     n_gen = len(cluster.nodes.generate)
     body = {"model": "smol", "prompt": "Hi", "max_tokens": 5, "stop": ["MIGRATE"], "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
-    with httpx.stream("POST", cluster.router + "/v1/completions", json=body, timeout=30) as r:
+    with httpx2.stream("POST", cluster.router + "/v1/completions", json=body, timeout=30) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
     text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
@@ -500,7 +500,7 @@ def test_a_drains_migration_signal_continues_the_stream_elsewhere(cluster: Clust
     assert second.sampling.max_tokens == 3
     usage = events[-2]["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(first.prompt_token_ids), 5)
-    metrics = httpx.get(cluster.router + "/metrics", timeout=10).text
+    metrics = httpx2.get(cluster.router + "/metrics", timeout=10).text
     assert 'pdserve_router_migrations_total{cause="drain"} 1.0' in metrics
 
 
@@ -508,15 +508,15 @@ def test_client_disconnect_aborts_streaming_and_not(cluster: Cluster) -> None:
     cluster.set_nodes(["s0"])
     slow = {**CHAT, "max_tokens": 50, "stop": ["SLOW"], "stream": True}
     n_gen = len(cluster.nodes.generate)
-    with httpx.stream("POST", cluster.router + "/v1/chat/completions", json=slow, timeout=30) as r:
+    with httpx2.stream("POST", cluster.router + "/v1/chat/completions", json=slow, timeout=30) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # the role chunk
         wait_for(lambda: len(cluster.nodes.generate) > n_gen)
     ((_, req),) = cluster.nodes.generate[n_gen:]
     wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
 
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(cluster.router + "/v1/chat/completions", json={**slow, "stream": False}, timeout=0.6)
+    with pytest.raises(httpx2.ReadTimeout):
+        httpx2.post(cluster.router + "/v1/chat/completions", json={**slow, "stream": False}, timeout=0.6)
     ((_, req),) = cluster.nodes.generate[n_gen + 1 :]
     wait_for(lambda: cluster.nodes.aborted("s0", req.request_id))
 
@@ -710,14 +710,14 @@ def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokeni
                           node_list_ttl_s=0.05)  # fmt: skip
     router = Server(create_app(config, tokenizer, BlockIndex(cluster.redis, KEYS)))
     try:
-        models = httpx.get(router.url + "/v1/models", timeout=10).json()
+        models = httpx2.get(router.url + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["smol", "alias"]
         for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
-            r = httpx.post(router.url + path, json={**body, "model": "alias"}, timeout=30)
+            r = httpx2.post(router.url + path, json={**body, "model": "alias"}, timeout=30)
             assert r.status_code == 200, r.text
             assert r.json()["model"] == "smol"
         stream = {**CHAT, "model": "alias", "stream": True}
-        with httpx.stream("POST", router.url + "/v1/chat/completions", json=stream, timeout=30) as r:
+        with httpx2.stream("POST", router.url + "/v1/chat/completions", json=stream, timeout=30) as r:
             chunks = sse_events(r)[:-1]
         assert chunks and {c["model"] for c in chunks} == {"smol"}
     finally:
@@ -727,10 +727,10 @@ def test_an_alias_is_served_under_the_first_served_name(cluster: Cluster, tokeni
 def test_models_carry_the_context_length_the_nodes_registered(cluster: Cluster) -> None:
     """vLLM's model cards carry max_model_len: here the smallest the live nodes registered."""
     cluster.set_nodes(["p0", "d0"])
-    models = httpx.get(cluster.router + "/v1/models", timeout=10).json()
+    models = httpx2.get(cluster.router + "/v1/models", timeout=10).json()
     validate(models, "ListModelsResponse")
     assert [(m["id"], m["max_model_len"]) for m in models["data"]] == [("smol", MAX_MODEL_LEN)]
-    model = httpx.get(cluster.router + "/v1/models/smol", timeout=10).json()
+    model = httpx2.get(cluster.router + "/v1/models/smol", timeout=10).json()
     validate(model, "Model")
     assert model["max_model_len"] == MAX_MODEL_LEN
 
@@ -739,7 +739,7 @@ def test_request_series_carry_the_model_name_as_the_nodes_do(cluster: Cluster) -
     """The router's request series are labelled like the nodes' vllm:* ones (model_name: the served name)."""
     cluster.set_nodes(["s0"])
     assert cluster.post("/v1/chat/completions", CHAT).status_code == 200
-    text = httpx.get(cluster.router + "/metrics", timeout=10).text
+    text = httpx2.get(cluster.router + "/metrics", timeout=10).text
     for series in (
         'pdserve_router_requests_total{endpoint="chat",model_name="smol",status="200"}',
         'pdserve_router_time_to_first_token_seconds_count{model_name="smol"}',
@@ -761,7 +761,7 @@ def _health_counts(**ready: int) -> dict[str, dict[str, int]]:
 
 def test_health_is_503_unless_a_node_pair_can_serve(cluster: Cluster) -> None:
     def health() -> tuple[int, dict[str, Any]]:
-        r = httpx.get(cluster.router + "/health", timeout=10)
+        r = httpx2.get(cluster.router + "/health", timeout=10)
         return r.status_code, r.json()
 
     cluster.set_nodes([])
@@ -803,14 +803,14 @@ def test_health_counts_no_node_signed_with_another_credential(redis_url: str, to
     redis = RedisConfig(url=redis_url, cluster="credential")
     config = RouterConfig(model_path=MODEL, served_model_name="smol", redis=redis, node_token=TOKEN)
 
-    async def go() -> tuple[httpx.Response, str]:
+    async def go() -> tuple[httpx2.Response, str]:
         """/health of a fresh router (its first call reads the index) after s0 signed with another token."""
         async with BlockIndex(redis, ClusterKeys("node-token")) as index:
             info = NodeInfo(NodeId("s0"), "single", "http://127.0.0.1:1", "127.0.0.1:2", FINGERPRINT, LAYOUT,
                             1, 1000, credential_digest("node-token"), MAX_MODEL_LEN)  # fmt: skip
             await index.register(info, NodeLoad(0, 0, 0, 1000, 0))
         app = create_app(config, tokenizer, BlockIndex(redis, KEYS))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://r") as client:
             return await client.get("/health"), (await client.get("/metrics")).text
 
     health, metrics = asyncio.run(go())
@@ -830,7 +830,7 @@ def test_set_nodes_waits_for_the_nodes_it_set(cluster: Cluster) -> None:
         asyncio.run(cluster.register("d0"))  # a new epoch: the next refresh challenges d0 again
         wait_for(lambda: len(cluster.nodes.challenged) > asked)
         cluster.set_nodes(["s0"])
-        health = httpx.get(cluster.router + "/health", timeout=10).json()
+        health = httpx2.get(cluster.router + "/health", timeout=10).json()
     finally:
         cluster.nodes.challenge_delay_s = 0.0
     assert (health["status"], health["mode"], health["nodes"]) == ("ok", "single", _health_counts(single=1))
@@ -839,14 +839,16 @@ def test_set_nodes_waits_for_the_nodes_it_set(cluster: Cluster) -> None:
 def test_redis_down_routes_load_only(cluster: Cluster, redis_server: LocalRedis) -> None:
     cluster.set_nodes(["s0"])
     ok = {"status": "ok", "mode": "single", "nodes": _health_counts(single=1)}
-    assert httpx.get(cluster.router + "/health", timeout=10).json() == {**ok, "index": "ok"}
+    assert httpx2.get(cluster.router + "/health", timeout=10).json() == {**ok, "index": "ok"}
     redis_server.stop()
     time.sleep(0.1)
     r = cluster.post("/v1/chat/completions", CHAT)
     assert r.status_code == 200, r.text
-    r = httpx.get(cluster.router + "/health", timeout=10)
+    r = httpx2.get(cluster.router + "/health", timeout=10)
     assert (r.status_code, r.json()) == (200, {**ok, "index": "unavailable"})  # serving on the last list
-    assert "pdserve_router_index_unavailable_total" in httpx.get(cluster.router + "/metrics", timeout=10).text
+    assert (
+        "pdserve_router_index_unavailable_total" in httpx2.get(cluster.router + "/metrics", timeout=10).text
+    )
 
 
 def test_api_keys_gate_requests_and_salt_the_tenant(redis_url: str, tokenizer: Tokenizer) -> None:
@@ -856,8 +858,8 @@ def test_api_keys_gate_requests_and_salt_the_tenant(redis_url: str, tokenizer: T
     )
     app = create_app(config, tokenizer, BlockIndex(redis, KEYS))
 
-    async def go() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+    async def go() -> tuple[httpx2.Response, httpx2.Response]:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://r") as client:
             missing = await client.post("/v1/chat/completions", json=CHAT)
             wrong = await client.post(
                 "/v1/chat/completions", json=CHAT, headers={"authorization": "Bearer k2"}

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.tests.harness import cluster_fixture
@@ -62,12 +62,12 @@ def _cpu_s(pid: int) -> float:
 
 
 def _metrics(base: str) -> str:
-    r = httpx.get(f"{base}/metrics", headers=_auth(), timeout=30)
+    r = httpx2.get(f"{base}/metrics", headers=_auth(), timeout=30)
     assert r.status_code == 200, r.text[:300]
     return r.text
 
 
-def _error(r: httpx.Response, *statuses: int) -> dict[str, Any]:
+def _error(r: httpx2.Response, *statuses: int) -> dict[str, Any]:
     assert r.status_code in statuses, (r.status_code, r.text[:300])
     schema.validate(r.json(), "ErrorResponse")
     return dict(r.json()["error"])
@@ -104,7 +104,7 @@ async def _slow_client(port: int, head: bytes, body: bytes, started: float) -> t
 
 def _normal_requests(base: str, stop_at: float) -> list[float]:
     latencies = []
-    with httpx.Client(base_url=base, headers=_auth(), timeout=60) as client:
+    with httpx2.Client(base_url=base, headers=_auth(), timeout=60) as client:
         while time.monotonic() < stop_at:
             t0 = time.perf_counter()
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
@@ -148,8 +148,8 @@ def test_slowloris_sockets_are_closed_while_requests_go_on(
     assert max(t for _, t in closes) < BODY_TIMEOUT_S + 10  # generous slack: the bound, not a speed
     assert during, "no normal request finished during the attack"
     # the closed sockets gave their places back: the attacker's address is served again
-    transport = httpx.HTTPTransport(local_address=ATTACKER)
-    with httpx.Client(base_url=cluster.base, headers=_auth(), transport=transport, timeout=30) as again:
+    transport = httpx2.HTTPTransport(local_address=ATTACKER)
+    with httpx2.Client(base_url=cluster.base, headers=_auth(), transport=transport, timeout=30) as again:
         assert again.get("/v1/models").status_code == 200
 
 
@@ -162,12 +162,12 @@ def test_a_3mb_chat_body_is_refused_before_tokenizing(live: tuple[cluster_fixtur
     n = 5
     cpu0 = _cpu_s(pid)
     for _ in range(n):
-        r = httpx.post(f"{cluster.base}/v1/chat/completions", content=big, timeout=60,
+        r = httpx2.post(f"{cluster.base}/v1/chat/completions", content=big, timeout=60,
                        headers={**_auth(), "content-type": "application/json"})  # fmt: skip
         _error(r, 400, 413)
     cpu = (_cpu_s(pid) - cpu0) / n
     over = {"model": MODEL, "prompt": [5] * 9000, "max_tokens": 2}  # a small body, over the context
-    r = httpx.post(f"{cluster.base}/v1/completions", json=over, headers=_auth(), timeout=60)
+    r = httpx2.post(f"{cluster.base}/v1/completions", json=over, headers=_auth(), timeout=60)
     assert _error(r, 400)["code"] == "context_length_exceeded"
     after = _metrics(cluster.base)
     print(f"\nrouter CPU per refused 3 MB body: {cpu * 1e3:.1f} ms (target < 50 ms)")
@@ -217,17 +217,19 @@ def test_docs_off_metrics_behind_the_key_and_no_redirect(
 ) -> None:
     cluster, other = live
     for path in ("/docs", "/openapi.json", "/redoc"):
-        assert _error(httpx.get(cluster.base + path, headers=_auth(), timeout=10), 404)["code"] == "not_found"
-        assert httpx.get(other + path, timeout=10).status_code == 200, path
-    assert _error(httpx.get(f"{cluster.base}/metrics", timeout=10), 401)
-    assert httpx.get(f"{cluster.base}/metrics", headers=_auth(), timeout=10).status_code == 200
-    assert httpx.get(f"{other}/metrics", timeout=10).status_code == 200  # --metrics-public
+        assert (
+            _error(httpx2.get(cluster.base + path, headers=_auth(), timeout=10), 404)["code"] == "not_found"
+        )
+        assert httpx2.get(other + path, timeout=10).status_code == 200, path
+    assert _error(httpx2.get(f"{cluster.base}/metrics", timeout=10), 401)
+    assert httpx2.get(f"{cluster.base}/metrics", headers=_auth(), timeout=10).status_code == 200
+    assert httpx2.get(f"{other}/metrics", timeout=10).status_code == 200  # --metrics-public
     for base in (cluster.base, other):
-        listed = httpx.get(f"{base}/v1/models", headers=_auth(), timeout=10).json()
+        listed = httpx2.get(f"{base}/v1/models", headers=_auth(), timeout=10).json()
         for path in ("/v1/models/", f"/v1/models/{MODEL}/"):
-            r = httpx.get(base + path, headers={**_auth(), "host": "evil.example"}, timeout=10)
+            r = httpx2.get(base + path, headers={**_auth(), "host": "evil.example"}, timeout=10)
             assert r.status_code == 200 and "location" not in r.headers, (path, r.status_code, r.headers)
-        assert httpx.get(f"{base}/v1/models/", headers=_auth(), timeout=10).json()["data"] == listed["data"]
-        r = httpx.post(f"{base}/v1/completions/", headers=_auth(), timeout=60,
+        assert httpx2.get(f"{base}/v1/models/", headers=_auth(), timeout=10).json()["data"] == listed["data"]
+        r = httpx2.post(f"{base}/v1/completions/", headers=_auth(), timeout=60,
                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
         assert r.status_code == 200, r.text[:300]

@@ -9,7 +9,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
+import httpx2
 import pytest
 from pdserve.tests.harness import cluster_fixture
 
@@ -33,7 +33,7 @@ def test_a_burst_past_the_queue_gets_429_and_every_admitted_request_completes() 
 
         def stream(prompt: str) -> tuple[int, str, str | None]:
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True}
-            with httpx.stream("POST", f"{live.base}/v1/completions", json=body, timeout=300) as r:
+            with httpx2.stream("POST", f"{live.base}/v1/completions", json=body, timeout=300) as r:
                 if r.status_code != 200:
                     r.read()
                     return r.status_code, r.text, r.headers.get("retry-after")
@@ -55,7 +55,7 @@ def test_a_burst_past_the_queue_gets_429_and_every_admitted_request_completes() 
             assert status == 429 and retry_after == "1", (status, body)
             assert json.loads(body)["error"]["code"] == "overloaded"
         assert all(got[i][1] == want[i] for i in admitted), [(got[i][1], want[i]) for i in admitted]
-        metrics = httpx.get(f"{live.base}/metrics", timeout=10).text
+        metrics = httpx2.get(f"{live.base}/metrics", timeout=10).text
         assert cluster_fixture.sample(metrics, "pdserve_router_admission_waits_total") >= 1
         live.wait_clean()
     finally:

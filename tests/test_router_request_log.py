@@ -1,4 +1,4 @@
-"""router/request_log.py over a small FastAPI app, through httpx's ASGI transport: the request id goes out in
+"""router/request_log.py over a small FastAPI app, through httpx2's ASGI transport: the request id goes out in
 X-Request-Id (the client's own when usable), each 5xx is one log line with the id and the cause, an escaping
 exception is logged with the id and re-raised (uvicorn logs its traceback), /health's 503 stays quiet."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import httpx
+import httpx2
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -37,10 +37,10 @@ def _app() -> FastAPI:
     return app
 
 
-def _get(path: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=RequestLog(_app()), raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+def _get(path: str, headers: dict[str, str] | None = None) -> httpx2.Response:
+    async def go() -> httpx2.Response:
+        transport = httpx2.ASGITransport(app=RequestLog(_app()), raise_app_exceptions=False)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://r") as client:
             return await client.get(path, headers=headers)
 
     return asyncio.run(go())

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.redis_launch import LocalRedis
 from pdserve.cli.up import Cluster, free_port, start_redis
@@ -95,8 +95,8 @@ def _wait(what: str, cond: Callable[[], Any], timeout_s: float, poll_s: float = 
 
 
 def _answers(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        httpx.get(url, timeout=2)
+    with contextlib.suppress(httpx2.HTTPError):
+        httpx2.get(url, timeout=2)
         return True
     return False
 
@@ -106,8 +106,8 @@ def _listed(live: cluster_fixture.LiveCluster) -> dict[str, dict[str, Any]]:
     return {n["info"]["node_id"]: n for n in cluster_fixture.kvctl_main(live.redis_url, "nodes")["nodes"]}
 
 
-def _health(live: cluster_fixture.LiveCluster) -> httpx.Response:
-    return httpx.get(f"{live.base}/health", timeout=10)
+def _health(live: cluster_fixture.LiveCluster) -> httpx2.Response:
+    return httpx2.get(f"{live.base}/health", timeout=10)
 
 
 def _start_node(
@@ -166,7 +166,7 @@ def test_defect5_health_is_503_while_no_pair_can_serve(staged: cluster_fixture.L
     r = _wait("the router sees prefill-0", lambda: _health_if(live, "prefill", "ready"), 10)
     assert r.status_code == 503, r.text  # a prefill node alone serves nothing
     assert r.json()["nodes"]["decode"] == NONE
-    refused = httpx.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Rotterdam?"), timeout=60)
+    refused = httpx2.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Rotterdam?"), timeout=60)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_nodes", refused.text
     live.wait_clean()
 
@@ -202,7 +202,7 @@ def test_defect5_health_is_200_once_a_pair_can_serve(staged: cluster_fixture.Liv
     body = r.json()
     assert body["status"] == "ok" and body["index"] == "ok", body
     assert body["nodes"]["prefill"]["ready"] == 1 and body["nodes"]["decode"]["ready"] == 1, body
-    ok = httpx.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Hamburg?"), timeout=180)
+    ok = httpx2.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Hamburg?"), timeout=180)
     assert ok.status_code == 200, ok.text
     live.wait_clean()
 
@@ -211,7 +211,7 @@ def test_defect6_the_router_logs_start_up_every_request_and_every_5xx(
     staged: cluster_fixture.LiveCluster,
 ) -> None:
     live = staged
-    late = httpx.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Antwerp?", timeout=0.001),
+    late = httpx2.post(f"{live.base}/v1/chat/completions", json=_chat("Where is Antwerp?", timeout=0.001),
                       timeout=60)  # fmt: skip
     assert late.status_code == 504, late.text
     request_id = late.headers["x-request-id"]
@@ -245,7 +245,7 @@ def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(
     live = staged
     names = ("prefill-0", "decode-0")
     body = _chat("Which port is the largest in Europe?", max_tokens=12)
-    first = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=180)
+    first = httpx2.post(f"{live.base}/v1/chat/completions", json=body, timeout=180)
     assert first.status_code == 200, first.text
     before = _wait("records settle", lambda: _blocks_settled(live, names), 20)
     logged = {n: len(live.log(n)) for n in names}
@@ -256,7 +256,7 @@ def test_defect3_nodes_register_again_and_resync_after_redis_restarts_empty(
     for n in names:
         assert after[n]["info"]["epoch"] > before[n]["info"]["epoch"], (before[n], after[n])
         assert after[n]["blocks_indexed"] >= before[n]["blocks_indexed"], (before[n], after[n])
-    again = httpx.post(f"{live.base}/v1/chat/completions", json=body, timeout=180)
+    again = httpx2.post(f"{live.base}/v1/chat/completions", json=body, timeout=180)
     assert again.status_code == 200, again.text
     assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
     for n in names:
@@ -280,7 +280,7 @@ def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(
     gen = NodeGenerateRequest(RequestId(f"drain-{os.getpid()}"), tuple(range(100, 140)), params, None,
                               time.time() + 300)  # fmt: skip
     url = f"{node.url}/internal/generate"
-    with httpx.stream("POST", url, content=gen.to_json(), auth=signed(TOKEN), timeout=300) as r:
+    with httpx2.stream("POST", url, content=gen.to_json(), auth=signed(TOKEN), timeout=300) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert next(lines)  # its first step
@@ -300,7 +300,7 @@ def test_defect3_a_draining_node_is_still_draining_after_redis_restarts(
     _wait("/health 200 again", lambda: _health(live).status_code == 200, 15)
 
 
-def _health_if(live: cluster_fixture.LiveCluster, role: str, state: str) -> httpx.Response | None:
+def _health_if(live: cluster_fixture.LiveCluster, role: str, state: str) -> httpx2.Response | None:
     """The router's /health once it counts a `role` node as `state`."""
     r = _health(live)
     return r if r.json()["nodes"][role][state] else None

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
+import httpx2
 import pytest
 from pdserve.cli.up import free_port
 from pdserve.tests.harness import cluster_fixture
@@ -53,9 +53,9 @@ def live(request: pytest.FixtureRequest) -> Iterator[cluster_fixture.LiveCluster
         yield cluster
 
 
-def complete(live: cluster_fixture.LiveCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> httpx.Response:
+def complete(live: cluster_fixture.LiveCluster, prompt: str, max_tokens: int = MAX_TOKENS) -> httpx2.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    return httpx.post(f"{live.base}/v1/completions", json=body, timeout=300)
+    return httpx2.post(f"{live.base}/v1/completions", json=body, timeout=300)
 
 
 def text(live: cluster_fixture.LiveCluster, prompt: str) -> str:
@@ -75,7 +75,7 @@ def test_greedy_text_across_tp_sizes_with_and_without_a_held_prefix(
     sizes = tp_sizes(live)
     p_tp, d_tp = sizes["prefill-0"][0], sizes["decode-0"][0]
     assert sorted((p_tp, d_tp)) == [1, 3] and sizes["decode-0"][1] == ["cpu"] * d_tp
-    metrics = httpx.get(f"{live.nodes['decode-0'].url}/metrics", timeout=10).text
+    metrics = httpx2.get(f"{live.nodes['decode-0'].url}/metrics", timeout=10).text
     assert (
         f'pdserve_node_info{{devices="{",".join(["cpu"] * d_tp)}",role="decode",tp_size="{d_tp}"}} 1.0'
         in metrics

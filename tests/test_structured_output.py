@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-import httpx
+import httpx2
 import jsonschema
 import openai
 import pytest
@@ -88,7 +88,7 @@ def client(live: LiveCluster) -> Iterator[openai.OpenAI]:
 
 
 def post(live: LiveCluster, body: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.post(f"{live.base}/v1/chat/completions", json={"model": MODEL, **body}, timeout=300)
+    r = httpx2.post(f"{live.base}/v1/chat/completions", json={"model": MODEL, **body}, timeout=300)
     assert r.status_code == 200, r.text
     out: dict[str, Any] = r.json()
     schema.validate(out, "CreateChatCompletionResponse")
@@ -99,7 +99,7 @@ def stream(live: LiveCluster, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The chunks of one streamed chat completion, each validated against OpenAI's chunk schema."""
     chunks: list[dict[str, Any]] = []
     payload = {"model": MODEL, **body, "stream": True}
-    with httpx.stream("POST", f"{live.base}/v1/chat/completions", json=payload, timeout=300) as r:
+    with httpx2.stream("POST", f"{live.base}/v1/chat/completions", json=payload, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line:
@@ -220,7 +220,7 @@ def test_bad_constraints_are_400_naming_the_problem(live: LiveCluster) -> None:
         ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0].function.parameters"),
     ):  # fmt: skip
-        r = httpx.post(f"{live.base}/v1/chat/completions",
+        r = httpx2.post(f"{live.base}/v1/chat/completions",
                        json={"model": MODEL, "messages": ASK_WEATHER, **body}, timeout=60)  # fmt: skip
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -298,7 +298,7 @@ def test_leaving_a_constrained_stream_frees_its_matcher(live: LiveCluster) -> No
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long JSON list of words."}],
             "response_format": {"type": "json_object"}, "max_tokens": 400, "temperature": 1.0, "seed": 1,
             "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{live.base}/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx2.stream("POST", f"{live.base}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         got = 0

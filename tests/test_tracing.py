@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.node.node_protocol import NodeGenerateRequest, PrefillRequest
@@ -79,7 +79,7 @@ def test_a_pd_request_is_one_trace_under_the_clients_span(traced: tuple[LiveClus
     body = {"model": served_model_name(), "prompt": "The tallest mountains of the world are the " * 6,
             "max_tokens": 8, "temperature": 0}  # fmt: skip
     headers = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
-    r = httpx.post(f"{live.base}/v1/completions", json=body, headers=headers, timeout=180)
+    r = httpx2.post(f"{live.base}/v1/completions", json=body, headers=headers, timeout=180)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
+import httpx2
 import openai
 import pytest
 from pdserve.tests.harness import cluster_fixture
@@ -283,7 +283,7 @@ def send(client: openai.OpenAI, call: Call) -> Outcome:
             for choice in response.choices:
                 out.texts[choice.index] = out.texts.get(choice.index, "") + _text(choice)
                 out.finish[choice.index] = choice.finish_reason or out.finish.get(choice.index)
-    except (openai.OpenAIError, httpx.HTTPError) as exc:
+    except (openai.OpenAIError, httpx2.HTTPError) as exc:
         out.error = exc
     return out
 
@@ -456,7 +456,7 @@ def test_traffic(seed: int, tmp_path: Path) -> None:
         cpu_s = cluster_cpu_s(live)
         try:
             live.wait_clean(timeout_s=30)
-        except (AssertionError, httpx.HTTPError) as exc:
+        except (AssertionError, httpx2.HTTPError) as exc:
             failures.append(f"audit at the end: {exc!r}")
         print(
             f"traffic seed={seed}: cluster up in {t1 - t0:.1f} s, {len(refs)} references by {t2 - t0:.1f} s, "

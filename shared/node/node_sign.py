@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 
 SCHEME = "PDSERVE-HMAC-SHA256"
 """The `Authorization` scheme of a signed request: `PDSERVE-HMAC-SHA256 t=<unix ms>,n=<32 hex>,s=<64 hex>`."""
@@ -78,15 +78,15 @@ class ClusterKeys:
         return _mac(self._challenge, [nonce.encode(), node_id.encode(), str(epoch).encode()])
 
 
-class SignedRequests(httpx.Auth):
-    """httpx auth that signs every request with the cluster's request key: `httpx.AsyncClient(auth=...)`."""
+class SignedRequests(httpx2.Auth):
+    """httpx2 auth that signs every request with the cluster's request key: `httpx2.AsyncClient(auth=...)`."""
 
     requires_request_body = True
 
     def __init__(self, keys: ClusterKeys) -> None:
         self._keys = keys
 
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+    def auth_flow(self, request: httpx2.Request) -> Generator[httpx2.Request, httpx2.Response, None]:
         request.headers["authorization"] = self._keys.sign_request(
             request.method, request.url.raw_path, request.content
         )
@@ -94,7 +94,7 @@ class SignedRequests(httpx.Auth):
 
 
 def signed(token: str) -> SignedRequests:
-    """The auth a client of a node's internal API passes to httpx (tests and tools hold only the token)."""
+    """The auth a client of a node's internal API passes to httpx2 (tests and tools hold only the token)."""
     return SignedRequests(ClusterKeys(token))
 
 

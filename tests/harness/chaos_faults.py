@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
+import httpx2
 from pdserve.cli.up import start_redis
 from pdserve.tests.harness.cluster_fixture import (
     LiveCluster,
@@ -55,7 +55,7 @@ def reference(
             "max_tokens": max_tokens,
             **(sampling or {"temperature": 0}),
         }
-        r = httpx.post(f"{live.base}/v1/completions", json=body, timeout=120)
+        r = httpx2.post(f"{live.base}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         out[prompt] = r.json()["choices"][0]["text"]
     return out

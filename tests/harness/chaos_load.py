@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Load:
     def _work(self, worker: int) -> None:
         if self._stop.wait(worker * self.stagger_s):
             return
-        with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=10)) as client:
+        with httpx2.Client(timeout=httpx2.Timeout(self.timeout_s, connect=10)) as client:
             n = 0
             while not self._stop.is_set():
                 prompt = self.prompts[(worker + n * len(self._threads)) % len(self.prompts)]
@@ -161,11 +161,11 @@ class Paced(Load):
             self._stop.wait(max(0.0, start + n / self.rate - time.monotonic()))
 
     def _send_one(self, out: Outcome) -> None:
-        with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=10)) as client:
+        with httpx2.Client(timeout=httpx2.Timeout(self.timeout_s, connect=10)) as client:
             send(client, self.base, self._body(out.prompt), out, 0)
 
 
-def send(client: httpx.Client, base: str, body: dict[str, Any], out: Outcome, leave_after: int) -> None:
+def send(client: httpx2.Client, base: str, body: dict[str, Any], out: Outcome, leave_after: int) -> None:
     """One streaming completion, recorded into out; leave_after > 0: leave after that many chunks."""
     finished = False
     try:
@@ -197,9 +197,9 @@ def send(client: httpx.Client, base: str, body: dict[str, Any], out: Outcome, le
                     out.kind = "left"
                     return
             out.kind = "broken"  # the stream ended without [DONE]
-    except httpx.TimeoutException:
+    except httpx2.TimeoutException:
         out.kind = "hung"
-    except httpx.HTTPError as exc:
+    except httpx2.HTTPError as exc:
         out.kind = "broken"
         out.error = {"message": repr(exc)}
     finally:
@@ -222,4 +222,4 @@ def metric_of(base: str, name: str, labels: dict[str, str] | None = None) -> flo
     """One router series summed over matching labels (0.0 when absent)."""
     from pdserve.tests.harness.cluster_fixture import sample
 
-    return sample(httpx.get(f"{base}/metrics", timeout=10).text, name, labels)
+    return sample(httpx2.get(f"{base}/metrics", timeout=10).text, name, labels)

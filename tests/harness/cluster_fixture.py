@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import httpx2
 import openai
 from pdserve.cli.up import MODULES, Cluster, UpConfig, free_port, start_cluster
 from pdserve.shared.node.node_sign import signed
@@ -117,7 +117,7 @@ class LiveCluster:
         """The node's pool audit; it answers between engine steps, so a long prefill step delays it."""
         proc = self.nodes[node]
         token = proc.auth_token or self.auth_token
-        reply = httpx.get(f"{proc.url}/internal/audit", auth=signed(token), timeout=timeout_s)
+        reply = httpx2.get(f"{proc.url}/internal/audit", auth=signed(token), timeout=timeout_s)
         reply.raise_for_status()
         audit: dict[str, int] = reply.json()
         return audit
@@ -140,7 +140,7 @@ class LiveCluster:
 
     def metric(self, node: str, name: str, labels: dict[str, str] | None = None) -> float:
         """The value of one sample on the node's /metrics (0.0 when the series does not exist yet)."""
-        text = httpx.get(f"{self.nodes[node].url}/metrics", timeout=10).text
+        text = httpx2.get(f"{self.nodes[node].url}/metrics", timeout=10).text
         return sample(text, name, labels)
 
 
