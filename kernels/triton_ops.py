@@ -191,12 +191,29 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather
         return
     if src.dtype in FP8_KV_DTYPES or dst.dtype in FP8_KV_DTYPES:  # bytes: no conversion on the way
         assert src.dtype == dst.dtype, f"an FP8 cache copies FP8 blocks, got {src.dtype} into {dst.dtype}"
-        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+    if src.dtype == dst.dtype:  # moved as the widest words the head dim allows: fewer elements a program
+        word = _copy_word(src, dst)
+        src, dst = src.view(word), dst.view(word)
     block_elems = src[0, 0].numel()
     _copy_blocks_kernel[(n, 2, triton.cdiv(block_elems, _COPY_CHUNK))](
         src, dst, ids, src.stride(0), dst.stride(0),
         BLOCK_ELEMS=block_elems, CHUNK=_COPY_CHUNK, GATHER=gather, num_warps=4,
     )  # fmt: skip
+
+
+def _copy_word(*tensors: torch.Tensor) -> torch.dtype:
+    """The widest integer dtype whose size divides every tensor's last-dim bytes, offset and strides: a block
+    copy moves the same bytes as words, so an FP8 cache (1-byte elements) costs no more instructions per byte
+    than a bf16 one."""
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if all(
+            t.stride(-1) == 1 and (t.shape[-1] * t.element_size()) % size == 0
+            and all(n * t.element_size() % size == 0 for n in (t.storage_offset(), *t.stride()[:-1]))
+            for t in tensors
+        ):  # fmt: skip
+            return word
+    return torch.uint8
 
 
 def _check_cache(kv_layer: torch.Tensor) -> None:

@@ -279,11 +279,13 @@ def test_fp8_attention_is_close_to_the_unquantized_cache() -> None:
     assert err.max() < 0.1 and err.mean() < 0.01, (err.max(), err.mean())
 
 
-def test_fp8_blocks_gather_and_scatter_as_bytes() -> None:
+@pytest.mark.parametrize("head_dim", [64, 3])  # moved as int64 words; 3 bytes a head: as bytes
+def test_fp8_blocks_gather_and_scatter_as_bytes(head_dim: int) -> None:
     gen = torch.Generator().manual_seed(33)
-    kv = torch.randn(2, 10, 16, 3, 64, generator=gen).to(FP8)
+    kv = torch.randn(2, 10, 16, 3, head_dim, generator=gen).to(FP8)
     ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
-    out_tri, out_ref = torch.empty(2, 4, 16, 3, 64, dtype=FP8), torch.empty(2, 4, 16, 3, 64, dtype=FP8)
+    out_tri = torch.empty(2, 4, 16, 3, head_dim, dtype=FP8)
+    out_ref = torch.empty(2, 4, 16, 3, head_dim, dtype=FP8)
     TRI.gather_blocks(kv, ids, out_tri)
     REF.gather_blocks(kv, ids, out_ref)
     assert torch.equal(out_tri.view(torch.uint8), out_ref.view(torch.uint8))
