@@ -113,9 +113,8 @@ def base_grid(rows: int, fp8: bool = False) -> list[GemvConfig]:
 
 
 def refinements(best: list[GemvConfig], rows: int) -> list[GemvConfig]:
-    """Split-K for the best few unsplit tiles (one row: 8 too, for the small shapes, now that the splits
-    reduce in the same launch), then other stage counts for the very best."""
-    splits = (2, 4, 8)
+    """Split-K for the best few unsplit tiles, then other stage counts for the very best."""
+    splits = (2, 4) if rows == 1 else (2, 4, 8)
     out = [replace(c, split_k=s) for c in best[: 4 if rows == 1 else 2] for s in splits]
     out += [replace(best[0], num_stages=s) for s in (1, 3, 4) if s != best[0].num_stages] if best else []
     return out

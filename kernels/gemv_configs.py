@@ -22,10 +22,9 @@ TABLE_VERSION = 1
 @dataclass(frozen=True)
 class GemvConfig:
     """Tiles of one launch: each program owns block_n output columns and 1/split_k of K, read in block_k
-    steps. split_k > 1 writes fp32 partial sums that the column block's last split adds in split order
-    (deterministic, same launch). pdl: programmatic dependent launch on sm_90+ (the first weight tile is
-    asked of L2 before the kernel waits for the one before it); ignored elsewhere. Tables written before
-    pdl existed load with it off."""
+    steps. split_k > 1 writes fp32 partial sums that a second kernel adds in split order (deterministic).
+    pdl: programmatic dependent launch on sm_90+ (the first weight tile is asked of L2 before the kernel
+    waits for the one before it); ignored elsewhere. Tables written before pdl existed load with it off."""
 
     block_n: int
     block_k: int

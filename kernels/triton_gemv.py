@@ -1,35 +1,32 @@
 """Triton matrix-vector products for decode: y[M, N] = x[M, K] W[N, K]^T (+ b), M from 1 to 16.
 
-At decode's batch sizes a step is nothing but reading the weights once, and cuBLAS's small-M kernels
-leave HBM bandwidth unused on the 8B layer shapes (well under the copy bandwidth, with split-K reduce
-kernels besides; the figures are in docs/benchmarks.md, GPU decode). Each
-program here owns BLOCK_N output columns for every row of x and streams its [BLOCK_N, K / split_k] slice of
-W once in [BLOCK_N, BLOCK_K] tiles, accumulating in fp32. One row (M = 1) multiplies on CUDA cores;
-several rows go through `tl.dot` with x padded to 16 rows (fp32 operands in IEEE precision, never TF32;
-bf16 widened to fp32 under the CPU interpreter, as in triton_attention.py). Without split-K a product is
-one launch. With split-K (shapes whose output columns give fewer programs than SMs) each program writes its
-slice's fp32 partial sums to a workspace and takes a ticket from its column block's counter; the last of
-the block's splits to arrive adds all the partials in split order, then scales, adds the bias, casts and
-sets the counter back to 0: still one launch (a second one costs a small GEMV as much as ~20 % of its
-bytes), deterministic, and no memset, so it replays inside CUDA graphs. With `pdl` (sm_90+, programmatic
-dependent launch) a program first asks L2 for its first weight tile, then waits for the kernel before it
-(griddepcontrol): the weights never depend on that kernel, so reading them overlaps its tail and the
-launch; x, the workspace, the counters and y are touched only after the wait. One row over several K
-steps sums the products elementwise in an fp32 tile and reduces across the program's threads once, after
-the loop (a reduction per step is a barrier per step), where that tile fits in 32 registers a thread.
-`gemv_silu_mul`
-is the MLP's gate | up product with SiLU(gate) x up in the epilogue: each program reads its outputs' gate
-rows and up rows and writes only [M, F]: per decode layer one launch fewer and no [M, 2F] intermediate.
-The tiles come from the table of kernels/gemv_configs.py (measured per device and shape; the [2F, K] entry
-is measured on the fused kernel), else from its heuristic.
+At decode's batch sizes a step is nothing but reading the weights once, and cuBLAS's small-M kernels leave
+HBM bandwidth unused on the 8B layer shapes (well under the copy bandwidth, with split-K reduce kernels
+besides; the figures are in docs/benchmarks.md, GPU decode). Each program here owns BLOCK_N output columns
+for every row of x and streams its [BLOCK_N, K / split_k] slice of W once in [BLOCK_N, BLOCK_K] tiles,
+accumulating in fp32. One row (M = 1) multiplies on CUDA cores; several rows go through `tl.dot` with x
+padded to 16 rows (fp32 operands in IEEE precision, never TF32; bf16 widened to fp32 under the CPU
+interpreter, as in triton_attention.py). Without split-K a product is one launch. With split-K (shapes whose
+output columns give fewer programs than SMs) each program writes its slice's fp32 partial sums to a
+workspace and a second kernel adds them in split order, then scales, adds the bias and casts: deterministic,
+no atomics, no zeroed workspace. (Reducing in the same launch, the last split of a column block taking a
+ticket from an atomic counter, measured slower on the H200 at most real splits and won no shape:
+docs/benchmarks.md, GPU decode GEMV.) With `pdl` (sm_90+, programmatic dependent launch) a program first
+asks L2 for its first weight tile, then waits for the kernel before it (griddepcontrol): the weights never
+depend on that kernel, so reading them overlaps its tail and the launch; x, the workspace and y are touched
+only after the wait. One row over several K steps sums the products elementwise in an fp32 tile and reduces
+across the program's threads once, after the loop (a reduction per step is a barrier per step), where that
+tile fits in 32 registers a thread. `gemv_silu_mul` is the MLP's gate | up product with SiLU(gate) x up in
+the epilogue: each program reads its outputs' gate rows and up rows and writes only [M, F]: per decode layer
+one launch fewer and no [M, 2F] intermediate. The tiles come from the table of kernels/gemv_configs.py
+(measured per device and shape; the [2F, K] entry is measured on the fused kernel), else from its heuristic.
 
 Invariants: x and W share a dtype (bf16, fp16 or fp32), or W is float8_e4m3fn with one fp32 scale per
 row (shared/model/fp8.py: widened in registers, the scale applied to the fp32 sum); both have unit stride
 along K; y is new, x's dtype, rounded once from the fp32 sum (x scale, + bias); the fused SiLU x up rounds
 gate, up and silu(gate) where the unfused GEMV and kernels/triton_fused.py's SiLU x up do, so the two give
 the same bits at the same tiles; a split covers a whole number of BLOCK_K steps, so no tile straddles two
-splits; a column block's counter is 0 between launches (the last split resets it) and belongs to one
-(device, stream): launches that share it are ordered; the launcher never synchronises with the device.
+splits; the launcher never synchronises with the device.
 """
 
 from __future__ import annotations
@@ -47,16 +44,16 @@ __all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul"]
 
 MAX_ROWS = 16  # x rows one launch takes; larger batches belong to a GEMM
 _INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; few SMs keep split-K exercised
-_MAX_COUNTERS = 1 << 16  # split-K column blocks per launch; one int32 ticket counter each
+_REDUCE_BLOCK = 256  # output columns per program of the split-K reduction
 _LINE_BYTES = 128  # what one L2 prefetch asks for
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
-    ACC_2D: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+    ACC_2D: tl.constexpr, ACC_G: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split): K_SPLIT is a multiple of BLOCK_K; without SPLIT it covers all of K.
     # GLU: W is [gate; up] ([2F, K], N = 2F) and a program owns BLOCK_N // 2 outputs j, reading gate row j
@@ -78,9 +75,11 @@ def _gemv_kernel(
     if M_PAD == 1:
         # ACC_2D (several K steps per program): products summed elementwise and reduced across the
         # program's threads once, after the loop, not once per step
+        # ACC_G > 1: each thread first adds ACC_G neighbouring products of its own, so the fp32 tile is
+        # ACC_G times smaller (fewer registers, more programs resident, more bytes in flight)
         if ACC_2D:
-            acc_t = tl.zeros((OUT_N, BLOCK_K), dtype=tl.float32)
-            acc_u_t = tl.zeros((OUT_N, BLOCK_K), dtype=tl.float32)
+            acc_t = tl.zeros((OUT_N, BLOCK_K // ACC_G), dtype=tl.float32)
+            acc_u_t = tl.zeros((OUT_N, BLOCK_K // ACC_G), dtype=tl.float32)
         acc = tl.zeros((OUT_N,), dtype=tl.float32)
         acc_u = tl.zeros((OUT_N,), dtype=tl.float32)
         for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
@@ -92,11 +91,11 @@ def _gemv_kernel(
             if GLU:
                 u = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
                 if ACC_2D:
-                    acc_u_t += u.to(tl.float32) * x
+                    acc_u_t += _grouped(u.to(tl.float32) * x, ACC_G)
                 else:
                     acc_u += tl.sum(u.to(tl.float32) * x, axis=1)
             if ACC_2D:
-                acc_t += w.to(tl.float32) * x
+                acc_t += _grouped(w.to(tl.float32) * x, ACC_G)
             else:
                 acc += tl.sum(w.to(tl.float32) * x, axis=1)
         if ACC_2D:
@@ -107,8 +106,6 @@ def _gemv_kernel(
             tl.store(p_ptr + tl.program_id(1) * N + offs_n, acc, mask=n_mask)
             if GLU:
                 tl.store(p_ptr + tl.program_id(1) * N + n_out + offs_n, acc_u, mask=n_mask)
-            _reduce_if_last(p_ptr, c_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, offs_n, n_mask, n_out,
-                            M_PAD, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
         else:
             out = _epilogue(acc, acc_u, b_ptr, s_ptr, offs_n, n_mask, n_out, y_ptr.dtype.element_ty,
                             HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
@@ -135,12 +132,18 @@ def _gemv_kernel(
             tl.store(part, acc2, mask=out_mask)
             if GLU:
                 tl.store(part + n_out, acc2_u, mask=out_mask)
-            _reduce_if_last(p_ptr, c_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, offs_n, n_mask, n_out,
-                            M_PAD, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
         else:
             out2 = _epilogue(acc2, acc2_u, b_ptr, s_ptr, offs_n[None, :], n_mask[None, :], n_out,
                              y_ptr.dtype.element_ty, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out2, mask=out_mask)
+
+
+@triton.jit
+def _grouped(prod, G: tl.constexpr):
+    # [R, C] -> [R, C // G]: sums of G neighbours along C (one thread's contiguous elements)
+    if G == 1:
+        return prod
+    return tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // G, G)), axis=2)
 
 
 @triton.jit
@@ -162,30 +165,25 @@ def _epilogue(acc, acc_u, b_ptr, s_ptr, offs, mask, n_out, OUT_TY: tl.constexpr,
 
 
 @triton.jit
-def _reduce_if_last(p_ptr, c_ptr, b_ptr, s_ptr, y_ptr, M, N, stride_ym, offs_n, n_mask, n_out,
-                    M_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                    GLU: tl.constexpr):  # fmt: skip
-    # split-K, after this program stored its partials [SPLITS, M, N]: the barrier orders every thread's
-    # stores before the ticket, whose acq_rel atomic (GPU scope) publishes them and, for the last split to
-    # arrive, acquires the others'. That one adds the partials in split order (the same bits whichever split
-    # is last; .cg reads L2, not a stale L1 line of an earlier launch) and zeroes the counter for the next
-    # launch. Under the CPU interpreter programs run one after another: the last one is the last split.
-    tl.debug_barrier()
-    ticket = tl.atomic_add(c_ptr + tl.program_id(0), 1, sem="acq_rel")
-    if ticket == tl.num_programs(1) - 1:
-        offs_m = tl.arange(0, M_PAD)
-        mask = (offs_m < M)[:, None] & n_mask[None, :]
-        acc = tl.zeros((M_PAD, offs_n.shape[0]), dtype=tl.float32)
-        acc_u = tl.zeros((M_PAD, offs_n.shape[0]), dtype=tl.float32)
-        for s in range(0, tl.num_programs(1)):
-            part = p_ptr + (s * M + offs_m[:, None]) * N + offs_n[None, :]
-            acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-            if GLU:
-                acc_u += tl.load(part + n_out, mask=mask, other=0.0, cache_modifier=".cg")
-        out = _epilogue(acc, acc_u, b_ptr, s_ptr, offs_n[None, :], n_mask[None, :], n_out,
-                        y_ptr.dtype.element_ty, HAS_BIAS, HAS_SCALE, GLU)  # fmt: skip
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=mask)
-        tl.store(c_ptr + tl.program_id(0), 0)
+def _splitk_reduce_kernel(
+    p_ptr, b_ptr, s_ptr, y_ptr, M, N, SPLITS, stride_ym,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # program (column block, row): adds the partials [SPLITS, M, N] in split order, the same every run;
+    # GLU: output column j from partial columns j (gate) and N / 2 + j (up)
+    row = tl.program_id(1)
+    n_out = N // 2 if GLU else N
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_out
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(p_ptr + (s * M + row) * N + offs, mask=mask, other=0.0)
+        if GLU:
+            acc_u += tl.load(p_ptr + (s * M + row) * N + n_out + offs, mask=mask, other=0.0)
+    out = _epilogue(acc, acc_u, b_ptr, s_ptr, offs, mask, n_out, y_ptr.dtype.element_ty, HAS_BIAS, HAS_SCALE,
+                    GLU)  # fmt: skip
+    tl.store(y_ptr + row * stride_ym + offs, out, mask=mask)
 
 
 @triton.jit
@@ -207,19 +205,6 @@ def _device_facts(device: torch.device) -> tuple[str, int, bool]:
         return "cpu", _INTERPRETER_SM_COUNT, False
     props = torch.cuda.get_device_properties(device)
     return torch.cuda.get_device_name(device), int(props.multi_processor_count), props.major >= 9
-
-
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """The split-K ticket counters of the current stream on `device` ([_MAX_COUNTERS] int32, zero between
-    launches): made once per (device, stream), so that launches sharing them are ordered."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _counters:
-        _counters[key] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[key]
 
 
 def choose_config(device: torch.device, weight_dtype: torch.dtype, n: int, k: int, rows: int) -> GemvConfig:
@@ -253,7 +238,7 @@ def gemv_silu_mul(
 ) -> torch.Tensor:
     """x: [M, K] with M <= MAX_ROWS; weight: [2F, K] (gate rows, then up rows) as for `gemv` ->
     silu(x gate^T) * (x up^T): [M, F] in x's dtype, the same bits as `gemv` followed by the SiLU x up kernel
-    (kernels/triton_fused.py) at the same tiles, in one launch and without the [M, 2F]
+    (kernels/triton_fused.py) at the same tiles, in one launch (two with split-K) and without the [M, 2F]
     intermediate. `config`: the tiles of the [2F, K] product (block_n counts weight rows, at least 2)."""
     assert weight.shape[0] % 2 == 0, f"gate+up weight must have an even row count, got {tuple(weight.shape)}"
     return _launch(x, weight, None, scale, config, glu=True)
@@ -291,23 +276,25 @@ def _launch(
     k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # rounding k_split up can leave the last splits empty: drop them
     # one row over several K steps: products summed elementwise, reduced once, if the fp32 tile stays
-    # within 32 registers a thread
+    # within 32 registers a thread; FP8 adds 4 neighbours first (ACC_G), which frees registers for more
+    # resident programs (4x1024 at 4 warps: 64 -> 48 a thread)
     acc_2d = m == 1 and k_split > cfg.block_k and block_n * cfg.block_k <= 32 * 32 * cfg.num_warps
-    n_blocks = triton.cdiv(n_out, block_n // 2 if glu else block_n)
     y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    counters = _split_counters(x.device) if split > 1 else y
-    assert split == 1 or n_blocks <= _MAX_COUNTERS, (
-        f"split-K over {n_blocks} column blocks exceeds the {_MAX_COUNTERS} ticket counters: widen block_n"
-    )
     pdl = cfg.pdl and _device_facts(x.device)[2]
-    _gemv_kernel[(n_blocks, split)](
+    _gemv_kernel[(triton.cdiv(n_out, block_n // 2 if glu else block_n), split)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, part,
-        counters, m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
+        m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
-        PDL=pdl, LINE=_LINE_BYTES // weight.element_size(),
+        ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, LINE=_LINE_BYTES // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
+    if split > 1:
+        _splitk_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK), m)](
+            part, bias if bias is not None else part, scale if scale is not None else part, y,
+            m, n, split, y.stride(0),
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu, BLOCK=_REDUCE_BLOCK, num_warps=4,
+        )  # fmt: skip
     return y
