@@ -430,7 +430,8 @@ def kernel_rows(
         ws.clear()
         cfg = choose_config(dev, wdt, n, k, 1)
         tiles = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}"
-        label = f"GEMV {name} [N={n}, K={k}] {str(wdt).removeprefix('torch.')} ({tiles}{' pdl' * cfg.pdl})"
+        tiles += " pdl" * cfg.pdl + " narrow" * cfg.narrow_w
+        label = f"GEMV {name} [N={n}, K={k}] {str(wdt).removeprefix('torch.')} ({tiles})"
         return label, size + (4 * n if quantized else 0) + 2 * (k + (n // 2 if fused else n)), us
 
     # one layer's tensors (two copies of the weights, so that each layer's launches read HBM)

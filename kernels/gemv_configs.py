@@ -24,7 +24,9 @@ class GemvConfig:
     """Tiles of one launch: each program owns block_n output columns and 1/split_k of K, read in block_k
     steps. split_k > 1 writes fp32 partial sums that a second kernel adds in split order (deterministic).
     pdl: programmatic dependent launch on sm_90+ (the first weight tile is asked of L2 before the kernel
-    waits for the one before it); ignored elsewhere. Tables written before pdl existed load with it off."""
+    waits for the one before it); ignored elsewhere. narrow_w (one row): weight loads of 8 elements a
+    thread, for FP8 the layout of bf16 x's loads, so x needs no relayout per K step (no-op for bf16). Tables
+    written before these fields existed load with them off."""
 
     block_n: int
     block_k: int
@@ -32,6 +34,7 @@ class GemvConfig:
     num_stages: int
     split_k: int = 1
     pdl: bool = False
+    narrow_w: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):

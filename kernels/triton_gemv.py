@@ -53,7 +53,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
-    ACC_2D: tl.constexpr, ACC_G: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr,
+    ACC_2D: tl.constexpr, ACC_G: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, W_VEC: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split): K_SPLIT is a multiple of BLOCK_K; without SPLIT it covers all of K.
     # GLU: W is [gate; up] ([2F, K], N = 2F) and a program owns BLOCK_N // 2 outputs j, reading gate row j
@@ -87,9 +87,12 @@ def _gemv_kernel(
             k_mask = kk < K
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+            # W_VEC: weight loads of W_VEC elements a thread; FP8 at 8 takes bf16 x's layout (16-byte loads),
+            # so x is not relaid out through shared memory, between two barriers, every K step
+            kw = tl.max_contiguous(kk, W_VEC) if W_VEC > 0 else kk
+            w = tl.load(w_rows + kw[None, :], mask=w_mask, other=0.0)
             if GLU:
-                u = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
+                u = tl.load(u_rows + kw[None, :], mask=w_mask, other=0.0)
                 if ACC_2D:
                     acc_u_t += _grouped(u.to(tl.float32) * x, ACC_G)
                 else:
@@ -289,6 +292,7 @@ def _launch(
         M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
         ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, LINE=_LINE_BYTES // weight.element_size(),
+        W_VEC=8 if cfg.narrow_w and m == 1 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if split > 1:

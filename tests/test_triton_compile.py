@@ -68,7 +68,8 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
             gemv = {"HAS_BIAS": rows == 1 and not glu, "HAS_SCALE": weight == "fp8e4nv", "M_PAD": rows,
                     "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_DTYPE": dot, "SPLIT": split, "GLU": glu,
                     "ACC_2D": acc_2d, "ACC_G": 4 if acc_2d and weight == "fp8e4nv" else 1,
-                    "PDL": split != glu, "LINE": 128 if weight == "fp8e4nv" else 64}  # fmt: skip
+                    "PDL": split != glu, "LINE": 128 if weight == "fp8e4nv" else 64,
+                    "W_VEC": 8 if weight == "fp8e4nv" and glu else 0}  # fmt: skip
             cases.append(("pdserve.kernels.triton_gemv", "_gemv_kernel", {**ptrs, **gemv}))
         for glu in (False, True):
             reduce = {"p_ptr": "*fp32", "b_ptr": f"*{dtype}", "s_ptr": "*fp32", "y_ptr": f"*{dtype}",

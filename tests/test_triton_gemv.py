@@ -63,14 +63,18 @@ def test_shapes_are_checked() -> None:
 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_weights_with_row_scales(rows: int, dtype: torch.dtype) -> None:
-    # W = q * scale[:, None]: the kernel widens q in registers and scales the fp32 sum (shared/model/fp8.py)
+@pytest.mark.parametrize("narrow", [False, True])
+def test_fp8_weights_with_row_scales(rows: int, dtype: torch.dtype, narrow: bool) -> None:
+    # W = q * scale[:, None]: the kernel widens q in registers and scales the fp32 sum (shared/model/fp8.py);
+    # narrow_w (8-element weight loads, one row only) changes the loads' layout, not the result
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(rows, 100, generator=gen).to(DEV, dtype)
     q = (torch.randn(70, 100, generator=gen) * 100).to(torch.float8_e4m3fn).to(DEV)
     scale = (torch.rand(70, generator=gen) * 1e-3 + 1e-4).to(DEV)
     b = torch.randn(70, generator=gen).to(DEV, dtype)
-    got = gemv(x, q, b, GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2), scale=scale)
+    got = gemv(
+        x, q, b, GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, narrow_w=narrow), scale=scale
+    )
     want = _want(x, q.float() * scale[:, None], b)
     assert got.dtype == dtype and got.shape == (rows, 70)
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * want.float().abs().max().item()
@@ -183,7 +187,9 @@ def test_gemv_silu_mul_matches_unfused(rows: int, dtype: torch.dtype, split_k: i
         w = (w * 50).to(torch.float8_e4m3fn).to(DEV)
     else:
         w = w.to(DEV, dtype)
-    cfg = GemvConfig(block_n=32 if rows > 1 else 4, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    cfg = GemvConfig(
+        block_n=32 if rows > 1 else 4, block_k=64, num_warps=4, num_stages=2, split_k=split_k, narrow_w=fp8
+    )
     got = gemv_silu_mul(x, w, cfg, scale=scale)
     assert got.dtype == dtype and got.shape == (rows, 35)
     assert torch.equal(got, silu_mul(gemv(x, w, None, cfg, scale=scale)))
@@ -221,6 +227,8 @@ def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert max(c.block_n * c.block_k for c in fp8) == 32768 and set(bf16) < set(fp8)
     ranked = [GemvConfig(2, 4096, 4, 2, split_k=s) for s in (4, 1, 2, 8)]
     assert gemv_sweep.with_pdl(ranked) == [replace(c, pdl=True) for c in ranked[:3]]
+    assert gemv_sweep.with_narrow(ranked, 1, fp8=True) == [replace(c, narrow_w=True) for c in ranked]
+    assert gemv_sweep.with_narrow(ranked, 4, fp8=True) == gemv_sweep.with_narrow(ranked, 1, fp8=False) == []
     shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
     assert [s.name for s in shapes] == ["qkv", "o", "gate_up", "down", "lm_head"]
     gate_up = shapes[2]
