@@ -10,16 +10,16 @@ Llama-3.1-8B at TP=1 and TP=2 and Llama-3.1-70B at TP=2 (`--models` picks fewer)
 (shared/model/parallel.py), at M = 1 (a fine grid; FP8 weights: tiles of up to twice the elements, the
 same bytes), then M = 4 and 16 (a coarse one). gate+up is timed as the model runs it, with SiLU x up in
 the GEMV's epilogue (kernels/triton_gemv.py's `gemv_silu_mul`), and checked against silu(gate) * up.
-Each candidate (block_n, block_k, num_warps,
-num_stages, split_k), the launcher's current choice first (the table's or the heuristic's: "current µs"), is
-checked against torch in fp32 (max error <= 2^-6 of the largest output) and timed as a CUDA graph of
-back-to-back launches that rotate over enough copies of the weight to exceed the L2 cache several times, so
-every launch reads its weight from HBM, as decode does. cuBLAS (`F.linear`) is timed the same way.
-Bytes: weight (+ FP8 scales) + x + y. The copy bandwidth counts bytes read plus written (as
-benchmarks/gpu_decode.py). A config that fails to compile, run or verify prints one line and is skipped; once
-`--budget-s` is spent the sweep stops and still prints and writes what it has. Kernels are compiled once
-for all shapes first (compilation depends on the tiles, not on N or K), so the budget left is shared
-fairly between the shapes.
+Each candidate (block_n, block_k, num_warps, num_stages, split_k; FP8 at one row: narrow_w on the best six;
+pdl, programmatic dependent launch, on the best three), the launcher's current choice first (the table's or
+the heuristic's: "current µs"), is checked against torch in fp32 (max error <= 2^-6 of the largest output)
+and timed as a CUDA graph of back-to-back launches that rotate over enough copies of the weight to exceed
+the L2 cache several times, so every launch reads its weight from HBM, as decode does. cuBLAS (`F.linear`)
+is timed the same way. Bytes: weight (+ FP8 scales) + x + y. The copy bandwidth counts bytes read plus
+written (as benchmarks/gpu_decode.py). A config that fails to compile, run or verify prints one line and is
+skipped; once `--budget-s` is spent the sweep stops and still prints and writes what it has. Kernels are
+compiled once for all shapes first (compilation depends on the tiles, not on N or K), so the budget left is
+shared fairly between the shapes.
 """
 
 from __future__ import annotations
@@ -121,6 +121,16 @@ def refinements(best: list[GemvConfig], rows: int) -> list[GemvConfig]:
     return out
 
 
+def with_narrow(ranked: list[GemvConfig], rows: int, fp8: bool) -> list[GemvConfig]:
+    """FP8 at one row: 8-element weight loads (x's layout) for the best six configs measured."""
+    return [replace(c, narrow_w=True) for c in ranked[:6] if not c.narrow_w] if fp8 and rows == 1 else []
+
+
+def with_pdl(ranked: list[GemvConfig]) -> list[GemvConfig]:
+    """Programmatic dependent launch for the best three configs measured, split or not."""
+    return [replace(c, pdl=True) for c in ranked[:3] if not c.pdl]
+
+
 def log(msg: str) -> None:
     print(f"[gemv_sweep {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -208,6 +218,9 @@ class Bench:
         ranked = [GemvConfig(**t["config"]) for t in sorted(res.timed(), key=lambda t: t["us"])]
         for cfg in refinements([c for c in ranked if c.split_k == 1], rows):
             run(cfg)
+        for extra in (partial(with_narrow, rows=rows, fp8=self.fp8), with_pdl):
+            for cfg in extra([GemvConfig(**t["config"]) for t in sorted(res.timed(), key=lambda t: t["us"])]):
+                run(cfg)
 
 
 def precompile(
@@ -240,13 +253,14 @@ def gemv_bytes(shape: Shape, rows: int, fp8: bool) -> int:
 
 
 def fmt_cfg(c: dict[str, Any]) -> str:
-    return f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} k{c['split_k']}"
+    flags = (" pdl" if c.get("pdl") else "") + (" narrow" if c.get("narrow_w") else "")
+    return f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} k{c['split_k']}{flags}"
 
 
 def markdown(shape: Shape, results: list[Result], copy_bw: float, fp8: bool) -> str:
     lines = [f"### {shape.label}", "",
-             "| M | best config (n x k, warps, stages, split) | µs | GiB/s | % of copy | current µs | "
-             "cuBLAS µs | tried / failed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| M | best config (n x k, warps, stages, split, PDL, narrow) | µs | GiB/s | % of copy | "
+             "current µs | cuBLAS µs | tried / failed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         best, tried = r.best(), len(r.tried)
         failed = tried - len(r.timed())

@@ -429,8 +429,9 @@ def kernel_rows(
         us = graph_us([partial(fn, xk, w, scale=s) for w, s in ws])
         ws.clear()
         cfg = choose_config(dev, wdt, n, k, 1)
-        label = (f"GEMV {name} [N={n}, K={k}] {str(wdt).removeprefix('torch.')} ({cfg.block_n}x{cfg.block_k} "
-                 f"w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k})")  # fmt: skip
+        tiles = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}"
+        tiles += " pdl" * cfg.pdl + " narrow" * cfg.narrow_w
+        label = f"GEMV {name} [N={n}, K={k}] {str(wdt).removeprefix('torch.')} ({tiles})"
         return label, size + (4 * n if quantized else 0) + 2 * (k + (n // 2 if fused else n)), us
 
     # one layer's tensors (two copies of the weights, so that each layer's launches read HBM)

@@ -10,7 +10,7 @@ to the bucket it is tuned under; the table is read once, at import, and never ch
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,19 @@ TABLE_VERSION = 1
 @dataclass(frozen=True)
 class GemvConfig:
     """Tiles of one launch: each program owns block_n output columns and 1/split_k of K, read in block_k
-    steps. split_k > 1 writes fp32 partial sums that a second kernel adds in split order (deterministic)."""
+    steps. split_k > 1 writes fp32 partial sums that a second kernel adds in split order (deterministic).
+    pdl: programmatic dependent launch on sm_90+ (the first weight tile is asked of L2 before the kernel
+    waits for the one before it); ignored elsewhere. narrow_w (one row): weight loads of 8 elements a
+    thread, for FP8 the layout of bf16 x's loads, so x needs no relayout per K step (no-op for bf16). Tables
+    written before these fields existed load with them off."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     split_k: int = 1
+    pdl: bool = False
+    narrow_w: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "num_warps"):
@@ -74,7 +80,7 @@ def default_config(n: int, k: int, rows: int, sm_count: int) -> GemvConfig:
     if programs >= sm_count:
         return cfg
     split = min(-(-2 * sm_count // programs), max(1, k // (2 * cfg.block_k)))
-    return GemvConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split_k=split)
+    return replace(cfg, split_k=split)
 
 
 def parse_table(doc: dict[str, Any]) -> dict[TableKey, GemvConfig]:

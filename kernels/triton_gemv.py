@@ -1,21 +1,25 @@
 """Triton matrix-vector products for decode: y[M, N] = x[M, K] W[N, K]^T (+ b), M from 1 to 16.
 
-At decode's batch sizes a step is nothing but reading the weights once, and cuBLAS's small-M kernels
-leave HBM bandwidth unused on the 8B layer shapes (well under the copy bandwidth, with split-K reduce
-kernels besides; the figures are in docs/benchmarks.md, GPU decode). Each
-program here owns BLOCK_N output columns for every row of x and streams its [BLOCK_N, K / split_k] slice of
-W once in [BLOCK_N, BLOCK_K] tiles, accumulating in fp32. One row (M = 1) multiplies on CUDA cores;
-several rows go through `tl.dot` with x padded to 16 rows (fp32 operands in IEEE precision, never TF32;
-bf16 widened to fp32 under the CPU interpreter, as in triton_attention.py). Without split-K a product is
-one launch. With split-K (shapes whose output columns give fewer programs than SMs) each program writes its
-slice's fp32 partial sums to a workspace and a second kernel adds them in split order, then scales, adds
-the bias and casts: deterministic, no atomics, no zeroed workspace. One row over several K steps sums the
-products elementwise in an fp32 tile and reduces across the program's threads once, after the loop (a
-reduction per step is a barrier per step), where that tile fits in 32 registers a thread. `gemv_silu_mul`
-is the MLP's gate | up product with SiLU(gate) x up in the epilogue: each program reads its outputs' gate
-rows and up rows and writes only [M, F]: per decode layer one launch fewer and no [M, 2F] intermediate.
-The tiles come from the table of kernels/gemv_configs.py (measured per device and shape; the [2F, K] entry
-is measured on the fused kernel), else from its heuristic.
+At decode's batch sizes a step is nothing but reading the weights once, and cuBLAS's small-M kernels leave
+HBM bandwidth unused on the 8B layer shapes (well under the copy bandwidth, with split-K reduce kernels
+besides; the figures are in docs/benchmarks.md, GPU decode). Each program here owns BLOCK_N output columns
+for every row of x and streams its [BLOCK_N, K / split_k] slice of W once in [BLOCK_N, BLOCK_K] tiles,
+accumulating in fp32. One row (M = 1) multiplies on CUDA cores; several rows go through `tl.dot` with x
+padded to 16 rows (fp32 operands in IEEE precision, never TF32; bf16 widened to fp32 under the CPU
+interpreter, as in triton_attention.py). Without split-K a product is one launch. With split-K (shapes whose
+output columns give fewer programs than SMs) each program writes its slice's fp32 partial sums to a
+workspace and a second kernel adds them in split order, then scales, adds the bias and casts: deterministic,
+no atomics, no zeroed workspace. (Reducing in the same launch, the last split of a column block taking a
+ticket from an atomic counter, measured slower on the H200 at most real splits and won no shape:
+docs/benchmarks.md, GPU decode GEMV.) With `pdl` (sm_90+, programmatic dependent launch) a program first
+asks L2 for its first weight tile, then waits for the kernel before it (griddepcontrol): the weights never
+depend on that kernel, so reading them overlaps its tail and the launch; x, the workspace and y are touched
+only after the wait. One row over several K steps sums the products elementwise in an fp32 tile and reduces
+across the program's threads once, after the loop (a reduction per step is a barrier per step), where that
+tile fits in 32 registers a thread. `gemv_silu_mul` is the MLP's gate | up product with SiLU(gate) x up in
+the epilogue: each program reads its outputs' gate rows and up rows and writes only [M, F]: per decode layer
+one launch fewer and no [M, 2F] intermediate. The tiles come from the table of kernels/gemv_configs.py
+(measured per device and shape; the [2F, K] entry is measured on the fused kernel), else from its heuristic.
 
 Invariants: x and W share a dtype (bf16, fp16 or fp32), or W is float8_e4m3fn with one fp32 scale per
 row (shared/model/fp8.py: widened in registers, the scale applied to the fp32 sum); both have unit stride
@@ -34,12 +38,14 @@ import triton
 import triton.language as tl
 from pdserve.kernels.gemv_configs import TUNED, GemvConfig, TableKey, default_config, m_bucket
 from pdserve.kernels.triton_attention import dot_dtype
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul"]
 
 MAX_ROWS = 16  # x rows one launch takes; larger batches belong to a GEMM
 _INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; few SMs keep split-K exercised
 _REDUCE_BLOCK = 256  # output columns per program of the split-K reduction
+_LINE_BYTES = 128  # what one L2 prefetch asks for
 
 
 @triton.jit
@@ -47,7 +53,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
-    ACC_2D: tl.constexpr,
+    ACC_2D: tl.constexpr, ACC_G: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, W_VEC: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split): K_SPLIT is a multiple of BLOCK_K; without SPLIT it covers all of K.
     # GLU: W is [gate; up] ([2F, K], N = 2F) and a program owns BLOCK_N // 2 outputs j, reading gate row j
@@ -60,12 +66,20 @@ def _gemv_kernel(
     n_mask = offs_n < n_out
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     u_rows = w_rows + n_out * stride_wn  # GLU: the up rows
+    if PDL:  # LINE: weight elements per 128-byte line
+        _prefetch_l2(w_ptr, w_rows, k_lo, K, n_mask, BLOCK_K, LINE)
+        if GLU:
+            _prefetch_l2(w_ptr, u_rows, k_lo, K, n_mask, BLOCK_K, LINE)
+        gdc_wait()
+        gdc_launch_dependents()
     if M_PAD == 1:
         # ACC_2D (several K steps per program): products summed elementwise and reduced across the
         # program's threads once, after the loop, not once per step
+        # ACC_G > 1: each thread first adds ACC_G neighbouring products of its own, so the fp32 tile is
+        # ACC_G times smaller (fewer registers, more programs resident, more bytes in flight)
         if ACC_2D:
-            acc_t = tl.zeros((OUT_N, BLOCK_K), dtype=tl.float32)
-            acc_u_t = tl.zeros((OUT_N, BLOCK_K), dtype=tl.float32)
+            acc_t = tl.zeros((OUT_N, BLOCK_K // ACC_G), dtype=tl.float32)
+            acc_u_t = tl.zeros((OUT_N, BLOCK_K // ACC_G), dtype=tl.float32)
         acc = tl.zeros((OUT_N,), dtype=tl.float32)
         acc_u = tl.zeros((OUT_N,), dtype=tl.float32)
         for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
@@ -73,15 +87,18 @@ def _gemv_kernel(
             k_mask = kk < K
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+            # W_VEC: weight loads of W_VEC elements a thread; FP8 at 8 takes bf16 x's layout (16-byte loads),
+            # so x is not relaid out through shared memory, between two barriers, every K step
+            kw = tl.max_contiguous(kk, W_VEC) if W_VEC > 0 else kk
+            w = tl.load(w_rows + kw[None, :], mask=w_mask, other=0.0)
             if GLU:
-                u = tl.load(u_rows + kk[None, :], mask=w_mask, other=0.0)
+                u = tl.load(u_rows + kw[None, :], mask=w_mask, other=0.0)
                 if ACC_2D:
-                    acc_u_t += u.to(tl.float32) * x
+                    acc_u_t += _grouped(u.to(tl.float32) * x, ACC_G)
                 else:
                     acc_u += tl.sum(u.to(tl.float32) * x, axis=1)
             if ACC_2D:
-                acc_t += w.to(tl.float32) * x
+                acc_t += _grouped(w.to(tl.float32) * x, ACC_G)
             else:
                 acc += tl.sum(w.to(tl.float32) * x, axis=1)
         if ACC_2D:
@@ -125,6 +142,14 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _grouped(prod, G: tl.constexpr):
+    # [R, C] -> [R, C // G]: sums of G neighbours along C (one thread's contiguous elements)
+    if G == 1:
+        return prod
+    return tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // G, G)), axis=2)
+
+
+@triton.jit
 def _epilogue(acc, acc_u, b_ptr, s_ptr, offs, mask, n_out, OUT_TY: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_SCALE: tl.constexpr, GLU: tl.constexpr):  # fmt: skip
     # fp32 sums -> the output in OUT_TY: x scale, + bias; GLU: gate and up each rounded to OUT_TY as the
@@ -164,19 +189,31 @@ def _splitk_reduce_kernel(
     tl.store(y_ptr + row * stride_ym + offs, out, mask=mask)
 
 
+@triton.jit
+def _prefetch_l2(base, rows, k_lo, K, n_mask, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    # one prefetch per 128-byte line of the program's first [rows, BLOCK_K] tile; lanes outside W ask for
+    # W's first line (base) instead
+    LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K > LINE else 1
+    kk = k_lo + tl.arange(0, LINES) * LINE
+    ptrs = tl.where(n_mask[:, None] & (kk < K)[None, :], rows + kk[None, :], base)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
 @functools.cache
-def _device_facts(device: torch.device) -> tuple[str, int]:
-    """(name as the config table keys it, SM count) of a device; CPU tensors run under the interpreter."""
+def _device_facts(device: torch.device) -> tuple[str, int, bool]:
+    """(name as the config table keys it, SM count, programmatic dependent launch available) of a device;
+    CPU tensors run under the interpreter."""
     if device.type != "cuda":
-        return "cpu", _INTERPRETER_SM_COUNT
+        return "cpu", _INTERPRETER_SM_COUNT, False
     props = torch.cuda.get_device_properties(device)
-    return torch.cuda.get_device_name(device), int(props.multi_processor_count)
+    return torch.cuda.get_device_name(device), int(props.multi_processor_count), props.major >= 9
 
 
 def choose_config(device: torch.device, weight_dtype: torch.dtype, n: int, k: int, rows: int) -> GemvConfig:
     """The measured config of kernels/gemv_configs.json for this device, weight dtype, shape and row bucket,
     else the heuristic's."""
-    name, sms = _device_facts(device)
+    name, sms, _ = _device_facts(device)
     key = TableKey(name, str(weight_dtype).removeprefix("torch."), n, k, m_bucket(rows))
     return TUNED.get(key) or default_config(n, k, rows, sms)
 
@@ -242,17 +279,21 @@ def _launch(
     k_split = triton.cdiv(steps, split) * cfg.block_k
     split = triton.cdiv(k, k_split)  # rounding k_split up can leave the last splits empty: drop them
     # one row over several K steps: products summed elementwise, reduced once, if the fp32 tile stays
-    # within 32 registers a thread
+    # within 32 registers a thread; FP8 adds 4 neighbours first (ACC_G), which frees registers for more
+    # resident programs (4x1024 at 4 warps: 64 -> 48 a thread)
     acc_2d = m == 1 and k_split > cfg.block_k and block_n * cfg.block_k <= 32 * 32 * cfg.num_warps
     y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
+    pdl = cfg.pdl and _device_facts(x.device)[2]
     _gemv_kernel[(triton.cdiv(n_out, block_n // 2 if glu else block_n), split)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, part,
         m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, LINE=_LINE_BYTES // weight.element_size(),
+        W_VEC=8 if cfg.narrow_w and m == 1 else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK), m)](

@@ -59,6 +59,7 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
                                ("bf16", "fp8e4nv", tl.bfloat16)):  # fmt: skip
         # (rows, block_n, block_k, one fp32 tile summed over the K steps); GLU: gate+up with SiLU x up
         gemv_tiles = ((1, 2, 4096, False), (1, 2, 1024, True), (16, 32, 256, False))
+        # PDL: the first weight tile prefetched into L2 before the grid dependency wait
         for (rows, block_n, block_k, acc_2d), split, glu in itertools.product(
             gemv_tiles, (False, True), (False, True)
         ):
@@ -66,7 +67,9 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
                     "y_ptr": f"*{dtype}", "p_ptr": "*fp32" if split else f"*{dtype}"}  # fmt: skip
             gemv = {"HAS_BIAS": rows == 1 and not glu, "HAS_SCALE": weight == "fp8e4nv", "M_PAD": rows,
                     "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_DTYPE": dot, "SPLIT": split, "GLU": glu,
-                    "ACC_2D": acc_2d}  # fmt: skip
+                    "ACC_2D": acc_2d, "ACC_G": 4 if acc_2d and weight == "fp8e4nv" else 1,
+                    "PDL": split != glu, "LINE": 128 if weight == "fp8e4nv" else 64,
+                    "W_VEC": 8 if weight == "fp8e4nv" and glu else 0}  # fmt: skip
             cases.append(("pdserve.kernels.triton_gemv", "_gemv_kernel", {**ptrs, **gemv}))
         for glu in (False, True):
             reduce = {"p_ptr": "*fp32", "b_ptr": f"*{dtype}", "s_ptr": "*fp32", "y_ptr": f"*{dtype}",

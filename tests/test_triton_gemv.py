@@ -5,6 +5,8 @@ matmul backend."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,14 +63,18 @@ def test_shapes_are_checked() -> None:
 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_weights_with_row_scales(rows: int, dtype: torch.dtype) -> None:
-    # W = q * scale[:, None]: the kernel widens q in registers and scales the fp32 sum (shared/model/fp8.py)
+@pytest.mark.parametrize("narrow", [False, True])
+def test_fp8_weights_with_row_scales(rows: int, dtype: torch.dtype, narrow: bool) -> None:
+    # W = q * scale[:, None]: the kernel widens q in registers and scales the fp32 sum (shared/model/fp8.py);
+    # narrow_w (8-element weight loads, one row only) changes the loads' layout, not the result
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(rows, 100, generator=gen).to(DEV, dtype)
     q = (torch.randn(70, 100, generator=gen) * 100).to(torch.float8_e4m3fn).to(DEV)
     scale = (torch.rand(70, generator=gen) * 1e-3 + 1e-4).to(DEV)
     b = torch.randn(70, generator=gen).to(DEV, dtype)
-    got = gemv(x, q, b, GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2), scale=scale)
+    got = gemv(
+        x, q, b, GemvConfig(block_n=16, block_k=32, num_warps=4, num_stages=2, narrow_w=narrow), scale=scale
+    )
     want = _want(x, q.float() * scale[:, None], b)
     assert got.dtype == dtype and got.shape == (rows, 70)
     assert (got.float() - want.float()).abs().max().item() <= TOL[dtype] * want.float().abs().max().item()
@@ -94,6 +100,19 @@ def test_split_k_matches_linear(rows: int, split_k: int) -> None:
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 70)
     assert _rel_err(got, want) <= TOL[torch.bfloat16]
     assert torch.equal(gemv(x, w, b, cfg), got)  # partials added in split order: the same bits every run
+
+
+def test_pdl_is_a_config_field_that_old_tables_lack() -> None:
+    # tables written before `pdl` existed load with it off; on the CPU a pdl config runs as a plain launch
+    old = {"version": 1, "configs": [{"device": "cpu", "weight": "float32", "n": 8, "k": 64, "m_bucket": 1,
+                                      "config": {"block_n": 2, "block_k": 32, "num_warps": 4, "num_stages": 2,
+                                                 "split_k": 2}}]}  # fmt: skip
+    (cfg,) = parse_table(old).values()
+    assert not cfg.pdl and parse_table(table_document(parse_table(old))) == parse_table(old)
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, 64, generator=gen).to(DEV), torch.randn(8, 64, generator=gen).to(DEV)
+    got = gemv(x, w, None, GemvConfig(2, 32, 4, 2, split_k=2, pdl=True))
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 5])
@@ -168,7 +187,9 @@ def test_gemv_silu_mul_matches_unfused(rows: int, dtype: torch.dtype, split_k: i
         w = (w * 50).to(torch.float8_e4m3fn).to(DEV)
     else:
         w = w.to(DEV, dtype)
-    cfg = GemvConfig(block_n=32 if rows > 1 else 4, block_k=64, num_warps=4, num_stages=2, split_k=split_k)
+    cfg = GemvConfig(
+        block_n=32 if rows > 1 else 4, block_k=64, num_warps=4, num_stages=2, split_k=split_k, narrow_w=fp8
+    )
     got = gemv_silu_mul(x, w, cfg, scale=scale)
     assert got.dtype == dtype and got.shape == (rows, 35)
     assert torch.equal(got, silu_mul(gemv(x, w, None, cfg, scale=scale)))
@@ -204,6 +225,10 @@ def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> 
     bf16, fp8 = gemv_sweep.base_grid(1), gemv_sweep.base_grid(1, fp8=True)
     assert max(c.block_n * c.block_k for c in bf16) == 16384 and max(c.block_k for c in bf16) == 4096
     assert max(c.block_n * c.block_k for c in fp8) == 32768 and set(bf16) < set(fp8)
+    ranked = [GemvConfig(2, 4096, 4, 2, split_k=s) for s in (4, 1, 2, 8)]
+    assert gemv_sweep.with_pdl(ranked) == [replace(c, pdl=True) for c in ranked[:3]]
+    assert gemv_sweep.with_narrow(ranked, 1, fp8=True) == [replace(c, narrow_w=True) for c in ranked]
+    assert gemv_sweep.with_narrow(ranked, 4, fp8=True) == gemv_sweep.with_narrow(ranked, 1, fp8=False) == []
     shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
     assert [s.name for s in shapes] == ["qkv", "o", "gate_up", "down", "lm_head"]
     gate_up = shapes[2]
