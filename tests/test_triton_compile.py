@@ -40,7 +40,7 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
                   "KV_FP8": fp8, "ASM_CVT": fp8}  # fmt: skip
         decode = {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3}
         cases.append((attn, "_decode_split_kernel", decode))
-        # FP8's decode tile (_DECODE_BLOCK_N); the others a tile inside one 64-token page
+        # FP8's decode tile (_DECODE_TILES); the others a tile inside one 64-token page
         tile = {"BLOCK_N": 128 if fp8 else 32, "BLOCK_SIZE": 64}
         cases.append((attn, "_decode_split_kernel", {**decode, **tile}))
         for split in (False, True):
