@@ -45,9 +45,10 @@ _MASKED_MAX = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 _MIN_PREFILL_SPLIT = 512  # keys
 _SPLITS_CHUNK = 16  # the most splits the reduction weighs at a time (fewer: the next power of two)
-# Decode tile (keys per tile, num_stages) by KV_FP8, measured at batch 64 x 4k context on an H200
-# (docs/benchmarks.md): a 128-key FP8 tile moves the bytes of a 64-key bf16 one.
-_DECODE_TILES = {False: (64, 3), True: (128, 3)}
+# Decode tile (keys per tile, num_warps, num_stages) by KV_FP8, measured at batch 64 x 4k context on an
+# H200 (docs/benchmarks.md): a 128-key FP8 tile moves the bytes of a 64-key bf16 one; 5 stages give it
+# two K/V buffers (the table load takes the first stage), 3 give one: 179 us against 191.
+_DECODE_TILES = {False: (64, 4, 3), True: (128, 4, 5)}
 
 
 @triton.jit
@@ -380,14 +381,14 @@ def paged_decode_attention(
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     dim_pad = triton.next_power_of_2(head_dim)
     dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
-    default_n, stages = _DECODE_TILES[kv_fp8]
+    default_n, warps, stages = _DECODE_TILES[kv_fp8]
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n or default_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots,
-        KV_FP8=kv_fp8, ASM_CVT=asm_cvt, num_warps=4, num_stages=stages,
+        KV_FP8=kv_fp8, ASM_CVT=asm_cvt, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _reduce_splits(mid_o, mid_lse, out)
     return out
