@@ -85,12 +85,12 @@ def _load_kv(
 
 @triton.jit
 def _widen_v(v, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr):
-    # V in DOT_DTYPE. Compiled, an FP8 tile is widened by cvt.rn.f16x2.e4m3x2 (sm_89+, 2 values an
-    # instruction, exact) through an asm block the compiler may not move: with a plain cast it moves the
-    # shared-memory transpose P @ V needs ahead of the widening, onto the FP8 bytes, and reads them one
-    # byte per load (no 8-bit ldmatrix.trans), which bounds the kernel well below HBM. The interpreter
-    # runs no asm: there a cast.
-    if KV_FP8 and ASM_CVT:
+    # V in DOT_DTYPE. Compiled, an FP8 tile bound for fp16 dots is widened by cvt.rn.f16x2.e4m3x2 (sm_89+,
+    # 2 values an instruction, exact) through an asm block the compiler may not move: with a plain cast it
+    # moves the shared-memory transpose P @ V needs ahead of the widening, onto the FP8 bytes, and reads
+    # them one byte per load (no 8-bit ldmatrix.trans), which bounds the kernel well below HBM. The
+    # interpreter runs no asm, and fp32 dots (beside an fp32 q) take no fp16: there a cast.
+    if KV_FP8 and ASM_CVT and DOT_DTYPE == tl.float16:  # noqa: SIM300 (ruff takes tl.float16 for a constant)
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",

@@ -33,9 +33,10 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     cases: list[tuple[str, str, dict[str, object]]] = []
     # (q/out dtype, KV cache dtype, dot dtype): an FP8 cache (KV_FP8) is read beside a bf16 q
     for act, cache, dot in (("bf16", "bf16", tl.bfloat16), ("fp16", "fp16", tl.float16),
-                            ("fp32", "fp32", tl.float32), ("bf16", "fp8e4nv", tl.float16)):  # fmt: skip
+                            ("fp32", "fp32", tl.float32), ("bf16", "fp8e4nv", tl.float16),
+                            ("fp32", "fp8e4nv", tl.float32)):  # fmt: skip
         ptrs = {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{act}"}
-        fp8 = cache == "fp8e4nv"  # V widened by the asm block, as on the GPU
+        fp8 = cache == "fp8e4nv"  # ASM_CVT as on the GPU, beside a fp32 q too (then fp32 dots)
         common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
                   "KV_FP8": fp8, "ASM_CVT": fp8}  # fmt: skip
         decode = {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3}
