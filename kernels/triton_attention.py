@@ -7,7 +7,7 @@ tile covers whole pages or lies inside one, and tables need not be contiguous. S
 fp32 scores with fp32 accumulation whatever the cache dtype. An FP8 cache (KV_FP8; kernels/ops.py: scale
 1.0) is widened in registers as each tile is loaded, to fp16 beside a bf16/fp16 q (exact for e4m3), and q
 and P are rounded to fp16 too: 3 more bits than the bf16 the reference computes in, so the kernel is the
-closer of the two to attention in fp32 on the same FP8 values (tests/test_triton_kernels.py measures both).
+closer of the two to attention in fp32 on the same FP8 values (tests/test_fp8_gpu.py measures both).
 Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise with the
 device, so decode can be captured in a CUDA graph.
 
@@ -112,7 +112,7 @@ def _softmax_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # P is rounded to the cache dtype before P @ V, as the reference does (an FP8 cache: to q's, DOT_DTYPE).
+    # P is rounded to the cache dtype before P @ V, as the reference does (an FP8 cache: to DOT_DTYPE).
     p_r = p.to(DOT_DTYPE) if KV_FP8 else p.to(v.dtype).to(DOT_DTYPE)
     pv = tl.dot(p_r, _widen_v(v, DOT_DTYPE, KV_FP8, ASM_CVT), input_precision="ieee")
     return m_new, l_i, acc * alpha[:, None] + pv
@@ -121,7 +121,7 @@ def _softmax_step(
 @triton.jit
 def _round_q(q, k_ptr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
     # q rounded as the reference rounds it: to the cache dtype; for an FP8 cache to DOT_DTYPE (fp16 for a
-    # bf16/fp16 q: exact for a bf16 value within fp16's range, saturated past +-65504 rather than inf)
+    # bf16/fp16 q: exact for a bf16 value in fp16's normal range, saturated past +-65504 rather than inf)
     if KV_FP8:
         if DOT_DTYPE == tl.float16:  # noqa: SIM300 (ruff takes tl.float16 for a constant)
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
