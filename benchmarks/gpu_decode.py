@@ -30,6 +30,9 @@ throughput at batch 8 and 64 at 2k context. `--short-prefill-only` measures one 
 prefill replayed from a prefill graph against the same step launched eagerly (one engine each): 16 new
 tokens over a cached 16k prefix, and prompts of 16, 100 and 500 tokens.
 
+`--attention-only` measures just the decode-attention row (batch 64 x 4k, the cache in `--kv-cache-dtype`)
+beside the copy bandwidth, as the full run does.
+
 `--kernels-only` (also a section of the full run) times each kernel of one layer of the main shape at
 batch 1 on its own, as the model launches them (TP=1, bf16 activations; FP8 weights with `--quantization
 fp8`): add + RMSNorm, the QKV GEMV, RoPE + KV write, decode attention at 1k context (split + reduce), the O
@@ -349,6 +352,25 @@ def attention_bandwidth(
     return kv.numel() * kv.element_size() / (ms / 1e3)
 
 
+def attention_row(
+    c: ModelConfig, dev: torch.device, bw: float, kv_dtype: torch.dtype, res: dict[str, Any]
+) -> Row:
+    """The decode-attention row: batch 64 x 4k context, KV bytes over the median time, against the copy."""
+    log("decode attention bandwidth, batch 64 x 4k")
+    att = res["attention_bytes_per_s"] = attention_bandwidth(c, dev, kv_dtype=kv_dtype)
+    release(dev)
+    kv_name = str(kv_dtype).removeprefix("torch.")
+    return (f"decode attention kernel, batch 64 x 4k ctx, {kv_name} KV (KV bytes / median time)",
+            f"{att / GIB:.0f} GiB/s", f"copy {bw / GIB:.0f} GiB/s", f"{att / bw:.0%}")  # fmt: skip
+
+
+def attention_rows(
+    shape: str, dev: torch.device, bw: float, gen: torch.Generator, res: dict[str, Any], kv_dtype: torch.dtype
+) -> list[Row]:
+    """`--attention-only`: the decode-attention row of `shape`, the cache in `kv_dtype`."""
+    return [attention_row(NAMED_SHAPES[shape], dev, bw, kv_dtype, res)]
+
+
 def graph_us(launches: Sequence[Callable[[], object]], reps: int = 24, replays: int = 5) -> float:
     """Median over `replays` timed replays of the µs per launch of at least `reps` launches, cycling through
     `launches`, back to back in a CUDA graph (as decode replays them; the graph has its own memory pool: one
@@ -574,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--overlap-only", action="store_true",
                         help="only the engine loop with async scheduling off vs on")  # fmt: skip
+    parser.add_argument("--attention-only", action="store_true",
+                        help="only decode attention, batch 64 x 4k (cache: --kv-cache-dtype)")  # fmt: skip
     parser.add_argument("--kernels-only", action="store_true",
                         help="only the batch-1 per-kernel bandwidth table of one layer")  # fmt: skip
     parser.add_argument("--short-prefill-only", action="store_true",
@@ -605,12 +629,14 @@ def main(argv: list[str] | None = None) -> int:
     bw = res["copy_bytes_per_s"] = copy_bandwidth(dev)
     release(dev)
     rows.append(("HBM copy bandwidth (4 GiB, read + written)", f"{bw / GIB:.0f} GiB/s", "", ""))
-    if args.overlap_only or args.short_prefill_only or args.kernels_only:
+    if args.overlap_only or args.short_prefill_only or args.kernels_only or args.attention_only:
         only = (
             overlap_rows
             if args.overlap_only
             else short_prefill_rows
             if args.short_prefill_only
+            else partial(attention_rows, kv_dtype=kv_dtype)
+            if args.attention_only
             else partial(kernel_rows, fp8=quant == "fp8")
         )
         rows += only(args.shape, dev, bw, gen, res)
@@ -632,12 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                  "identical" if same else "differ", "", verdict(same)))  # fmt: skip
 
     c = NAMED_SHAPES[args.shape]
-    log("decode attention bandwidth, batch 64 x 4k")
-    att = res["attention_bytes_per_s"] = attention_bandwidth(c, dev, kv_dtype=kv_dtype)
-    release(dev)
-    kv_name = str(kv_dtype).removeprefix("torch.")
-    rows.append((f"decode attention kernel, batch 64 x 4k ctx, {kv_name} KV (KV bytes / median time)",
-                 f"{att / GIB:.0f} GiB/s", f"copy {bw / GIB:.0f} GiB/s", f"{att / bw:.0%}"))  # fmt: skip
+    rows.append(attention_row(c, dev, bw, kv_dtype, res))
 
     log("batch-1 kernels of one layer, each on its own")
     rows += kernel_rows(args.shape, dev, bw, gen, res, fp8=quant == "fp8")

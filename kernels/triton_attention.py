@@ -1,10 +1,13 @@
 """Triton paged attention kernels: split-K decode with GQA, and varlen causal prefill over paged KV.
 
-Both read K/V through the block table one token row at a time (token n of a sequence lives in block
-`table[n // block_size]` at offset `n % block_size`), so tiles need not align with blocks and tables
-need not be contiguous. Softmax runs in base 2 on fp32 scores with fp32 accumulation whatever the cache
-dtype. An FP8 cache (KV_FP8; kernels/ops.py: scale 1.0) is widened to q's dtype in registers as each tile
-is loaded, and q and P are rounded to q's dtype instead of the cache's: the dots run in bf16 on FP8 bytes.
+Both read K/V through the block table (token n of a sequence lives in block `table[n // block_size]` at
+offset `n % block_size`), page-granular: a tile's in-page offsets are computed once, and each tile adds
+its rows' page bases from one table load; tiles start at multiples of BLOCK_N (both powers of two), so a
+tile covers whole pages or lies inside one, and tables need not be contiguous. Softmax runs in base 2 on
+fp32 scores with fp32 accumulation whatever the cache dtype. An FP8 cache (KV_FP8; kernels/ops.py: scale
+1.0) is widened in registers as each tile is loaded, to fp16 beside a bf16/fp16 q (exact for e4m3), and q
+and P are rounded to fp16 too: 3 more bits than the bf16 the reference computes in, so the kernel is the
+closer of the two to attention in fp32 on the same FP8 values (tests/test_fp8_gpu.py measures both).
 Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise with the
 device, so decode can be captured in a CUDA graph.
 
@@ -42,39 +45,64 @@ _MASKED_MAX = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 _MIN_PREFILL_SPLIT = 512  # keys
 _SPLITS_CHUNK = 16  # the most splits the reduction weighs at a time (fewer: the next power of two)
+# Decode tile (keys per tile, num_warps, num_stages) by KV_FP8, measured at batch 64 x 4k context on an
+# H200 (docs/benchmarks.md): a 128-key FP8 tile moves the bytes of a 64-key bf16 one; 5 stages give it
+# two K/V buffers (the table load takes the first stage), 3 give one: 179 us against 191.
+_DECODE_TILES = {False: (64, 4, 3), True: (128, 4, 5)}
+
+
+@triton.jit
+def _in_page(offs_n, kv_head, offs_d, stride_kt, stride_kh, BLOCK_SIZE: tl.constexpr):
+    # [N, D] offsets of a tile's rows inside their pages, for one KV head: the same for every tile, so
+    # the loops compute them once (page-granular addressing)
+    return (offs_n % BLOCK_SIZE)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
 
 
 @triton.jit
 def _kv_offsets(
-    table_row_ptr, offs_n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE: tl.constexpr
-):
-    # [N, D] element offsets of tokens offs_n of one sequence, for one KV head, through its block table
-    blk = tl.load(table_row_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    return (
-        blk[:, None] * stride_kb
-        + (offs_n % BLOCK_SIZE)[:, None] * stride_kt
-        + kv_head * stride_kh
-        + offs_d[None, :]
-    )
+    table_row_ptr, n0, offs_n, n_mask, in_page, stride_kb, stride_kt, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # [N, D] element offsets of tokens n0 + offs_n (n0 a multiple of BLOCK_N) of one sequence: each row's
+    # page base from the block table plus its in-page offset. Both are powers of two, so a tile either
+    # starts on a page boundary (BLOCK_N >= BLOCK_SIZE) or lies inside one page at offset n0 % BLOCK_SIZE.
+    page = tl.load(table_row_ptr + (n0 + offs_n) // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+    if BLOCK_N < BLOCK_SIZE:
+        in_page += (n0 % BLOCK_SIZE) * stride_kt
+    return page[:, None] * stride_kb + in_page
 
 
 @triton.jit
 def _load_kv(
-    k_ptr, v_ptr, table_row_ptr, offs_n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh,
-    BLOCK_SIZE: tl.constexpr,
+    k_ptr, v_ptr, table_row_ptr, n0, offs_n, n_mask, d_mask, in_page, stride_kb, stride_kt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # K and V tiles [N, D] of tokens offs_n of one sequence and KV head; 0 outside n_mask x d_mask
-    off = _kv_offsets(
-        table_row_ptr, offs_n, n_mask, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE
-    )
+    # K and V tiles [N, D] of tokens n0 + offs_n of one sequence and KV head; 0 outside n_mask x d_mask
+    off = _kv_offsets(table_row_ptr, n0, offs_n, n_mask, in_page, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     return tl.load(k_ptr + off, mask=kv_mask, other=0.0), tl.load(v_ptr + off, mask=kv_mask, other=0.0)
 
 
 @triton.jit
+def _widen_v(v, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr):
+    # V in DOT_DTYPE. Compiled, an FP8 tile bound for fp16 dots is widened by cvt.rn.f16x2.e4m3x2 (sm_89+,
+    # 2 values an instruction, exact) through an asm block the compiler may not move: with a plain cast it
+    # moves the shared-memory transpose P @ V needs ahead of the widening, onto the FP8 bytes, and reads
+    # them one byte per load (no 8-bit ldmatrix.trans), which bounds the kernel well below HBM. The
+    # interpreter runs no asm, and fp32 dots (beside an fp32 q) take no fp16: there a cast.
+    if KV_FP8 and ASM_CVT and DOT_DTYPE == tl.float16:  # noqa: SIM300 (ruff takes tl.float16 for a constant)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4,
+        )  # fmt: skip
+    return v.to(DOT_DTYPE)
+
+
+@triton.jit
 def _softmax_step(
     q, k, v, valid, m_i, l_i, acc, qk_scale, APPLY_MASK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr,
 ):  # fmt: skip
     # q: [M, D] DOT_DTYPE; k, v: [N, D] cache dtype; valid: [M, N]; m_i, l_i: [M]; acc: [M, D] fp32
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale
@@ -84,16 +112,19 @@ def _softmax_step(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # P is rounded to the cache dtype before P @ V, as the reference does (an FP8 cache: to q's, DOT_DTYPE).
+    # P is rounded to the cache dtype before P @ V, as the reference does (an FP8 cache: to DOT_DTYPE).
     p_r = p.to(DOT_DTYPE) if KV_FP8 else p.to(v.dtype).to(DOT_DTYPE)
-    pv = tl.dot(p_r, v.to(DOT_DTYPE), input_precision="ieee")
+    pv = tl.dot(p_r, _widen_v(v, DOT_DTYPE, KV_FP8, ASM_CVT), input_precision="ieee")
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
 def _round_q(q, k_ptr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
-    # q rounded as the reference rounds it: to the cache dtype, or for an FP8 cache kept in its own
+    # q rounded as the reference rounds it: to the cache dtype; for an FP8 cache to DOT_DTYPE (fp16 for a
+    # bf16/fp16 q: exact for a bf16 value in fp16's normal range, saturated past +-65504 rather than inf)
     if KV_FP8:
+        if DOT_DTYPE == tl.float16:  # noqa: SIM300 (ruff takes tl.float16 for a constant)
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
         return q.to(DOT_DTYPE)
     return q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
 
@@ -104,7 +135,7 @@ def _decode_split_kernel(
     stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -132,13 +163,13 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
+    in_page = _in_page(offs_n, kv_head, offs_d, stride_kt, stride_kh, BLOCK_SIZE)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + offs_n
-        n_mask = n < end
-        k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
-                        stride_kh, BLOCK_SIZE)  # fmt: skip
+        n_mask = n0 + offs_n < end
+        k, v = _load_kv(k_ptr, v_ptr, table_row, n0, offs_n, n_mask, d_mask, in_page, stride_kb, stride_kt,
+                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
         m_i, l_i, acc = _softmax_step(
-            q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8
+            q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8, ASM_CVT
         )
 
     # Partial result per (seq, head, split): normalised output and log2-sum-exp; an empty split has
@@ -196,7 +227,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_ot, stride_oh, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr,
 ):  # fmt: skip
     # Grid (num_splits * Hq, S, tiles): the heads of one split side by side, so a KV group's blocks are
     # shared in L2. SPLIT: num_splits > 1 (partials to mid_*), else the single pass writes out directly.
@@ -250,22 +281,23 @@ def _prefill_kernel(
         unmasked_stop = tl.minimum(end, unmasked_end)
         masked_start = tl.maximum(start, unmasked_end)
     all_n = offs_n >= 0
+    in_page = _in_page(offs_n, kv_head, offs_d, stride_kt, stride_kh, BLOCK_SIZE)
     for n0 in range(start, unmasked_stop, BLOCK_N):
-        off = _kv_offsets(
-            table_row, n0 + offs_n, all_n, kv_head, offs_d, stride_kb, stride_kt, stride_kh, BLOCK_SIZE
-        )
+        off = _kv_offsets(table_row, n0, offs_n, all_n, in_page, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
         k = tl.load(k_ptr + off, mask=d_mask[None, :], other=0.0)
         v = tl.load(v_ptr + off, mask=d_mask[None, :], other=0.0)
         m_i, l_i, acc = _softmax_step(
-            q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE, KV_FP8
+            q, k, v, all_n[None, :], m_i, l_i, acc, qk_scale, False, DOT_DTYPE, KV_FP8, ASM_CVT
         )
     for n0 in range(masked_start, end, BLOCK_N):
         n = n0 + offs_n
         n_mask = n < seq_len
-        k, v = _load_kv(k_ptr, v_ptr, table_row, n, n_mask, d_mask, kv_head, offs_d, stride_kb, stride_kt,
-                        stride_kh, BLOCK_SIZE)  # fmt: skip
+        k, v = _load_kv(k_ptr, v_ptr, table_row, n0, offs_n, n_mask, d_mask, in_page, stride_kb, stride_kt,
+                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
         valid = (n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8)
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, valid, m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8, ASM_CVT
+        )
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if not SPLIT:
@@ -289,10 +321,13 @@ def dot_dtype(cache_dtype: torch.dtype, device: torch.device) -> tl.dtype:
     return tl.bfloat16 if cache_dtype == torch.bfloat16 else tl.float16
 
 
-def _dots(q: torch.Tensor, kv_layer: torch.Tensor) -> tuple[tl.dtype, bool]:
-    """(DOT_DTYPE, KV_FP8) of an attention launch: an FP8 cache computes in q's dtype."""
-    fp8 = kv_layer.dtype == torch.float8_e4m3fn
-    return dot_dtype(q.dtype if fp8 else kv_layer.dtype, q.device), fp8
+def _dots(q: torch.Tensor, kv_layer: torch.Tensor) -> tuple[tl.dtype, bool, bool]:
+    """(DOT_DTYPE, KV_FP8, ASM_CVT) of an attention launch. An FP8 cache computes in fp16 beside a bf16 or
+    fp16 q (e4m3 widens to fp16 exactly, and fp16 keeps q and P to 11 bits where bf16 keeps 8), in fp32
+    beside an fp32 q; a compiled kernel widens its V tiles by asm (`_widen_v`), the interpreter by a cast."""
+    if kv_layer.dtype != torch.float8_e4m3fn:
+        return dot_dtype(kv_layer.dtype, q.device), False, False
+    return (tl.float32 if q.dtype == torch.float32 else tl.float16), True, q.device.type == "cuda"
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
@@ -326,11 +361,12 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """q: [S, Hq, D] -> [S, Hq, D] in q's dtype; one query token per sequence at position seq_len - 1.
 
-    Grid (S, Hkv, num_splits) for the split kernel, then (S, Hq) for the reduction. Inputs are trusted:
+    Grid (S, Hkv, num_splits) for the split kernel, then (S, Hq) for the reduction. block_n: keys per
+    tile, a power of two; by default `_DECODE_TILES`'s for the cache dtype. Inputs are trusted:
     TritonOps.decode_attention checks them.
     """
     n_seqs, n_heads, head_dim = q.shape
@@ -344,14 +380,15 @@ def paged_decode_attention(
     mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     dim_pad = triton.next_power_of_2(head_dim)
-    dots, kv_fp8 = _dots(q, kv_layer)
+    dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
+    default_n, warps, stages = _DECODE_TILES[kv_fp8]
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots, KV_FP8=kv_fp8,
-        num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n or default_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots,
+        KV_FP8=kv_fp8, ASM_CVT=asm_cvt, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _reduce_splits(mid_o, mid_lse, out)
     return out
@@ -410,14 +447,14 @@ def paged_prefill_attention(
         mid_o = torch.empty((n_tokens, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((n_tokens, n_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (num_splits * n_heads, n_seqs, math.ceil(max_query_len / block_m))
-    dots, kv_fp8 = _dots(q, kv_layer)
+    dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, mid_o, mid_lse, block_tables, seq_lens, query_start_loc, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=n_heads // n_kv, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=num_splits > 1,
-        DOT_DTYPE=dots, KV_FP8=kv_fp8, num_warps=4, num_stages=2,
+        DOT_DTYPE=dots, KV_FP8=kv_fp8, ASM_CVT=asm_cvt, num_warps=4, num_stages=2,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_splits(mid_o, mid_lse, out)

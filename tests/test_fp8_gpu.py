@@ -13,6 +13,7 @@ import torch
 import triton
 from pdserve.kernels.ops import AttentionMetadata, RopeTables
 from pdserve.kernels.reference import ReferenceOps, write_kv
+from pdserve.kernels.triton_attention import paged_decode_attention
 from pdserve.kernels.triton_gemv import gemv
 from pdserve.kernels.triton_ops import TritonOps
 from pdserve.shared.model.fp8 import quantize_rowwise, scaled_mm, unsupported_reason
@@ -80,6 +81,23 @@ def test_decode_and_prefill_read_an_fp8_cache_as_the_reference(lens: list[int]) 
     meta = _meta(lens, q_lens, tables)
     got, want = TRI.prefill_attention(qp, kv, meta, 0.088), REF.prefill_attention(qp, kv, meta, 0.088)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("block_n", [None, 32])
+def test_fp8_decode_is_closer_to_fp32_attention_than_bf16(block_n: int | None) -> None:
+    # e4m3 widens to fp16 exactly and the kernel rounds q and P to fp16 (11 bits): against attention in
+    # fp32 on the same FP8 values it must beat the reference, which computes in bf16 (8 bits). Long
+    # contexts, so P's rounding counts; default tile (one that covers pages) and one inside a 64-token page.
+    lens = [4096, 3000, 4000, 1000]
+    kv, tables = _cache(lens, block=64)
+    q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)
+    meta = _meta(lens, [1] * len(lens), tables)
+    exact = REF.decode_attention(q.float(), kv, meta, 0.088)  # widened to fp32, computed in fp32
+    got = paged_decode_attention(q, kv, tables, meta.seq_lens, 0.088, 2, block_n=block_n).float()
+    bf16 = REF.decode_attention(q, kv, meta, 0.088).float()
+    err, ref_err = (got - exact).abs().mean().item(), (bf16 - exact).abs().mean().item()
+    assert err < 0.8 * ref_err, (err, ref_err)
+    assert (got - exact).abs().max().item() < 1e-3
 
 
 def test_rope_write_into_an_fp8_cache_saturates_and_rounds_as_the_reference() -> None:

@@ -33,13 +33,17 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     cases: list[tuple[str, str, dict[str, object]]] = []
     # (q/out dtype, KV cache dtype, dot dtype): an FP8 cache (KV_FP8) is read beside a bf16 q
     for act, cache, dot in (("bf16", "bf16", tl.bfloat16), ("fp16", "fp16", tl.float16),
-                            ("fp32", "fp32", tl.float32), ("bf16", "fp8e4nv", tl.bfloat16)):  # fmt: skip
+                            ("fp32", "fp32", tl.float32), ("bf16", "fp8e4nv", tl.float16),
+                            ("fp32", "fp8e4nv", tl.float32)):  # fmt: skip
         ptrs = {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "out_ptr": f"*{act}"}
+        fp8 = cache == "fp8e4nv"  # ASM_CVT as on the GPU, beside a fp32 q too (then fp32 dots)
         common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
-                  "KV_FP8": cache == "fp8e4nv"}  # fmt: skip
-        cases.append(
-            (attn, "_decode_split_kernel", {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3})
-        )
+                  "KV_FP8": fp8, "ASM_CVT": fp8}  # fmt: skip
+        decode = {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3}
+        cases.append((attn, "_decode_split_kernel", decode))
+        # FP8's decode tile (_DECODE_TILES); the others a tile inside one 64-token page
+        tile = {"BLOCK_N": 128 if fp8 else 32, "BLOCK_SIZE": 64}
+        cases.append((attn, "_decode_split_kernel", {**decode, **tile}))
         for split in (False, True):
             prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "SPLIT": split}
             cases.append((attn, "_prefill_kernel", prefill))
