@@ -90,10 +90,10 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     for dtype in ("bf16", "fp32"):
         cases.append((dec, "_gate_up_gemv_kernel", {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
                                                     "act_ptr": f"*{dtype}", "ids_ptr": "*i64",
-                                                    "BLOCK_N": 2, "BLOCK_K": 2048}))  # fmt: skip
+                                                    "BLOCK_N": 1, "BLOCK_K": 1024}))  # fmt: skip
         cases.append((dec, "_down_sum_kernel", {"act_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
-                                                "out_ptr": f"*{dtype}", **routing, "TOP_K": 8, "BLOCK_N": 4,
-                                                "BLOCK_K": 1024}))  # fmt: skip
+                                                "out_ptr": f"*{dtype}", **routing, "TOP_K": 8, "K_PAD": 8,
+                                                "BLOCK_N": 2, "BLOCK_K": 256}))  # fmt: skip
     return cases
 
 
