@@ -206,11 +206,12 @@ def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert max(c.block_n * c.block_k for c in fp8) == 32768 and set(bf16) < set(fp8)
     shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
     assert [s.name for s in shapes] == ["qkv", "o", "gate_up", "down", "lm_head"]
-    # a mixture of experts: attention and the LM head only (its experts are the MoE kernels')
+    # a mixture of experts: attention, the router and the LM head (its experts are the MoE kernels')
     moe = gemv_sweep.decode_shapes([("qwen3-30b-a3b", 1)])
     assert [(s.name, s.n, s.k) for s in moe] == [
         ("qkv", 5120, 2048),
         ("o", 2048, 4096),
+        ("router", 128, 2048),
         ("lm_head", 151936, 2048),
     ]
     gate_up = shapes[2]
