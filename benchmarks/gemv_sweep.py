@@ -6,7 +6,9 @@ measured entries replaced), ready to copy over kernels/gemv_configs.json.
     python benchmarks/gemv_sweep.py --budget-s 200 --out gemv_sweep.json --table-out gemv_configs.json
 
 Shapes: the decode products (QKV, O, gate+up fused as the model holds them, down, LM head) of
-Llama-3.1-8B at TP=1 and TP=2 and Llama-3.1-70B at TP=2 (`--models` picks fewer), one rank's shard
+Llama-3.1-8B at TP=1 and TP=2 and Llama-3.1-70B at TP=2 (`--models` picks others: a mixture of experts
+such as qwen3-30b-a3b has QKV, O, its router and the LM head here, its experts being
+kernels/triton_moe_decode.py's), one rank's shard
 (shared/model/parallel.py), at M = 1 (a fine grid; FP8 weights: tiles of up to twice the elements, the
 same bytes), then M = 4 and 16 (a coarse one). gate+up is timed as the model runs it, with SiLU x up in
 the GEMV's epilogue (kernels/triton_gemv.py's `gemv_silu_mul`), and checked against silu(gate) * up.
@@ -61,7 +63,7 @@ REPLAYS = 3  # timed replays of the graph; the median is kept
 class Shape:
     model: str
     tp: int
-    name: str  # qkv, o, gate_up, down, lm_head
+    name: str  # qkv, o, gate_up, down (or a mixture of experts' router), lm_head
     n: int
     k: int
 
@@ -90,13 +92,12 @@ def decode_shapes(models: Iterable[tuple[str, int]] = MODELS) -> list[Shape]:
     for model, tp in models:
         c = NAMED_SHAPES[model]
         p = plan(c, 0, tp)
-        for name, n, k in (
-            ("qkv", p.qkv_size, c.hidden_size),
-            ("o", c.hidden_size, p.num_heads * p.head_dim),
-            ("gate_up", 2 * p.intermediate_size, c.hidden_size),
-            ("down", c.hidden_size, p.intermediate_size),
-            ("lm_head", p.vocab_rows, c.hidden_size),
-        ):
+        attention = (("qkv", p.qkv_size, c.hidden_size), ("o", c.hidden_size, p.num_heads * p.head_dim))
+        # a mixture of experts' experts are kernels/triton_moe_decode.py's; its router is this GEMV
+        mlp = (("router", c.moe.num_experts, c.hidden_size),) if c.moe is not None else (
+            ("gate_up", 2 * p.intermediate_size, c.hidden_size), ("down", c.hidden_size, p.intermediate_size)
+        )  # fmt: skip
+        for name, n, k in (*attention, *mlp, ("lm_head", p.vocab_rows, c.hidden_size)):
             shapes.append(Shape(model, tp, name, n, k))
     return shapes
 

@@ -30,8 +30,8 @@ from pdserve.shared.model.model_config import NAMED_SHAPES
 
 GIB = 1024**3
 TOKENS = (1, 4, 16, 64)
-GATE_UP_TILES = ((1, 2048, 4), (2, 2048, 8), (4, 2048, 8), (4, 1024, 4), (8, 512, 4))
-DOWN_TILES = ((2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (8, 256, 4), (16, 256, 4))
+GATE_UP_TILES = ((1, 1024, 4), (1, 2048, 4), (2, 1024, 4), (4, 2048, 4), (8, 512, 4))
+DOWN_TILES = ((1, 128, 4), (2, 128, 8), (2, 256, 8), (4, 128, 8), (8, 128, 8))  # all K pairs a step
 
 
 @dataclasses.dataclass(frozen=True)

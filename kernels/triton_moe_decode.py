@@ -7,10 +7,11 @@ small kernels, none of whose grids depends on the routing (so a CUDA graph holds
 2. `_gate_up_gemv_kernel` over (pair, BLOCK_N columns of F): reads the pair's expert id from the top-k ids
    on the device and streams that expert's gate and up rows once on CUDA cores (one x row is a GEMV, as in
    kernels/triton_gemv.py), SiLU(gate) x up in the epilogue: act [T*K, F].
-3. `_down_sum_kernel` over (token, BLOCK_N columns of E): the token's K pairs in turn (unrolled, so their
-   loads overlap), each pair's down rows times its act row in fp32, rounded to the model's dtype as the
-   reference's F.linear is, weighted by the pair's routing weight and summed in fp32 registers, rounded
-   once: [T, E]; no [T*K, E] buffer and no separate sum.
+3. `_down_sum_kernel` over (token, BLOCK_N columns of E): the token's K pairs side by side, one
+   [K, BLOCK_N, BLOCK_K] load of their down rows per step (every pair's bytes in flight at once), each
+   pair's product with its act row in fp32, rounded to the model's dtype as the reference's F.linear is,
+   weighted by the pair's routing weight and summed over the pairs in fp32 registers, rounded once:
+   [T, E]; no [T*K, E] buffer and no separate sum.
 Rounding follows the reference (kernels/fused_moe.py) exactly as kernels/triton_moe.py does. Each pair
 reads its expert's weights even when two pairs share an expert, which is why this path stops at
 `DECODE_MAX_PAIRS` and the grouped GEMM (kernels/triton_moe.py) reads each selected expert once above it.
@@ -44,15 +45,17 @@ class DecodeTiles:
 
 
 def default_decode_tiles(hidden: int, f: int) -> DecodeTiles:
-    """As kernels/triton_gemv.py's one-row GEMV: a few output columns per program over a long K tile, so
-    that there are many programs and long loads in flight."""
+    """Measured at qwen3-30b-a3b's shape on an H200 (E 2048, F 768, top 8; a sweep of block n, block k
+    and warps per kernel, docs/benchmarks.md): gate/up one column of F per program (gate and up rows) over
+    1024 of E at a time, 4 warps; down two columns of E per program over 256 of F at a time for all K pairs
+    at once, 8 warps."""
     return DecodeTiles(
-        gate_up_block_n=2,
-        gate_up_block_k=min(4096, triton.next_power_of_2(hidden)),
-        gate_up_warps=8,
-        down_block_n=4,
-        down_block_k=min(1024, triton.next_power_of_2(f)),
-        down_warps=4,
+        gate_up_block_n=1,
+        gate_up_block_k=min(1024, triton.next_power_of_2(hidden)),
+        gate_up_warps=4,
+        down_block_n=2,
+        down_block_k=min(256, triton.next_power_of_2(f)),
+        down_warps=8,
     )
 
 
@@ -136,27 +139,30 @@ def _gate_up_gemv_kernel(
 @triton.jit
 def _down_sum_kernel(
     act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
+    slots = tl.arange(0, K_PAD)
+    s_mask = slots < TOP_K
+    pairs = token * TOP_K + slots  # [KP]
+    experts = tl.load(ids_ptr + pairs, mask=s_mask, other=0)  # [KP] int64
+    # all K pairs' rows in one [KP, BN, BK] load per step, so every pair's bytes are in flight at once
+    w = w_ptr + experts[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+    w_mask = s_mask[:, None, None] & n_mask[None, :, None]
+    a_rows = act_ptr + pairs[:, None] * stride_am  # [KP, 1]
     offs_k = tl.arange(0, BLOCK_K)
-    rows = offs_n[:, None].to(tl.int64) * stride_wn  # [BN, 1]
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
-        w = w_ptr + tl.load(ids_ptr + pair) * stride_we + rows
-        a_row = act_ptr + pair * stride_am
-        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            k_mask = kk < K
-            a = tl.load(a_row + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-            b = tl.load(w + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-            part += tl.sum(b.to(tl.float32) * a[None, :], axis=1)
-        # the pair's product rounded to the model's dtype, as the reference's F.linear is, then weighted
-        acc += part.to(act_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + pair)
+    part = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        a = tl.load(a_rows + kk[None, :], mask=s_mask[:, None] & k_mask[None, :], other=0.0)  # [KP, BK]
+        b = tl.load(w + kk[None, None, :], mask=w_mask & k_mask[None, None, :], other=0.0)  # [KP, BN, BK]
+        part += tl.sum(b.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+    # each pair's product rounded to the model's dtype, as the reference's F.linear is, then weighted
+    weights = tl.load(weights_ptr + pairs, mask=s_mask, other=0.0)  # [KP] fp32
+    acc = tl.sum(part.to(act_ptr.dtype.element_ty).to(tl.float32) * weights[:, None], axis=0)  # [BN]
     tl.store(out_ptr + token * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -178,6 +184,7 @@ def moe_decode(
     _down_sum_kernel[(n_tokens, triton.cdiv(hidden, t.down_block_n))](
         act, down, out, ids, routing.weights.contiguous(), hidden, f, act.stride(0), down.stride(0),
         down.stride(1), out.stride(0),
-        TOP_K=top_k, BLOCK_N=t.down_block_n, BLOCK_K=t.down_block_k, num_warps=t.down_warps,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.down_block_n, BLOCK_K=t.down_block_k,
+        num_warps=t.down_warps,
     )  # fmt: skip
     return out

@@ -231,6 +231,14 @@ def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert gemv_sweep.with_narrow(ranked, 4, fp8=True) == gemv_sweep.with_narrow(ranked, 1, fp8=False) == []
     shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
     assert [s.name for s in shapes] == ["qkv", "o", "gate_up", "down", "lm_head"]
+    # a mixture of experts: attention, the router and the LM head (its experts are the MoE kernels')
+    moe = gemv_sweep.decode_shapes([("qwen3-30b-a3b", 1)])
+    assert [(s.name, s.n, s.k) for s in moe] == [
+        ("qkv", 5120, 2048),
+        ("o", 2048, 4096),
+        ("router", 128, 2048),
+        ("lm_head", 151936, 2048),
+    ]
     gate_up = shapes[2]
     assert gemv_sweep.gemv_bytes(gate_up, 1, False) == gate_up.n * gate_up.k * 2 + 2 * (
         gate_up.k + gate_up.n // 2

@@ -16,7 +16,7 @@ from pdserve.kernels.fused_moe import ReferenceMoEExperts, Routing, route
 from pdserve.kernels.linear import DenseLinear
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_moe import MoETiles, TritonMoEExperts, align_pairs
-from pdserve.kernels.triton_moe_decode import DECODE_MAX_PAIRS, fused_route, moe_decode
+from pdserve.kernels.triton_moe_decode import DECODE_MAX_PAIRS, DecodeTiles, fused_route, moe_decode
 from pdserve.shared.model.dummy_weights import fill_dummy_weights
 from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
@@ -82,6 +82,19 @@ def test_fused_kernel_matches_reference(n_tokens: int, tiles: MoETiles | None, d
     x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     ref = ReferenceMoEExperts()(x, gate_up, down, routing)
     got = TritonMoEExperts(tiles, decode_max_pairs=0)(x, gate_up, down, routing)  # the grouped kernels
+    assert got.dtype == dtype and got.shape == x.shape
+    scale = max(1.0, ref.float().abs().max().item())
+    assert (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_path_with_cut_tiles_and_an_odd_top_k(dtype: torch.dtype) -> None:
+    """The decode path's down kernel loads a token's K pairs as one [K_PAD, BLOCK_N, BLOCK_K] tile: at
+    top 3 (one padded pair slot), with E and F not multiples of the tiles, it still gives the reference."""
+    x, gate_up, down, routing = _problem(5, 72, 40, 6, 3, seed=3)
+    x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    ref = ReferenceMoEExperts()(x, gate_up, down, routing)
+    got = moe_decode(x, gate_up, down, routing, DecodeTiles(1, 32, 1, 16, 16, 2))
     assert got.dtype == dtype and got.shape == x.shape
     scale = max(1.0, ref.float().abs().max().item())
     assert (got.float() - ref.float()).abs().max().item() <= TOL[dtype] * scale
