@@ -89,5 +89,8 @@ def test_cpu_prefill_steps_reuse_freed_memory() -> None:
         before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         runner.execute([BatchItem(prompt, 0, n, blocks, True)])
         faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
-    # one layer's gate/up output alone is 1,024 x 3,072 fp32 = 3,072 pages
-    assert max(faults[1:]) < 1000, faults
+    # A later step that reuses nothing faults its activations in again: about 6,300 pages here, 18,900 over
+    # the three (one layer's gate/up output alone is 1,024 x 3,072 fp32 = 3,072 pages). With reuse they fault
+    # 0, but the heap may still grow once while it settles (a free fragment too small for the next step's
+    # largest block): up to 2,113 pages seen in one later step.
+    assert sum(faults[1:]) < 6000, faults
