@@ -8,11 +8,12 @@ A program, not a test:
 Each `-- ARGS...` group is one `pdserve bench` run against the same cluster (its --base-url is this
 cluster's router, its --model the cluster's). `--node ROLE[:FLAGS]` adds one node (prefill, decode or
 single; repeat it: `--node prefill:"--device cuda:0" --node decode:"--device cuda:1"` is P/D across two
-GPUs, two `--node single:...` two replicas behind the same router). After the runs, every node's block
-audit is read and printed (clean: nothing in use or reserved, no live request; exit status 3 when
-one is not). `--profile DIR` records every node and the router with py-spy (non-blocking, all threads,
-idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes and the bench as
-`python SCRIPT -m MODULE ...` (a harness that patches something before running the module);
+GPUs, two `--node single:...` two replicas behind the same router). After each run, the router's
+cost-model table and every node's mean queue, prefill, TTFT and TPOT over that run are printed. After the
+runs, every node's block audit is read and printed (clean: nothing in use or reserved, no live request; exit
+status 3 when one is not). `--profile DIR` records every node and the router with py-spy (non-blocking,
+all threads, idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes and the
+bench as `python SCRIPT -m MODULE ...` (a harness that patches something before running the module);
 `--planner-args "--watch 5 --apply ..."` runs `pdserve plan` beside the cluster for all the runs.
 """
 
@@ -129,6 +130,50 @@ def cost_model_table(metrics: str) -> str:
     return "cost model (the router's pdserve_router_cost_model_* series, cumulative):\n" + "\n".join(out)
 
 
+_NODE_SERIES = {
+    "time_to_first_token_seconds": "TTFT",
+    "request_queue_time_seconds": "queue",
+    "request_prefill_time_seconds": "prefill",
+    "request_time_per_output_token_seconds": "TPOT",
+}
+
+
+def node_latency_sums(nodes: Sequence[tuple[str, str]]) -> dict[str, dict[str, tuple[float, float]]]:
+    """Each node's vLLM latency histograms so far: {node: {series: (sum, count)}}."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, url in nodes:
+        sums: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics", timeout=30).text):
+            short = family.name.removeprefix("vllm:")
+            if short not in _NODE_SERIES:
+                continue
+            for sample in family.samples:
+                at = {"_sum": 0, "_count": 1}.get(sample.name.removeprefix(family.name))
+                if at is not None:
+                    sums.setdefault(short, [0.0, 0.0])[at] += sample.value
+        out[name] = {k: (v[0], v[1]) for k, v in sums.items()}
+    return out
+
+
+def node_latency_table(
+    before: dict[str, dict[str, tuple[float, float]]], after: dict[str, dict[str, tuple[float, float]]]
+) -> str:
+    """Mean node-side latencies of one bench run (the difference of two reads): where a request's time to
+    first token goes inside the node (queue: from the node's receipt to its first scheduled step; prefill:
+    from there to the first token) against what the client measured."""
+    head = " | ".join(f"{label} mean (ms)" for label in _NODE_SERIES.values())
+    rows = [f"| node | requests | {head} |", "|---|---:|" + "---:|" * len(_NODE_SERIES)]
+    for name, series in after.items():
+        cells, n = [], 0.0
+        for short in _NODE_SERIES:
+            s1, c1 = series.get(short, (0.0, 0.0))
+            s0, c0 = before.get(name, {}).get(short, (0.0, 0.0))
+            n = max(n, c1 - c0)
+            cells.append(f"{1000 * (s1 - s0) / (c1 - c0):.1f}" if c1 > c0 else "-")
+        rows.append(f"| {name} | {n:.0f} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own = argv[: argv.index("--")] if "--" in argv else argv
@@ -166,12 +211,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, bench_args in enumerate(benches):
             print(f"bench {i}: pdserve bench {shlex.join(bench_args)}", flush=True)
             spies = profilers(cluster, args.profile, i) if args.profile else []
+            sums = node_latency_sums(nodes)
             rc = subprocess.run([*bench, "--base-url", base, *bench_args], check=False).returncode or rc
             for spy in spies:
                 spy.send_signal(signal.SIGINT)
             for spy in spies:
                 spy.wait(timeout=60)
             print(cost_model_table(httpx2.get(f"{base}/metrics", timeout=30).text), flush=True)
+            print(node_latency_table(sums, node_latency_sums(nodes)), flush=True)
         for name, url in nodes:
             a = httpx2.get(f"{url}/internal/audit", auth=signed(cluster.auth_token), timeout=30).json()
             clean = a["in_use"] == a["reserved"] == a.get("pinned", 0) == a["live_requests"] == 0

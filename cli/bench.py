@@ -4,7 +4,9 @@ Sends a workload (bench_datasets) to any OpenAI-compatible server (completions o
 `ignore_eos` as an extra body field) at one or more loads: Poisson arrivals at `--request-rate` (gamma
 intervals with `--burstiness`), capped at `--max-concurrency` in flight. `--backend engine` runs the same
 workload through pdserve's engine alone in this process; `--compare-engine` runs it after the served runs,
-so served / engine is one ratio from one command. Numbers and their definitions: bench_report.
+so served / engine is one ratio from one command; before it, each load runs once on the engine driven
+offline in waves of max-concurrency prompts (no client at all), the independent check. Numbers and their
+definitions: bench_report.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shlex
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +38,7 @@ from tqdm import tqdm
 
 if TYPE_CHECKING:
     from pdserve.shared.engine.async_engine import AsyncEngine
+    from pdserve.shared.engine.engine import LLMEngine
 
 Send = Callable[[BenchRequest], Awaitable[RequestResult]]
 
@@ -168,6 +172,45 @@ class OpenAIClient:
         return result
 
 
+def prompt_ids(tok: Tokenizer, req: BenchRequest, chat: bool) -> list[int]:
+    """The token ids the engine gets for a request: the chat template around its text, or its prompt."""
+    if chat:
+        return list(tok.apply_chat_template([{"role": "user", "content": req.text(tok)}]))
+    return tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+
+
+def offline_waves(
+    engine: LLMEngine, requests: Sequence[BenchRequest], wave: int, args: BenchOptions
+) -> dict[str, float]:
+    """The engine driven with no client, as an offline `generate` over the same prompts in batches: `wave`
+    requests added at once and stepped until every one has ended, then the next wave. Output tokens are
+    counted from the engine's outputs over the wall time of all waves: the independent check of the
+    engine-alone run (no event loop, no per-token hand-off to a client)."""
+    from pdserve.shared.engine.sampling_params import SamplingParams
+    from pdserve.shared.types import RequestId
+
+    chat = args.backend == "openai-chat"
+    params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    batches = [requests[i : i + wave] for i in range(0, len(requests), wave)]
+    ids = [[prompt_ids(engine.tokenizer, r, chat) for r in batch] for batch in batches]
+    engine.bind_thread()
+    tokens = 0
+    start = time.perf_counter()
+    for b, (batch, batch_ids) in enumerate(zip(batches, ids, strict=True)):
+        for i, (req, prompt) in enumerate(zip(batch, batch_ids, strict=True)):
+            rid = RequestId(f"wave-{b}-{i}")
+            engine.add_request(engine.new_request(rid, prompt, replace(params, max_tokens=req.output_len)))
+        while engine.has_unfinished():
+            tokens += sum(len(out.token_ids) for out in engine.step())
+    wall = time.perf_counter() - start
+    return {
+        "waves": len(batches),
+        "output_tokens": tokens,
+        "duration_s": wall,
+        "output_throughput": tokens / wall,
+    }
+
+
 class EngineClient:
     """Runs one request through pdserve's engine in this process (no HTTP), timed per step output."""
 
@@ -180,21 +223,15 @@ class EngineClient:
         self.sent = 0
 
     async def send(self, req: BenchRequest) -> RequestResult:
-        import dataclasses
-
         from pdserve.shared.types import RequestId
 
         engine = self.aengine.engine
-        tok = engine.tokenizer
-        if self.chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": req.text(tok)}])
-        else:
-            ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        ids = prompt_ids(engine.tokenizer, req, self.chat)
         result = RequestResult(req.prompt_len)
         self.sent += 1
         start = last = time.perf_counter()
         try:
-            params = dataclasses.replace(self.params, max_tokens=req.output_len)
+            params = replace(self.params, max_tokens=req.output_len)
             request = engine.new_request(RequestId(f"bench-{self.sent}"), ids, params)
         except ValueError as exc:
             result.error = str(exc)
@@ -261,12 +298,29 @@ async def _engine_runs(args: BenchOptions, workloads: list[list[BenchRequest]]) 
 
         torch.set_num_threads(args.threads)
     cfg = engine_config(args.model_copy(update={"model": _model(args)}))
-    aengine = AsyncEngine(LLMEngine(cfg))
+    engine = LLMEngine(cfg)
+    waves = []
+    if args.backend != "engine":  # before the loop owns the engine (its stop closes it)
+        first = workloads[0][0]  # the warm-up request sweep() sends too
+        warm = BenchRequest(first.prompt, first.prompt_len, min(4, first.output_len))
+        offline_waves(engine, [warm], 1, args)
+        for load, requests in zip(loads(args), workloads[1:], strict=True):
+            waves.append(offline_waves(engine, requests, load["max_concurrency"] or len(requests), args))
+            engine.evict(None)  # no later run finds these prompts cached
+    aengine = AsyncEngine(engine)
     aengine.start()
     try:
-        return await sweep("engine", EngineClient(args, aengine).send, workloads, args)
+        runs = await sweep("engine", EngineClient(args, aengine).send, workloads, args)
     finally:
         await aengine.stop()
+    for run, wave in zip(runs, waves, strict=False):
+        run["offline_waves"] = wave
+    return runs
+    for run, load, requests in zip(runs, loads(args), workloads[1:], strict=True):
+        engine.evict(None)  # each wave run prefills its prompts as the served and engine-alone runs did
+        run["offline_waves"] = offline_waves(engine, requests, load["max_concurrency"] or len(requests), args)
+    engine.close()
+    return runs
 
 
 async def bench(args: BenchOptions) -> dict[str, Any]:

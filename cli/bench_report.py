@@ -190,6 +190,10 @@ def table(run: Mapping[str, Any], engine: Mapping[str, Any] | None) -> str:
     if engine is not None:
         rows.append(f"{'Engine alone output throughput (tok/s):':<44}{engine['output_throughput']:>16.2f}")
         rows.append(f"{'Served / engine (output tok/s):':<44}{ratio(run, engine) or 0.0:>16.1%}")
+        if "offline_waves" in engine:
+            waves = engine["offline_waves"]
+            rows.append(f"{'Offline engine in waves (tok/s):':<44}{waves['output_throughput']:>16.2f}")
+            rows.append(f"{'Served / offline waves (output tok/s):':<44}{ratio(run, waves) or 0.0:>16.1%}")
     for key, title in _LATENCIES.items():
         name = key.split("_")[0].upper()
         rows.append(f"{' ' + title + ' ':-^60}")

@@ -75,6 +75,9 @@ def test_a_sweep_against_the_router_writes_results_and_a_plot(live: LiveCluster,
     ):
         assert_all_served(engine, 6, 12)
         assert ratio == pytest.approx(served["output_throughput"] / engine["output_throughput"])
+        waves = engine["offline_waves"]  # the same prompts offline, in waves of the load's concurrency
+        assert waves["output_tokens"] == 6 * 12 and waves["output_throughput"] > 0
+    assert [r["offline_waves"]["waves"] for r in result["engine_runs"]] == [6, 2]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
