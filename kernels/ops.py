@@ -93,6 +93,16 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Qwen3's per-head RMSNorm of q and k before RoPE: q heads scaled by q_weight [D], k heads by
+    k_weight [D], each head normalised in fp32 and rounded before the weight multiply, as `rms_norm`."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 class AttentionOps(Protocol):
     def prefill_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
@@ -119,20 +129,19 @@ class AttentionOps(Protocol):
         """x, residual: [T, E]. residual += x in place (rounded to its dtype); returns
         (rms_norm(residual), residual)."""
 
-    def qk_norm(
-        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
-    ) -> None:
-        """Per-head RMSNorm of q and k (Qwen3), in place in qkv: [T, (Hq + 2 Hkv) * D] (q | k | v heads);
-        q heads scaled by q_weight [D], k heads by k_weight [D], v left as it is. Rounds as `rms_norm`."""
-
     def rope_write_kv(
-        self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
+        self,
+        qkv: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        num_heads: int,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         """Rotate-half RoPE in fp32 at meta.positions, then the KV write. qkv: [T, (Hq + 2 Hkv) * D]
-        (q | k | v heads). Writes rotated k and v to slot meta.slot_mapping[t] (skips -1); qkv's k and v
-        columns are left as they were. Returns the rotated q: [T, Hq, D], laid out as the implementation's
-        attention reads it (Triton: rotated in place, a view of qkv; the CPU reference: its own head-major
-        buffer)."""
+        (q | k | v heads). With `qk_norm`, q and k heads are normalised first (one launch for all on GPU).
+        Writes rotated k and v to slot meta.slot_mapping[t] (skips -1); qkv's k and v columns are left as
+        they were. Returns the rotated q: [T, Hq, D], laid out as the implementation's attention reads it
+        (Triton: rotated in place, a view of qkv; the CPU reference: its own head-major buffer)."""
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2F] (gate | up) -> silu(gate) * up: [T, F], silu rounded before the product."""

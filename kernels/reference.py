@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels.ops import AttentionMetadata, check_kv_layer, from_kv, to_kv
+from pdserve.kernels.ops import AttentionMetadata, QKNorm, check_kv_layer, from_kv, to_kv
 
 
 class ReferenceOps:
@@ -84,18 +84,13 @@ class ReferenceOps:
         residual.add_(x)
         return self.rms_norm(residual, weight, eps), residual
 
-    def qk_norm(
-        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
-    ) -> None:
-        head_dim = q_weight.shape[0]
-        heads = qkv.view(qkv.shape[0], -1, head_dim)  # [T, Hq + 2 Hkv, D]
-        n_kv = (heads.shape[1] - num_heads) // 2
-        for first, count, weight in ((0, num_heads, q_weight), (num_heads, n_kv, k_weight)):
-            part = heads[:, first : first + count]
-            part.copy_(F.rms_norm(part.float(), (head_dim,), eps=eps).to(qkv.dtype) * weight)
-
     def rope_write_kv(
-        self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
+        self,
+        qkv: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        num_heads: int,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
         check_kv_layer(kv_layer)
         n_tokens = qkv.shape[0]
@@ -103,10 +98,15 @@ class ReferenceOps:
         q_cols = num_heads * head_dim
         assert qkv.shape[1] == q_cols + 2 * n_kv * head_dim, (qkv.shape, num_heads, kv_layer.shape)
         qk = qkv[:, : q_cols + n_kv * head_dim].view(n_tokens, num_heads + n_kv, head_dim)
+        if qk_norm is not None:  # a normed copy: qkv's k columns stay as they were
+            normed = F.rms_norm(qk.float(), (head_dim,), eps=qk_norm.eps).to(qkv.dtype)  # [T, Hq + Hkv, D]
+            qk = torch.cat(
+                (normed[:, :num_heads] * qk_norm.q_weight, normed[:, num_heads:] * qk_norm.k_weight), 1
+            )
         half = head_dim // 2
         rope, positions = meta.rope, meta.positions
         c, s = rope.cos[positions].unsqueeze(1), rope.sin[positions].unsqueeze(1)  # [T, 1, D/2] fp32
-        x1, x2 = qk[..., :half], qk[..., half:]  # [T, Hq + Hkv, D/2] each, views of qkv
+        x1, x2 = qk[..., :half], qk[..., half:]  # [T, Hq + Hkv, D/2] each, views of qkv (or the normed copy)
         # rotated: [T, Hq + Hkv, D] fp32, laid out head-major ([H, T, D] in memory), so q's heads reach the
         # flash kernel contiguous; each half is written in place, with HF's roundings (x1 c - x2 s, ...)
         rotated = torch.empty((num_heads + n_kv, n_tokens, head_dim), dtype=torch.float32, device=qkv.device)

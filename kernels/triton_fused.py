@@ -1,6 +1,6 @@
 """Triton kernels for the elementwise work between a decoder layer's matrix products, one pass each:
-residual add + RMSNorm, Qwen3's per-head RMSNorm of q and k, RoPE on q and k with the KV-cache write, and
-SiLU(gate) x up.
+residual add + RMSNorm, RoPE on q and k with the KV-cache write (Qwen3's per-head RMSNorm of q and k in
+the same pass), and SiLU(gate) x up.
 
 Each kernel rounds where the torch reference (kernels/reference.py) rounds, so the two agree to the last
 bit in fp32 up to summation order and fused multiply-adds: the residual sum is rounded to the model
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata
+from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata, QKNorm
 
 _SILU_BLOCK = 1024  # elements of one row per program
 
@@ -51,10 +51,25 @@ def _saturate(x, SAT: tl.constexpr):
 
 
 @triton.jit
-def _rotate_store(src, dst, c, s, mask, HALF: tl.constexpr, SAT: tl.constexpr):
-    # src, dst: [H, HALF] pointers to the first halves of H heads; c, s: [1, HALF] fp32
+def _load_halves(src, mask, w_ptr, offs_d, d_mask, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    # src: [H, HALF] pointers to the first halves of H heads -> both halves in fp32. NORM: each head
+    # RMS-normalised over its 2 * HALF values and scaled by w [2 * HALF], rounded where the reference rounds
+    # (the normed value, then its product with the weight)
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        ty = src.dtype.element_ty
+        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+        x2 = ((x2 * rstd).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rotate_store(x1, x2, dst, c, s, mask, HALF: tl.constexpr, SAT: tl.constexpr):
+    # x1, x2: [H, HALF] fp32 halves of H heads; dst: [H, HALF] pointers to their first halves; c, s: [1, HALF]
     tl.store(dst, _saturate(x1 * c - x2 * s, SAT).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, _saturate(x2 * c + x1 * s, SAT).to(dst.dtype.element_ty), mask=mask)
 
@@ -70,10 +85,10 @@ def _copy_store(src, dst, mask, SAT: tl.constexpr):
 
 @triton.jit
 def _rope_write_kv_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, qw_ptr, kw_ptr, eps,
     stride_t, stride_cos, stride_cslot, stride_ch,
-    N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr,
-    Q_PAD: tl.constexpr, KV_PAD: tl.constexpr, HALF_PAD: tl.constexpr, SAT: tl.constexpr,
+    N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr, SAT: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
@@ -84,14 +99,17 @@ def _rope_write_kv_kernel(
     row = qkv_ptr + token * stride_t  # q heads, then k heads, then v heads, each 2 * HALF wide
     offs_q = tl.arange(0, Q_PAD)
     q = row + offs_q[:, None] * (2 * HALF) + offs_d[None, :]
-    _rotate_store(q, q, c, s, (offs_q < N_Q)[:, None] & d_mask[None, :], HALF, 0.0)  # q rotated in place
+    q_mask = (offs_q < N_Q)[:, None] & d_mask[None, :]
+    q1, q2 = _load_halves(q, q_mask, qw_ptr, offs_d, d_mask, eps, HALF, QK_NORM)
+    _rotate_store(q1, q2, q, c, s, q_mask, HALF, 0.0)  # q (normed and) rotated in place
     slot = tl.load(slots_ptr + token)
     if slot >= 0:
         offs_k = tl.arange(0, KV_PAD)
         kv_mask = (offs_k < N_KV)[:, None] & d_mask[None, :]
         k = row + (N_Q + offs_k[:, None]) * (2 * HALF) + offs_d[None, :]
         cache_off = slot * stride_cslot + offs_k[:, None] * stride_ch + offs_d[None, :]
-        _rotate_store(k, k_cache_ptr + cache_off, c, s, kv_mask, HALF, SAT)
+        k1, k2 = _load_halves(k, kv_mask, kw_ptr, offs_d, d_mask, eps, HALF, QK_NORM)
+        _rotate_store(k1, k2, k_cache_ptr + cache_off, c, s, kv_mask, HALF, SAT)
         v = k + N_KV * 2 * HALF
         v_cache = v_cache_ptr + cache_off
         _copy_store(v, v_cache, kv_mask, SAT)
@@ -134,57 +152,31 @@ def rms_norm(
     return out
 
 
-@triton.jit
-def _qk_norm_kernel(
-    qkv_ptr, qw_ptr, kw_ptr, stride_t, eps,
-    N_Q: tl.constexpr, N_QK: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-):  # fmt: skip
-    # one token's q and k heads [H_PAD, D_PAD] in one tile, each row normalised on its own, in place
-    row = tl.program_id(0).to(tl.int64)
-    offs_h = tl.arange(0, H_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    d_mask = offs_d < HEAD_DIM
-    mask = (offs_h < N_QK)[:, None] & d_mask[None, :]
-    ptrs = qkv_ptr + row * stride_t + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
-    normed = (x * rstd[:, None]).to(qkv_ptr.dtype.element_ty).to(tl.float32)
-    wq = tl.load(qw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    wk = tl.load(kw_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    w = tl.where((offs_h < N_Q)[:, None], wq[None, :], wk[None, :])
-    tl.store(ptrs, normed * w, mask=mask)
-
-
-def qk_norm(
-    qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int, n_kv: int
+def rope_write_kv(
+    qkv: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    qk_norm: QKNorm | None = None,
 ) -> None:
-    """qkv: [T, (Hq + 2 Hkv) * D]; q and k heads RMS-normalised per head in place (rounded before the weight
-    multiply, as `rms_norm`), v untouched. One program per token."""
-    n_tokens, head_dim = qkv.shape[0], q_weight.shape[0]
-    if n_tokens == 0:
-        return
-    _qk_norm_kernel[(n_tokens,)](
-        qkv, q_weight, k_weight, qkv.stride(0), eps,
-        N_Q=num_heads, N_QK=num_heads + n_kv, HEAD_DIM=head_dim,
-        H_PAD=triton.next_power_of_2(num_heads + n_kv), D_PAD=triton.next_power_of_2(head_dim), num_warps=4,
-    )  # fmt: skip
-
-
-def rope_write_kv(qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int) -> None:
     """qkv: [T, (Hq + 2 Hkv) * D], rows of q | k | v heads; q is rotated in place at meta.positions,
-    rotated k and v go to meta.slot_mapping[t] of kv_layer [2, N, B, Hkv, D] (skipped where -1)."""
+    rotated k and v go to meta.slot_mapping[t] of kv_layer [2, N, B, Hkv, D] (skipped where -1). With
+    `qk_norm`, q and k heads are RMS-normalised per head first, in the same pass (k only on its way to the
+    cache)."""
     n_tokens = qkv.shape[0]
     if n_tokens == 0:
         return
     n_kv, head_dim = kv_layer.shape[3], kv_layer.shape[4]
     half = head_dim // 2
     k_cache, v_cache = kv_layer[0], kv_layer[1]  # [N, B, Hkv, D]: slot = block * B + offset
+    qw, kw, eps = (qkv, qkv, 0.0) if qk_norm is None else (qk_norm.q_weight, qk_norm.k_weight, qk_norm.eps)
     _rope_write_kv_kernel[(n_tokens,)](
-        qkv, meta.positions, meta.rope.cos, meta.rope.sin, k_cache, v_cache, meta.slot_mapping,
+        qkv, meta.positions, meta.rope.cos, meta.rope.sin, k_cache, v_cache, meta.slot_mapping, qw, kw, eps,
         qkv.stride(0), meta.rope.cos.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_Q=num_heads, N_KV=n_kv, HALF=half, Q_PAD=triton.next_power_of_2(num_heads),
         KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half),
-        SAT=torch.finfo(kv_layer.dtype).max if kv_layer.dtype in FP8_KV_DTYPES else 0.0, num_warps=4,
+        SAT=torch.finfo(kv_layer.dtype).max if kv_layer.dtype in FP8_KV_DTYPES else 0.0,
+        QK_NORM=qk_norm is not None, num_warps=4,
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from pdserve.kernels import triton_fused
-from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata, check_kv_layer
+from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata, QKNorm, check_kv_layer
 from pdserve.kernels.triton_attention import (
     choose_num_splits,
     choose_prefill_splits,
@@ -127,29 +127,16 @@ class TritonOps:
         assert residual.shape == x.shape, f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}"
         return triton_fused.rms_norm(x, residual, weight, eps), residual
 
-    def qk_norm(
-        self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, num_heads: int
-    ) -> None:
-        """Per-head RMSNorm of q and k in place in qkv [T, (Hq + 2 Hkv) * D], one launch for both."""
-        head_dim = q_weight.shape[0]
-        assert qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.dtype in _FLOAT_DTYPES, (
-            f"qkv must be [T, cols] contiguous along its columns in a float dtype, got {tuple(qkv.shape)} "
-            f"{qkv.dtype} strides {qkv.stride()}"
-        )
-        heads, rest = divmod(qkv.shape[1], head_dim)
-        assert rest == 0 and heads > num_heads and (heads - num_heads) % 2 == 0, (
-            f"qkv's {qkv.shape[1]} columns are not {num_heads} q heads + 2 x Hkv heads of {head_dim}"
-        )
-        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-            assert w.shape == (head_dim,) and w.is_contiguous() and w.device == qkv.device, (
-                f"{name} must be [{head_dim}] contiguous on {qkv.device}, got {tuple(w.shape)} on {w.device}"
-            )
-        triton_fused.qk_norm(qkv, q_weight, k_weight, eps, num_heads, (heads - num_heads) // 2)
-
     def rope_write_kv(
-        self, qkv: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, num_heads: int
+        self,
+        qkv: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        num_heads: int,
+        qk_norm: QKNorm | None = None,
     ) -> torch.Tensor:
-        """Rotates q in place in qkv [T, (Hq + 2 Hkv) * D], writes rotated k and v to the cache; returns
+        """Rotates q (normed first, with `qk_norm`) in place in qkv [T, (Hq + 2 Hkv) * D], writes rotated
+        k (normed first) and v to the cache, one launch; returns
         q: [T, Hq, D], a view of qkv. Positions are not range-checked (that would read the device); the
         RoPE tables checked themselves when they were built."""
         _check_cache(kv_layer)
@@ -170,7 +157,13 @@ class TritonOps:
             f"RoPE tables must be [P, {head_dim // 2}] on {kv_layer.device}, got {tuple(cos.shape)} on "
             f"{cos.device}"
         )
-        triton_fused.rope_write_kv(qkv, kv_layer, meta, num_heads)
+        if qk_norm is not None:
+            for name, w in (("q_weight", qk_norm.q_weight), ("k_weight", qk_norm.k_weight)):
+                assert w.shape == (head_dim,) and w.is_contiguous() and w.device == qkv.device, (
+                    f"qk_norm.{name} must be [{head_dim}] contiguous on {qkv.device}, got {tuple(w.shape)} "
+                    f"on {w.device}"
+                )
+        triton_fused.rope_write_kv(qkv, kv_layer, meta, num_heads, qk_norm)
         return qkv[:, : num_heads * head_dim].view(n_tokens, num_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

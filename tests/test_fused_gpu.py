@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 import triton
-from pdserve.kernels.ops import AttentionMetadata
+from pdserve.kernels.ops import AttentionMetadata, QKNorm
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_attention import choose_prefill_splits
 from pdserve.kernels.triton_ops import TritonOps
@@ -60,19 +60,8 @@ def test_add_rms_norm_on_gpu(dtype: torch.dtype, n_tokens: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tokens", [1, 300])
-def test_qk_norm_on_gpu(dtype: torch.dtype, n_tokens: int) -> None:
-    dev, n_q, n_kv, d = torch.device("cuda"), 32, 4, 128  # Qwen3-30B-A3B's heads
-    qkv = torch.randn(n_tokens, (n_q + 2 * n_kv) * d, device=dev).to(dtype) * 3
-    q_w, k_w = torch.rand(d, device=dev).to(dtype) + 0.5, torch.rand(d, device=dev).to(dtype) + 0.5
-    got, want = qkv.clone(), qkv.clone()
-    TRI.qk_norm(got, q_w, k_w, 1e-6, n_q)
-    REF.qk_norm(want, q_w, k_w, 1e-6, n_q)
-    _ulp_close(got, want)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n_tokens", [1, 300])
-def test_rope_write_kv_and_silu_mul_on_gpu(dtype: torch.dtype, n_tokens: int) -> None:
+@pytest.mark.parametrize("with_qk_norm", [False, True])  # Qwen3's per-head q/k norm in RoPE's pass
+def test_rope_write_kv_and_silu_mul_on_gpu(dtype: torch.dtype, n_tokens: int, with_qk_norm: bool) -> None:
     dev = torch.device("cuda")
     # a 1-layer model for its RoPE tables
     model = LlamaModel(
@@ -95,8 +84,10 @@ def test_rope_write_kv_and_silu_mul_on_gpu(dtype: torch.dtype, n_tokens: int) ->
         rope=model.rope,
     )
     kv_ref, qkv_ref = kv.clone(), qkv.clone()
-    q = TRI.rope_write_kv(qkv, kv, meta, hq)
-    q_ref = REF.rope_write_kv(qkv_ref, kv_ref, meta, hq)
+    weights = (torch.rand(d, device=dev).to(dtype) + 0.5, torch.rand(d, device=dev).to(dtype) + 0.5)
+    qk_norm = QKNorm(*weights, 1e-6) if with_qk_norm else None
+    q = TRI.rope_write_kv(qkv, kv, meta, hq, qk_norm)
+    q_ref = REF.rope_write_kv(qkv_ref, kv_ref, meta, hq, qk_norm)
     _ulp_close(q, q_ref)
     _ulp_close(kv, kv_ref)
     gate_up = torch.randn(n_tokens, 2 * C.intermediate_size, device=dev).to(dtype) * 4

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 from pdserve.kernels.linear import GemvLinear
-from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps, QKNorm, RopeTables
 from pdserve.kernels.reference import ReferenceOps
 from pdserve.kernels.triton_fused import _rms_norm_kernel
 from pdserve.kernels.triton_ops import TritonOps
@@ -157,26 +157,30 @@ def test_silu_mul_matches_reference(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(4, 2, 16), (5, 1, 24)])  # 24: a padded head
-def test_qk_norm_normalises_q_and_k_heads_in_place_and_leaves_v(
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(4, 2, 16), (5, 1, 24)])  # 24: a padded half
+def test_rope_write_kv_with_qk_norm_normalises_q_and_k_heads_first(
     dtype: torch.dtype, n_q: int, n_kv: int, head_dim: int
 ) -> None:
+    """Qwen3's per-head q/k RMSNorm in RoPE's pass: the fused kernel gives the reference's q and cache,
+    leaves qkv's k and v columns as they were, and each head is its own RMSNorm times its weight (q heads
+    q_w, k heads k_w; seen unrotated at position 0), then rotated as without the norm."""
+    qkv, kv, meta = _rope_case(dtype, n_q, n_kv, head_dim)
+    qkv.mul_(4)
     gen = torch.Generator().manual_seed(n_q * head_dim)
-    qkv = (torch.randn(3, (n_q + 2 * n_kv) * head_dim, generator=gen) * 4).to(dtype)
     q_w = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
     k_w = (1 - 0.1 * torch.randn(head_dim, generator=gen)).to(dtype)
-    got, want = qkv.clone(), qkv.clone()
-    TRI.qk_norm(got, q_w, k_w, 1e-6, n_q)
-    REF.qk_norm(want, q_w, k_w, 1e-6, n_q)
-    _assert_close(got, want)
-    v_cols = slice((n_q + n_kv) * head_dim, None)
-    assert torch.equal(got[:, v_cols], qkv[:, v_cols])  # v untouched
-    heads = want.view(3, -1, head_dim).float()
-    # each q head is its own RMSNorm times q_w, each k head times k_w
-    for h, w in ((0, q_w), (n_q, k_w)):
-        x = qkv.view(3, -1, head_dim)[:, h].float()
-        expect = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float() * w.float()
-        _assert_close(heads[:, h].to(dtype), expect.to(dtype))
+    norm = QKNorm(q_w, k_w, 1e-6)
+    qkv_tri, qkv_ref, kv_tri, kv_ref = qkv.clone(), qkv.clone(), kv.clone(), kv.clone()
+    q_tri = TRI.rope_write_kv(qkv_tri, kv_tri, meta, n_q, norm)
+    q_ref = REF.rope_write_kv(qkv_ref, kv_ref, meta, n_q, norm)
+    _assert_close(q_tri, q_ref)
+    _assert_close(kv_tri, kv_ref)
+    q_cols = n_q * head_dim
+    assert torch.equal(qkv_tri[:, q_cols:], qkv[:, q_cols:]) and torch.equal(qkv_ref, qkv)
+    heads = qkv[0].view(-1, head_dim).float()  # token 0, at position 0: cos 1, sin 0
+    rms = (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype).float()
+    _assert_close(q_ref[0], (rms[:n_q] * q_w.float()).to(dtype))
+    _assert_close(kv_ref[0].view(-1, n_kv, head_dim)[3], (rms[n_q : n_q + n_kv] * k_w.float()).to(dtype))
 
 
 def test_boundary_checks_name_the_bad_value() -> None:

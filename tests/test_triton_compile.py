@@ -49,11 +49,13 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
             cases.append((attn, "_prefill_kernel", prefill))
     cases.append((attn, "_reduce_splits_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
                                                   "SPLITS_CHUNK": 16}))  # fmt: skip
-    for cache, sat in (("bf16", 0.0), ("fp8e4nv", 448.0)):  # RoPE + the KV-cache write (FP8: saturated)
+    # RoPE + the KV-cache write (FP8: saturated), Qwen3's q/k norm first or not
+    for cache, sat, norm in (("bf16", 0.0, False), ("bf16", 0.0, True), ("fp8e4nv", 448.0, True)):
         cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {
             "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-            "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slots_ptr": "*i64", "N_Q": 32, "N_KV": 8,
-            "HALF": 64, "Q_PAD": 32, "KV_PAD": 8, "HALF_PAD": 64, "SAT": sat}))  # fmt: skip
+            "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slots_ptr": "*i64", "qw_ptr": "*bf16",
+            "kw_ptr": "*bf16", "eps": "fp32", "N_Q": 32, "N_KV": 8, "HALF": 64, "Q_PAD": 32, "KV_PAD": 8,
+            "HALF_PAD": 64, "SAT": sat, "QK_NORM": norm}))  # fmt: skip
     for gather in (True, False):
         copy = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "ids_ptr": "*i64", "src_kv_stride": "i64",
                 "dst_kv_stride": "i64", "BLOCK_ELEMS": 16384, "CHUNK": 1024, "GATHER": gather}  # fmt: skip

@@ -10,8 +10,9 @@ caller may select rows first). Nothing in `forward` syncs with the host, so it c
 graph. Everything between the matrix products goes through `ops` (one fused kernel each on GPU: add + norm,
 RoPE + KV write, SiLU x up); each layer leaves its MLP output for the next layer's norm to add into the
 residual stream, so the stream is updated in place and only the last add is a separate op. Qwen3's
-per-head q/k RMSNorm runs between the QKV product and RoPE, in place in qkv (`ops.qk_norm`: one kernel for
-both on GPU). A sparse layer's MLP is shared/model/moe.py's `SparseMoE`, picked at construction.
+per-head q/k RMSNorm runs between the QKV product and RoPE, in RoPE's own pass (`ops.rope_write_kv`'s
+`qk_norm`: one kernel for the norm, RoPE and the KV write on GPU). A sparse layer's MLP is
+shared/model/moe.py's `SparseMoE`, picked at construction.
 Matrix products go through `linear` with weight handles made by `prepare_weights`, which every loader calls
 once the weights are final (oneDNN-packed copies on a CPU in fp32, the parameters themselves elsewhere);
 until then the handles are the parameters and the product is `F.linear`. With `quantization="fp8"` the
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from pdserve.kernels.linear import DenseLinear, Linear, select_linear
-from pdserve.kernels.ops import AttentionMetadata, AttentionOps, RopeTables
+from pdserve.kernels.ops import AttentionMetadata, AttentionOps, QKNorm, RopeTables
 from pdserve.shared.model.fp8 import FP8, SCALE, Fp8Linear, Fp8Weights
 from pdserve.shared.model.model_config import ModelConfig, RopeScaling
 from pdserve.shared.model.moe import SparseMoE
@@ -164,10 +165,11 @@ class DecoderLayer(nn.Module):
             normed, residual = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
         linear = self.linear.linear
         qkv = linear(normed, self.qkv_w, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
-        if self.q_norm is not None and self.k_norm is not None:  # per-head RMSNorm of q and k, in place
-            ops.qk_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, hq)
+        qk_norm = None  # Qwen3's per-head RMSNorm of q and k, fused into RoPE
+        if self.q_norm is not None and self.k_norm is not None:
+            qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         # q: [T, Hq, D], rotated in place in qkv; rotated K and V are in kv_layer
-        q = ops.rope_write_kv(qkv, kv_layer, meta, hq)
+        q = ops.rope_write_kv(qkv, kv_layer, meta, hq, qk_norm)
         if meta.is_decode:
             attn = ops.decode_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         else:
