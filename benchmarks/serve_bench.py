@@ -12,8 +12,8 @@ GPUs, two `--node single:...` two replicas behind the same router). After each r
 cost-model table and every node's mean queue, prefill, TTFT and TPOT over that run are printed. After the
 runs, every node's block audit is read and printed (clean: nothing in use or reserved, no live request; exit
 status 3 when one is not). `--profile DIR` records every node and the router with py-spy (non-blocking,
-all threads, idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes and the
-bench as `python SCRIPT -m MODULE ...` (a harness that patches something before running the module);
+all threads, idle included, raw collapsed stacks) during each run; `--wrap SCRIPT` starts nodes, the router
+and the bench as `python SCRIPT -m MODULE ...` (a harness that patches something before running the module);
 `--planner-args "--watch 5 --apply ..."` runs `pdserve plan` beside the cluster for all the runs.
 """
 
@@ -63,7 +63,7 @@ def start(cluster: Cluster, args: argparse.Namespace) -> tuple[str, list[tuple[s
     for _, url in nodes:
         cluster.wait_http(f"{url}/internal/health", timeout_s=600)
     port = free_port()
-    router = [sys.executable, "-m", "pdserve.router", "--model", args.model, "--redis", redis_url]
+    router = [*py, "-m", "pdserve.router", "--model", args.model, "--redis", redis_url]
     router += ["--port", str(port)]
     cluster.spawn("router", [*router, *shlex.split(args.router_args)], env=cluster.secret_env)
     base = f"http://127.0.0.1:{port}"
