@@ -10,7 +10,9 @@ as `--async-scheduling` says, at every size. Batch-1 decode runs at ~1.2k contex
 and 2k context. The roofline of TP=N: the copy bandwidth of one GPU over the bytes one rank reads per step
 (its weight shard, the embedding table excepted, plus its KV heads' share), since the N GPUs read in
 parallel. Every request is greedy, so at TP > 1 every step should end in the greedy tokens' all-gather
-(no logits gathered on rank 0: docs/engine.md); a row says how many steps did.
+(no logits gathered on rank 0: docs/engine.md); a row says how many steps did. Batch 128 at 2k context has
+its roofline too, and one 4,096-token prefill step is reported as MFU: the step's matmul and causal
+attention FLOPs over its time and the device's dense bf16 peak (`--peak-tflops`, else known per device).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from pdserve.benchmarks.gpu_decode import (
     copy_bandwidth,
     engine_decode,
+    engine_step_seconds,
     kv_bytes_per_token,
     log,
     markdown,
@@ -36,6 +39,29 @@ from pdserve.shared.engine.engine import LLMEngine
 from pdserve.shared.model.model_config import NAMED_SHAPES
 
 Row = tuple[str, str, str, str]
+
+DENSE_BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "B200": 2250e12}
+"""Dense (no sparsity) bf16 tensor-core FLOP/s by device name (NVIDIA's data sheets; H100 and H200 SXM)."""
+
+
+def prefill_flops(shape: str, tokens: int) -> float:
+    """FLOPs of one prefill of `tokens` tokens: 2 per weight per token for the layers' products (a sparse
+    layer's top-k experts, shared expert and router), causal attention's QK^T and PV (T^2 / 2 pairs each,
+    2 FLOPs per element), and the LM head for the one sampled position."""
+    c = NAMED_SHAPES[shape]
+    h, d = c.hidden_size, c.head_dim
+    q, kv = c.num_heads * d, c.num_kv_heads * d
+    weights = 0
+    for layer in range(c.num_layers):
+        weights += h * (q + 2 * kv) + q * h
+        moe = c.moe
+        if moe is None or layer in moe.mlp_only_layers or (layer + 1) % moe.decoder_sparse_step:
+            weights += 3 * h * c.intermediate_size
+        else:
+            weights += moe.top_k * 3 * h * moe.intermediate_size + moe.num_experts * h
+            weights += 3 * h * moe.shared_expert_intermediate_size
+    attention = c.num_layers * 2 * 2 * (tokens * tokens / 2) * q
+    return 2.0 * weights * tokens + attention + 2.0 * c.vocab_size * h
 
 
 def _weight_bytes(shape: str, tp: int, batch: int = 1) -> int:
@@ -71,10 +97,11 @@ def decode_rows(
     res: dict[str, object],
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    peak: float | None = None,
 ) -> list[Row]:
     c = NAMED_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
-    cfg = EngineConfig(model=f"dummy:{shape}", device="cuda", dtype="bfloat16", max_num_seqs=64,
+    cfg = EngineConfig(model=f"dummy:{shape}", device="cuda", dtype="bfloat16", max_num_seqs=128,
                        max_num_batched_tokens=8192, max_model_len=8192, tensor_parallel_size=tp,
                        async_scheduling=overlap, gpu_memory_utilization=0.90,
                        quantization=quantization, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
@@ -95,6 +122,12 @@ def decode_rows(
         b64 = engine_decode(engine, prompts, 16 + 40, 4)[0]
         kv64 = kv_bytes_per_token(c, kv_dtype) * (2048 + 30) * 64 / min(tp, c.num_kv_heads)
         roof64 = 64 * bw / (_weight_bytes(shape, tp, 64) + kv64)
+        prompts = [random_tokens(2048, c.vocab_size, gen) for _ in range(128)]
+        b128 = engine_decode(engine, prompts, 32 + 40, 4)[0]
+        roof128 = 128 * bw / (_weight_bytes(shape, tp, 128) + 2 * kv64)
+        log(f"batch 64 {b64:.0f}, batch 128 {b128:.0f} tok/s; prefill 4096")
+        prefill = [engine_step_seconds(engine, random_tokens(4096, c.vocab_size, gen)) for _ in range(4)]
+        prefill_s = statistics.median(prefill[1:])
         steps = dict(engine.runner.outputs)  # greedy: at TP > 1 every step should end in "tokens"
     finally:
         engine.close()
@@ -102,8 +135,11 @@ def decode_rows(
     rate = statistics.median(b1)
     kv_name = "" if kv_cache_dtype == "auto" else f"/kv-{kv_cache_dtype}"
     key = f"{shape}/tp{tp}/async-{'on' if overlap else 'off'}/{quantization or 'bf16'}{kv_name}"
-    res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64, "pool_tokens": pool_tokens,
-                "steps": steps}  # fmt: skip
+    flops = prefill_flops(shape, 4096)
+    mfu = flops / prefill_s / (peak * tp) if peak else None
+    res[key] = {"b1": b1, "b64": b64, "roof_b1": roof, "roof_b64": roof64, "b128": b128, "roof_b128": roof128,
+                "prefill_4096_s": prefill, "prefill_flops": flops, "peak_flops": peak, "mfu": mfu,
+                "pool_tokens": pool_tokens, "steps": steps}  # fmt: skip
     what = f"{shape} {quantization or 'bf16'}{kv_name} TP={tp} async {'on' if overlap else 'off'}"
     return [
         (f"{what}: KV pool (gpu_memory_utilization 0.90)", f"{pool_tokens} tokens", "", ""),
@@ -111,6 +147,11 @@ def decode_rows(
          f"roofline {roof:.1f}", f"{rate / roof:.1%}"),
         (f"{what}: batch 64 at 2k ctx, tok/s", f"{b64:.0f}", f"roofline {roof64:.0f}",
          f"{b64 / roof64:.1%}"),
+        (f"{what}: batch 128 at 2k ctx, tok/s", f"{b128:.0f}", f"roofline {roof128:.0f}",
+         f"{b128 / roof128:.1%}"),
+        (f"{what}: prefill 4,096 tokens, one step (median of 3)", f"{prefill_s * 1e3:.1f} ms",
+         f"{flops / 1e12:.1f} TFLOP, peak {peak * tp / 1e12:.0f} TFLOP/s" if peak else "peak unknown",
+         f"MFU {mfu:.1%}" if mfu else ""),
         (f"{what}: steps ending in greedy tokens / in gathered logits", f"{steps.get('tokens', 0)}",
          f"{steps.get('logits', 0)}", "TP > 1: no logits gather" if tp > 1 else "TP = 1: own logits"),
     ]  # fmt: skip
@@ -137,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the weights of every size's main run")  # fmt: skip
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the KV cache of every size's main run")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense bf16 peak for the prefill's MFU (default: known per device)")  # fmt: skip
     parser.add_argument("--out", default="tp_decode.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -148,16 +191,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     bw = copy_bandwidth(torch.device("cuda:0"))
-    res: dict[str, object] = {"copy_bytes_per_s": bw, "gpu": torch.cuda.get_device_name(0)}
+    name = torch.cuda.get_device_name(0)
+    known = [flops for key, flops in DENSE_BF16_PEAK.items() if key in name]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (known[0] if known else None)
+    res: dict[str, object] = {"copy_bytes_per_s": bw, "gpu": name}
     rows: list[Row] = [("copy bandwidth, cuda:0", f"{bw / (1 << 30):.0f} GiB/s", "", "")]
     overlap = args.async_scheduling == "on"
     for tp in sizes:
         quant = None if args.quantization == "none" else args.quantization
-        rows += decode_rows(args.shape, tp, overlap, bw, res, quant, args.kv_cache_dtype)
+        rows += decode_rows(args.shape, tp, overlap, bw, res, quant, args.kv_cache_dtype, peak)
         if args.fp8_beside:
-            rows += decode_rows(args.shape, tp, overlap, bw, res, "fp8")
+            rows += decode_rows(args.shape, tp, overlap, bw, res, "fp8", peak=peak)
         if args.kv_fp8_beside:
-            rows += decode_rows(args.shape, tp, overlap, bw, res, None, "fp8")
+            rows += decode_rows(args.shape, tp, overlap, bw, res, None, "fp8", peak)
     got = {
         int(k.split("/tp")[1].split("/")[0]): v for k, v in res.items() if "/tp" in k and k.endswith("bf16")
     }
