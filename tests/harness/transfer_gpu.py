@@ -1,5 +1,6 @@
-"""The GPU transfer scenarios' parts (cuda_ipc and ucx on a GPU): D's paged cache on a GPU, P's push with its
-buffers on its GPU, P's process spawned from a test module's script, and the audits at its end."""
+"""The GPU transfer scenarios' parts (cuda_ipc and ucx on a GPU): D's paged cache on a GPU, P's seeded source
+cache and the blocks each numbered transfer sends from it, P's push with its buffers on its GPU, P's process
+spawned from a test module's script (and its hang until killed), and the checks and audits at its end."""
 
 from __future__ import annotations
 
