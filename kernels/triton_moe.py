@@ -74,13 +74,18 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 @triton.jit
-def _row_block(pairs_ptr, block_expert_ptr, n_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_block(
+    pairs_ptr, block_expert_ptr, w_ptr, n_pairs, N, stride_we, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """This program's row block and column tile: its pair ids [BM] (and which are not padding), the
-    block's expert, the output columns [BN] (and which are in range)."""
+    output columns [BN] (and which are in range), and the block's expert's weight rows of those columns
+    [1, BN] (pointers to their first element)."""
     pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    return pairs, pairs < n_pairs, expert, offs_n, offs_n < N
+    w = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    return pairs, pairs < n_pairs, offs_n, offs_n < N, w
 
 
 @triton.jit
@@ -104,11 +109,10 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs, valid, expert, offs_n, n_mask = _row_block(
-        pairs_ptr, block_expert_ptr, n_pairs, F, BLOCK_M, BLOCK_N
-    )
+    pairs, valid, offs_n, n_mask, w_gate = _row_block(
+        pairs_ptr, block_expert_ptr, w_ptr, n_pairs, F, stride_we, stride_wn, BLOCK_M, BLOCK_N
+    )  # w_gate: [1, BN] rows of gate; up's are F rows further
     tokens = (pairs // top_k).to(tl.int64)
-    w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN] rows of gate
     w_up = w_gate + F * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -137,11 +141,10 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs, valid, expert, offs_n, n_mask = _row_block(
-        pairs_ptr, block_expert_ptr, n_pairs, N, BLOCK_M, BLOCK_N
+    pairs, valid, offs_n, n_mask, w = _row_block(
+        pairs_ptr, block_expert_ptr, w_ptr, n_pairs, N, stride_we, stride_wn, BLOCK_M, BLOCK_N
     )
     rows = pairs.to(tl.int64)
-    w = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a, kk, w_mask = _k_step(act_ptr, rows, stride_am, valid, n_mask, k0, K, BLOCK_K, DOT_DTYPE)
