@@ -74,13 +74,30 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
 
 
 @triton.jit
-def _row_block(pairs_ptr, block_expert_ptr, n_pairs, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _row_block(
+    pairs_ptr, block_expert_ptr, w_ptr, n_pairs, N, stride_we, stride_wn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """This program's row block and column tile: its pair ids [BM] (and which are not padding), the
-    block's expert, the output columns [BN] (and which are in range)."""
+    output columns [BN] (and which are in range), and the block's expert's weight rows of those columns
+    [1, BN] (pointers to their first element)."""
     pairs = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     expert = tl.load(block_expert_ptr + tl.program_id(0)).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    return pairs, pairs < n_pairs, expert, offs_n, offs_n < N
+    w = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]
+    return pairs, pairs < n_pairs, offs_n, offs_n < N, w
+
+
+@triton.jit
+def _k_step(a_ptr, rows, stride_am, valid, n_mask, k0, K, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One step of a kernel's K loop (inlined): the block's rows [BM] of A at columns k0 .. k0 + BK as a
+    [BM, BK] tile in DOT_DTYPE, those columns' offsets [BK, 1] into a weight row, and the [BK, BN] mask of
+    the weight tile beside it."""
+    kk = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    k_mask = kk < K
+    a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
+                mask=valid[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)  # fmt: skip
+    return a, kk[:, None], k_mask[:, None] & n_mask[None, :]
 
 
 @triton.jit
@@ -92,23 +109,17 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs, valid, expert, offs_n, n_mask = _row_block(
-        pairs_ptr, block_expert_ptr, n_pairs, F, BLOCK_M, BLOCK_N
-    )
+    pairs, valid, offs_n, n_mask, w_gate = _row_block(
+        pairs_ptr, block_expert_ptr, w_ptr, n_pairs, F, stride_we, stride_wn, BLOCK_M, BLOCK_N
+    )  # w_gate: [1, BN] rows of gate; up's are F rows further
     tokens = (pairs // top_k).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_gate = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN] rows of gate
     w_up = w_gate + F * stride_wn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        a = tl.load(x_ptr + tokens[:, None] * stride_xm + kk[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)  # fmt: skip
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        g = tl.load(w_gate + kk[:, None], mask=w_mask, other=0.0).to(DOT_DTYPE)  # [BK, BN]
-        u = tl.load(w_up + kk[:, None], mask=w_mask, other=0.0).to(DOT_DTYPE)
+        a, kk, w_mask = _k_step(x_ptr, tokens, stride_xm, valid, n_mask, k0, K, BLOCK_K, DOT_DTYPE)
+        g = tl.load(w_gate + kk, mask=w_mask, other=0.0).to(DOT_DTYPE)  # [BK, BN]
+        u = tl.load(w_up + kk, mask=w_mask, other=0.0).to(DOT_DTYPE)
         acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee", out_dtype=tl.float32)
         acc_up = tl.dot(a, u, acc_up, input_precision="ieee", out_dtype=tl.float32)
     # arithmetic in fp32, rounded to the output dtype where the reference rounds (the interpreter has no
@@ -130,19 +141,14 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    pairs, valid, expert, offs_n, n_mask = _row_block(
-        pairs_ptr, block_expert_ptr, n_pairs, N, BLOCK_M, BLOCK_N
+    pairs, valid, offs_n, n_mask, w = _row_block(
+        pairs_ptr, block_expert_ptr, w_ptr, n_pairs, N, stride_we, stride_wn, BLOCK_M, BLOCK_N
     )
     rows = pairs.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn  # [1, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < K
-        a = tl.load(act_ptr + rows[:, None] * stride_am + kk[None, :],
-                    mask=valid[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)  # fmt: skip
-        b = tl.load(w + kk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(DOT_DTYPE)
+        a, kk, w_mask = _k_step(act_ptr, rows, stride_am, valid, n_mask, k0, K, BLOCK_K, DOT_DTYPE)
+        b = tl.load(w + kk, mask=w_mask, other=0.0).to(DOT_DTYPE)  # [BK, BN]
         acc = tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
     # the product rounded to the model's dtype, as the reference's F.linear is, then weighted in fp32
     acc = acc.to(act_ptr.dtype.element_ty).to(tl.float32)

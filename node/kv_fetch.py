@@ -42,6 +42,7 @@ from pdserve.kvtransfer.connector import (
     TransferSession,
 )
 from pdserve.kvtransfer.device_sync import event_done
+from pdserve.node.node_routes import message_response
 from pdserve.node.node_runtime import NodeRuntime
 from pdserve.node.reservation import KVReservation, Reservations
 from pdserve.shared.engine.engine import RemoteReservation
@@ -284,7 +285,7 @@ def add_export_route(app: FastAPI, exporter: PrefixExporter) -> None:
         try:
             req = ExportRequest.from_json(await request.body())
         except ValueError as exc:
-            return Response(ExportResult(0, 0, error=str(exc)).to_json(), 400, media_type="application/json")
+            return message_response(ExportResult(0, 0, error=str(exc)), 400)
         result = await exporter.export(req)
         status = 200 if result.error is None else 502
-        return Response(result.to_json(), status, media_type="application/json")
+        return message_response(result, status)

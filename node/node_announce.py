@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pdserve.node.node_routes import message_response
 from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.index.block_index_types import BlockIndexError
 
@@ -23,7 +24,7 @@ def add_announce_routes(app: FastAPI, rt: NodeRuntime) -> None:
         info = rt.registration
         if info is None:
             return JSONResponse({"error": f"node {rt.node_id} has not registered"}, status_code=404)
-        return Response(info.to_json(), media_type="application/json")
+        return message_response(info)
 
     @app.get("/internal/index-diff")
     async def index_diff() -> JSONResponse:

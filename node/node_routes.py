@@ -16,9 +16,15 @@ from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.node.move_protocol import DrainNote
 from pdserve.shared.node.node_protocol import AbortRequest, ChallengeReply, ChallengeRequest, NodeInfoReply
 from pdserve.shared.types import BlockHash, RequestId
+from pdserve.shared.wire import JsonMessage
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
+
+
+def message_response(msg: JsonMessage, status: int = 200) -> Response:
+    """A node protocol message as an internal route's reply: its codec's JSON."""
+    return Response(msg.to_json(), status, media_type="application/json")
 
 
 def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
@@ -35,7 +41,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
             max_model_len=e.max_model_len,
             block_size=e.cfg.block_size,
         )
-        return Response(reply.to_json(), media_type="application/json")
+        return message_response(reply)
 
     @app.get("/internal/health")
     async def health() -> JSONResponse:
@@ -48,7 +54,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
         msg = ChallengeRequest.from_json(await request.body())
         answer = rt.keys.challenge_answer(msg.nonce, rt.node_id, rt.epoch)
         reply = ChallengeReply(node_id=rt.node_id, epoch=rt.epoch, answer=answer)
-        return Response(reply.to_json(), media_type="application/json")
+        return message_response(reply)
 
     @app.get("/internal/audit")
     async def audit() -> JSONResponse:

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pdserve.node.kv_fetch import PrefixFetcher
+from pdserve.node.node_routes import message_response
 from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.node.move_protocol import (
     HotPrefix,
@@ -114,14 +115,12 @@ def add_move_routes(app: FastAPI, moves: PrefixMoves) -> None:
             req = HotPrefixesRequest.from_json(await request.body())
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, 400)
-        return Response((await moves.hot(req)).to_json(), media_type="application/json")
+        return message_response(await moves.hot(req))
 
     @app.post("/internal/pull-prefix")
     async def pull(request: Request) -> Response:
         try:
             req = PullPrefix.from_json(await request.body())
         except ValueError as exc:
-            return Response(
-                PullResult(0, 0, 0, 0, error=str(exc)).to_json(), 400, media_type="application/json"
-            )
-        return Response((await moves.pull(req)).to_json(), media_type="application/json")
+            return message_response(PullResult(0, 0, 0, 0, error=str(exc)), 400)
+        return message_response(await moves.pull(req))

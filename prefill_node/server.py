@@ -36,6 +36,7 @@ from pdserve.kvtransfer.connector import (
 )
 from pdserve.kvtransfer.device_sync import event_done
 from pdserve.node.kv_fetch import FetchedPrefix, PrefixFetcher
+from pdserve.node.node_routes import message_response
 from pdserve.node.node_runtime import NodeRuntime
 from pdserve.shared.engine.engine import StepObserver, StepSlice
 from pdserve.shared.node.node_protocol import PrefillRequest, PrefillResult, StepOutput
@@ -332,22 +333,14 @@ def add_prefill_routes(app: FastAPI, service: PrefillService) -> None:
             else:  # compiles the grammar (cached): up to a second for a new one, off the event loop
                 await asyncio.to_thread(service.rt.engine.validate, req.prompt_token_ids, req.sampling)
         except ValueError as exc:
-            return Response(
-                PrefillResult(RequestId("invalid"), None, 0, 0, 0, error=str(exc)).to_json(),
-                status_code=400,
-                media_type="application/json",
-            )
+            return message_response(PrefillResult(RequestId("invalid"), None, 0, 0, 0, error=str(exc)), 400)
         if (refused := service.rt.refuses("prefill")) is not None:
-            return Response(
-                PrefillResult(RequestId(req.request_id), None, 0, 0, 0, error=refused).to_json(),
-                status_code=503,
-                media_type="application/json",
+            return message_response(
+                PrefillResult(RequestId(req.request_id), None, 0, 0, 0, error=refused), 503
             )
         service.in_flight += 1
         try:
             result = await service.prefill(req)
         finally:
             service.in_flight -= 1
-        return Response(
-            result.to_json(), status_code=200 if result.error is None else 502, media_type="application/json"
-        )
+        return message_response(result, 200 if result.error is None else 502)

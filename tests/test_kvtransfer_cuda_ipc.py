@@ -34,25 +34,18 @@ from pdserve.kvtransfer.cuda_ipc_setup import (
 )
 from pdserve.kvtransfer.tcp import TcpChannel, TcpTransport
 from pdserve.kvtransfer.window_ring import ALIGN, SLOTS, WindowRing
-from pdserve.shared.types import RequestId
 from pdserve.shared.wire import WireError
-from pdserve.tests.harness.transfer import (
-    LAYOUT,
-    audit,
-    block_hashes,
-    config,
-    identity,
-    random_cache,
-    run,
-    until,
-)
+from pdserve.tests.harness.transfer import audit, config, identity, run, until
 from pdserve.tests.harness.transfer_gpu import (
     BLOCKS,
     GpuReceiver,
     aborted_once,
+    check_landed,
+    hang,
     kill_at_first_frame,
-    push_on_gpu,
+    push_numbered,
     serving,
+    source_cache,
     spawn,
 )
 
@@ -160,19 +153,14 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
     sender = create_sender(
         config("cuda_ipc", device=device, options=CudaIpcOptions(window_bytes=WINDOW)), identity("prefill-0")
     )
-    src = random_cache(LAYOUT, 12, seed=5).to(device)
+    src = source_cache(device)
     try:
         for t in range(TRANSFERS if mode == "full" else 1):
-            session = await sender.session(address, RequestId(f"ipc-{t}"))
-            blocks = [(t + 3 * i) % 12 for i in range(4)]
-            await push_on_gpu(
-                session, src, blocks, block_hashes(3, salt=t), layers=None if mode == "full" else 1
-            )
+            session = await push_numbered(sender, address, src, "ipc", t, whole=mode == "full")
             if mode == "abort":
                 await session.abort("client went away")
             elif mode == "hang":
-                print("sent", flush=True)
-                await asyncio.sleep(60)
+                await hang()
     finally:
         await sender.close()
     print(json.dumps({"live_windows": live_windows()}), flush=True)
@@ -196,11 +184,7 @@ def test_cuda_ipc_transfers_are_bit_identical_across_processes() -> None:
             out, _ = await proc.communicate()
             assert proc.returncode == 0, out
             assert json.loads(out.decode().strip().splitlines()[-1]) == {"live_windows": 0}
-            src = random_cache(LAYOUT, 12, seed=5)
-            for t in range(TRANSFERS):
-                dst = receiver.reserved[f"ipc-{t}"]
-                for j, s in enumerate((t + 3 * i) % 12 for i in range(4)):
-                    assert torch.equal(receiver.kv[:, :, dst[j]].cpu(), src[:, :, s]), (t, j)
+            check_landed(receiver, "ipc", TRANSFERS)
             assert len(receiver.completed) == TRANSFERS
             # frames of 3 layers (4608 B) are split to fit the 4096 B window: 2 + 1 layers, then 1 layer
             assert receiver.data_calls == TRANSFERS * 3

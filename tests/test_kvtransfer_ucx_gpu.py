@@ -18,33 +18,12 @@ import torch
 from pdserve.kvtransfer.connector import FrameBlocks, create_sender
 from pdserve.kvtransfer.ucx import UcxOptions
 from pdserve.shared.types import BlockId, FirstToken, RequestId
-from pdserve.tests.harness.transfer import (
-    LAYOUT,
-    audit,
-    block_hashes,
-    config,
-    identity,
-    random_cache,
-    run,
-    until,
-)
-from pdserve.tests.harness.transfer_gpu import (
-    BLOCKS,
-    GpuReceiver,
-    aborted_once,
-    kill_at_first_frame,
-    push_on_gpu,
-    serving,
-    spawn,
-)
+from pdserve.tests.harness import transfer_gpu
+from pdserve.tests.harness.transfer import LAYOUT, audit, block_hashes, config, identity, run, until
 
 pytestmark = pytest.mark.extras  # needs ucxx, the [ucx] extra: `make test-extras`
 
 TRANSFERS = 12  # of 4 blocks each: GpuReceiver's cache holds BLOCKS = 48, and completed requests keep theirs
-
-
-def _src_blocks(t: int) -> list[int]:
-    return [(t + 3 * i) % 12 for i in range(4)]
 
 
 async def _sender_process(address: str, mode: str, device: str) -> None:
@@ -52,13 +31,13 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
     header cannot be built (its payload goes, D drops it), then the real frames; hang: one frame, then wait
     to be killed."""
     sender = create_sender(config("ucx", device=device), identity("prefill-0"))
-    src = random_cache(LAYOUT, 12, seed=5).to(device)
+    src = transfer_gpu.source_cache(device)
     try:
         if mode == "drop":
             session = await sender.session(address, RequestId("ucx-0"))
             reply = await session.open(block_hashes(3, salt=0), 4, time.time() + 30)
             assert reply.num_held_blocks == 0
-            todo = [BlockId(b) for b in _src_blocks(0)]
+            todo = [BlockId(b) for b in transfer_gpu.source_blocks(0)]
             wrong = FrameBlocks(tuple(range(4)), tuple(todo), tuple(BlockId(10_000 + i) for i in range(4)))
             buffer = torch.zeros((1, 2, 4, *src.shape[3:]), dtype=src.dtype, device=device)
             with contextlib.suppress(ValueError):
@@ -66,26 +45,16 @@ async def _sender_process(address: str, mode: str, device: str) -> None:
             print("dropped", flush=True)
             right = FrameBlocks.run(reply, 0, todo)
             for layer in range(LAYOUT.num_layers):
-                ids = torch.tensor(_src_blocks(0), device=device)
+                ids = torch.tensor(transfer_gpu.source_blocks(0), device=device)
                 await session.send_layers(layer, right, src[layer][:, ids].unsqueeze(0).contiguous())
             await session.complete(FirstToken(7))
         for t in range(TRANSFERS if mode == "full" else 1 if mode == "hang" else 0):
-            session = await sender.session(address, RequestId(f"ucx-{t}"))
-            layers = None if mode == "full" else 1
-            await push_on_gpu(session, src, _src_blocks(t), block_hashes(3, salt=t), layers=layers)
+            await transfer_gpu.push_numbered(sender, address, src, "ucx", t, whole=mode == "full")
             if mode == "hang":
-                print("sent", flush=True)
-                await asyncio.sleep(60)
+                await transfer_gpu.hang()
     finally:
         await sender.close()
     print(json.dumps({"closed": True}), flush=True)
-
-
-def _check_landed(receiver: GpuReceiver, t: int) -> None:
-    src = random_cache(LAYOUT, 12, seed=5)
-    dst = receiver.reserved[f"ucx-{t}"]
-    for j, s in enumerate(_src_blocks(t)):
-        assert torch.equal(receiver.kv[:, :, dst[j]].cpu(), src[:, :, s]), (t, j)
 
 
 @pytest.mark.gpu
@@ -96,18 +65,21 @@ def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_
     standing one; with the default window every frame lands through the standing receive."""
 
     async def scenario() -> None:
-        async with serving("ucx", UcxOptions(window_bytes=window_bytes)) as (receiver, server, p_device):
-            proc = await spawn(__file__, server.address, mode, p_device)
+        async with transfer_gpu.serving("ucx", UcxOptions(window_bytes=window_bytes)) as (
+            receiver,
+            server,
+            p_device,
+        ):
+            proc = await transfer_gpu.spawn(__file__, server.address, mode, p_device)
             out, _ = await proc.communicate()
             assert proc.returncode == 0, out
             count = TRANSFERS if mode == "full" else 1
-            for t in range(count):
-                _check_landed(receiver, t)
+            transfer_gpu.check_landed(receiver, "ucx", count)
             assert len(receiver.completed) == count
             # full: frames of 3 layers and 1 layer; drop: one frame per layer (the dropped one never arrives)
             assert receiver.data_calls == (2 * TRANSFERS if mode == "full" else LAYOUT.num_layers)
             await until(lambda: not server.open_transfer_ids())
-            audit(receiver, server, BLOCKS)
+            audit(receiver, server, transfer_gpu.BLOCKS)
 
     run(scenario(), timeout=120)
 
@@ -116,11 +88,15 @@ def test_ucx_gpu_transfers_are_bit_identical_across_processes(mode: str, window_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="ucx on a GPU needs one")
 def test_ucx_gpu_killed_sender_frees_the_reservation_once() -> None:
     async def scenario() -> None:
-        async with serving("ucx", UcxOptions(window_bytes=512 << 20)) as (receiver, server, p_device):
-            proc = await spawn(__file__, server.address, "hang", p_device)
-            await kill_at_first_frame(proc, receiver)
+        async with transfer_gpu.serving("ucx", UcxOptions(window_bytes=512 << 20)) as (
+            receiver,
+            server,
+            p_device,
+        ):
+            proc = await transfer_gpu.spawn(__file__, server.address, "hang", p_device)
+            await transfer_gpu.kill_at_first_frame(proc, receiver)
             await proc.communicate()
-            await aborted_once(receiver, server, "ucx-0")
+            await transfer_gpu.aborted_once(receiver, server, "ucx-0")
 
     run(scenario(), timeout=120)
 

@@ -1,8 +1,7 @@
-"""Qwen3 and the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE) against Hugging Face's own
-classes: tiny seeded fp32 checkpoints (tests/harness/tiny_models.py) saved with save_pretrained, loaded with
-load_model and run through ReferenceOps over a paged cache give HF's logits within 1e-4 in a full prefill,
-a prefill then per-token decode, and a varlen batch with a batched decode step. Also: what the configs read
-from config.json, the named dummy shapes, and the one-line errors of a bad checkpoint.
+"""Qwen3 and the mixture-of-experts families (Qwen3-MoE, Mixtral, Qwen2-MoE) beyond their logit parity with
+Hugging Face (test_model_hf_parity.py holds that and what their configs read): the named dummy shapes, the
+one-line errors of a bad checkpoint or MoE config (tiny seeded checkpoints of tests/harness/tiny_models.py),
+and each tensor-parallel rank's slice of the experts.
 """
 
 from __future__ import annotations
@@ -20,59 +19,7 @@ from pdserve.shared.model.model import LlamaModel
 from pdserve.shared.model.model_config import NAMED_SHAPES, ModelConfig
 from pdserve.shared.model.parallel import SingleRank, check_split, plan
 from pdserve.tests.harness.cluster_fixture import model_path
-from pdserve.tests.harness.parity_case import (
-    ParityCase,
-    check_full_prefill,
-    check_prefill_then_decode,
-    check_varlen_batch,
-    parity_case,
-)
-from pdserve.tests.harness.tiny_models import FAMILIES, VOCAB, hf_tiny_model
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ParityCase:
-    family = request.param
-    hf = hf_tiny_model(family)
-    path = str(tmp_path_factory.mktemp(family))
-    # mixtral is saved sharded, to read the index path too
-    hf.save_pretrained(path, max_shard_size="1MB" if family == "mixtral" else "1GB")
-    return parity_case(family, hf, path, VOCAB, tokenizer_path=model_path())
-
-
-def test_full_prefill_matches_hf(case: ParityCase) -> None:
-    check_full_prefill(case)
-
-
-def test_prefill_then_decode_matches_hf(case: ParityCase) -> None:
-    check_prefill_then_decode(case)
-
-
-def test_varlen_batch_prefill_and_batched_decode(case: ParityCase) -> None:
-    check_varlen_batch(case)
-
-
-def test_config_read_from_checkpoint(case: ParityCase) -> None:
-    cfg = case.loaded.config
-    assert cfg.architecture == case.family
-    assert cfg.qk_norm == case.family.startswith("qwen3")
-    assert cfg.head_dim == (32 if case.family.startswith("qwen3") else 16)
-    assert cfg.attention_bias == (case.family == "qwen2_moe") and not cfg.o_bias
-    if case.family == "qwen3":
-        assert cfg.moe is None
-        return
-    moe = cfg.moe
-    assert moe is not None
-    expected = {
-        "qwen3_moe": (8, 2, 32, True, 0, (1,)),
-        "mixtral": (4, 2, 96, True, 0, ()),
-        "qwen2_moe": (4, 2, 32, False, 48, ()),
-    }[case.family]
-    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob,
-            moe.shared_expert_intermediate_size, moe.mlp_only_layers) == expected  # fmt: skip
-    sparse = [cfg.is_sparse_layer(i) for i in range(cfg.num_layers)]
-    assert sparse == ([True, False, True] if case.family == "qwen3_moe" else [True, True])
-    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+from pdserve.tests.harness.tiny_models import hf_tiny_model
 
 
 def test_dense_config_dict_is_unchanged_by_moe() -> None:

@@ -7,9 +7,10 @@ against a model of every live booking under any interleaving of two routers' boo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -50,6 +51,16 @@ def _ledger(
     return RedisLedger(config, table, metrics, Background()), metrics
 
 
+@contextlib.asynccontextmanager
+async def _running(*ledgers: RedisLedger) -> AsyncIterator[None]:
+    """The ledgers started, as their routers' are; each closed on every path."""
+    async with contextlib.AsyncExitStack() as stack:
+        for ledger in ledgers:
+            await ledger.start()
+            stack.push_async_callback(ledger.close)
+        yield
+
+
 async def _live_leases(url: str, cluster: str, node: NodeId) -> int:
     """Leases of `node` that have not expired, on Redis's clock."""
     client = redis.asyncio.Redis.from_url(url)
@@ -64,9 +75,7 @@ async def _live_leases(url: str, cluster: str, node: NodeId) -> int:
 def test_the_cap_holds_across_routers_and_a_release_frees_one_place_once(redis_server: LocalRedis) -> None:
     async def scenario() -> None:
         (a, _), (b, _) = (_ledger(redis_server.url, 2, cluster="cap") for _ in range(2))
-        await a.start()
-        await b.start()
-        try:
+        async with _running(a, b):
             first = (await a.acquire(D, P, 100, 1))[0]
             second = (await b.acquire(D, P, 50, 1))[0]
             with pytest.raises(NodeFull):  # two routers, one place each: the fleet's cap of 2 is reached
@@ -93,9 +102,6 @@ def test_the_cap_holds_across_routers_and_a_release_frees_one_place_once(redis_s
                 booking.release()
             await a._background.drain()
             assert await _live_leases(redis_server.url, "cap", D) == 0
-        finally:
-            await a.close()
-            await b.close()
 
     asyncio.run(scenario())
 
@@ -122,8 +128,7 @@ def test_a_dead_routers_leases_expire_within_the_ttl_while_a_live_ones_are_refre
 def test_without_redis_a_router_admits_by_its_own_counts_and_says_so() -> None:
     async def scenario() -> None:
         ledger, metrics = _ledger(f"redis://127.0.0.1:{free_port()}/0", 1, cluster="down")
-        await ledger.start()
-        try:
+        async with _running(ledger):
             booking = (await ledger.acquire(D, None, 5, 1))[0]  # Redis refuses: booked locally, no wait
             page = metrics.render().decode()
             assert "pdserve_router_admission_fleet_degraded 1.0" in page
@@ -131,8 +136,6 @@ def test_without_redis_a_router_admits_by_its_own_counts_and_says_so() -> None:
             assert ledger.full(D)  # the local cap still holds
             booking.release()
             assert not ledger.full(D)
-        finally:
-            await ledger.close()
 
     asyncio.run(scenario())
 
@@ -148,10 +151,7 @@ def test_a_placement_that_began_waiting_while_redis_stalled_is_woken_once_it_ans
 
     async def scenario() -> None:
         (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="stall") for _ in range(2))
-        control = redis.asyncio.Redis.from_url(redis_server.url)
-        await a.start()
-        await b.start()
-        try:
+        async with redis.asyncio.Redis.from_url(redis_server.url) as control, _running(a, b):
             held = (await b.acquire(D, None, 5, 1))[0]
             with a.turn() as turn:
                 with pytest.raises(NodeFull):
@@ -165,10 +165,6 @@ def test_a_placement_that_began_waiting_while_redis_stalled_is_woken_once_it_ans
                 held.release()  # the fleet's place frees; a holds nothing of its own that could end
                 await waiting  # NoRoom at the deadline before the fix
                 (await a.acquire(D, None, 5, 1, turn))[0].release()
-        finally:
-            await control.aclose()
-            await a.close()
-            await b.close()
 
     asyncio.run(scenario())
 
@@ -176,9 +172,7 @@ def test_a_placement_that_began_waiting_while_redis_stalled_is_woken_once_it_ans
 def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis_server: LocalRedis) -> None:
     async def scenario() -> None:
         (a, _), (b, _) = (_ledger(redis_server.url, 1, 0.6, cluster="fifo") for _ in range(2))
-        await a.start()
-        await b.start()
-        try:
+        async with _running(a, b):
             held = (await a.acquire(D, None, 5, 1))[0]
             with b.turn() as waiting:
                 with pytest.raises(NodeFull):
@@ -195,9 +189,6 @@ def test_the_fleet_admits_in_arrival_order_whichever_router_a_waiter_is_on(redis
             await b._background.drain()
             with a.turn() as turn:  # the queue is empty again: the next placement books at once
                 (await a.acquire(D, None, 5, 1, turn))[0].release()
-        finally:
-            await a.close()
-            await b.close()
 
     asyncio.run(scenario())
 
@@ -208,7 +199,6 @@ def test_more_placements_at_once_than_redis_connections_never_fall_back(redis_se
 
     async def scenario() -> None:
         ledger, metrics = _ledger(redis_server.url, 0, cluster="burst", connections=4)
-        await ledger.start()
 
         async def place(i: int) -> None:
             (booking,) = await ledger.acquire(NODES[2 + i % 2], NODES[i % 2], 100, 1)
@@ -216,7 +206,7 @@ def test_more_placements_at_once_than_redis_connections_never_fall_back(redis_se
             booking.prefill_done()
             booking.release()
 
-        try:
+        async with _running(ledger):
             await asyncio.gather(*(place(i) for i in range(200)))
             await ledger._background.drain()
             page = metrics.render().decode()
@@ -224,8 +214,6 @@ def test_more_placements_at_once_than_redis_connections_never_fall_back(redis_se
             assert "pdserve_router_admission_fleet_degraded 0.0" in page
             counts = await ledger._table.counts(list(NODES))
             assert all(c == NodeLeases() for c in counts.values()), counts
-        finally:
-            await ledger.close()
 
     asyncio.run(scenario())
 
@@ -342,9 +330,7 @@ def test_three_routers_placements_all_book_with_few_refusals_under_the_cap(redis
             booking.prefill_done()
             booking.release()
 
-        for ledger in ledgers:
-            await ledger.start()
-        try:
+        async with _running(*ledgers):
             await asyncio.gather(*(place(ledger) for ledger in ledgers for _ in range(per_router)))
             for ledger in ledgers:
                 await ledger._background.drain()
@@ -352,9 +338,6 @@ def test_three_routers_placements_all_book_with_few_refusals_under_the_cap(redis
             # each placement but the first two is refused on arrival; waking every waiter on each free
             # place (before) refused them about 20 times each
             assert refused[0] <= 2 * per_router * len(ledgers), refused[0]
-        finally:
-            for ledger in ledgers:
-                await ledger.close()
 
     asyncio.run(scenario())
 

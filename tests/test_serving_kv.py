@@ -58,6 +58,13 @@ def greedy(book: dict[str, str], lines: list[dict[str, Any]]) -> list[str]:
     return [book[cluster_fixture.book_key(line)] for line in lines]
 
 
+def served(c: openai.OpenAI, line: dict[str, Any]) -> str:
+    """The cluster's greedy text for a book line: a chat when it has "messages", else a completion."""
+    if "messages" in line:
+        return c.chat.completions.create(model=MODEL, temperature=0, **line).choices[0].message.content or ""
+    return c.completions.create(model=MODEL, temperature=0, **line).choices[0].text
+
+
 @pytest.fixture(scope="module")
 def live() -> Iterator[cluster_fixture.LiveCluster]:
     yield from cluster_fixture.live_cluster(prefill=1, decode=2)
@@ -67,18 +74,13 @@ def test_a_prefix_p_holds_and_d_lacks_is_sent(
     live: cluster_fixture.LiveCluster, book: dict[str, str]
 ) -> None:
     c = client(live)
-    prompts = HELD
-    want = greedy(book, [{"prompt": p, "max_tokens": 12} for p in prompts])
-
-    def complete(prompt: str) -> str:
-        reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-        return reply.choices[0].text
-
-    assert complete(prompts[0]) == want[0]
+    lines = [{"prompt": p, "max_tokens": 12} for p in HELD]
+    want = greedy(book, lines)
+    assert served(c, lines[0]) == want[0]
     for node in ("decode-0", "decode-1"):  # P keeps the prefix; neither D has it any more
         cluster_fixture.kvctl_main(live.redis_url, "evict", "--node", node, "--all")
-    assert complete(prompts[0]) == want[0]
-    assert complete(prompts[1]) == want[1]  # the same prefix plus a new suffix
+    assert served(c, lines[0]) == want[0]
+    assert served(c, lines[1]) == want[1]  # the same prefix plus a new suffix
     live.wait_clean()
 
 
@@ -86,15 +88,10 @@ def test_a_shared_system_prompt_over_two_decode_nodes(
     live: cluster_fixture.LiveCluster, book: dict[str, str]
 ) -> None:
     c = client(live)
-    chats = CHATS
-    want = greedy(book, [{"messages": m, "max_tokens": 10} for m in chats])
-
-    def chat(messages: list[dict[str, str]]) -> str:
-        reply = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)  # type: ignore[arg-type]
-        return reply.choices[0].message.content or ""
-
+    lines = [{"messages": m, "max_tokens": 10} for m in CHATS]
+    want = greedy(book, lines)
     with ThreadPoolExecutor(max_workers=4) as pool:
-        got = list(pool.map(chat, chats * 2))
+        got = list(pool.map(lambda line: served(c, line), lines * 2))
     assert got == want * 2
     live.wait_clean()
 
@@ -128,15 +125,10 @@ def test_a_full_decode_pool_queues_transfers_instead_of_refusing_them(book: dict
         prefill=1, decode=1, role_node_args=(("decode", ("--num-kv-blocks", "12")),)
     )
     with cluster_fixture.LiveCluster.start(cfg) as live:
-        prompts = QUEUED
-        want = greedy(book, [{"prompt": p, "max_tokens": 16} for p in prompts])
+        lines = [{"prompt": p, "max_tokens": 16} for p in QUEUED]
+        want = greedy(book, lines)
         c = client(live)
-
-        def complete(prompt: str) -> str:
-            reply = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
-            return reply.choices[0].text
-
         with ThreadPoolExecutor(max_workers=32) as pool:
-            got = list(pool.map(complete, prompts))
+            got = list(pool.map(lambda line: served(c, line), lines))
         assert got == want
         live.wait_clean()

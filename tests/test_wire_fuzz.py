@@ -11,40 +11,11 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdserve.shared.engine.sampling_params import SamplingParams
-from pdserve.shared.node.node_protocol import (
-    CODEC,
-    AbortRequest,
-    NodeGenerateRequest,
-    NodeInfoReply,
-    PrefillRequest,
-    PrefillResult,
-    StepOutput,
-    TokenLogprob,
-    TopLogprob,
-)
-from pdserve.shared.types import NodeId, RequestId
+from pdserve.shared.node.node_protocol import CODEC, AbortRequest
 from pdserve.shared.wire import Codec, WireError
+from pdserve.tests.harness.messages import NODE_EXAMPLES
 
-SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, stop=("x",), logprobs=2, seed=3)
-SAMPLES: list[Any] = [
-    NodeGenerateRequest(RequestId("r"), (1, 2, 3), SAMPLING, "salt", 1e9, NodeId("p0")),
-    PrefillRequest(RequestId("r"), (1, 2), SAMPLING, None, 1e9, NodeId("d0"), "127.0.0.1:9000"),
-    PrefillResult(RequestId("r"), 42, 10, 6, 2),
-    StepOutput(
-        RequestId("r"),
-        (5,),
-        "a",
-        (TokenLogprob(5, "a", -0.5, (97,), (TopLogprob("b", 6, -1.0, None),)),),
-        "stop",
-        3,
-        1,
-        0,
-    ),
-    AbortRequest(RequestId("r")),
-    NodeInfoReply(NodeId("d0"), "decode", "m", 2048, 16),
-]
-KINDS = [type(m) for m in SAMPLES]
+KINDS = [type(m) for m in NODE_EXAMPLES]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.integers(-(10**400), 10**400) | st.floats() | st.text(),
@@ -80,9 +51,14 @@ def test_random_bytes_are_refused_cleanly(kind: type, data: bytes) -> None:
 
 
 @settings(max_examples=600, deadline=None)
-@given(st.integers(0, len(SAMPLES) - 1), st.data(), json_values, st.sampled_from(["replace", "drop", "add"]))
+@given(
+    st.integers(0, len(NODE_EXAMPLES) - 1),
+    st.data(),
+    json_values,
+    st.sampled_from(["replace", "drop", "add"]),
+)
 def test_one_damaged_value_is_refused_cleanly(which: int, data: st.DataObject, value: Any, how: str) -> None:
-    msg = SAMPLES[which]
+    msg = NODE_EXAMPLES[which]
     obj = json.loads(CODEC.to_json(msg))
     path = data.draw(st.sampled_from(paths(obj)))
     if not path:

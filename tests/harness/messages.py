@@ -1,4 +1,5 @@
-"""One example of every KV-transfer message, for the round-trip and fuzz tests."""
+"""One example of every KV-transfer message, and of the node protocol's request and reply messages, for the
+round-trip and fuzz tests."""
 
 from __future__ import annotations
 
@@ -18,7 +19,19 @@ from pdserve.kvtransfer.messages import (
     Ping,
     Ready,
 )
-from pdserve.shared.types import BlockHash, FirstToken, RequestId
+from pdserve.shared.engine.sampling_params import SamplingParams
+from pdserve.shared.node.node_protocol import (
+    AbortRequest,
+    NodeGenerateRequest,
+    NodeInfoReply,
+    PrefillRequest,
+    PrefillResult,
+    StepOutput,
+    TokenLogprob,
+    TopLogprob,
+)
+from pdserve.shared.types import BlockHash, FirstToken, NodeId, RequestId
+from pdserve.shared.wire import JsonMessage
 
 LAYOUT = KVLayout(30, 3, 64, 16, "bfloat16", tp_size=2)
 EXAMPLES: list[Message] = [
@@ -35,4 +48,23 @@ EXAMPLES: list[Message] = [
     Ack("req-1"),
     Abort("req-1", "deadline passed"),
     Ping(),
+]
+
+SAMPLING = SamplingParams(max_tokens=8, temperature=0.7, stop=("x",), logprobs=2, seed=3)
+NODE_EXAMPLES: list[JsonMessage] = [
+    NodeGenerateRequest(RequestId("r"), (1, 2, 3), SAMPLING, "salt", 1e9, NodeId("p0")),
+    PrefillRequest(RequestId("r"), (1, 2), SAMPLING, None, 1e9, NodeId("d0"), "127.0.0.1:9000"),
+    PrefillResult(RequestId("r"), 42, 10, 6, 2),
+    StepOutput(
+        RequestId("r"),
+        (5,),
+        "a",
+        (TokenLogprob(5, "a", -0.5, (97,), (TopLogprob("b", 6, -1.0, None),)),),
+        "stop",
+        3,
+        1,
+        0,
+    ),
+    AbortRequest(RequestId("r")),
+    NodeInfoReply(NodeId("d0"), "decode", "m", 2048, 16),
 ]

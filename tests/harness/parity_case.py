@@ -1,8 +1,7 @@
 """One tiny Hugging Face checkpoint against our model over a paged cache: `ParityCase` holds HF's reference
 logits of two seeded prompts and the checkpoint as `load_model` loads it; the three checks run the same
 prompts through `PagedRunner` (a full prefill, a prefill then per-token decode, a varlen batch then one
-batched decode step) and hold each logit to HF's within TOL. test_model_hf_parity.py (Llama, Qwen2,
-Mistral) and test_model_families.py (Qwen3 and the MoE families) share them.
+batched decode step) and hold each logit to HF's within TOL (test_model_hf_parity.py, over every family).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The GPU transfer scenarios' parts (cuda_ipc and ucx on a GPU): D's paged cache on a GPU, P's push with its
-buffers on its GPU, P's process spawned from a test module's script, and the audits at its end."""
+"""The GPU transfer scenarios' parts (cuda_ipc and ucx on a GPU): D's paged cache on a GPU, P's seeded source
+cache and the blocks each numbered transfer sends from it, P's push with its buffers on its GPU, P's process
+spawned from a test module's script (and its hang until killed), and the checks and audits at its end."""
 
 from __future__ import annotations
 
@@ -11,11 +12,36 @@ from collections.abc import AsyncIterator
 
 import torch
 from pdserve.kernels.reference import ReferenceOps
-from pdserve.kvtransfer.connector import ConnectorOptions, FrameBlocks, KVReceiverServer, TransferSession
-from pdserve.shared.types import BlockHash, BlockId, FirstToken
-from pdserve.tests.harness.transfer import LAYOUT, PagedReceiver, audit, started, until
+from pdserve.kvtransfer.connector import (
+    ConnectorOptions,
+    FrameBlocks,
+    KVReceiverServer,
+    KVSender,
+    TransferSession,
+)
+from pdserve.shared.types import BlockHash, BlockId, FirstToken, RequestId
+from pdserve.tests.harness.transfer import (
+    LAYOUT,
+    PagedReceiver,
+    audit,
+    block_hashes,
+    random_cache,
+    started,
+    until,
+)
 
 BLOCKS = 48  # D's GPU cache: 12 transfers of 4 blocks each, which completed requests keep
+SOURCE_BLOCKS = 12  # P's cache
+
+
+def source_cache(device: str) -> torch.Tensor:
+    """P's seeded cache of SOURCE_BLOCKS blocks on `device` (on the CPU, what D must hold once it landed)."""
+    return random_cache(LAYOUT, SOURCE_BLOCKS, seed=5).to(device)
+
+
+def source_blocks(t: int) -> list[int]:
+    """The 4 blocks of P's cache that transfer `t` sends: not one run, and a different set for each t."""
+    return [(t + 3 * i) % SOURCE_BLOCKS for i in range(4)]
 
 
 def devices() -> tuple[str, str]:
@@ -47,6 +73,31 @@ async def push_on_gpu(
         await session.send_layers(start, frame_blocks, buffer)
     if layers is None:
         await session.complete(FirstToken(7, -0.25))
+
+
+async def push_numbered(
+    sender: KVSender, address: str, src: torch.Tensor, prefix: str, t: int, whole: bool
+) -> TransferSession:
+    """Transfer `prefix-t` of `source_blocks(t)` from `src` to D at `address`; `whole=False`: its first
+    frame (one layer) only, not completed."""
+    session = await sender.session(address, RequestId(f"{prefix}-{t}"))
+    await push_on_gpu(session, src, source_blocks(t), block_hashes(3, salt=t), layers=None if whole else 1)
+    return session
+
+
+async def hang() -> None:
+    """P's side of `kill_at_first_frame`: says that it sent its frame, then waits to be killed."""
+    print("sent", flush=True)
+    await asyncio.sleep(60)
+
+
+def check_landed(receiver: GpuReceiver, prefix: str, count: int) -> None:
+    """Transfers `prefix-0` to `prefix-(count-1)` landed in D's cache bit for bit."""
+    src = source_cache("cpu")
+    for t in range(count):
+        dst = receiver.reserved[f"{prefix}-{t}"]
+        for j, s in enumerate(source_blocks(t)):
+            assert torch.equal(receiver.kv[:, :, dst[j]].cpu(), src[:, :, s]), (t, j)
 
 
 class GpuReceiver(PagedReceiver):
