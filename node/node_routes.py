@@ -2,13 +2,16 @@
 undrain, evict, metrics), over the node's runtime.
 
 Invariants: they live on the node's internal port, never the public API, and all but health and metrics
-need the cluster's credential (shared/node/node_auth.py, in front of them); they hold no state of their own.
+need the cluster's credential (shared/node/node_auth.py, in front of them); they hold no state of their own;
+a body that is not the route's message is answered 400 naming the problem (`BadBody`), never 500.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +23,39 @@ from pdserve.shared.wire import JsonMessage
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=JsonMessage)
+
+
+class BadBody(ValueError):
+    """An internal request's body is not the route's message: the caller's error, answered 400."""
+
+
+async def message_body(request: Request, cls: type[M]) -> M:
+    """The request's body decoded as `cls` with the one codec, or BadBody naming what is wrong."""
+    try:
+        return cls.from_json(await request.body())
+    except ValueError as exc:
+        raise BadBody(f"the body is not a {cls.__name__}: {exc}") from exc
+
+
+def _bad_body(_request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+def _evict_targets(body: bytes) -> list[BlockHash] | None:
+    """/internal/evict's body, {"all": true} (None: everything) or {"block_hashes": [hex, ...]}."""
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict) or not isinstance(data.get("all", False), bool):
+            raise ValueError('expected {"all": true} or {"block_hashes": [hex, ...]}')
+        if data.get("all"):
+            return None
+        hashes = data.get("block_hashes", [])
+        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+            raise ValueError("block_hashes must be a list of hex strings")
+        return [BlockHash(bytes.fromhex(h)) for h in hashes]
+    except ValueError as exc:
+        raise BadBody(f"the evict body is not valid: {exc}") from exc
 
 
 def message_response(msg: JsonMessage, status: int = 200) -> Response:
@@ -30,6 +66,7 @@ def message_response(msg: JsonMessage, status: int = 200) -> Response:
 def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
     """Internal routes every role serves. They live on the node's internal port, never the public API, and
     all but health and metrics need the cluster's credential (shared/node/node_auth.py, in front of them)."""
+    app.add_exception_handler(BadBody, _bad_body)
 
     @app.get("/internal/info")
     async def info() -> Response:
@@ -51,7 +88,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
     async def challenge(request: Request) -> Response:
         """Proves that this URL is served by a holder of the cluster's credential registered as (node id,
         epoch): the router asks once per epoch before it sends the node any work (router/membership.py)."""
-        msg = ChallengeRequest.from_json(await request.body())
+        msg = await message_body(request, ChallengeRequest)
         answer = rt.keys.challenge_answer(msg.nonce, rt.node_id, rt.epoch)
         reply = ChallengeReply(node_id=rt.node_id, epoch=rt.epoch, answer=answer)
         return message_response(reply)
@@ -74,7 +111,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
 
     @app.post("/internal/abort")
     async def abort(request: Request) -> JSONResponse:
-        msg = AbortRequest.from_json(await request.body())
+        msg = await message_body(request, AbortRequest)
         await rt.aengine.abort(RequestId(msg.request_id))
         return JSONResponse({"ok": True})
 
@@ -105,12 +142,7 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
 
     @app.post("/internal/evict")
     async def evict(request: Request) -> JSONResponse:
-        body = await request.json()
-        if body.get("all"):
-            n = await rt.evict(None)
-        else:
-            hashes = [BlockHash(bytes.fromhex(h)) for h in body.get("block_hashes", [])]
-            n = await rt.evict(hashes)
+        n = await rt.evict(_evict_targets(await request.body()))
         return JSONResponse({"ok": True, "evicted": n})
 
     @app.get("/metrics")

@@ -394,6 +394,31 @@ def test_node_routes_refuse_a_caller_without_the_cluster_credential(
     assert post(cluster.base, "/v1/completions", CMPL).status_code == 200  # the router holds the credential
 
 
+BODY_ROUTES = ["/internal/generate", "/internal/prefill", "/internal/abort", "/internal/challenge",
+               "/internal/drain", "/internal/role", "/internal/evict", "/internal/hot-prefixes",
+               "/internal/pull-prefix"]  # fmt: skip
+
+
+def test_node_routes_answer_a_malformed_body_with_a_400(
+    live: tuple[cluster_fixture.LiveCluster, str],
+) -> None:
+    """A caller with the credential but a body that is not the route's message (not JSON, the wrong JSON)
+    gets a 400 that names the problem, never a 500, and the node keeps serving."""
+    cluster, _ = live
+    url = next(iter(cluster.nodes.values())).url
+    for body in (
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"nonce": 7, "all": "yes", "block_hashes": "zz"}).encode(),
+    ):
+        for path in BODY_ROUTES:
+            r = httpx2.post(url + path, content=body, auth=signed(cluster.auth_token), timeout=10)
+            assert r.status_code == 400, (path, body, r.status_code, r.text)
+            assert r.json()["error"], (path, body)
+    assert httpx2.get(f"{url}/internal/health", timeout=10).json()["draining"] is False
+    assert post(cluster.base, "/v1/completions", CMPL).status_code == 200
+
+
 def test_kvctl_with_the_credential_still_evicts_drains_and_undrains(
     live: tuple[cluster_fixture.LiveCluster, str],
 ) -> None:
