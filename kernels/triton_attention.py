@@ -46,9 +46,10 @@ _MAX_SPLITS = 64
 _MIN_PREFILL_SPLIT = 512  # keys
 _SPLITS_CHUNK = 16  # the most splits the reduction weighs at a time (fewer: the next power of two)
 # Decode tile (keys per tile, num_warps, num_stages) by KV_FP8, measured at batch 64 x 4k context on an
-# H200 (docs/benchmarks.md): a 128-key FP8 tile moves the bytes of a 64-key bf16 one; 5 stages give it
-# two K/V buffers (the table load takes the first stage), 3 give one: 179 us against 191.
-_DECODE_TILES = {False: (64, 4, 3), True: (128, 4, 5)}
+# H200 (docs/benchmarks.md). FP8: one warp over 32 keys (165 us, against 179 for 4 warps over 128): its
+# query rows fit one MMA tile, so the softmax needs no cross-warp reduction through shared memory and no
+# barrier, and the 1,024 programs at 2 splits are all resident at once (184 registers, 20 KiB each).
+_DECODE_TILES = {False: (64, 4, 3), True: (32, 1, 4)}
 
 
 @triton.jit

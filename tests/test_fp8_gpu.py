@@ -83,11 +83,12 @@ def test_decode_and_prefill_read_an_fp8_cache_as_the_reference(lens: list[int]) 
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("block_n", [None, 32])
+@pytest.mark.parametrize("block_n", [None, 128])
 def test_fp8_decode_is_closer_to_fp32_attention_than_bf16(block_n: int | None) -> None:
     # e4m3 widens to fp16 exactly and the kernel rounds q and P to fp16 (11 bits): against attention in
     # fp32 on the same FP8 values it must beat the reference, which computes in bf16 (8 bits). Long
-    # contexts, so P's rounding counts; default tile (one that covers pages) and one inside a 64-token page.
+    # contexts, so P's rounding counts; the default tile (32 keys: inside a 64-token page) and one that covers
+    # pages.
     lens = [4096, 3000, 4000, 1000]
     kv, tables = _cache(lens, block=64)
     q = torch.randn(len(lens), 32, 128, device=DEV, dtype=torch.bfloat16)

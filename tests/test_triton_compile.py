@@ -26,7 +26,8 @@ def test_kernels_compile_for_sm90() -> None:
 
 
 def _cases() -> list[tuple[str, str, dict[str, object]]]:
-    """(module, kernel, argument -> type string or constexpr value), Llama-3.1-8B shapes."""
+    """(module, kernel, argument -> type string or constexpr value), Llama-3.1-8B shapes; "_options": the
+    compile options where they are not 4 warps and 2 stages."""
     import triton.language as tl
 
     attn, ops = "pdserve.kernels.triton_attention", "pdserve.kernels.triton_ops"
@@ -41,8 +42,8 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
                   "KV_FP8": fp8, "ASM_CVT": fp8}  # fmt: skip
         decode = {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3}
         cases.append((attn, "_decode_split_kernel", decode))
-        # FP8's decode tile (_DECODE_TILES); the others a tile inside one 64-token page
-        tile = {"BLOCK_N": 128 if fp8 else 32, "BLOCK_SIZE": 64}
+        # a 32-key tile inside one 64-token page; for FP8 compiled as _DECODE_TILES runs it (one warp)
+        tile = {"BLOCK_N": 32, "BLOCK_SIZE": 64, "_options": {"num_warps": 1, "num_stages": 4} if fp8 else {}}
         cases.append((attn, "_decode_split_kernel", {**decode, **tile}))
         for split in (False, True):
             prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "SPLIT": split}
@@ -135,9 +136,10 @@ def _compile_all() -> None:
             else:
                 signature[param.name] = str(given.get(param.name, _RUNTIME_DEFAULTS.get(param.name, "i32")))
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        kernel = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}
-        )
+        extra = given.get("_options", {})  # a case's own num_warps / num_stages
+        assert isinstance(extra, dict)
+        options = {"num_warps": 4, "num_stages": 2, **extra}
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         print(f"compiled {name} {given.get('DOT_DTYPE', '')} shared={kernel.metadata.shared}")
 
 
