@@ -172,6 +172,23 @@ async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]
     return ttft, t2, outs, results
 
 
+def transfer_alone(
+    d_url: str,
+    p: tuple[str, str],
+    prompts: list[list[int]],
+    max_tokens: int,
+    token: str,
+    empty_d: bool = True,
+) -> list[dict[str, Any]]:
+    """`prompts` to P/D again, once P holds them: P computes only each prompt's last block, so the transfer
+    is (almost) all that is left; returns P's results. With `empty_d`, D's prefix cache is emptied first, so
+    the whole KV moves (D kept the prompts' blocks from the run before, and would take only the last one)."""
+    if empty_d:
+        evicted = httpx2.post(f"{d_url}/internal/evict", json={"all": True}, auth=signed(token), timeout=30)
+        evicted.raise_for_status()
+    return asyncio.run(measure(d_url, p, prompts, max_tokens, "pdc" if empty_d else "pdh", token))[3]
+
+
 def kv_bytes_per_token_of(model: str, kv_cache_dtype: str, dtype: str) -> int:
     """KV bytes per token of a dummy shape (0 for a model this program cannot size)."""
     from pdserve.shared.model.model_config import NAMED_SHAPES
@@ -181,6 +198,20 @@ def kv_bytes_per_token_of(model: str, kv_cache_dtype: str, dtype: str) -> int:
         return 0
     size = 1 if kv_cache_dtype == "fp8" else (4 if dtype == "float32" else 2)
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * size
+
+
+def transfer_line(who: str, results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """One row of the `--cached` report: P's transfer to D (first DATA frame to D's ACK) beside P's compute
+    of the same step, which per-layer frames wait for, and the part after P's first token (medians)."""
+    med = statistics.median
+    blocks = med([r.get("transferred_blocks", 0) for r in results])
+    kv_bytes = blocks * 16 * kv_bytes_per_token_of(args.model, args.kv_cache_dtype, args.dtype)
+    transfer = med([r.get("transfer_seconds", 0.0) for r in results])
+    compute = med([r.get("compute_seconds", 0.0) for r in results])
+    tail = med([r.get("transfer_tail_seconds", 0.0) for r in results])
+    return (f"{who}: {blocks:.0f} blocks ({kv_bytes / 2**20:.1f} MiB) in {transfer * 1e3:.2f} ms "
+            f"({kv_bytes / max(transfer, 1e-9) / 2**30:.1f} GiB/s); P's compute {compute * 1e3:.2f} ms; "
+            f"after P's first token {tail * 1e3:.2f} ms")  # fmt: skip
 
 
 def audit(url: str, token: str) -> dict[str, int]:
@@ -238,9 +269,9 @@ def main() -> int:
         d_addr = f"{args.connector}://127.0.0.1:{d_tport}"
         run = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd", token)
         pd_ttft, pd_t2, pd_out, pd_res = asyncio.run(run)
-        if args.cached:
-            again = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pdc", token)
-            cached_res = asyncio.run(again)[3]
+        if args.cached:  # D holding the prompts first (as the run above left it), then emptied
+            held_res = transfer_alone(d_url, (p_url, d_addr), prompts, args.max_tokens, token, empty_d=False)
+            cached_res = transfer_alone(d_url, (p_url, d_addr), prompts, args.max_tokens, token)
         time.sleep(0.5)
         p_audit, d_audit = audit(p_url, token), audit(d_url, token)
     finally:
@@ -261,10 +292,12 @@ def main() -> int:
           f"({kv_bytes / 2**20:.1f} MiB, {kv_bytes / max(med(transfer), 1e-9) / 2**30:.1f} GiB/s); "
           f"not hidden under P's compute (tail) p50 {med(tail) * 1e3:.2f} ms\n")  # fmt: skip
     if args.cached:
-        alone = med([r.get("transfer_seconds", 0.0) for r in cached_res])
         hits = med([r.get("cached_tokens", 0) for r in cached_res])
-        print(f"Again with the prompt held by P ({hits:.0f} cached tokens, p50): the transfer alone p50 "
-              f"{alone * 1e3:.2f} ms, {kv_bytes / max(alone, 1e-9) / 2**30:.1f} GiB/s\n")  # fmt: skip
+        print(f"Again with the prompt held by P ({hits:.0f} cached tokens; P computes the last block, and "
+              f"its {args.layers_per_frame}-layer frames go out as it computes), p50:")  # fmt: skip
+        for who, res in (("D emptied first", cached_res), ("D holding the prompt already", held_res)):
+            print("- " + transfer_line(who, res, args))
+        print()
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
     for name, pd, single in rows:
         print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")
