@@ -246,21 +246,26 @@ def main() -> int:
     ap.add_argument(
         "--tp-s", type=int, default=None, help="the single node's tensor-parallel size (default: D's)"
     )
+    ap.add_argument("--no-single", action="store_true",
+                    help="P/D alone, without the single-node peer (for the transfer figures)")  # fmt: skip
     args = ap.parse_args()
     import random
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 30000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     token = secrets.token_hex(16)
-    rows = []
     tp_s = args.tp_d if args.tp_s is None else args.tp_s
-    s_proc, s_url, _ = start_node("single", "single-0", args.device_s or args.device_p, args, token, tp_s)
-    try:
-        wait_ready(s_url, s_proc)
-        s_ttft, s_t2, s_out, _ = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token))
-        s_audit = audit(s_url, token)
-    finally:
-        stop([s_proc])
+    single: tuple[Measured, dict[str, int]] | None = None
+    if not args.no_single:
+        s_proc, s_url, _ = start_node("single", "single-0", args.device_s or args.device_p, args, token, tp_s)
+        try:
+            wait_ready(s_url, s_proc)
+            single = (
+                asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token)),
+                audit(s_url, token),
+            )
+        finally:
+            stop([s_proc])
     p_proc, p_url, _ = start_node("prefill", "prefill-0", args.device_p, args, token, args.tp_p)
     d_proc, d_url, d_tport = start_node("decode", "decode-0", args.device_d, args, token, args.tp_d)
     try:
@@ -277,12 +282,10 @@ def main() -> int:
     finally:
         stop([p_proc, d_proc])
     med = statistics.median
-    rows.append(("time to first token p50 (ms)", med(pd_ttft) * 1e3, med(s_ttft) * 1e3))
-    rows.append(("time to second token p50 (ms)", med(pd_t2) * 1e3, med(s_t2) * 1e3))
     print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype} "
           f"(KV {args.kv_cache_dtype}), "
           f"P {args.device_p} TP={args.tp_p} -> D {args.device_d} TP={args.tp_d} over {args.connector} "
-          f"(single: {args.device_s or args.device_p} TP={tp_s}), "
+          f"(single: {'none' if single is None else f'{args.device_s or args.device_p} TP={tp_s}'}), "
           f"{args.layers_per_frame} layer(s) per frame\n")  # fmt: skip
     transfer = [r.get("transfer_seconds", 0.0) for r in pd_res]
     tail = [r.get("transfer_tail_seconds", 0.0) for r in pd_res]
@@ -299,19 +302,26 @@ def main() -> int:
             print("- " + transfer_line(who, res, args))
         print()
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
-    for name, pd, single in rows:
-        print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")
-    same = sum([t for t, _ in x] == [t for t, _ in y] for x, y in zip(pd_out, s_out, strict=True))
-    print(f"| greedy outputs identical, P/D vs single | {same}/{len(prompts)} | | |")
-    print(
-        f"| max abs logprob difference, P/D vs single (sampled + top {TOP_N}, every position) | "
-        f"{logprob_gap(pd_out, s_out):.3g} | | |"
-    )
-    for who, au in (("P", p_audit), ("D", d_audit), ("single", s_audit)):
+    audits = [("P", p_audit), ("D", d_audit)]
+    if single is None:
+        print(f"| time to first token p50 (ms) | {med(pd_ttft) * 1e3:.1f} | | |")
+        print(f"| time to second token p50 (ms) | {med(pd_t2) * 1e3:.1f} | | |")
+    else:
+        (s_ttft, s_t2, s_out, _), s_audit = single
+        for name, pd, one_node in (("time to first token p50 (ms)", med(pd_ttft), med(s_ttft)),
+                                   ("time to second token p50 (ms)", med(pd_t2), med(s_t2))):  # fmt: skip
+            print(f"| {name} | {pd * 1e3:.1f} | {one_node * 1e3:.1f} | {pd / one_node:.3f} |")
+        same = sum([t for t, _ in x] == [t for t, _ in y] for x, y in zip(pd_out, s_out, strict=True))
+        print(f"| greedy outputs identical, P/D vs single | {same}/{len(prompts)} | | |")
+        print(
+            f"| max abs logprob difference, P/D vs single (sampled + top {TOP_N}, every position) | "
+            f"{logprob_gap(pd_out, s_out):.3g} | | |"
+        )
+        audits.append(("single", s_audit))
+    for who, au in audits:
         print(f"| {who} audit in_use/reserved/live | {au['in_use']}/{au['reserved']}/"
               f"{au['live_requests']} | | |")  # fmt: skip
-    clean = all(au["in_use"] == au["reserved"] == au["live_requests"] == 0
-                for au in (p_audit, d_audit, s_audit))  # fmt: skip
+    clean = all(au["in_use"] == au["reserved"] == au["live_requests"] == 0 for _, au in audits)
     return 0 if clean else 1
 
 
