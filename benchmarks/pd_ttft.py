@@ -239,7 +239,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--cached", action="store_true",
-                    help="every prompt to P/D again, held by P now: the transfer alone")  # fmt: skip
+                    help="every prompt to P/D again, held by P now, into D holding it and into D emptied "
+                         "first (the whole KV; one frame of every layer after P's forward: the transfer "
+                         "alone)")  # fmt: skip
     ap.add_argument("--device-s", default=None, help="the single node's devices (default: --device-p)")
     ap.add_argument("--tp-p", type=int, default=1, help="P's tensor-parallel size")
     ap.add_argument("--tp-d", type=int, default=1, help="D's tensor-parallel size")
