@@ -172,6 +172,23 @@ async def measure(d_url: str, p: tuple[str, str] | None, prompts: list[list[int]
     return ttft, t2, outs, results
 
 
+def transfer_alone(
+    d_url: str,
+    p: tuple[str, str],
+    prompts: list[list[int]],
+    max_tokens: int,
+    token: str,
+    empty_d: bool = True,
+) -> list[dict[str, Any]]:
+    """`prompts` to P/D again, once P holds them: P computes only each prompt's last block, so the transfer
+    is (almost) all that is left; returns P's results. With `empty_d`, D's prefix cache is emptied first, so
+    the whole KV moves (D kept the prompts' blocks from the run before, and would take only the last one)."""
+    if empty_d:
+        evicted = httpx2.post(f"{d_url}/internal/evict", json={"all": True}, auth=signed(token), timeout=30)
+        evicted.raise_for_status()
+    return asyncio.run(measure(d_url, p, prompts, max_tokens, "pdc" if empty_d else "pdh", token))[3]
+
+
 def kv_bytes_per_token_of(model: str, kv_cache_dtype: str, dtype: str) -> int:
     """KV bytes per token of a dummy shape (0 for a model this program cannot size)."""
     from pdserve.shared.model.model_config import NAMED_SHAPES
@@ -181,6 +198,20 @@ def kv_bytes_per_token_of(model: str, kv_cache_dtype: str, dtype: str) -> int:
         return 0
     size = 1 if kv_cache_dtype == "fp8" else (4 if dtype == "float32" else 2)
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * size
+
+
+def transfer_line(who: str, results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """One row of the `--cached` report: P's transfer to D (first DATA frame to D's ACK) beside P's compute
+    of the same step, which per-layer frames wait for, and the part after P's first token (medians)."""
+    med = statistics.median
+    blocks = med([r.get("transferred_blocks", 0) for r in results])
+    kv_bytes = blocks * 16 * kv_bytes_per_token_of(args.model, args.kv_cache_dtype, args.dtype)
+    transfer = med([r.get("transfer_seconds", 0.0) for r in results])
+    compute = med([r.get("compute_seconds", 0.0) for r in results])
+    tail = med([r.get("transfer_tail_seconds", 0.0) for r in results])
+    return (f"{who}: {blocks:.0f} blocks ({kv_bytes / 2**20:.1f} MiB) in {transfer * 1e3:.2f} ms "
+            f"({kv_bytes / max(transfer, 1e-9) / 2**30:.1f} GiB/s); P's compute {compute * 1e3:.2f} ms; "
+            f"after P's first token {tail * 1e3:.2f} ms")  # fmt: skip
 
 
 def audit(url: str, token: str) -> dict[str, int]:
@@ -208,28 +239,35 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--cached", action="store_true",
-                    help="every prompt to P/D again, held by P now: the transfer alone")  # fmt: skip
+                    help="every prompt to P/D again, held by P now, into D holding it and into D emptied "
+                         "first (the whole KV; one frame of every layer after P's forward: the transfer "
+                         "alone)")  # fmt: skip
     ap.add_argument("--device-s", default=None, help="the single node's devices (default: --device-p)")
     ap.add_argument("--tp-p", type=int, default=1, help="P's tensor-parallel size")
     ap.add_argument("--tp-d", type=int, default=1, help="D's tensor-parallel size")
     ap.add_argument(
         "--tp-s", type=int, default=None, help="the single node's tensor-parallel size (default: D's)"
     )
+    ap.add_argument("--no-single", action="store_true",
+                    help="P/D alone, without the single-node peer (for the transfer figures)")  # fmt: skip
     args = ap.parse_args()
     import random
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 30000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     token = secrets.token_hex(16)
-    rows = []
     tp_s = args.tp_d if args.tp_s is None else args.tp_s
-    s_proc, s_url, _ = start_node("single", "single-0", args.device_s or args.device_p, args, token, tp_s)
-    try:
-        wait_ready(s_url, s_proc)
-        s_ttft, s_t2, s_out, _ = asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token))
-        s_audit = audit(s_url, token)
-    finally:
-        stop([s_proc])
+    single: tuple[Measured, dict[str, int]] | None = None
+    if not args.no_single:
+        s_proc, s_url, _ = start_node("single", "single-0", args.device_s or args.device_p, args, token, tp_s)
+        try:
+            wait_ready(s_url, s_proc)
+            single = (
+                asyncio.run(measure(s_url, None, prompts, args.max_tokens, "s", token)),
+                audit(s_url, token),
+            )
+        finally:
+            stop([s_proc])
     p_proc, p_url, _ = start_node("prefill", "prefill-0", args.device_p, args, token, args.tp_p)
     d_proc, d_url, d_tport = start_node("decode", "decode-0", args.device_d, args, token, args.tp_d)
     try:
@@ -238,20 +276,18 @@ def main() -> int:
         d_addr = f"{args.connector}://127.0.0.1:{d_tport}"
         run = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pd", token)
         pd_ttft, pd_t2, pd_out, pd_res = asyncio.run(run)
-        if args.cached:
-            again = measure(d_url, (p_url, d_addr), prompts, args.max_tokens, "pdc", token)
-            cached_res = asyncio.run(again)[3]
+        if args.cached:  # D holding the prompts first (as the run above left it), then emptied
+            held_res = transfer_alone(d_url, (p_url, d_addr), prompts, args.max_tokens, token, empty_d=False)
+            cached_res = transfer_alone(d_url, (p_url, d_addr), prompts, args.max_tokens, token)
         time.sleep(0.5)
         p_audit, d_audit = audit(p_url, token), audit(d_url, token)
     finally:
         stop([p_proc, d_proc])
     med = statistics.median
-    rows.append(("time to first token p50 (ms)", med(pd_ttft) * 1e3, med(s_ttft) * 1e3))
-    rows.append(("time to second token p50 (ms)", med(pd_t2) * 1e3, med(s_t2) * 1e3))
     print(f"\n{args.requests} prompts of {args.prompt_tokens} tokens, {args.model} {args.dtype} "
           f"(KV {args.kv_cache_dtype}), "
           f"P {args.device_p} TP={args.tp_p} -> D {args.device_d} TP={args.tp_d} over {args.connector} "
-          f"(single: {args.device_s or args.device_p} TP={tp_s}), "
+          f"(single: {'none' if single is None else f'{args.device_s or args.device_p} TP={tp_s}'}), "
           f"{args.layers_per_frame} layer(s) per frame\n")  # fmt: skip
     transfer = [r.get("transfer_seconds", 0.0) for r in pd_res]
     tail = [r.get("transfer_tail_seconds", 0.0) for r in pd_res]
@@ -261,24 +297,33 @@ def main() -> int:
           f"({kv_bytes / 2**20:.1f} MiB, {kv_bytes / max(med(transfer), 1e-9) / 2**30:.1f} GiB/s); "
           f"not hidden under P's compute (tail) p50 {med(tail) * 1e3:.2f} ms\n")  # fmt: skip
     if args.cached:
-        alone = med([r.get("transfer_seconds", 0.0) for r in cached_res])
         hits = med([r.get("cached_tokens", 0) for r in cached_res])
-        print(f"Again with the prompt held by P ({hits:.0f} cached tokens, p50): the transfer alone p50 "
-              f"{alone * 1e3:.2f} ms, {kv_bytes / max(alone, 1e-9) / 2**30:.1f} GiB/s\n")  # fmt: skip
+        print(f"Again with the prompt held by P ({hits:.0f} cached tokens; P computes the last block, and "
+              f"its {args.layers_per_frame}-layer frames go out as it computes), p50:")  # fmt: skip
+        for who, res in (("D emptied first", cached_res), ("D holding the prompt already", held_res)):
+            print("- " + transfer_line(who, res, args))
+        print()
     print("| metric | P/D | single | P/D / single |\n|---|---:|---:|---:|")
-    for name, pd, single in rows:
-        print(f"| {name} | {pd:.1f} | {single:.1f} | {pd / single:.3f} |")
-    same = sum([t for t, _ in x] == [t for t, _ in y] for x, y in zip(pd_out, s_out, strict=True))
-    print(f"| greedy outputs identical, P/D vs single | {same}/{len(prompts)} | | |")
-    print(
-        f"| max abs logprob difference, P/D vs single (sampled + top {TOP_N}, every position) | "
-        f"{logprob_gap(pd_out, s_out):.3g} | | |"
-    )
-    for who, au in (("P", p_audit), ("D", d_audit), ("single", s_audit)):
+    audits = [("P", p_audit), ("D", d_audit)]
+    if single is None:
+        print(f"| time to first token p50 (ms) | {med(pd_ttft) * 1e3:.1f} | | |")
+        print(f"| time to second token p50 (ms) | {med(pd_t2) * 1e3:.1f} | | |")
+    else:
+        (s_ttft, s_t2, s_out, _), s_audit = single
+        for name, pd, one_node in (("time to first token p50 (ms)", med(pd_ttft), med(s_ttft)),
+                                   ("time to second token p50 (ms)", med(pd_t2), med(s_t2))):  # fmt: skip
+            print(f"| {name} | {pd * 1e3:.1f} | {one_node * 1e3:.1f} | {pd / one_node:.3f} |")
+        same = sum([t for t, _ in x] == [t for t, _ in y] for x, y in zip(pd_out, s_out, strict=True))
+        print(f"| greedy outputs identical, P/D vs single | {same}/{len(prompts)} | | |")
+        print(
+            f"| max abs logprob difference, P/D vs single (sampled + top {TOP_N}, every position) | "
+            f"{logprob_gap(pd_out, s_out):.3g} | | |"
+        )
+        audits.append(("single", s_audit))
+    for who, au in audits:
         print(f"| {who} audit in_use/reserved/live | {au['in_use']}/{au['reserved']}/"
               f"{au['live_requests']} | | |")  # fmt: skip
-    clean = all(au["in_use"] == au["reserved"] == au["live_requests"] == 0
-                for au in (p_audit, d_audit, s_audit))  # fmt: skip
+    clean = all(au["in_use"] == au["reserved"] == au["live_requests"] == 0 for _, au in audits)
     return 0 if clean else 1
 
 

@@ -120,6 +120,10 @@ class AttentionOps(Protocol):
     def scatter_blocks(self, src: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
         """Inverse of gather_blocks: src [2, n, block_size, Hkv, D] into the blocks named by block_ids."""
 
+    def scatter_layers(self, src: torch.Tensor, kv_layers: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """scatter_blocks for consecutive layers at once (a transfer frame): src [nl, 2, n, block_size, Hkv,
+        D] into kv_layers [nl, 2, N, block_size, Hkv, D], a slice of the layer-stacked cache."""
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, E] -> [T, E] in x's dtype: normalised in fp32, rounded, then scaled by weight [E]."""
 

@@ -73,6 +73,17 @@ class ReferenceOps:
         ids = block_ids.to(kv_layer.device, torch.int64)
         kv_layer.view(torch.uint8).index_copy_(1, ids, src.to(kv_layer.dtype).view(torch.uint8))
 
+    def scatter_layers(self, src: torch.Tensor, kv_layers: torch.Tensor, block_ids: torch.Tensor) -> None:
+        assert kv_layers.dim() == 6 and kv_layers.shape[1] == 2, (
+            f"kv_layers must be [nl,2,N,B,H,D], got {kv_layers.shape}"
+        )
+        assert src.shape == (kv_layers.shape[0], 2, block_ids.shape[0], *kv_layers.shape[3:]), (
+            src.shape,
+            kv_layers.shape,
+        )
+        ids = block_ids.to(kv_layers.device, torch.int64)
+        kv_layers.view(torch.uint8).index_copy_(2, ids, src.to(kv_layers.dtype).view(torch.uint8))
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)  # [T, E], a new tensor
         return normed.mul_(weight)

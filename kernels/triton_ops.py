@@ -112,6 +112,26 @@ class TritonOps:
         _check_block_buffer("src", src, kv_layer, ids.shape[0])
         _copy_blocks(src, kv_layer, ids, gather=False)
 
+    def scatter_layers(self, src: torch.Tensor, kv_layers: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """scatter_blocks over consecutive layers in one launch: src [nl, 2, n, block_size, Hkv, D] into
+        kv_layers [nl, 2, N, block_size, Hkv, D] (a slice of the layer-stacked cache). A frame of 32 layers is
+        one launch, not 32: each costs the receiving host its checks and launch, whatever the bytes."""
+        assert kv_layers.dim() == 6 and kv_layers.shape[1] == 2 and kv_layers.is_contiguous(), (
+            f"kv_layers must be a contiguous [nl, 2, N, B, Hkv, D], got {tuple(kv_layers.shape)} strides "
+            f"{kv_layers.stride()}"
+        )
+        assert kv_layers.dtype in _CACHE_DTYPES, (
+            f"kv_layers dtype must be one of {_CACHE_DTYPES}, got {kv_layers.dtype}"
+        )
+        ids = _block_ids(block_ids, kv_layers.device, kv_layers.shape[2])
+        planes = kv_layers.flatten(0, 1)  # [nl * 2, N, B, Hkv, D], a view
+        want = (kv_layers.shape[0], 2, ids.shape[0], *kv_layers.shape[3:])
+        assert tuple(src.shape) == want and src.is_contiguous(), (
+            f"src must be a contiguous {want}, got {tuple(src.shape)} strides {src.stride()}"
+        )
+        _check_block_buffer("src", src.flatten(0, 1), planes, ids.shape[0])
+        _copy_blocks(src.flatten(0, 1), planes, ids, gather=False)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x: [T, E] -> [T, E] in x's dtype: normalised in fp32, rounded, then scaled by weight [E]."""
         _check_rows("x", x, weight)
@@ -179,6 +199,7 @@ class TritonOps:
 
 
 def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
+    """src / dst: [P, *, B, Hkv, D] with the same P planes (K and V of one layer or of several)."""
     n = ids.shape[0]
     if n == 0:
         return
@@ -188,7 +209,7 @@ def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather
         word = _copy_word(src, dst)
         src, dst = src.view(word), dst.view(word)
     block_elems = src[0, 0].numel()
-    _copy_blocks_kernel[(n, 2, triton.cdiv(block_elems, _COPY_CHUNK))](
+    _copy_blocks_kernel[(n, src.shape[0], triton.cdiv(block_elems, _COPY_CHUNK))](
         src, dst, ids, src.stride(0), dst.stride(0),
         BLOCK_ELEMS=block_elems, CHUNK=_COPY_CHUNK, GATHER=gather, num_warps=4,
     )  # fmt: skip
@@ -276,7 +297,7 @@ def _block_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: int) -
 
 
 def _check_block_buffer(name: str, buf: torch.Tensor, kv_layer: torch.Tensor, n: int) -> None:
-    want = (2, n, *kv_layer.shape[2:])
+    want = (kv_layer.shape[0], n, *kv_layer.shape[2:])
     assert tuple(buf.shape) == want, f"{name} must be {want}, got {tuple(buf.shape)}"
     assert buf.is_contiguous(), f"{name} must be contiguous, got strides {buf.stride()}"
     assert buf.dtype in _CACHE_DTYPES, f"{name} dtype must be one of {_CACHE_DTYPES}, got {buf.dtype}"

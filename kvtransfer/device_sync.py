@@ -3,6 +3,8 @@
 GPU transfers finish in tens of microseconds to a few milliseconds, so a waiter first spins (yielding to the
 loop on every turn) and only then backs off to short sleeps: a blocking `synchronize()` would stall every
 other transfer and HTTP request of the node, and a coarse sleep would cost a large share of the bandwidth.
+asyncio's timers are millisecond-grained (on Linux a 0.1 ms sleep takes about 1.1 ms), so a sleeping waiter
+sees its condition up to a millisecond late; a caller that learns when it is about to hold passes `wake`.
 """
 
 from __future__ import annotations
@@ -18,19 +20,27 @@ SPIN_S = 0.002  # spin this long before sleeping
 MAX_SLEEP_S = 0.001
 
 
-async def poll(done: Callable[[], bool]) -> None:
-    """Return once `done()` is true; `done` must be cheap (an event or work query)."""
+async def poll(done: Callable[[], bool], wake: asyncio.Event | None = None) -> None:
+    """Return once `done()` is true; `done` must be cheap (an event or work query). Setting `wake` ends a
+    back-off sleep at once and starts a new spin: a hint to look again (done() still decides)."""
     start = time.perf_counter()
     delay = 0.0
     while not done():
         if time.perf_counter() - start > SPIN_S:
             delay = min(max(2 * delay, 1e-4), MAX_SLEEP_S)
-        await asyncio.sleep(delay)
+        if delay == 0.0 or wake is None or wake.is_set():
+            await asyncio.sleep(delay)
+            continue
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await wake.wait()
+        if wake.is_set():
+            start, delay = time.perf_counter(), 0.0
 
 
-async def event_done(event: torch.cuda.Event) -> None:
-    """Return once the GPU has passed `event` (recorded by the producer of a buffer)."""
-    await poll(event.query)
+async def event_done(event: torch.cuda.Event, wake: asyncio.Event | None = None) -> None:
+    """Return once the GPU has passed `event` (recorded by the producer of a buffer); `wake` as in poll."""
+    await poll(event.query, wake)
 
 
 async def stream_idle(stream: torch.cuda.Stream) -> None:

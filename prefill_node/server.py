@@ -62,6 +62,9 @@ class _Job:
     # the frame being filled on the engine thread: (first block index, block ids, ids on the device, buf)
     filling: tuple[int, list[BlockId], torch.Tensor, torch.Tensor] | None = None
     sender_task: asyncio.Task[int] | None = None
+    # set once the first token is on the host: the GPU has passed every gather queued before it, so the
+    # sender looks at its event again at once instead of at the end of a (millisecond-grained) sleep
+    computed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class PrefillObserver(StepObserver):
@@ -193,7 +196,7 @@ class PrefillService:
                 return len(sent)
             layer, b0, src_ids, buf, event = item
             if event is not None:
-                await event_done(event)
+                await event_done(event, job.computed)
             blocks = FrameBlocks.run(job.reply, b0, src_ids)
             await job.session.send_layers(layer, blocks, buf)
             sent.update(blocks.indices)
@@ -251,6 +254,7 @@ class PrefillService:
             if last.finish_reason not in ("length", "stop") or not last.token_ids:
                 raise RuntimeError(f"prefill ended with {last.finish_reason}")
             self.observer.jobs.pop(rid, None)
+            job.computed.set()
             job.chunks.put_nowait(None)
             sent = await job.sender_task
             lp = last.logprobs[0] if last.logprobs else None

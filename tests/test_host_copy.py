@@ -70,8 +70,8 @@ def test_export_and_import_move_every_head_of_every_rank(heads: int, starts: lis
     out = torch.empty(2, 3, 2, heads, 4)  # [2, n, B, H, D]
     pools.gather(1, ids, out)
     assert torch.equal(out, kv[1][:, ids])
-    frame = torch.randn_like(out)
-    pools.scatter(2, ids, frame)
-    kv[2][:, ids] = frame
+    frame = torch.randn(2, *out.shape)  # layers 1 and 2: [nl, 2, n, B, H, D]
+    pools.scatter_layers(1, ids, frame)
+    kv[1:3, :, ids] = frame
     for part in parts:  # every replica of a head got it
         assert torch.equal(part.kv, kv[:, :, :, :, part.head_start : part.head_start + width])

@@ -295,3 +295,36 @@ def test_fp8_blocks_gather_and_scatter_as_bytes(head_dim: int) -> None:
     REF.scatter_blocks(out_ref, dst_ref, ids)
     assert torch.equal(dst_tri.view(torch.uint8), dst_ref.view(torch.uint8))
     assert torch.equal(dst_tri[:, ids].view(torch.uint8), kv[:, ids].view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.bfloat16, 64), (torch.float32, 64), (FP8, 64), (FP8, 3)]
+)
+def test_scatter_layers_writes_a_frame_of_layers_in_one_launch(
+    dtype: torch.dtype, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DATA frame of several layers lands in the layer-stacked cache with one block copy, not one per layer
+    (each launch costs the receiving host its Python and launch time, whatever the bytes), and bit for bit
+    where the reference puts it; the layers outside the frame stay untouched."""
+    from pdserve.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(41)
+    kv = torch.randn(5, 2, 10, 16, 3, head_dim, generator=gen).to(dtype)  # [L, 2, N, B, H, D]
+    src = torch.randn(3, 2, 4, 16, 3, head_dim, generator=gen).to(dtype)  # layers 1..3 of blocks ids
+    ids = torch.tensor([7, 2, 9, 0], dtype=torch.int64)
+    launches: list[torch.Size] = []
+    copy = triton_ops._copy_blocks
+
+    def counted(src: torch.Tensor, dst: torch.Tensor, ids: torch.Tensor, gather: bool) -> None:
+        launches.append(src.shape)
+        copy(src, dst, ids, gather)
+
+    monkeypatch.setattr(triton_ops, "_copy_blocks", counted)
+    dst_tri, dst_ref = kv.clone(), kv.clone()
+    TRI.scatter_layers(src, dst_tri[1:4], ids)
+    REF.scatter_layers(src, dst_ref[1:4], ids)
+    assert len(launches) == 1
+    assert torch.equal(dst_tri.view(torch.uint8), dst_ref.view(torch.uint8))
+    assert torch.equal(dst_tri[1:4, :, ids].view(torch.uint8), src.view(torch.uint8))
+    for layer in (0, 4):
+        assert torch.equal(dst_tri[layer].view(torch.uint8), kv[layer].view(torch.uint8))

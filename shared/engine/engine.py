@@ -375,9 +375,9 @@ class LLMEngine:
         """Scatters a frame into reserved blocks of every rank. buffer: [n_layers, 2, n, B, H, D] (or one
         layer without the leading dim; H: every KV head of the model), on the host or already on the cache's
         device; queued on the current stream."""
-        layers = buffer if buffer.dim() == 6 else buffer.unsqueeze(0)
-        for i in range(layers.shape[0]):
-            self.pools.scatter(layer_start + i, dst_block_ids, layers[i])
+        self.pools.scatter_layers(
+            layer_start, dst_block_ids, buffer if buffer.dim() == 6 else buffer.unsqueeze(0)
+        )
 
     def export_layer(self, layer: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies `layer`'s KV of `block_ids` (on the cache's device), every rank's heads, into out

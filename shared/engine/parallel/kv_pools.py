@@ -76,16 +76,19 @@ class KVPools:
             part = src.index_select(1, block_ids.to(src.device, torch.int64))
             _bytes(out)[:, :, :, p.head_start : p.head_start + p.heads].copy_(part, non_blocking=True)
 
-    def scatter(self, layer: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        """Writes src [2, n, B, H, D] (host or device) into `layer`'s blocks `block_ids` of every rank."""
+    def scatter_layers(self, layer_start: int, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Writes src [nl, 2, n, B, H, D] (host or device; a transfer frame) into layers layer_start.. of
+        blocks `block_ids` of every rank: one copy per rank for the whole frame, and one wait for the other
+        ranks' GPUs, not one per layer."""
+        layers = slice(layer_start, layer_start + int(src.shape[0]))
         if self.whole:
             kv = self._readers[0].kv
-            self.ops.scatter_blocks(src.to(kv.device), kv[layer], block_ids.to(kv.device))
+            self.ops.scatter_layers(src.to(kv.device), kv[layers], block_ids.to(kv.device))
             return
         for p in self.parts:
-            dst = p.kv[layer]
-            heads = src[:, :, :, p.head_start : p.head_start + p.heads].to(dst.device, dst.dtype)
-            _bytes(dst).index_copy_(1, block_ids.to(dst.device, torch.int64), _bytes(heads))
+            dst = p.kv[layers]  # [nl, 2, N, B, Hkv_r, D]
+            heads = src[:, :, :, :, p.head_start : p.head_start + p.heads].to(dst.device, dst.dtype)
+            _bytes(dst).index_copy_(2, block_ids.to(dst.device, torch.int64), _bytes(heads))
         self._landed()
 
     def read_blocks(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
