@@ -11,6 +11,9 @@ the product.
 (as benchmarks/prefix_reuse.py --router sends its 16k-token prompts): the echo node publishes the prompt's
 blocks, so the lookup walks the whole prefix; one streamed /v1/completions at a time against the same
 NodeGenerateRequest sent straight to the echo node (as the router would send it), medians of `--runs`.
+With `--requests` too, it sends `--requests` such streamed completions from `--concurrency` clients at once
+(closed loop) and reports requests/s and the CPU seconds the router and the echo node spent per request
+(their user + system time over the run, from /proc), which is what queues a burst's tail.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 from collections.abc import AsyncIterator
 
 import httpx2
+import psutil
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -184,9 +188,42 @@ async def latency(base: str, node: str, model: str, tokens: int, runs: int) -> d
     return out
 
 
+async def stream_load(
+    base: str, model: str, tokens: int, requests: int, concurrency: int
+) -> tuple[float, list[float]]:
+    """Wall seconds and per-request latencies of `requests` streamed token-id completions, `concurrency` at
+    a time; every stream is read to its end and must carry its token."""
+    body = json.dumps({"model": model, "prompt": long_prompt(tokens), "max_tokens": 1, "stream": True})
+    latencies: list[float] = []
+    left = list(range(requests))
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx2.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+
+        async def worker() -> None:
+            while left:
+                left.pop()
+                latencies.append(await first_token(client, "/v1/completions", content=body, headers=JSON))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - t0, latencies
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used."""
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests (default 2000; with --prompt-tokens: "
+        "send this many at --concurrency instead of timing one at a time)",
+    )
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--model", default=None, help="tokenizer source (default SmolLM2's GGUF)")
     p.add_argument("--prompt-tokens", type=int, default=0, help="time to first token of one such prompt")
@@ -223,16 +260,33 @@ def main() -> int:
                         break
                 time.sleep(0.3)
             name = httpx2.get(f"{base}/v1/models").json()["data"][0]["id"]
-            if args.prompt_tokens:
+            if args.prompt_tokens and args.requests:
+                asyncio.run(stream_load(base, name, args.prompt_tokens, 50, 8))  # warm-up
+                pids = [proc.pid for proc in procs]
+                cpu0 = [cpu_s(pid) for pid in pids]
+                wall, lat = asyncio.run(
+                    stream_load(base, name, args.prompt_tokens, args.requests, args.concurrency)
+                )
+                node_cpu, router_cpu = (cpu_s(pid) - c for pid, c in zip(pids, cpu0, strict=True))
+            elif args.prompt_tokens:
                 node = f"http://127.0.0.1:{node_port}"
                 times = asyncio.run(latency(base, node, name, args.prompt_tokens, args.runs))
             else:
                 asyncio.run(load(base, name, 100, 8))  # warm-up: connections, tokenizer, node list
-                wall, lat, errors = asyncio.run(load(base, name, args.requests, args.concurrency))
+                wall, lat, errors = asyncio.run(load(base, name, args.requests or 2000, args.concurrency))
         finally:
             for proc in procs:
                 proc.terminate()
                 proc.wait(timeout=10)
+    if args.prompt_tokens and args.requests:
+        q = statistics.quantiles(lat, n=100)
+        print(f"| {args.prompt_tokens}-token id prompt, streamed, {len(lat)} requests | value |\n|---|---:|")
+        print(f"| requests/s at concurrency {args.concurrency} (2 cores: client, router, echo node) "
+              f"| {len(lat) / wall:,.0f} |")  # fmt: skip
+        print(f"| router CPU per request (ms) | {router_cpu / len(lat) * 1e3:.2f} |")
+        print(f"| echo node CPU per request (ms) | {node_cpu / len(lat) * 1e3:.2f} |")
+        print(f"| time to first token p50 / p99 (ms) | {q[49] * 1e3:.1f} / {q[98] * 1e3:.1f} |")
+        return 0
     if args.prompt_tokens:
         routed, straight = (statistics.median(times[k]) * 1e3 for k in ("router", "straight"))
         own = statistics.median(r - s for r, s in zip(times["router"], times["straight"], strict=True)) * 1e3
