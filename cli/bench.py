@@ -313,13 +313,8 @@ async def _engine_runs(args: BenchOptions, workloads: list[list[BenchRequest]]) 
         runs = await sweep("engine", EngineClient(args, aengine).send, workloads, args)
     finally:
         await aengine.stop()
-    for run, wave in zip(runs, waves, strict=False):
+    for run, wave in zip(runs, waves, strict=False):  # no waves with --backend engine
         run["offline_waves"] = wave
-    return runs
-    for run, load, requests in zip(runs, loads(args), workloads[1:], strict=True):
-        engine.evict(None)  # each wave run prefills its prompts as the served and engine-alone runs did
-        run["offline_waves"] = offline_waves(engine, requests, load["max_concurrency"] or len(requests), args)
-    engine.close()
     return runs
 
 

@@ -117,11 +117,8 @@ def add_common_routes(app: FastAPI, rt: NodeRuntime) -> None:
 
     @app.post("/internal/drain")
     async def drain(request: Request) -> JSONResponse:
-        body = await request.body()
-        try:
-            note = DrainNote.from_json(body) if body.strip() not in (b"", b"{}") else None
-        except ValueError as exc:
-            return JSONResponse({"error": f"the drain's body is not a DrainNote: {exc}"}, status_code=400)
+        plain = (await request.body()).strip() in (b"", b"{}")
+        note = None if plain else await message_body(request, DrainNote)
         await rt.drain()
         migrated = await rt.mover.migrate_running() if note is not None and note.migrate else 0
         if note is not None and note.why_not is not None:
