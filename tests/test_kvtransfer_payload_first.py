@@ -44,7 +44,7 @@ class BoundedTcpChannel(TcpChannel):
     payload_limit = LIMIT
 
     def __init__(self, channel: TcpChannel) -> None:
-        super().__init__(channel._reader, channel._writer)
+        super().__init__(channel._stream)
         self.sent: list[tuple[int, int, int]] = []  # (flags, header bytes, payload bytes) per frame
         CHANNELS.append(self)
 
