@@ -13,17 +13,24 @@ device, so decode can be captured in a CUDA graph.
 
 Split-K, both phases: when too few programs would cover the SMs, each sequence's keys are cut into
 `num_splits` BLOCK_N-aligned ranges, one program each; a split writes its normalised output and base-2
-log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and one reduction kernel
-(`_reduce_splits_kernel`, shared by decode and prefill) weighs them. Split 0 always holds key 0, which
-every query sees, so each row has a finite lse to weigh the others against; a split with no key visible
-to a row has lse = -inf and weight 0. Compiled kernels: prefill takes its split count at run time (Triton
-does not specialize on it), so it compiles twice (split or single pass) whatever the count, where a
-constant compiled one per count on first use, seconds of stall inside a request, up to 64 times; the
-reduction compiles once per power of two up to 16 (it weighs 16 splits at a time past that); decode keeps
-its count a constant, as before: decode runs from CUDA graphs captured at start-up, one count per batch
-bucket, so no request meets its compile. The split counts:
+log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and a reduction weighs them:
+prefill's in a second kernel (`_reduce_splits_kernel`); decode's, where `choose_one_launch` says (every
+16-bit cache; FP8 but for a one-warp program over many partials), in the split kernel's own launch: each
+used split of a (seq, KV head) stores its partials and takes a ticket from that pair's int32 counter
+(`decode_tickets`, acq_rel at GPU scope after a barrier), and the one that draws the last ticket weighs
+the used splits in split order (the same bits whichever program it is) and sets the counter back to 0, so
+every counter is 0 between launches and a CUDA graph replays from 0; one split stores its output itself.
+Split 0 always holds key 0, which every query sees, so each row has a finite lse to weigh the others
+against; a split with no key visible to a row has lse = -inf and weight 0. Compiled kernels: prefill
+takes its split count at run time (Triton does not specialize on it), so it compiles twice (split or
+single pass) whatever the count, where a constant compiled one per count on first use, seconds of stall
+inside a request, up to 64 times; the reduction compiles once per power of two up to 16 (it weighs 16
+splits at a time past that); decode keeps its count a constant, as before: decode runs from CUDA graphs
+captured at start-up, one count per batch bucket, so no request meets its compile. The split counts:
 - decode (`choose_num_splits`): enough (seq, KV head, split) programs for about four per SM, no split
-  under 256 keys.
+  under 256 keys. A graph captured at max_model_len 8,192 cuts batch 1 into 32 splits, which a 1.2k context
+  fills 19 of, one 64-key tile each: on an H200 the fastest of 8, 16, 32 and 64 splits (7.4 us a layer at
+  Llama-3.1-8B's shape, 8.6-8.9 for the others; docs/benchmarks.md).
 - prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
   (a short suffix over a long cached prefix: 32 programs for 16 new tokens at Llama-3.1-8B), then about
   four programs per SM, no split under 512 keys; so a normal prefill (enough tiles to fill the SMs) or a
@@ -52,6 +59,15 @@ _REDUCE_VALUES_PER_THREAD = 32  # fp32 partial values a thread of a one-launch r
 # query rows fit one MMA tile, so the softmax needs no cross-warp reduction through shared memory and no
 # barrier, and the 1,024 programs at 2 splits are all resident at once (184 registers, 20 KiB each).
 _DECODE_TILES = {False: (64, 4, 3), True: (32, 1, 4)}
+# FP8 at _FP8_WIDE_SPLITS splits or more (a batch of a few sequences: few programs, each one tile or two):
+# four warps over 64 keys, as a 16-bit cache; with the one-launch reduction 6.3 us against 8.2 for one warp
+# and two launches at batch 1 x 1.2k, Llama-3.1-8B shape, H200 (docs/benchmarks.md).
+_FP8_WIDE_TILE = (64, 4, 3)
+_FP8_WIDE_SPLITS = 16
+# A one-warp reducer weighs at most this many partial rows (query heads of a KV head x splits, both padded
+# to powers of two) in one launch; more take the second launch (H200: 4 x 16 rows 20.4 us one / 20.2 two,
+# 8 x 16 rows 22.0 / 21.1, 4 x 8 rows 31.1 / 32.4).
+_ONE_WARP_REDUCE_ROWS = 32
 
 
 @triton.jit
@@ -404,10 +420,23 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
-def choose_one_launch(num_seqs: int, num_kv_heads: int, num_splits: int) -> bool:
-    """Whether decode reduces its splits in the split kernel's own launch (the last split of each (seq,
-    KV head) to finish) rather than in a second launch: PLACEHOLDER until measured."""
-    return num_splits > 1
+def decode_tile(kv_fp8: bool, num_splits: int) -> tuple[int, int, int]:
+    """(keys per tile, num_warps, num_stages) of the decode split kernel: `_DECODE_TILES`'s for the cache
+    dtype, except an FP8 cache cut into `_FP8_WIDE_SPLITS` splits or more (a few sequences), which runs the
+    16-bit cache's four warps (one warp's one-launch reducer is slow over many splits)."""
+    if kv_fp8 and num_splits >= _FP8_WIDE_SPLITS:
+        return _FP8_WIDE_TILE
+    return _DECODE_TILES[kv_fp8]
+
+
+def choose_one_launch(group: int, num_splits: int, num_warps: int) -> bool:
+    """Whether decode weighs its splits in the split kernel's own launch (the last split of each (seq, KV
+    head) to finish) rather than in a second launch. Measured on an H200 (docs/benchmarks.md), one launch
+    against two: 0.89x the time at batch 1 x 1.2k (32 splits) down to 1.00x at batch 64 x 4k (2 splits),
+    never slower, at four warps; a one-warp program (FP8 at few splits) only while its reducer weighs at
+    most `_ONE_WARP_REDUCE_ROWS` rows. One split is one launch either way: it stores the output itself."""
+    rows = triton.next_power_of_2(group) * triton.next_power_of_2(num_splits)
+    return num_warps >= 4 or rows <= _ONE_WARP_REDUCE_ROWS
 
 
 def choose_prefill_splits(
@@ -455,8 +484,8 @@ def paged_decode_attention(
 
     Grid (S, Hkv, num_splits) for the split kernel; with `one_launch` the last split of each (seq, KV
     head) to finish reduces in the same launch, else the reduction is a second launch over (S, Hq); by
-    default `choose_one_launch` decides. block_n: keys per tile, a power of two; by default
-    `_DECODE_TILES`'s for the cache dtype. Inputs are trusted: TritonOps.decode_attention checks them.
+    default `choose_one_launch` decides. block_n: keys per tile, a power of two; by default `decode_tile`'s.
+    Inputs are trusted: TritonOps.decode_attention checks them.
     """
     n_seqs, n_heads, head_dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape
@@ -465,18 +494,21 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if n_seqs == 0:
         return out
+    dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
+    default_n, warps, stages = decode_tile(kv_fp8, num_splits)
     if one_launch is None:
-        one_launch = choose_one_launch(n_seqs, n_kv, num_splits)
+        one_launch = choose_one_launch(group, num_splits, warps) and n_seqs * n_kv <= _MAX_TICKETS
     assert not one_launch or n_seqs * n_kv <= _MAX_TICKETS, (
         f"one launch takes at most {_MAX_TICKETS} (seq, KV head) pairs, got {n_seqs} x {n_kv}"
     )
-    mid_o = torch.empty((n_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
-    tickets = decode_tickets(q.device) if one_launch else seq_lens  # not read by the two-launch path
+    if one_launch and num_splits == 1:
+        mid_o = mid_lse = tickets = out  # not touched: the one split stores the output itself
+    else:
+        mid_o = torch.empty((n_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
+        tickets = decode_tickets(q.device) if one_launch else seq_lens  # seq_lens: not read
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     dim_pad = triton.next_power_of_2(head_dim)
-    dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
-    default_n, warps, stages = _DECODE_TILES[kv_fp8]
     group_r, splits_pad = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     # the reducing program's chunk: about _REDUCE_VALUES_PER_THREAD fp32 partial values a thread
     fit = _REDUCE_VALUES_PER_THREAD * 32 * warps // (group_r * dim_pad)

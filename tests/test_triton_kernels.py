@@ -17,8 +17,10 @@ from pdserve.kernels.reference import ReferenceOps, write_kv
 from pdserve.kernels.triton_attention import (
     _decode_split_kernel,
     choose_num_splits,
+    choose_one_launch,
     choose_prefill_splits,
     decode_tickets,
+    decode_tile,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -176,6 +178,21 @@ def test_one_launch_weighs_splits_past_one_chunk() -> None:
     )
     _close(got, REF.decode_attention(q, kv, meta, scale=0.09))
     assert not decode_tickets(q.device).any()
+
+
+def test_decode_picks_one_launch_and_its_tile_as_measured() -> None:
+    # a 16-bit cache: one launch at every split count; FP8: four warps over 64 keys at 16+ splits (a batch of
+    # a few sequences), else one warp over 32, whose reducer is slow past 32 partial rows (group x splits)
+    assert decode_tile(False, 32) == decode_tile(False, 2) == (64, 4, 3)
+    assert decode_tile(True, 32) == decode_tile(True, 16) == (64, 4, 3)
+    assert decode_tile(True, 9) == decode_tile(True, 2) == (32, 1, 4)
+    assert all(choose_one_launch(g, s, 4) for g in (1, 4, 8) for s in (1, 2, 5, 17, 32, 64))
+    assert choose_one_launch(4, 5, 1) and choose_one_launch(8, 3, 1) and choose_one_launch(4, 2, 1)
+    assert not choose_one_launch(4, 9, 1) and not choose_one_launch(8, 9, 1)
+    # by default paged_decode_attention follows the rule: here one launch (the same bits as forced)
+    q, kv, meta = _batch(ONE_LAUNCH_MIX, 2, 4, 64, seed=43)
+    args = (q, kv, meta.block_tables, meta.seq_lens, 0.125, 7)
+    assert torch.equal(paged_decode_attention(*args), paged_decode_attention(*args, one_launch=True))
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
