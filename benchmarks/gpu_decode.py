@@ -35,7 +35,7 @@ beside the copy bandwidth, as the full run does.
 
 `--kernels-only` (also a section of the full run) times each kernel of one layer of the main shape at
 batch 1 on its own, as the model launches them (TP=1, bf16 activations; FP8 weights with `--quantization
-fp8`): add + RMSNorm, the QKV GEMV, RoPE + KV write, decode attention at 1k context (split + reduce), the O
+fp8`): add + RMSNorm, the QKV GEMV, RoPE + KV write, decode attention at 1k context (one launch), the O
 GEMV, add + RMSNorm, gate+up GEMV with SiLU x up fused, the down GEMV, then the final norm and the LM head;
 each as back-to-back launches in a CUDA graph, the GEMVs with the launcher's config (kernels/gemv_configs.json
 or its heuristic) rotating over weight copies that exceed the L2 cache so that each reads HBM as in decode.
@@ -484,7 +484,7 @@ def kernel_rows(
     measured.append((f"RoPE + KV write [1, {qkv_n}] (q in place, k and v to the cache)",
                      2 * (qkv_n + hq * hd + 2 * c.num_kv_heads * hd),
                      graph_us([partial(ops.rope_write_kv, qkv, kv, meta, hq)])))  # fmt: skip
-    measured.append((f"decode attention, {KERNELS_CTX} ctx (split + reduce; KV bytes + q + out)", att_bytes,
+    measured.append((f"decode attention, {KERNELS_CTX} ctx (one launch; KV bytes + q + out)", att_bytes,
                      graph_us([partial(ops.decode_attention, q, kv, meta, hd**-0.5)])))  # fmt: skip
     measured.append(gemv_row("O"))
     measured.append(add_norm)

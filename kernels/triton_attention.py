@@ -13,17 +13,24 @@ device, so decode can be captured in a CUDA graph.
 
 Split-K, both phases: when too few programs would cover the SMs, each sequence's keys are cut into
 `num_splits` BLOCK_N-aligned ranges, one program each; a split writes its normalised output and base-2
-log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and one reduction kernel
-(`_reduce_splits_kernel`, shared by decode and prefill) weighs them. Split 0 always holds key 0, which
-every query sees, so each row has a finite lse to weigh the others against; a split with no key visible
-to a row has lse = -inf and weight 0. Compiled kernels: prefill takes its split count at run time (Triton
-does not specialize on it), so it compiles twice (split or single pass) whatever the count, where a
-constant compiled one per count on first use, seconds of stall inside a request, up to 64 times; the
-reduction compiles once per power of two up to 16 (it weighs 16 splits at a time past that); decode keeps
-its count a constant, as before: decode runs from CUDA graphs captured at start-up, one count per batch
-bucket, so no request meets its compile. The split counts:
+log-sum-exp per (query row, head) into fp32 scratch [rows, Hq, splits, (D)], and a reduction weighs them:
+prefill's in a second kernel (`_reduce_splits_kernel`); decode's, where `choose_one_launch` says (every
+16-bit cache; FP8 but for a one-warp program over many partials), in the split kernel's own launch: each
+used split of a (seq, KV head) stores its partials and takes a ticket from that pair's int32 counter
+(`decode_tickets`, acq_rel at GPU scope after a barrier), and the one that draws the last ticket weighs
+the used splits in split order (the same bits whichever program it is) and sets the counter back to 0, so
+every counter is 0 between launches and a CUDA graph replays from 0; one split stores its output itself.
+Split 0 always holds key 0, which every query sees, so each row has a finite lse to weigh the others
+against; a split with no key visible to a row has lse = -inf and weight 0. Compiled kernels: prefill
+takes its split count at run time (Triton does not specialize on it), so it compiles twice (split or
+single pass) whatever the count, where a constant compiled one per count on first use, seconds of stall
+inside a request, up to 64 times; the reduction compiles once per power of two up to 16 (it weighs 16
+splits at a time past that); decode keeps its count a constant, as before: decode runs from CUDA graphs
+captured at start-up, one count per batch bucket, so no request meets its compile. The split counts:
 - decode (`choose_num_splits`): enough (seq, KV head, split) programs for about four per SM, no split
-  under 256 keys.
+  under 256 keys. A graph captured at max_model_len 8,192 cuts batch 1 into 32 splits, which a 1.2k context
+  fills 19 of, one 64-key tile each: on an H200 the fastest of 8, 16, 32 and 64 splits (7.4 us a layer at
+  Llama-3.1-8B's shape, 8.6-8.9 for the others; docs/benchmarks.md).
 - prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
   (a short suffix over a long cached prefix: 32 programs for 16 new tokens at Llama-3.1-8B), then about
   four programs per SM, no split under 512 keys; so a normal prefill (enough tiles to fill the SMs) or a
@@ -45,11 +52,22 @@ _MASKED_MAX = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 _MIN_PREFILL_SPLIT = 512  # keys
 _SPLITS_CHUNK = 16  # the most splits the reduction weighs at a time (fewer: the next power of two)
+_MAX_TICKETS = 1 << 16  # (seq, KV head) pairs of a one-launch decode; one int32 ticket counter each
+_REDUCE_VALUES_PER_THREAD = 32  # fp32 partial values a thread of a one-launch reducer loads per chunk
 # Decode tile (keys per tile, num_warps, num_stages) by KV_FP8, measured at batch 64 x 4k context on an
 # H200 (docs/benchmarks.md). FP8: one warp over 32 keys (165 us, against 179 for 4 warps over 128): its
 # query rows fit one MMA tile, so the softmax needs no cross-warp reduction through shared memory and no
 # barrier, and the 1,024 programs at 2 splits are all resident at once (184 registers, 20 KiB each).
 _DECODE_TILES = {False: (64, 4, 3), True: (32, 1, 4)}
+# FP8 at _FP8_WIDE_SPLITS splits or more (a batch of a few sequences: few programs, each one tile or two):
+# four warps over 64 keys, as a 16-bit cache; with the one-launch reduction 6.3 us against 8.2 for one warp
+# and two launches at batch 1 x 1.2k, Llama-3.1-8B shape, H200 (docs/benchmarks.md).
+_FP8_WIDE_TILE = (64, 4, 3)
+_FP8_WIDE_SPLITS = 16
+# A one-warp reducer weighs at most this many partial rows (query heads of a KV head x splits, both padded
+# to powers of two) in one launch; more take the second launch (H200: 4 x 16 rows 20.4 us one / 20.2 two,
+# 8 x 16 rows 22.0 / 21.1, 4 x 8 rows 31.1 / 32.4).
+_ONE_WARP_REDUCE_ROWS = 32
 
 
 @triton.jit
@@ -132,21 +150,28 @@ def _round_q(q, k_ptr, DOT_DTYPE: tl.constexpr, KV_FP8: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts,
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, out_ptr, tickets_ptr, qk_scale,
+    stride_qs, stride_qh, stride_kb, stride_kt, stride_kh, stride_ts, stride_os, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr,
+    KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr, ONE_LAUNCH: tl.constexpr, GROUP_R: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
 ):  # fmt: skip
+    # ONE_LAUNCH: the last used split of a (seq, KV head) to finish weighs them all into out (tickets_ptr:
+    # one int32 counter per (seq, KV head), 0 before and after); else partials only, for
+    # _reduce_splits_kernel (out_ptr and tickets_ptr unused).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split takes a BLOCK_N-aligned share of this sequence's own length: a grid sized for the
     # batch's longest context stays correct for shorter ones (and for a graph captured at a larger one).
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    used = tl.cdiv(seq_len, per_split)  # splits holding a key; the later ones are empty
+    if ONE_LAUNCH and split >= used:
+        return  # nothing to weigh: the reducing program reads only the used splits
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, DIM_PAD)
@@ -173,14 +198,68 @@ def _decode_split_kernel(
             q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8, ASM_CVT
         )
 
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if ONE_LAUNCH and NUM_SPLITS == 1:  # the whole context in this program: the output, no partials
+        out_off = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out_off, o, mask=q_mask)
+        return
     # Partial result per (seq, head, split): normalised output and log2-sum-exp; an empty split has
     # lse = -inf and so weight 0 in the reduction.
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
     row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # mid_*: [S, Hq, NUM_SPLITS, (D)]
     tl.store(mid_lse_ptr + row * NUM_SPLITS + split, lse, mask=offs_g < GROUP)
     o_off = (row[:, None] * NUM_SPLITS + split) * HEAD_DIM + offs_d[None, :]
     tl.store(mid_o_ptr + o_off, o, mask=q_mask)
+    if ONE_LAUNCH:
+        _reduce_if_last(mid_o_ptr, mid_lse_ptr, out_ptr, tickets_ptr, seq, kv_head, used, stride_os,
+                        stride_oh, GROUP, HEAD_DIM, DIM_PAD, NUM_SPLITS, GROUP_R, SPLITS_PAD,
+                        R_CHUNK)  # fmt: skip
+
+
+@triton.jit
+def _reduce_if_last(
+    mid_o_ptr, mid_lse_ptr, out_ptr, tickets_ptr, seq, kv_head, used, stride_os, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP_R: tl.constexpr, SPLITS_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
+):  # fmt: skip
+    # After this program stored its partials: the barrier orders every thread's stores before the ticket,
+    # whose acq_rel atomic (GPU scope) publishes them and, for the last of the `used` splits to arrive,
+    # acquires the others'. That one weighs splits 0..used-1 in split order (the same bits whichever split
+    # is last; .cg reads L2, never a stale L1 line of an earlier launch) and sets the counter back to 0 for
+    # the next launch. Under the interpreter programs run one after another: the last one reduces.
+    tl.debug_barrier()
+    ticket_ptr = tickets_ptr + seq * tl.num_programs(1) + kv_head
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == used - 1:
+        offs_g = tl.arange(0, GROUP_R)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_c = tl.arange(0, R_CHUNK)
+        offs_d = tl.arange(0, DIM_PAD)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        row = seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads  # [GROUP_R], as the partials' rows
+        lse_mask = g_mask[:, None] & (offs_s < used)[None, :]
+        lse = tl.load(mid_lse_ptr + row[:, None] * NUM_SPLITS + offs_s[None, :], mask=lse_mask,
+                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+        m = tl.where(g_mask, tl.max(lse, 1), 0.0)  # finite: split 0 holds key 0
+        w_sum = tl.where(g_mask, tl.sum(tl.exp2(lse - m[:, None]), 1), 1.0)  # padded heads: not 0 / 0
+        acc = tl.zeros([GROUP_R, DIM_PAD], tl.float32)
+        # R_CHUNK splits at a time, unrolled and masked (no branch), so the loads of every chunk can be
+        # in flight together
+        for c in tl.static_range(SPLITS_PAD // R_CHUNK):
+            s = c * R_CHUNK + offs_c
+            c_mask = g_mask[:, None] & (s < used)[None, :]  # [GROUP_R, R_CHUNK]
+            part = row[:, None] * NUM_SPLITS + s[None, :]
+            w = tl.exp2(tl.load(mid_lse_ptr + part, mask=c_mask, other=float("-inf"), cache_modifier=".cg")
+                        - m[:, None])  # fmt: skip
+            o_off = (part * HEAD_DIM)[:, :, None] + offs_d[None, None, :]
+            o_mask = c_mask[:, :, None] & d_mask[None, None, :]
+            o = tl.load(mid_o_ptr + o_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w[:, :, None] * o, 1)
+        out_off = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + out_off, acc / w_sum[:, None], mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(ticket_ptr, 0)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -341,6 +420,25 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
+def decode_tile(kv_fp8: bool, num_splits: int) -> tuple[int, int, int]:
+    """(keys per tile, num_warps, num_stages) of the decode split kernel: `_DECODE_TILES`'s for the cache
+    dtype, except an FP8 cache cut into `_FP8_WIDE_SPLITS` splits or more (a few sequences), which runs the
+    16-bit cache's four warps (one warp's one-launch reducer is slow over many splits)."""
+    if kv_fp8 and num_splits >= _FP8_WIDE_SPLITS:
+        return _FP8_WIDE_TILE
+    return _DECODE_TILES[kv_fp8]
+
+
+def choose_one_launch(group: int, num_splits: int, num_warps: int) -> bool:
+    """Whether decode weighs its splits in the split kernel's own launch (the last split of each (seq, KV
+    head) to finish) rather than in a second launch. Measured on an H200 (docs/benchmarks.md), one launch
+    against two: 0.89x the time at batch 1 x 1.2k (32 splits) down to 1.00x at batch 64 x 4k (2 splits),
+    never slower, at four warps; a one-warp program (FP8 at few splits) only while its reducer weighs at
+    most `_ONE_WARP_REDUCE_ROWS` rows. One split is one launch either way: it stores the output itself."""
+    rows = triton.next_power_of_2(group) * triton.next_power_of_2(num_splits)
+    return num_warps >= 4 or rows <= _ONE_WARP_REDUCE_ROWS
+
+
 def choose_prefill_splits(
     num_heads: int, num_seqs: int, max_query_len: int, max_seq_len: int, sm_count: int, block_m: int = 64
 ) -> int:
@@ -355,6 +453,23 @@ def choose_prefill_splits(
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+def decode_tickets(device: torch.device) -> torch.Tensor:
+    """The one-launch decode's ticket counters on `device`: [_MAX_TICKETS] int32, one per (seq, KV head),
+    0 between launches (each reducing program sets its own back). Made once per device, outside any CUDA
+    graph capture (every capture here runs its forward eagerly first), so a graph holds their address;
+    launches that share them must be ordered, as a device's forwards are (one stream)."""
+    if device not in _tickets:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), (
+            "the decode ticket counters are made on the first launch: run paged_decode_attention once "
+            "outside the CUDA graph capture"
+        )
+        _tickets[device] = torch.zeros(_MAX_TICKETS, dtype=torch.int32, device=device)
+    return _tickets[device]
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -363,12 +478,14 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     block_n: int | None = None,
+    one_launch: bool | None = None,
 ) -> torch.Tensor:
     """q: [S, Hq, D] -> [S, Hq, D] in q's dtype; one query token per sequence at position seq_len - 1.
 
-    Grid (S, Hkv, num_splits) for the split kernel, then (S, Hq) for the reduction. block_n: keys per
-    tile, a power of two; by default `_DECODE_TILES`'s for the cache dtype. Inputs are trusted:
-    TritonOps.decode_attention checks them.
+    Grid (S, Hkv, num_splits) for the split kernel; with `one_launch` the last split of each (seq, KV
+    head) to finish reduces in the same launch, else the reduction is a second launch over (S, Hq); by
+    default `choose_one_launch` decides. block_n: keys per tile, a power of two; by default `decode_tile`'s.
+    Inputs are trusted: TritonOps.decode_attention checks them.
     """
     n_seqs, n_heads, head_dim = q.shape
     _, _, block_size, n_kv, _ = kv_layer.shape
@@ -377,21 +494,36 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if n_seqs == 0:
         return out
-    mid_o = torch.empty((n_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
+    dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
+    default_n, warps, stages = decode_tile(kv_fp8, num_splits)
+    if one_launch is None:
+        one_launch = choose_one_launch(group, num_splits, warps) and n_seqs * n_kv <= _MAX_TICKETS
+    assert not one_launch or n_seqs * n_kv <= _MAX_TICKETS, (
+        f"one launch takes at most {_MAX_TICKETS} (seq, KV head) pairs, got {n_seqs} x {n_kv}"
+    )
+    if one_launch and num_splits == 1:
+        mid_o = mid_lse = tickets = out  # not touched: the one split stores the output itself
+    else:
+        mid_o = torch.empty((n_seqs, n_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((n_seqs, n_heads, num_splits), dtype=torch.float32, device=q.device)
+        tickets = decode_tickets(q.device) if one_launch else seq_lens  # seq_lens: not read
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     dim_pad = triton.next_power_of_2(head_dim)
-    dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
-    default_n, warps, stages = _DECODE_TILES[kv_fp8]
+    group_r, splits_pad = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
+    # the reducing program's chunk: about _REDUCE_VALUES_PER_THREAD fp32 partial values a thread
+    fit = _REDUCE_VALUES_PER_THREAD * 32 * warps // (group_r * dim_pad)
+    r_chunk = min(splits_pad, 1 << max(0, fit.bit_length() - 1))
     _decode_split_kernel[(n_seqs, n_kv, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse, out, tickets, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n or default_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots,
-        KV_FP8=kv_fp8, ASM_CVT=asm_cvt, num_warps=warps, num_stages=stages,
+        KV_FP8=kv_fp8, ASM_CVT=asm_cvt, ONE_LAUNCH=one_launch, GROUP_R=group_r, SPLITS_PAD=splits_pad,
+        R_CHUNK=r_chunk, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    _reduce_splits(mid_o, mid_lse, out)
+    if not one_launch:
+        _reduce_splits(mid_o, mid_lse, out)
     return out
 
 

@@ -40,11 +40,18 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         fp8 = cache == "fp8e4nv"  # ASM_CVT as on the GPU, beside a fp32 q too (then fp32 dots)
         common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
                   "KV_FP8": fp8, "ASM_CVT": fp8}  # fmt: skip
-        decode = {**ptrs, **common, "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3}
+        decode = {**ptrs, **common, "tickets_ptr": "*i32", "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3,
+                  "ONE_LAUNCH": False, "GROUP_R": 4, "SPLITS_PAD": 4, "R_CHUNK": 2}  # fmt: skip
         cases.append((attn, "_decode_split_kernel", decode))
         # a 32-key tile inside one 64-token page; for FP8 compiled as _DECODE_TILES runs it (one warp)
         tile = {"BLOCK_N": 32, "BLOCK_SIZE": 64, "_options": {"num_warps": 1, "num_stages": 4} if fp8 else {}}
         cases.append((attn, "_decode_split_kernel", {**decode, **tile}))
+        # one launch (the last split reduces), at batch 1's 32 splits of an 8k graph
+        one = {"ONE_LAUNCH": True, "NUM_SPLITS": 32, "SPLITS_PAD": 32, "R_CHUNK": 2 if fp8 else 8}
+        cases.append((attn, "_decode_split_kernel", {**decode, **tile, **one}))
+        # one launch over one split: the output stored directly, no partials, no ticket
+        one_split = {"ONE_LAUNCH": True, "NUM_SPLITS": 1, "SPLITS_PAD": 1, "R_CHUNK": 1}
+        cases.append((attn, "_decode_split_kernel", {**decode, **one_split}))
         for split in (False, True):
             prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "SPLIT": split}
             cases.append((attn, "_prefill_kernel", prefill))

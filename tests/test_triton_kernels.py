@@ -17,7 +17,10 @@ from pdserve.kernels.reference import ReferenceOps, write_kv
 from pdserve.kernels.triton_attention import (
     _decode_split_kernel,
     choose_num_splits,
+    choose_one_launch,
     choose_prefill_splits,
+    decode_tickets,
+    decode_tile,
     paged_decode_attention,
     paged_prefill_attention,
 )
@@ -145,6 +148,61 @@ def test_splits_past_one_reduction_chunk() -> None:
         block_m=16, block_n=16,
     )  # fmt: skip
     _close(got, REF.prefill_attention(q, kv, meta, scale=0.2))
+
+
+# One launch: each (seq, KV head)'s last split to finish weighs every used split. Ragged lengths: a 1-token
+# sequence (one used split of 7), lengths one short of / at a tile boundary, and one over many tiles.
+ONE_LAUNCH_MIX = [(0, 1), (31, 1), (32, 1), (150, 1), (299, 1)]
+
+
+@pytest.mark.parametrize(("group", "head_dim", "n_kv"), GQA_SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+def test_one_launch_decode_matches_reference(group: int, head_dim: int, n_kv: int, num_splits: int) -> None:
+    q, kv, meta = _batch(ONE_LAUNCH_MIX, n_kv, group, head_dim, seed=40 + group)
+    want = REF.decode_attention(q, kv, meta, scale=head_dim**-0.5)
+    args = (q, kv, meta.block_tables, meta.seq_lens, head_dim**-0.5, num_splits)
+    got = paged_decode_attention(*args, block_n=32, one_launch=True)
+    _close(got, want)
+    # every ticket counter is back at 0, so the next launch (a CUDA graph's next replay) counts from 0
+    assert not decode_tickets(q.device).any()
+    again = paged_decode_attention(*args, block_n=32, one_launch=True)
+    assert torch.equal(got, again)
+
+
+def test_one_launch_weighs_splits_past_one_chunk() -> None:
+    # 40 splits of 32 keys over 1,300 tokens: the reducing program walks the used splits several chunks
+    # at a time (8 query heads a KV head, head dim 128: 4 splits a chunk at 4 warps)
+    q, kv, meta = _batch([(1299, 1), (0, 1), (100, 1)], 2, 8, 128, seed=41)
+    got = paged_decode_attention(
+        q, kv, meta.block_tables, meta.seq_lens, 0.09, 40, block_n=32, one_launch=True
+    )
+    _close(got, REF.decode_attention(q, kv, meta, scale=0.09))
+    assert not decode_tickets(q.device).any()
+
+
+def test_decode_picks_one_launch_and_its_tile_as_measured() -> None:
+    # a 16-bit cache: one launch at every split count; FP8: four warps over 64 keys at 16+ splits (a batch of
+    # a few sequences), else one warp over 32, whose reducer is slow past 32 partial rows (group x splits)
+    assert decode_tile(False, 32) == decode_tile(False, 2) == (64, 4, 3)
+    assert decode_tile(True, 32) == decode_tile(True, 16) == (64, 4, 3)
+    assert decode_tile(True, 9) == decode_tile(True, 2) == (32, 1, 4)
+    assert all(choose_one_launch(g, s, 4) for g in (1, 4, 8) for s in (1, 2, 5, 17, 32, 64))
+    assert choose_one_launch(4, 5, 1) and choose_one_launch(8, 3, 1) and choose_one_launch(4, 2, 1)
+    assert not choose_one_launch(4, 9, 1) and not choose_one_launch(8, 9, 1)
+    # by default paged_decode_attention follows the rule: here one launch (the same bits as forced)
+    q, kv, meta = _batch(ONE_LAUNCH_MIX, 2, 4, 64, seed=43)
+    args = (q, kv, meta.block_tables, meta.seq_lens, 0.125, 7)
+    assert torch.equal(paged_decode_attention(*args), paged_decode_attention(*args, one_launch=True))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_reads_an_fp8_cache(q_dtype: torch.dtype) -> None:
+    q, kv, meta = _batch(ONE_LAUNCH_MIX, 2, 4, 64, dtype=q_dtype, seed=42, kv_dtype=FP8)
+    got = paged_decode_attention(
+        q, kv, meta.block_tables, meta.seq_lens, 0.125, 5, block_n=32, one_launch=True
+    )
+    _close(got, REF.decode_attention(q, kv, meta, scale=0.125))
+    assert not decode_tickets(q.device).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
