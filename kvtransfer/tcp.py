@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -30,6 +31,7 @@ from pdserve.kvtransfer.framing import ByteChannel, host_copy
 _STAGING = 256 << 10  # what one socket read may fill while no payload is being read
 _PAUSE_AT = 4 << 20  # unread bytes held before the socket is left unread
 _WRITE_CHUNK = 2 << 20  # payload bytes handed to the transport at once
+log = logging.getLogger("pdserve.kvtransfer")
 
 
 class _Stream(asyncio.BufferedProtocol):
@@ -244,9 +246,17 @@ class TcpTransport:
         tasks: set[asyncio.Task[None]] = set()
 
         def accepted(stream: _Stream) -> None:
-            task = asyncio.ensure_future(on_channel(TcpChannel(stream, self._pin)))
+            channel = TcpChannel(stream, self._pin)
+            task = asyncio.ensure_future(on_channel(channel))
             tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            task.add_done_callback(lambda t: ended(t, channel))
+
+        def ended(task: asyncio.Task[None], channel: TcpChannel) -> None:
+            tasks.discard(task)
+            error = None if task.cancelled() else task.exception()
+            if error is not None:  # the handler failed: its connection is cut, not left open
+                log.error("KV-transfer connection handler for %s failed", channel.peer, exc_info=error)
+                channel.abort()
 
         def protocol() -> _Stream:
             return _Stream(accepted)

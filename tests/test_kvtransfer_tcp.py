@@ -5,6 +5,7 @@ tensor, and a peer that hangs up or a channel that is aborted fails the pending 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -88,3 +89,18 @@ async def test_abort_fails_the_pending_read_and_every_later_call() -> None:
     with pytest.raises(ConnectionLost):
         await p.recv_exact(1)  # P sees D's end go
     await listener.close()  # type: ignore[attr-defined]
+
+
+@transfer.coroutine_test
+async def test_a_failing_connection_handler_cuts_its_connection_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def on_channel(channel: object) -> None:
+        raise RuntimeError("handler bug")
+
+    listener = await TcpTransport().listen("127.0.0.1", 0, on_channel)
+    p = await TcpTransport().dial("127.0.0.1", listener.port, 5.0)
+    with caplog.at_level(logging.ERROR, logger="pdserve.kvtransfer"), pytest.raises(ConnectionLost):
+        await p.recv_exact(1)  # P sees D's end go instead of waiting on an orphaned connection
+    assert "connection handler for" in caplog.text and "handler bug" in caplog.text
+    await listener.close()
