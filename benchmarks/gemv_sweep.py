@@ -237,9 +237,9 @@ class Bench:
 def precompile(
     bench: Bench, grids: dict[int, list[GemvConfig]], deadline: float
 ) -> dict[int, list[GemvConfig]]:
-    """Compiles each grid's configs on a small product with the big shapes' specialisations (N and K
-    multiples of 16) until `deadline`; returns the grids without the configs that failed (those not reached
-    compile in the sweep instead)."""
+    """Compiles each grid's configs, plain and with SiLU x up, on a small product with the big shapes'
+    specialisations (N and K multiples of 16) until `deadline`; returns the grids without the configs that
+    failed (those not reached compile in the sweep instead)."""
     out = {rows: list(grid) for rows, grid in grids.items()}
     weight = torch.float8_e4m3fn if bench.fp8 else torch.bfloat16
     w = torch.randn(256, 4096, device=bench.dev, generator=bench.gen).to(weight)
@@ -251,6 +251,7 @@ def precompile(
                 break
             try:
                 bench.gemv(x, w, None, cfg, scale=scale)
+                bench.gemv_silu_mul(x, w, cfg, scale=scale)  # gate+up's kernel (GLU) is another compile
             except Exception as exc:
                 out[rows].remove(cfg)
                 log(f"precompile M={rows} {cfg}: skipped, {type(exc).__name__}: {str(exc)[:160]}")
