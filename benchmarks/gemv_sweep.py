@@ -10,7 +10,8 @@ Llama-3.1-8B at TP=1 and TP=2 and Llama-3.1-70B at TP=2 (`--models` picks others
 such as qwen3-30b-a3b has QKV, O, its router and the LM head here, its experts being
 kernels/triton_moe_decode.py's), one rank's shard
 (shared/model/parallel.py), at M = 1 (a fine grid; FP8 weights: tiles of up to twice the elements, the
-same bytes), then M = 4 and 16 (a coarse one). gate+up is timed as the model runs it, with SiLU x up in
+same bytes), then M = 4 and 16 (a coarse one), and with `--rows` 32 or 64 (batched decode) a coarse grid of
+wider tiles. gate+up is timed as the model runs it, with SiLU x up in
 the GEMV's epilogue (kernels/triton_gemv.py's `gemv_silu_mul`), and checked against silu(gate) * up.
 Each candidate (block_n, block_k, num_warps, num_stages, split_k; FP8 at one row: narrow_w on the best six;
 pdl, programmatic dependent launch, on the best three), the launcher's current choice first (the table's or
@@ -19,7 +20,10 @@ and timed as a CUDA graph of back-to-back launches that rotate over enough copie
 the L2 cache several times, so every launch reads its weight from HBM, as decode does. cuBLAS (`F.linear`)
 is timed the same way. Bytes: weight (+ FP8 scales) + x + y. The copy bandwidth counts bytes read plus
 written (as benchmarks/gpu_decode.py). A config that fails to compile, run or verify prints one line and is
-skipped; once `--budget-s` is spent the sweep stops and still prints and writes what it has. Kernels are
+skipped; once `--budget-s` is spent the sweep stops and still prints and writes what it has. Up to 16 rows
+the GEMV always runs, so the best tile is written; above 16 the model runs the GEMV only where the table
+holds an entry (kernels/triton_gemv.py's `runs_gemv`), so one is written only where the best tile beat
+cuBLAS, and this device's entry for a bucket where cuBLAS won is removed. Kernels are
 compiled once for all shapes first (compilation depends on the tiles, not on N or K), so the budget left is
 shared fairly between the shapes.
 """
@@ -41,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from pdserve.benchmarks.gpu_decode import graph_us
 from pdserve.kernels.gemv_configs import (
+    GEMV_ROWS,
+    M_BUCKETS,
     TABLE_PATH,
     GemvConfig,
     TableKey,
@@ -110,8 +116,12 @@ def base_grid(rows: int, fp8: bool = False) -> list[GemvConfig]:
         tiles = [(bn, bk) for bn, bk in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096, 8192))
                  if 2048 <= bn * bk <= most and bk <= (8192 if fp8 else 4096)]  # fmt: skip
         return [GemvConfig(bn, bk, w, 2) for (bn, bk), w in itertools.product(tiles, (4, 8))]
-    tiles = [(16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)]
-    return [GemvConfig(bn, bk, 4, 3) for bn, bk in tiles]
+    if rows <= GEMV_ROWS:
+        tiles = [(16, 256), (32, 128), (32, 256), (32, 512), (64, 128), (64, 256)]
+        return [GemvConfig(bn, bk, 4, 3) for bn, bk in tiles]
+    # 32 or 64 rows: x's tile is as large as W's, so more output columns a program share its reads
+    tiles = [(32, 256), (64, 64), (64, 128), (64, 256), (128, 64), (128, 128)]
+    return [GemvConfig(bn, bk, 4, 3) for bn, bk in tiles] + [GemvConfig(128, 128, 8, 3)]
 
 
 def refinements(best: list[GemvConfig], rows: int) -> list[GemvConfig]:
@@ -227,9 +237,9 @@ class Bench:
 def precompile(
     bench: Bench, grids: dict[int, list[GemvConfig]], deadline: float
 ) -> dict[int, list[GemvConfig]]:
-    """Compiles each grid's configs on a small product with the big shapes' specialisations (N and K
-    multiples of 16) until `deadline`; returns the grids without the configs that failed (those not reached
-    compile in the sweep instead)."""
+    """Compiles each grid's configs, plain and with SiLU x up, on a small product with the big shapes'
+    specialisations (N and K multiples of 16) until `deadline`; returns the grids without the configs that
+    failed (those not reached compile in the sweep instead)."""
     out = {rows: list(grid) for rows, grid in grids.items()}
     weight = torch.float8_e4m3fn if bench.fp8 else torch.bfloat16
     w = torch.randn(256, 4096, device=bench.dev, generator=bench.gen).to(weight)
@@ -241,6 +251,7 @@ def precompile(
                 break
             try:
                 bench.gemv(x, w, None, cfg, scale=scale)
+                bench.gemv_silu_mul(x, w, cfg, scale=scale)  # gate+up's kernel (GLU) is another compile
             except Exception as exc:
                 out[rows].remove(cfg)
                 log(f"precompile M={rows} {cfg}: skipped, {type(exc).__name__}: {str(exc)[:160]}")
@@ -253,6 +264,25 @@ def gemv_bytes(shape: Shape, rows: int, fp8: bool) -> int:
     return weight + 2 * rows * (shape.k + (shape.n // 2 if shape.name == "gate_up" else shape.n))
 
 
+def table_updates(
+    results: Iterable[Result], device: str, weight: str
+) -> tuple[dict[TableKey, GemvConfig], set[TableKey]]:
+    """(entries to write, entries to remove) for the config table: every measured bucket up to 16 rows; above
+    16 the best tile where it beat cuBLAS, else the key, so that the model keeps cuBLAS there."""
+    keep: dict[TableKey, GemvConfig] = {}
+    drop: set[TableKey] = set()
+    for res in results:
+        best = res.best()
+        if best is None:
+            continue
+        key = TableKey(device, weight, res.shape.n, res.shape.k, m_bucket(res.rows))
+        if res.rows <= GEMV_ROWS or (res.cublas_us is not None and best["us"] < res.cublas_us):
+            keep[key] = GemvConfig(**best["config"])
+        else:
+            drop.add(key)
+    return keep, drop
+
+
 def fmt_cfg(c: dict[str, Any]) -> str:
     flags = (" pdl" if c.get("pdl") else "") + (" narrow" if c.get("narrow_w") else "")
     return f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} k{c['split_k']}{flags}"
@@ -261,18 +291,20 @@ def fmt_cfg(c: dict[str, Any]) -> str:
 def markdown(shape: Shape, results: list[Result], copy_bw: float, fp8: bool) -> str:
     lines = [f"### {shape.label}", "",
              "| M | best config (n x k, warps, stages, split, PDL, narrow) | µs | GiB/s | % of copy | "
-             "current µs | cuBLAS µs | tried / failed |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "current µs | cuBLAS µs | GEMV / cuBLAS | tried / failed |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         best, tried = r.best(), len(r.tried)
         failed = tried - len(r.timed())
         heur = r.tried[0].get("us") if r.tried else None
         cublas = f"{r.cublas_us:.1f}" if r.cublas_us is not None else "-"
         if best is None:
-            lines.append(f"| {r.rows} | not measured | - | - | - | - | {cublas} | {tried} / {failed} |")
+            lines.append(f"| {r.rows} | not measured | - | - | - | - | {cublas} | - | {tried} / {failed} |")
             continue
         bw = gemv_bytes(shape, r.rows, fp8) / (best["us"] / 1e6)
+        ratio = f"{best['us'] / r.cublas_us:.2f}x" if r.cublas_us else "-"
         lines.append(f"| {r.rows} | {fmt_cfg(best['config'])} | {best['us']:.1f} | {bw / GIB:.0f} | "
-                     f"{bw / copy_bw:.0%} | {'-' if heur is None else f'{heur:.1f}'} | {cublas} | "
+                     f"{bw / copy_bw:.0%} | {'-' if heur is None else f'{heur:.1f}'} | {cublas} | {ratio} | "
                      f"{tried} / {failed} |")  # fmt: skip
     return "\n".join(lines)
 
@@ -281,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Tune the decode GEMV's tiles per shape on this GPU.")
     parser.add_argument("--budget-s", type=float, default=200.0,
                         help="seconds to sweep for; what was measured by then is reported")  # fmt: skip
-    parser.add_argument("--rows", default="1,4,16", help="comma-separated M values (each at most 16)")
+    parser.add_argument(
+        "--rows", default="1,4,16", help=f"comma-separated M values (each at most {M_BUCKETS[-1]})"
+    )
     parser.add_argument("--weight", default="bf16", choices=("bf16", "fp8"),
                         help="weight dtype (fp8: float8_e4m3fn, row scales, bf16 activations)")  # fmt: skip
     parser.add_argument("--out", default="gemv_sweep.json", help="every timing, as JSON")
@@ -303,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         rows_list = [int(r) for r in args.rows.split(",")]
     except ValueError:
         rows_list = []
-    if not rows_list or not all(1 <= r <= 16 for r in rows_list):
-        print(f"gemv_sweep: --rows {args.rows!r} must be comma-separated integers from 1 to 16")
+    if not rows_list or not all(1 <= r <= M_BUCKETS[-1] for r in rows_list):
+        print(f"gemv_sweep: --rows {args.rows!r} must be comma-separated integers from 1 to {M_BUCKETS[-1]}")
         return 2
     if not torch.cuda.is_available() or not args.device.startswith("cuda"):
         print(f"gemv_sweep: needs a CUDA device, got --device {args.device!r} "
@@ -344,11 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         print(markdown(shape, [results[(shape, r)] for r in rows_list], copy_bw, fp8), "\n", flush=True)
     weight_name = "float8_e4m3fn" if fp8 else "bfloat16"
-    measured = {
-        TableKey(device_name, weight_name, s.n, s.k, m_bucket(r)): GemvConfig(**best["config"])
-        for (s, r), res in results.items()
-        if (best := res.best()) is not None
-    }
+    measured, cublas_wins = table_updates(results.values(), device_name, weight_name)
     doc: dict[str, Any] = {
         "device": device_name, "torch": torch.__version__, "weight": weight_name,
         "copy_bytes_per_s": copy_bw, "elapsed_s": time.monotonic() - start,
@@ -360,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(doc, f, indent=1)
     if args.table_out is not None:
         table = {**load_table(TABLE_PATH), **parse_table(doc["table"])}
+        for key in cublas_wins:
+            table.pop(key, None)
         with open(args.table_out, "w", encoding="utf-8") as f:
             json.dump(table_document(table), f, indent=1)
             f.write("\n")

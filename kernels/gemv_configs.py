@@ -3,8 +3,11 @@ weight dtype, shape and batch bucket (gemv_configs.json beside this file, writte
 benchmarks/gemv_sweep.py), and a heuristic for the shapes the table does not hold.
 
 Invariants: a config's tiles are powers of two and its split_k >= 1; a table key is (device name as CUDA
-reports it, weight dtype name, N, K, M bucket), and `m_bucket` maps every row count a launch takes (1..16)
-to the bucket it is tuned under; the table is read once, at import, and never changes afterwards.
+reports it, weight dtype name, N, K, M bucket), and `m_bucket` maps every row count a launch takes (1..64)
+to the bucket it is tuned under; an entry of a bucket above GEMV_ROWS (17-64 rows) exists only where the
+sweep measured the GEMV faster than cuBLAS for that device, weight dtype and shape, and its presence is what
+sends those rows to the GEMV (kernels/triton_gemv.py's `runs_gemv`); the table is read once, at import, and
+never changes afterwards.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 TABLE_PATH = Path(__file__).with_name("gemv_configs.json")
-M_BUCKETS = (1, 4, 16)  # a launch of M rows is tuned under the smallest bucket >= M
+M_BUCKETS = (1, 4, 16, 32, 64)  # a launch of M rows is tuned under the smallest bucket >= M
+GEMV_ROWS = 16  # up to this many rows the GEMV always runs (tuned or heuristic); above, only where tuned
 TABLE_VERSION = 1
 
 
@@ -69,13 +73,15 @@ def _pow2_at_least(v: int) -> int:
 
 def default_config(n: int, k: int, rows: int, sm_count: int) -> GemvConfig:
     """The heuristic for shapes the table lacks. One row: two output columns per program over up to 4096 of
-    K at a time, the most programs and the longest loads in flight. Several rows: 32 x 256 tiles for tl.dot.
+    K at a time, the most programs and the longest loads in flight. Up to 16 rows: 32 x 256 tiles for tl.dot;
+    more: 64 x 128 (x's tile grows with the rows, so shorter K steps keep the stages in shared memory).
     Where that leaves fewer programs than SMs (few output columns), K is split so that every SM gets about
     two programs, each split at least two block_k steps long."""
     if rows == 1:
         cfg = GemvConfig(block_n=2, block_k=min(4096, _pow2_at_least(k)), num_warps=8, num_stages=2)
     else:
-        cfg = GemvConfig(block_n=32, block_k=min(256, max(16, _pow2_at_least(k))), num_warps=4, num_stages=3)
+        block_n, block_k = (32, 256) if rows <= GEMV_ROWS else (64, 128)
+        cfg = GemvConfig(block_n, min(block_k, max(16, _pow2_at_least(k))), num_warps=4, num_stages=3)
     programs = -(-n // cfg.block_n)
     if programs >= sm_count:
         return cfg

@@ -10,8 +10,9 @@ batch sizes of decode (1-64 rows; docs/benchmarks.md, Engine on the CPU). The pa
 weights' size again in host memory. On a GPU the handle is the weight
 itself (CUDA graphs see the parameters); products of up to 16 rows (decode) run the Triton GEMV of
 kernels/triton_gemv.py, which reads the 8B shapes' weights faster than cuBLAS's small-M kernels (the
-gate | up product with SiLU x up fused into its epilogue: `linear_silu_mul`), and larger ones `F.linear`
-(cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over the weight as stored.
+gate | up product with SiLU x up fused into its epilogue: `linear_silu_mul`), 17 to 64 rows run it where its
+tuned table says it measured faster than cuBLAS on this device and shape (`runs_gemv`), and the rest
+`F.linear` (cuBLAS). Elsewhere (CPU in other dtypes) it is `F.linear` over the weight as stored.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class OneDnnPackedLinear:
 
 
 class GemvLinear:
-    """Triton GEMV for decode-sized products (rows <= 16), cuBLAS for the rest; CUDA."""
+    """Triton GEMV for decode-sized products (rows <= 16, and up to 64 where tuned faster), cuBLAS for the
+    rest; CUDA."""
 
     name = "triton-gemv"
 
@@ -95,14 +97,14 @@ class GemvLinear:
         from pdserve.kernels import triton_gemv
 
         self._gemv, self._gemv_silu_mul = triton_gemv.gemv, triton_gemv.gemv_silu_mul
-        self._max_rows = triton_gemv.MAX_ROWS
+        self._runs_gemv = triton_gemv.runs_gemv
 
     def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
         assert scale is None, f"{self.name} multiplies unquantized weights"
         return weight
 
     def linear(self, x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if 1 <= x.shape[0] <= self._max_rows:
+        if self._runs_gemv(x.device, handle.dtype, handle.shape[0], handle.shape[1], x.shape[0]):
             return self._gemv(x if x.stride(-1) == 1 else x.contiguous(), handle, bias)
         return F.linear(x, handle, bias)
 
@@ -110,7 +112,7 @@ class GemvLinear:
         self, x: torch.Tensor, handle: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         """Decode-sized: one GEMV launch with SiLU x up in its epilogue (no [T, 2F] intermediate)."""
-        if 1 <= x.shape[0] <= self._max_rows:
+        if self._runs_gemv(x.device, handle.dtype, handle.shape[0], handle.shape[1], x.shape[0]):
             return self._gemv_silu_mul(x if x.stride(-1) == 1 else x.contiguous(), handle)
         return silu_mul(F.linear(x, handle))
 

@@ -1,13 +1,16 @@
-"""Triton matrix-vector products for decode: y[M, N] = x[M, K] W[N, K]^T (+ b), M from 1 to 16.
+"""Triton matrix-vector products for decode: y[M, N] = x[M, K] W[N, K]^T (+ b), M from 1 to 64.
 
 At decode's batch sizes a step is nothing but reading the weights once, and cuBLAS's small-M kernels leave
 HBM bandwidth unused on the 8B layer shapes (well under the copy bandwidth, with split-K reduce kernels
 besides; the figures are in docs/benchmarks.md, GPU decode). Each program here owns BLOCK_N output columns
 for every row of x and streams its [BLOCK_N, K / split_k] slice of W once in [BLOCK_N, BLOCK_K] tiles,
 accumulating in fp32. One row (M = 1) multiplies on CUDA cores; several rows go through `tl.dot` with x
-padded to 16 rows (fp32 operands in IEEE precision, never TF32; bf16 widened to fp32 under the CPU
-interpreter, as in triton_attention.py). Without split-K a product is one launch. With split-K (shapes whose
-output columns give fewer programs than SMs) each program writes its slice's fp32 partial sums to a
+padded to 16, 32 or 64 rows (the next power of two, at least 16; fp32 operands in IEEE precision, never
+TF32; bf16 widened to fp32 under the CPU interpreter, as in triton_attention.py). Up to 16 rows always run
+here; 17 to 64 rows (batched decode) run here only where kernels/gemv_configs.json holds a tile measured
+faster than cuBLAS for the device, weight dtype, shape and row bucket (`runs_gemv`), else the caller uses
+cuBLAS. Without split-K a product is one launch. With split-K (shapes whose output columns give fewer
+programs than SMs) each program writes its slice's fp32 partial sums to a
 workspace and a second kernel adds them in split order, then scales, adds the bias and casts: deterministic,
 no atomics, no zeroed workspace. (Reducing in the same launch, the last split of a column block taking a
 ticket from an atomic counter, measured slower on the H200 at most real splits and won no shape:
@@ -36,13 +39,21 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from pdserve.kernels.gemv_configs import TUNED, GemvConfig, TableKey, default_config, m_bucket
+from pdserve.kernels.gemv_configs import (
+    GEMV_ROWS,
+    M_BUCKETS,
+    TUNED,
+    GemvConfig,
+    TableKey,
+    default_config,
+    m_bucket,
+)
 from pdserve.kernels.triton_attention import dot_dtype
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul"]
+__all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul", "runs_gemv"]
 
-MAX_ROWS = 16  # x rows one launch takes; larger batches belong to a GEMM
+MAX_ROWS = M_BUCKETS[-1]  # x rows one launch takes; larger batches belong to a GEMM
 _INTERPRETER_SM_COUNT = 4  # CPU tensors only run under the interpreter; few SMs keep split-K exercised
 _REDUCE_BLOCK = 256  # output columns per program of the split-K reduction
 _LINE_BYTES = 128  # what one L2 prefetch asks for
@@ -210,12 +221,24 @@ def _device_facts(device: torch.device) -> tuple[str, int, bool]:
     return torch.cuda.get_device_name(device), int(props.multi_processor_count), props.major >= 9
 
 
+def _table_key(device: torch.device, weight_dtype: torch.dtype, n: int, k: int, rows: int) -> TableKey:
+    return TableKey(_device_facts(device)[0], str(weight_dtype).removeprefix("torch."), n, k, m_bucket(rows))
+
+
 def choose_config(device: torch.device, weight_dtype: torch.dtype, n: int, k: int, rows: int) -> GemvConfig:
     """The measured config of kernels/gemv_configs.json for this device, weight dtype, shape and row bucket,
     else the heuristic's."""
-    name, sms, _ = _device_facts(device)
-    key = TableKey(name, str(weight_dtype).removeprefix("torch."), n, k, m_bucket(rows))
-    return TUNED.get(key) or default_config(n, k, rows, sms)
+    tuned = TUNED.get(_table_key(device, weight_dtype, n, k, rows))
+    return tuned or default_config(n, k, rows, _device_facts(device)[1])
+
+
+def runs_gemv(device: torch.device, weight_dtype: torch.dtype, n: int, k: int, rows: int) -> bool:
+    """Whether a product of `rows` rows over an [n, k] weight belongs to `gemv` rather than cuBLAS: always
+    up to 16 rows; 17 to MAX_ROWS only where the table holds this device's, dtype's, shape's and bucket's tile
+    (benchmarks/gemv_sweep.py writes one only where the GEMV measured faster than cuBLAS)."""
+    if rows <= GEMV_ROWS:
+        return rows >= 1
+    return rows <= MAX_ROWS and _table_key(device, weight_dtype, n, k, rows) in TUNED
 
 
 def gemv(
@@ -226,7 +249,7 @@ def gemv(
     *,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] with M <= MAX_ROWS; weight: [N, K] in x's dtype, or float8_e4m3fn with `scale` [N] fp32
+    """x: [M, K] with M <= MAX_ROWS (64); weight: [N, K] in x's dtype, or float8_e4m3fn with `scale` [N] fp32
     (W = weight * scale[:, None]); bias: [N] or None -> y [M, N] in x's dtype. `config`: the tiles, by
     default `choose_config`'s."""
     return _launch(x, weight, bias, scale, config, glu=False)
@@ -239,7 +262,7 @@ def gemv_silu_mul(
     *,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [M, K] with M <= MAX_ROWS; weight: [2F, K] (gate rows, then up rows) as for `gemv` ->
+    """x: [M, K] with M <= MAX_ROWS (64); weight: [2F, K] (gate rows, then up rows) as for `gemv` ->
     silu(x gate^T) * (x up^T): [M, F] in x's dtype, the same bits as `gemv` followed by the SiLU x up kernel
     (kernels/triton_fused.py) at the same tiles, in one launch (two with split-K) and without the [M, 2F]
     intermediate. `config`: the tiles of the [2F, K] product (block_n counts weight rows, at least 2)."""
@@ -289,7 +312,7 @@ def _launch(
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, part,
         m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
-        M_PAD=1 if m == 1 else MAX_ROWS, BLOCK_N=block_n, BLOCK_K=cfg.block_k,
+        M_PAD=1 if m == 1 else max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
         ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, LINE=_LINE_BYTES // weight.element_size(),
         W_VEC=8 if cfg.narrow_w and m == 1 else 0,

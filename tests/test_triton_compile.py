@@ -72,7 +72,8 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     for dtype, weight, dot in (("bf16", "bf16", tl.bfloat16), ("fp32", "fp32", tl.float32),
                                ("bf16", "fp8e4nv", tl.bfloat16)):  # fmt: skip
         # (rows, block_n, block_k, one fp32 tile summed over the K steps); GLU: gate+up with SiLU x up
-        gemv_tiles = ((1, 2, 4096, False), (1, 2, 1024, True), (16, 32, 256, False))
+        # 64 rows (batched decode, where the table says the GEMV beat cuBLAS): x padded to 64 rows
+        gemv_tiles = ((1, 2, 4096, False), (1, 2, 1024, True), (16, 32, 256, False), (64, 64, 128, False))
         # PDL: the first weight tile prefetched into L2 before the grid dependency wait
         for (rows, block_n, block_k, acc_2d), split, glu in itertools.product(
             gemv_tiles, (False, True), (False, True)

@@ -10,7 +10,8 @@ stacking rows, a tensor-parallel rank keeps rows or columns), so one form serves
 - an FP8 checkpoint with 128 x 128 block scales (`weight_scale_inv`, as DeepSeek-V3 and Qwen3-FP8 ship) is
   dequantized and requantized per row at load (one more rounding, no block-scaled GEMM kernel needed).
 Static activation scales (`input_scale`) are dropped: activations are quantized per token at run time.
-Products: on a GPU of compute capability >= 8.9, up to MAX_ROWS rows (decode) go through the Triton GEMV on
+Products: on a GPU of compute capability >= 8.9, up to 16 rows (decode; up to 64 where its tuned table
+says it measured faster, kernels/triton_gemv.py's `runs_gemv`) go through the Triton GEMV on
 the FP8 weights (x stays bf16; each weight byte is read once, widened in registers, the row scale applied
 to the fp32 sum), larger ones through `torch._scaled_mm` with rowwise scales after a per-token dynamic
 quantization of x. Anywhere else FP8 is refused (`unsupported_reason`) before any weight is read.
@@ -173,12 +174,12 @@ class Fp8Linear:
 
     def __init__(self, device: torch.device) -> None:
         self._gemv: Any = None
-        self._max_rows = 0
+        self._runs_gemv: Callable[[torch.device, torch.dtype, int, int, int], bool] = lambda *_: False
         if device.type == "cuda":  # triton comes with the [gpu] extra
             from pdserve.kernels import triton_gemv
 
             self._gemv, self._gemv_silu_mul = triton_gemv.gemv, triton_gemv.gemv_silu_mul
-            self._max_rows = triton_gemv.MAX_ROWS
+            self._runs_gemv = triton_gemv.runs_gemv
 
     def prepare(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> Any:
         assert weight.dtype == FP8 and scale is not None and scale.shape == (weight.shape[0],), (
@@ -190,7 +191,7 @@ class Fp8Linear:
     def linear(self, x: torch.Tensor, handle: Any, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] bf16 -> [T, N] in x's dtype."""
         w, scale = handle  # w: [N, K] FP8, scale: [N] fp32
-        if 1 <= x.shape[0] <= self._max_rows:
+        if self._runs_gemv(x.device, w.dtype, w.shape[0], w.shape[1], x.shape[0]):
             return self._gemv(x if x.stride(-1) == 1 else x.contiguous(), w, bias, scale=scale)
         return scaled_mm(x, w, scale, bias)
 
@@ -199,7 +200,7 @@ class Fp8Linear:
     ) -> torch.Tensor:
         """x: [T, K] bf16, a [2F, K] gate | up handle -> silu(gate) * up [T, F]: one GEMV launch at decode."""
         w, scale = handle
-        if 1 <= x.shape[0] <= self._max_rows:
+        if self._runs_gemv(x.device, w.dtype, w.shape[0], w.shape[1], x.shape[0]):
             return self._gemv_silu_mul(x if x.stride(-1) == 1 else x.contiguous(), w, scale=scale)
         return silu_mul(scaled_mm(x, w, scale, None))
 
