@@ -71,7 +71,7 @@ class Rerouter(Protocol):
 
     telemetry: Telemetry
 
-    def refused(self, node_id: NodeId) -> None: ...
+    async def refused(self, node_id: NodeId) -> None: ...
 
     def place(
         self, prompt: Sequence[int], cache_salt: str | None, deadline: float
@@ -261,7 +261,8 @@ class RequestRun:
                     await self._queue.put(ChoiceEvent(job.index, None, err))
                     return
                 if exc.status == 503 or (isinstance(exc, _StepFailed) and exc.reason == "migrate"):
-                    self._rerouter.refused(exc.node_id)  # draining: the next placement avoids it at once
+                    # draining or no longer of that role: the next placement avoids it, on a fresh view
+                    await self._rerouter.refused(exc.node_id)
                 self._metrics.aborts.labels(reason=reason).inc()
                 try:
                     placement = await self._rerouter.place(prompt, self._salt, self.deadline)

@@ -93,9 +93,10 @@ class Membership:
                 await self.refresh()
             await asyncio.sleep(self._ttl_s)
 
-    async def refresh(self) -> None:
+    async def refresh(self, max_age_s: float | None = None) -> None:
+        """Reads the index again unless the view is younger than `max_age_s` (default: half the TTL)."""
         async with self._lock:
-            if time.monotonic() - self._refreshed_at < self._ttl_s / 2:
+            if time.monotonic() - self._refreshed_at < (self._ttl_s / 2 if max_age_s is None else max_age_s):
                 return  # another caller just did it
             try:
                 await self._refresh()

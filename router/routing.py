@@ -14,6 +14,7 @@ decided is emitted to the telemetry sink (router/telemetry.py), never counted he
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -45,6 +46,8 @@ from pdserve.shared.types import NodeId
 
 _RATES_EVERY_S = 5.0
 """How often the router publishes its cost model's learned rates to the index (for kvctl where)."""
+_REFUSAL_REFRESH_S = 0.1
+"""A refusal re-reads the node list when it is older than this, before the request is placed again."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,10 @@ class Router:
     kvctl stats, the cost model's rates for kvctl where)."""
     _rates_due: float = field(default=0.0, init=False)
     _rotation: int = field(default=0, init=False)
-    _refused: dict[NodeId, float] = field(default_factory=dict, init=False)
-    """Nodes that refused new work (draining) -> monotonic time until which no request goes there."""
+    _refused: dict[NodeId, tuple[float, int]] = field(default_factory=dict, init=False)
+    """Nodes that refused new work (draining, or no longer of the role the view gave them) -> (monotonic time
+    until which no request goes there, the epoch that refused: a node registered again since, e.g. under its
+    new role, is not avoided)."""
 
     def __post_init__(self) -> None:
         if self.cost_decides:  # the policy picks the pair; the cost model picks local or P/D (placement.py)
@@ -145,10 +150,16 @@ class Router:
         serves exports until it leaves; a drain with --migrate pins its moved requests' KV for that fetch)."""
         return [s for s in await self._membership.nodes() if not self._breakers.is_open(s.info.node_id)]
 
-    def refused(self, node_id: NodeId) -> None:
-        """A node turned a request away before starting it (it is draining): route around it at once,
-        without waiting for the cached node list to expire; the index shows the drain within a TTL."""
-        self._refused[node_id] = time.monotonic() + 5.0
+    async def refused(self, node_id: NodeId) -> None:
+        """A node turned a request away before starting it (it is draining, or changed role since the view
+        was read): route around that registration at once and read the node list again (unless it is under
+        `_REFUSAL_REFRESH_S` old), so the placement that follows sees the nodes' roles and drains as they are
+        now, not as they were up to a TTL ago (several nodes changing role at once would otherwise refuse
+        every reroute in turn)."""
+        epochs = {s.info.node_id: s.info.epoch for s in await self._membership.nodes()}
+        self._refused[node_id] = (time.monotonic() + 5.0, epochs.get(node_id, -1))
+        with contextlib.suppress(Exception):  # logged by the membership; the reroute uses the view it has
+            await self._membership.refresh(max_age_s=_REFUSAL_REFRESH_S)
 
     async def place(
         self, prompt: Sequence[int], cache_salt: str | None, deadline: float, n: int = 1
@@ -243,7 +254,8 @@ class Router:
     def usable(self, status: NodeStatus, now: float) -> bool:
         """Whether a live node may get new work: not draining, not refusing, its breaker closed."""
         node_id = status.info.node_id
-        refused = self._refused.get(node_id, 0.0) >= now
+        until, epoch = self._refused.get(node_id, (0.0, -1))
+        refused = until >= now and epoch in (status.info.epoch, -1)
         return not (status.draining or refused or self._breakers.is_open(node_id))
 
     def _on_event(self, event: Event) -> None:
