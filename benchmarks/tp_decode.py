@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 from pdserve.benchmarks.gpu_decode import (
@@ -36,7 +37,9 @@ from pdserve.benchmarks.gpu_decode import (
 )
 from pdserve.shared.engine.config import EngineConfig
 from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.sampling_params import SamplingParams
 from pdserve.shared.model.model_config import NAMED_SHAPES
+from pdserve.shared.types import RequestId
 
 Row = tuple[str, str, str, str]
 
@@ -89,6 +92,38 @@ def _weight_bytes(shape: str, tp: int, batch: int = 1) -> int:
     return 2 * (total + lm_head + h)
 
 
+def profile_rows(engine: LLMEngine, prompts: list[list[int]], steps: int = 48) -> list[Row]:
+    """Rank 0's kernels over `steps` decode steps of the batch `prompts` (once every prompt has its first
+    token, after two warm steps): one row per kernel name, launches and GPU µs per step, heaviest first, and
+    the wall time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.new_request(RequestId(f"profile-{i}"), p, params))
+    started: set[str] = set()
+    while len(started) < len(prompts):
+        started |= {o.request_id for o in engine.step()}
+    for _ in range(2):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    kernels = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in kernels) / steps
+    rows: list[Row] = [(f"rank 0, batch-{len(prompts)} step: wall / GPU busy", f"{wall / steps * 1e6:.0f} us",
+                        f"{total:.0f} us", "")]  # fmt: skip
+    for e in kernels[:20]:
+        us = e.self_device_time_total / steps
+        rows.append((f"  {e.key[:90]}", f"{e.count / steps:.1f} / step", f"{us:.1f} us", f"{us / total:.1%}"))
+    return rows
+
+
 def decode_rows(
     shape: str,
     tp: int,
@@ -98,6 +133,7 @@ def decode_rows(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     peak: float | None = None,
+    profile: bool = False,
 ) -> list[Row]:
     c = NAMED_SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
@@ -117,9 +153,12 @@ def decode_rows(
         roof = bw / (_weight_bytes(shape, tp) + kv)
         log("loaded; batch-1 decode")
         b1 = [engine_decode(engine, [prompt], n_out, skip)[0] for _ in range(3)]
+        profiled = profile_rows(engine, [prompt]) if profile else []
         log(f"batch 1: {b1}; batch 64")
         prompts = [random_tokens(2048, c.vocab_size, gen) for _ in range(64)]
         b64 = engine_decode(engine, prompts, 16 + 40, 4)[0]
+        if profile:
+            profiled += profile_rows(engine, prompts, 16)
         kv64 = kv_bytes_per_token(c, kv_dtype) * (2048 + 30) * 64 / min(tp, c.num_kv_heads)
         roof64 = 64 * bw / (_weight_bytes(shape, tp, 64) + kv64)
         prompts = [random_tokens(2048, c.vocab_size, gen) for _ in range(128)]
@@ -154,6 +193,7 @@ def decode_rows(
          f"MFU {mfu:.1%}" if mfu else ""),
         (f"{what}: steps ending in greedy tokens / in gathered logits", f"{steps.get('tokens', 0)}",
          f"{steps.get('logits', 0)}", "TP > 1: no logits gather" if tp > 1 else "TP = 1: own logits"),
+        *profiled,
     ]  # fmt: skip
 
 
@@ -180,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the KV cache of every size's main run")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense bf16 peak for the prefill's MFU (default: known per device)")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="also rank 0's kernels per step at batch 1 and 64 (torch.profiler)")  # fmt: skip
     parser.add_argument("--out", default="tp_decode.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -199,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     overlap = args.async_scheduling == "on"
     for tp in sizes:
         quant = None if args.quantization == "none" else args.quantization
-        rows += decode_rows(args.shape, tp, overlap, bw, res, quant, args.kv_cache_dtype, peak)
+        rows += decode_rows(args.shape, tp, overlap, bw, res, quant, args.kv_cache_dtype, peak, args.profile)
         if args.fp8_beside:
             rows += decode_rows(args.shape, tp, overlap, bw, res, "fp8", peak=peak)
         if args.kv_fp8_beside:
