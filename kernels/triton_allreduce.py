@@ -69,6 +69,9 @@ def _lamport_kernel(
     epoch = tl.load(state_ptr, volatile=True).to(tl.int64)
     slot = (epoch & 1) * WORLD * capacity
     mine = tl.load(x_ptr + flat, mask=mask, other=0)
+    if NORM:  # loaded before the spin, so that their latency hides behind the peers' pushes
+        res = tl.load(res_ptr + flat, mask=mask, other=0)
+        w_lo, w_hi = _unpack(tl.load(w_ptr + offs, mask=mask, other=0))
     word = (epoch << 32) | (mine.to(tl.int64) & 0xFFFFFFFF)
     for q in tl.static_range(WORLD):
         if q != rank:
@@ -102,18 +105,19 @@ def _lamport_kernel(
     if NORM:
         # as kernels/triton_fused.py's add + RMSNorm: the sum rounded to the stream's dtype, normalised in
         # fp32, rounded, then scaled by the weight
-        r_lo, r_hi = _unpack(tl.load(res_ptr + flat, mask=mask, other=0))
+        r_lo, r_hi = _unpack(res)
         h_lo = (s_lo + r_lo).to(tl.bfloat16).to(tl.float32)
         h_hi = (s_hi + r_hi).to(tl.bfloat16).to(tl.float32)
         tl.store(res_ptr + flat, _pack(h_lo, h_hi), mask=mask)
         rstd = tl.math.rsqrt(tl.sum(h_lo * h_lo + h_hi * h_hi, 0) / n_cols + eps)
-        w_lo, w_hi = _unpack(tl.load(w_ptr + offs, mask=mask, other=0))
         n_lo = (h_lo * rstd).to(tl.bfloat16).to(tl.float32) * w_lo
         n_hi = (h_hi * rstd).to(tl.bfloat16).to(tl.float32) * w_hi
         tl.store(out_ptr + flat, _pack(n_lo, n_hi), mask=mask)
     else:
         tl.store(out_ptr + flat, _pack(s_lo, s_hi), mask=mask)
-    done = tl.atomic_add(state_ptr + 1, 1)
+    # relaxed: no fence behind the pushes (the next launch sees the counters anyway); the spin's exit, which
+    # needs the epoch read above, orders that read before this
+    done = tl.atomic_add(state_ptr + 1, 1, sem="relaxed")
     if done == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
         nxt = epoch.to(tl.int32) + 1
