@@ -144,7 +144,13 @@ class DistCollectives(Collectives):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, ops: AttentionOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         lamport = self._lamport
-        if lamport is not None and lamport.fits(x) and x.dim() == 2 and residual.is_contiguous():
+        if (
+            lamport is not None
+            and lamport.fits(x)
+            and x.dim() == 2
+            and residual.is_contiguous()
+            and residual.dtype == weight.dtype == x.dtype
+        ):
             return lamport.all_reduce_add_rms_norm(x, residual, weight, eps)
         return ops.add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
