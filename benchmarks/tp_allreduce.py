@@ -1,6 +1,8 @@
 """All-reduce at tensor-parallel decode sizes between two GPUs of one host: NCCL against torch's symmetric
-memory one-shot all-reduce (each rank reads its peer's buffer over NVLink; no multicast), eager and replayed
-from a CUDA graph. Prints one markdown table (rank 0).
+memory one-shot all-reduce (each rank reads its peer's buffer over NVLink; no multicast) and the Lamport
+all-reduce of kernels/triton_allreduce.py (each rank pushes into its peer's buffer, no barrier), eager and
+replayed from a CUDA graph; and the Lamport kernel fused with the residual add + RMSNorm (rows of 4,096)
+against the one-shot all-reduce then the add + RMSNorm kernel. Prints one markdown table (rank 0).
 
     python benchmarks/tp_allreduce.py [--sizes-kib 8,16,32,64,256] [--calls 64]
 
@@ -76,6 +78,64 @@ def _measure(n: int, calls: int, dev: torch.device, group: dist.ProcessGroup) ->
         torch.testing.assert_close(out.float(), torch.full((n,), 2.0, device=dev))
     except Exception as exc:
         res["symm one-shot graph"] = f"failed: {' '.join(str(exc).split())[:120]}"
+    try:
+        res.update(_lamport(n, calls, dev, group))
+    except Exception as exc:
+        res["lamport graph"] = f"failed: {' '.join(str(exc).split())[:120]}"
+    return res
+
+
+def _lamport(n: int, calls: int, dev: torch.device, group: dist.ProcessGroup) -> dict[str, str]:
+    """The Lamport all-reduce alone, and fused with add + RMSNorm over rows of 4,096 against the one-shot
+    all-reduce followed by the add + RMSNorm kernel (what the model ran before), per call."""
+    import torch.distributed._symmetric_memory as symm_mem
+    from pdserve.kernels.triton_allreduce import LamportState
+    from pdserve.kernels.triton_ops import TritonOps
+
+    buf = symm_mem.empty(2 * 2 * (n // 2), dtype=torch.int64, device=dev)
+    handle = symm_mem.rendezvous(buf, group)
+    st = LamportState.create(buf, list(handle.buffer_ptrs), group.rank(), 1 << 24)
+    torch.cuda.synchronize()
+    dist.barrier()
+    x = torch.ones(n, dtype=torch.bfloat16, device=dev)
+    res: dict[str, str] = {}
+
+    def plain() -> None:
+        for _ in range(calls):
+            st.all_reduce(x)
+
+    res["lamport eager"] = f"{_time(plain, 10) / calls * 1e6:.1f}"
+    res["lamport graph"] = f"{_time(_graph(plain), 20) / calls * 1e6:.1f}"
+    x.fill_(1.0)
+    st.all_reduce(x)
+    torch.testing.assert_close(x.float(), torch.full((n,), 2.0, device=dev))
+    rows = n // 4096
+    if rows == 0:
+        return res
+    ops = TritonOps()
+    part = torch.full((rows, 4096), 0.01, dtype=torch.bfloat16, device=dev)
+    residual = torch.zeros(rows, 4096, dtype=torch.bfloat16, device=dev)
+    weight = torch.ones(4096, dtype=torch.bfloat16, device=dev)
+    one = symm_mem.empty(n, dtype=torch.bfloat16, device=dev)
+    symm_mem.rendezvous(one, group)
+    name = group.group_name
+
+    def fused() -> None:
+        for _ in range(calls):
+            st.all_reduce_add_rms_norm(part, residual, weight, 1e-5)
+
+    def separate() -> None:
+        for _ in range(calls):
+            one.copy_(part.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_out(one, "sum", name, part.view(-1))
+            ops.add_rms_norm(part, residual, weight, 1e-5)
+
+    res["lamport+norm graph"] = f"{_time(_graph(fused), 20) / calls * 1e6:.1f}"
+    try:
+        res["one-shot, add+norm graph"] = f"{_time(_graph(separate), 20) / calls * 1e6:.1f}"
+    except RuntimeError as exc:
+        res["one-shot, add+norm graph"] = f"failed: {' '.join(str(exc).split())[:80]}"
+    assert not st.failed()
     return res
 
 
@@ -88,7 +148,16 @@ def _worker(rank: int, port: int, sizes_kib: list[int], calls: int) -> None:
     assert group is not None
     rows = [(kib, _measure(kib * 1024 // 2, calls, dev, group)) for kib in sizes_kib]
     if rank == 0:
-        cols = ["nccl eager", "nccl graph", "symm one-shot eager", "symm one-shot graph"]
+        cols = [
+            "nccl eager",
+            "nccl graph",
+            "symm one-shot eager",
+            "symm one-shot graph",
+            "lamport eager",
+            "lamport graph",
+            "lamport+norm graph",
+            "one-shot, add+norm graph",
+        ]
         print(f"| size | {' | '.join(c + ' (us/call)' for c in cols)} |")
         print("|---|" + "---|" * len(cols))
         for kib, res in rows:
@@ -98,7 +167,7 @@ def _worker(rank: int, port: int, sizes_kib: list[int], calls: int) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-kib", default="8,16,32,64,256")
+    p.add_argument("--sizes-kib", default="8,16,32,64,128,256,512")
     p.add_argument("--calls", type=int, default=64)
     args = p.parse_args()
     if torch.cuda.device_count() < 2:

@@ -21,10 +21,12 @@ through `Fp8Weights` and multiplied by `Fp8Linear`; embeddings, norms and the LM
 Tensor parallelism (shared/model/parallel.py): a model holds one rank's share (`tp`): its query and KV
 heads, its slice of the MLP and of the vocabulary. QKV and gate/up are column-parallel (this rank's rows),
 O and down row-parallel (this rank's columns, partial sums all-reduced through `comm`; a bias is added on
-rank 0 only, so the sum holds it once); the embedding all-reduces each rank's rows, and `compute_logits`
-gathers the vocabulary slices on rank 0 (`greedy_tokens`, for a step that needs only each row's argmax,
-exchanges each rank's best (value, id) per row instead). Every rank runs the same collectives in the same
-order.
+rank 0 only, so the sum holds it once). The all-reduce that feeds a norm (O's into the post-attention norm,
+down's into the next layer's input norm) is `comm.all_reduce_add_rms_norm`: one fused kernel on a GPU group,
+all_reduce then `ops.add_rms_norm` elsewhere; only the last layer's down is a plain all-reduce. The embedding
+all-reduces each rank's rows, and `compute_logits` gathers the vocabulary slices on rank 0 (`greedy_tokens`,
+for a step that needs only each row's argmax, exchanges each rank's best (value, id) per row instead). Every
+rank runs the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -153,16 +155,17 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         ops: AttentionOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual: [T, E] stream, updated in place; delta: [T, E] the previous layer's MLP output, not
-        yet added (None before the first layer). Returns (this layer's MLP output, residual): the add is
-        left to the next norm, which fuses it. kv_layer: [2, N, B, Hkv, D]."""
+        """residual: [T, E] stream, updated in place; delta: [T, E] this rank's partial sum of the previous
+        layer's MLP output, not yet all-reduced nor added (None before the first layer). Returns (this
+        layer's MLP output, this rank's partial sum; residual): the all-reduce and the add are left to the
+        next norm, which fuses them. kv_layer: [2, N, B, Hkv, D]."""
         n_tokens = residual.shape[0]
         hq, d = self.num_heads, self.head_dim
         norm = self.input_norm
         if delta is None:
             normed = ops.rms_norm(residual, norm.weight, norm.eps)  # normed: [T, E]
-        else:
-            normed, residual = ops.add_rms_norm(delta, residual, norm.weight, norm.eps)
+        else:  # the previous layer's down projection summed over the ranks, added, normed: one op
+            normed, residual = self.comm.all_reduce_add_rms_norm(delta, residual, norm.weight, norm.eps, ops)
         linear = self.linear.linear
         qkv = linear(normed, self.qkv_w, self.qkv_bias)  # qkv: [T, (Hq+2Hkv)*D]
         qk_norm = None  # Qwen3's per-head RMSNorm of q and k, fused into RoPE
@@ -174,10 +177,10 @@ class DecoderLayer(nn.Module):
             attn = ops.decode_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
         else:
             attn = ops.prefill_attention(q, kv_layer, meta, self.scale)  # attn: [T, Hq, D]
-        o = self.comm.all_reduce(linear(attn.reshape(n_tokens, hq * d), self.o_w, self.o_bias))  # o: [T, E]
-        normed, residual = ops.add_rms_norm(o, residual, self.post_norm.weight, self.post_norm.eps)
-        down = self.comm.all_reduce(self.mlp(normed, ops))  # down: [T, E]
-        return down, residual  # [T, E], [T, E]
+        o = linear(attn.reshape(n_tokens, hq * d), self.o_w, self.o_bias)  # o: [T, E] this rank's partial
+        post = self.post_norm
+        normed, residual = self.comm.all_reduce_add_rms_norm(o, residual, post.weight, post.eps, ops)
+        return self.mlp(normed, ops), residual  # [T, E] this rank's partial sum, [T, E]
 
 
 class LlamaModel(nn.Module):
@@ -253,12 +256,12 @@ class LlamaModel(nn.Module):
         assert kv_cache.shape[4:] == (self.tp.num_kv_heads, cfg.head_dim), kv_cache.shape
         assert meta.rope is self.rope, "the step's metadata must carry this model's RoPE tables (model.rope)"
         h = self._embed(input_ids)  # h: [T, E] residual stream
-        delta: torch.Tensor | None = None  # [T, E] the last layer's MLP output, not yet in h
+        delta: torch.Tensor | None = None  # [T, E] the last layer's MLP output (this rank's part), not in h
         for i, layer in enumerate(self.decoder_layers):
             delta, h = layer(delta, h, kv_cache[i], meta, ops)
             if layer_hook is not None:
                 layer_hook(i)
-        return h if delta is None else h.add_(delta)
+        return h if delta is None else h.add_(self.comm.all_reduce(delta))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [T] -> [T, E]. Split vocabulary: each rank looks up the ids in its rows (zeros for the

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from pdserve.kernels.ops import AttentionOps
 from pdserve.shared.model.model_config import ModelConfig
 
 
@@ -29,6 +30,14 @@ class Collectives(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums `x` over the ranks in place and returns it (the same values on every rank)."""
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, ops: AttentionOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, E] this rank's partial sum, residual: [T, E] -> (normed, residual): residual += the sum of
+        x over the ranks (in place), then `ops.add_rms_norm`'s RMSNorm of it by weight [E]. This default is
+        all_reduce then `ops.add_rms_norm`; a group with a fused kernel overrides it."""
+        return ops.add_rms_norm(self.all_reduce(x), residual, weight, eps)
 
     def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
         """local: [S, V/N] this rank's vocabulary columns -> [S, V_padded] on rank 0 (columns in rank
@@ -48,7 +57,7 @@ def best_of_ranks(pairs: torch.Tensor) -> torch.Tensor:
     return pairs[:, :, 1].gather(0, winner[None])[0].long()  # [S]
 
 
-class SingleRank:
+class SingleRank(Collectives):
     """The collectives of a group of one: nothing to exchange."""
 
     rank = 0
