@@ -30,11 +30,12 @@ captured at start-up, one count per batch bucket, so no request meets its compil
 - decode (`choose_num_splits`): a 16-bit cache, the most splits whose (seq, KV head, split) programs are
   at most four per SM; an FP8 cache (one-warp programs, many resident at once), at least four per SM; no
   split under 256 keys either way. Measured on an H200 (benchmarks/attention_sweep.py) at 2k context, 8 and
-  4 KV heads (Llama-3.1-8B at TP=1 and 2), batch 8 to 128: at most 528 programs was the fastest count every
-  time, where a count just past it leaves a partly filled second round (TP=2 batch 64: 3 splits, 768
-  programs, 76.4 us a layer; 2 splits, 512 programs, 68.9). A graph captured at max_model_len 8,192 cuts
-  batch 1 into 32 splits, which a 1.2k context fills 19 of, one 64-key tile each: the fastest of 16, 32 and
-  64 splits and of 16-, 32- and 64-key tiles at 8 and 4 KV heads (7.5 and 6.1 us a layer).
+  4 KV heads (Llama-3.1-8B at TP=1 and 2), batch 8 to 128: this count was the fastest tried, or within
+  2 % of it, every time, where the rounded-up count left a partly filled second round (TP=2 batch 64: 3
+  splits, 768 programs, 76.4 us a layer; 2 splits, 512 programs, 68.9; TP=1 batch 64: 131.7 -> 128.2).
+  A graph captured at max_model_len 8,192 cuts batch 1 into 32 splits, which a 1.2k context fills 19 of,
+  one 64-key tile each: the fastest of 16, 32 and 64 splits and of 16-, 32- and 64-key tiles at 8 and 4
+  KV heads (7.5 and 6.1 us a layer).
 - prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
   (a short suffix over a long cached prefix: 32 programs for 16 new tokens at Llama-3.1-8B), then about
   four programs per SM, no split under 512 keys; so a normal prefill (enough tiles to fill the SMs) or a
