@@ -27,10 +27,15 @@ single pass) whatever the count, where a constant compiled one per count on firs
 inside a request, up to 64 times; the reduction compiles once per power of two up to 16 (it weighs 16
 splits at a time past that); decode keeps its count a constant, as before: decode runs from CUDA graphs
 captured at start-up, one count per batch bucket, so no request meets its compile. The split counts:
-- decode (`choose_num_splits`): enough (seq, KV head, split) programs for about four per SM, no split
-  under 256 keys. A graph captured at max_model_len 8,192 cuts batch 1 into 32 splits, which a 1.2k context
-  fills 19 of, one 64-key tile each: on an H200 the fastest of 8, 16, 32 and 64 splits (7.4 us a layer at
-  Llama-3.1-8B's shape, 8.6-8.9 for the others; docs/benchmarks.md).
+- decode (`choose_num_splits`): a 16-bit cache, the most splits whose (seq, KV head, split) programs are
+  at most four per SM; an FP8 cache (one-warp programs, many resident at once), at least four per SM; no
+  split under 256 keys either way. Measured on an H200 (benchmarks/attention_sweep.py) at 2k context, 8 and
+  4 KV heads (Llama-3.1-8B at TP=1 and 2), batch 8 to 128: this count was the fastest tried, or within
+  2 % of it, every time, where the rounded-up count left a partly filled second round (TP=2 batch 64: 3
+  splits, 768 programs, 76.4 us a layer; 2 splits, 512 programs, 68.9; TP=1 batch 64: 131.7 -> 128.2).
+  A graph captured at max_model_len 8,192 cuts batch 1 into 32 splits, which a 1.2k context fills 19 of,
+  one 64-key tile each: the fastest of 16, 32 and 64 splits and of 16-, 32- and 64-key tiles at 8 and 4
+  KV heads (7.5 and 6.1 us a layer).
 - prefill (`choose_prefill_splits`): only when (Hq x seqs x query tiles) programs are fewer than the SMs
   (a short suffix over a long cached prefix: 32 programs for 16 new tokens at Llama-3.1-8B), then about
   four programs per SM, no split under 512 keys; so a normal prefill (enough tiles to fill the SMs) or a
@@ -410,12 +415,15 @@ def _dots(q: torch.Tensor, kv_layer: torch.Tensor) -> tuple[tl.dtype, bool, bool
     return (tl.float32 if q.dtype == torch.float32 else tl.float16), True, q.device.type == "cuda"
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Splits of each sequence's context for decode: enough (seq, kv head, split) programs to give every
-    SM about four, but no split shorter than 256 tokens, since each split costs a partial write and a
-    reduction read of [Hq, D] fp32."""
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int, kv_fp8: bool = False
+) -> int:
+    """Splits of each sequence's context for decode, so that the (seq, KV head, split) programs number
+    about four per SM: a 16-bit cache's four-warp programs at most four (a count past that leaves a second,
+    partly filled round), an FP8 cache's one-warp programs at least four; no split shorter than 256 tokens,
+    since each split costs a partial write and a reduction read of [Hq, D] fp32."""
     programs = num_seqs * num_kv_heads
-    wanted = -(-4 * sm_count // programs)
+    wanted = -(-4 * sm_count // programs) if kv_fp8 else 4 * sm_count // programs
     by_length = -(-max_seq_len // 256)
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
@@ -479,12 +487,15 @@ def paged_decode_attention(
     num_splits: int,
     block_n: int | None = None,
     one_launch: bool | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q: [S, Hq, D] -> [S, Hq, D] in q's dtype; one query token per sequence at position seq_len - 1.
 
     Grid (S, Hkv, num_splits) for the split kernel; with `one_launch` the last split of each (seq, KV
     head) to finish reduces in the same launch, else the reduction is a second launch over (S, Hq); by
-    default `choose_one_launch` decides. block_n: keys per tile, a power of two; by default `decode_tile`'s.
+    default `choose_one_launch` decides. block_n (keys per tile, a power of two), num_warps, num_stages: by
+    default `decode_tile`'s (benchmarks/attention_sweep.py gives others).
     Inputs are trusted: TritonOps.decode_attention checks them.
     """
     n_seqs, n_heads, head_dim = q.shape
@@ -495,7 +506,8 @@ def paged_decode_attention(
     if n_seqs == 0:
         return out
     dots, kv_fp8, asm_cvt = _dots(q, kv_layer)
-    default_n, warps, stages = decode_tile(kv_fp8, num_splits)
+    default_n, default_warps, default_stages = decode_tile(kv_fp8, num_splits)
+    warps, stages = num_warps or default_warps, num_stages or default_stages
     if one_launch is None:
         one_launch = choose_one_launch(group, num_splits, warps) and n_seqs * n_kv <= _MAX_TICKETS
     assert not one_launch or n_seqs * n_kv <= _MAX_TICKETS, (

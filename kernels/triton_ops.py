@@ -91,8 +91,9 @@ class TritonOps:
             f"decode q must be [S={meta.num_seqs}, Hq, D], got {tuple(q.shape)}"
         )
         num_splits = choose_num_splits(
-            meta.num_seqs, kv_layer.shape[3], meta.max_seq_len, _sm_count(kv_layer.device)
-        )
+            meta.num_seqs, kv_layer.shape[3], meta.max_seq_len, _sm_count(kv_layer.device),
+            kv_layer.dtype == torch.float8_e4m3fn,
+        )  # fmt: skip
         return paged_decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens, scale, num_splits)
 
     def gather_blocks(self, kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -131,8 +131,8 @@ def test_decode_matches_reference(group: int, head_dim: int, n_kv: int, num_spli
 
 def test_decode_through_ops_with_empty_splits() -> None:
     # 700 tokens gives 3 splits under the interpreter's SM count; the 1-token sequence leaves two empty.
-    q, kv, meta = _batch([(699, 1), (0, 1), (40, 1)], 2, 4, 64, seed=5)
-    assert choose_num_splits(meta.num_seqs, 2, meta.max_seq_len, 4) == 3
+    q, kv, meta = _batch([(699, 1), (0, 1), (40, 1)], 1, 8, 64, seed=5)
+    assert choose_num_splits(meta.num_seqs, 1, meta.max_seq_len, 4) == 3
     _close(TRI.decode_attention(q, kv, meta, scale=0.125), REF.decode_attention(q, kv, meta, scale=0.125))
 
 
@@ -280,7 +280,13 @@ def test_choose_prefill_splits_only_for_short_queries_over_long_contexts() -> No
 
 
 def test_choose_num_splits_keeps_long_contexts_parallel() -> None:
-    assert choose_num_splits(64, 8, 4096, 132) == 2
+    # a 16-bit cache: at most four programs per SM (H200, 132 SMs: 528), as graphs at 8,192 keys pick them
+    assert choose_num_splits(64, 8, 4096, 132) == choose_num_splits(128, 4, 8192, 132) == 1
+    assert choose_num_splits(64, 4, 8192, 132) == choose_num_splits(32, 8, 8192, 132) == 2
+    assert choose_num_splits(32, 4, 8192, 132) == 4 and choose_num_splits(8, 4, 8192, 132) == 16
+    # an FP8 cache: at least four one-warp programs per SM
+    assert choose_num_splits(64, 8, 4096, 132, kv_fp8=True) == 2
+    assert choose_num_splits(64, 4, 8192, 132, kv_fp8=True) == 3
     assert choose_num_splits(1, 8, 32768, 132) == 64
     assert choose_num_splits(1, 8, 300, 132) == 2
     assert choose_num_splits(256, 8, 100, 132) == 1
