@@ -202,10 +202,10 @@ def test_gemv_silu_mul_matches_unfused(rows: int, dtype: torch.dtype, split_k: i
     got = gemv_silu_mul(x, w, cfg, scale=scale)
     assert got.dtype == dtype and got.shape == (rows, 35)
     unfused = silu_mul(gemv(x, w, None, cfg, scale=scale))
-    if DEV.type == "cuda" or rows <= 32:
+    if DEV.type == "cuda":
         assert torch.equal(got, unfused)
-    else:  # the interpreter's dot is numpy's matmul, whose BLAS sums 64-row products of 16 and 32 columns
-        assert _rel_err(got, unfused) <= TOL[dtype]  # in different orders; an MMA's order is per element
+    else:  # the interpreter's dot is numpy's matmul, whose BLAS (its version, its kernels by shape) may sum
+        assert _rel_err(got, unfused) <= TOL[dtype]  # the fused and plain tiles in different orders
     wf = w.float() * (scale[:, None] if scale is not None else 1.0)
     gate_up = F.linear(x.float(), wf)
     want = F.silu(gate_up[:, :35]) * gate_up[:, 35:]
