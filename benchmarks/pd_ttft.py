@@ -430,12 +430,12 @@ def main() -> int:
             r = Results(
                 asyncio.run(measure(d_url, (p_url, d_addr), prompts[n], args.max_tokens, f"pd{n}", token))
             )
-            if args.via_router:
-                r.pd_routed = asyncio.run(measure_routed(routers[-1], others[n], args.max_tokens, token))
             if args.cached:  # D holding the prompts first (as the run above left it), then emptied
                 pd = (p_url, d_addr)
                 r.held = transfer_alone(d_url, pd, prompts[n], args.max_tokens, token, False, f"{n}")
                 r.cached = transfer_alone(d_url, pd, prompts[n], args.max_tokens, token, True, f"{n}")
+            if args.via_router:  # after: its prompts would evict the first ones from P's pool
+                r.pd_routed = asyncio.run(measure_routed(routers[-1], others[n], args.max_tokens, token))
             if s_url:
                 r.single = asyncio.run(measure(s_url, None, prompts[n], args.max_tokens, f"s{n}", token))
                 if args.via_router:
