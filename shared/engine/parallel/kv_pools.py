@@ -191,8 +191,9 @@ def open_cuda_pool(
 ) -> torch.Tensor:
     """Rank 0's side: rank `rank`'s pool, allocated on `owner`, as a tensor of rank 0's device `here` when
     `here` can reach `owner` as a peer (the IPC open in `here`'s context maps the memory there and enables
-    peer access, cudaIpcMemLazyEnablePeerAccess, so torch and Triton kernels on `here` read and write it over
-    NVLink); else as memory of `owner`, which this process then reaches with work queued on `owner`."""
+    peer access, cudaIpcMemLazyEnablePeerAccess, so kernels on `here` read and write it over NVLink; torch's
+    are what KVPools runs on it, Triton's were refused a pool opened on `owner`); else as memory of `owner`,
+    which this process then reaches with work queued on `owner`."""
     r = json.loads(store.get(pool_key(rank)))
     assert r["device"] == owner.index, f"rank {rank} published a pool on cuda:{r['device']}, not {owner}"
     device = here if here == owner or torch.cuda.can_device_access_peer(here, owner) else owner
