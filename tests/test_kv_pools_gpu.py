@@ -20,6 +20,7 @@ from pdserve.shared.types import FirstToken, RequestId
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.extras,  # a CUDA engine runs the Triton kernels, the [gpu] extra
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
 BLOCKS = 64
