@@ -185,7 +185,9 @@ class TPRanks:
             if fd >= 0:
                 pools.append(map_shared_pool(fd, shape, dtype))
             else:  # published once the worker allocated it; the store's get waits for it, under its timeout
-                pools.append(open_cuda_pool(self.store, rank, self.devices[rank], shape, dtype))
+                pools.append(
+                    open_cuda_pool(self.store, rank, self.devices[0], self.devices[rank], shape, dtype)
+                )
         return pools
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
