@@ -79,7 +79,8 @@ def _needs_triton() -> list[str]:
             if isinstance(node, ast.Import):
                 names.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.add(node.module)
+                names.add(node.module)  # and each name as a submodule: `from pdserve.kernels import triton_x`
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
         return names
 
     def is_triton(name: str) -> bool:
