@@ -14,18 +14,18 @@ same bytes), then M = 4 and 16 (a coarse one), and with `--rows` 32 or 64 (batch
 wider tiles. gate+up is timed as the model runs it, with SiLU x up in
 the GEMV's epilogue (kernels/triton_gemv.py's `gemv_silu_mul`), and checked against silu(gate) * up.
 Each candidate (block_n, block_k, num_warps, num_stages, split_k; FP8 at one row: narrow_w on the best six;
-pdl, programmatic dependent launch, on the best three), the launcher's current choice first (the table's or
-the heuristic's: "current µs"), is checked against torch in fp32 (max error <= 2^-6 of the largest output)
-and timed as a CUDA graph of back-to-back launches that rotate over enough copies of the weight to exceed
-the L2 cache several times, so every launch reads its weight from HBM, as decode does. cuBLAS (`F.linear`)
-is timed the same way. Bytes: weight (+ FP8 scales) + x + y. The copy bandwidth counts bytes read plus
-written (as benchmarks/gpu_decode.py). A config that fails to compile, run or verify prints one line and is
-skipped; once `--budget-s` is spent the sweep stops and still prints and writes what it has. Up to 16 rows
-the GEMV always runs, so the best tile is written; above 16 the model runs the GEMV only where the table
-holds an entry (kernels/triton_gemv.py's `runs_gemv`), so one is written only where the best tile beat
-cuBLAS, and this device's entry for a bucket where cuBLAS won is removed. Kernels are
-compiled once for all shapes first (compilation depends on the tiles, not on N or K), so the budget left is
-shared fairly between the shapes.
+prefetch, the first weight tile asked of L2 before the programmatic launch's wait, on the best three), the
+launcher's current choice first (the table's or the heuristic's: "current µs"), is checked against torch in
+fp32 (max error <= 2^-6 of the largest output) and timed as a CUDA graph of back-to-back launches that rotate
+over enough copies of the weight to exceed the L2 cache several times, so every launch reads its weight from
+HBM, as decode does. cuBLAS (`F.linear`) is timed the same way. Bytes: weight (+ FP8 scales) + x + y. The copy
+bandwidth counts bytes read plus written (as benchmarks/gpu_decode.py). A config that fails to compile, run or
+verify prints one line and is skipped; once `--budget-s` is spent the sweep stops and still prints and writes
+what it has. Up to 16 rows the GEMV always runs, so the best tile is written; above 16 the model runs the GEMV
+only where the table holds an entry (kernels/triton_gemv.py's `runs_gemv`), so one is written only where the
+best tile beat cuBLAS, and this device's entry for a bucket where cuBLAS won is removed. Kernels are compiled
+once for all shapes first (compilation depends on the tiles, not on N or K), so the budget left is shared
+fairly between the shapes.
 """
 
 from __future__ import annotations
@@ -137,9 +137,10 @@ def with_narrow(ranked: list[GemvConfig], rows: int, fp8: bool) -> list[GemvConf
     return [replace(c, narrow_w=True) for c in ranked[:6] if not c.narrow_w] if fp8 and rows == 1 else []
 
 
-def with_pdl(ranked: list[GemvConfig]) -> list[GemvConfig]:
-    """Programmatic dependent launch for the best three configs measured, split or not."""
-    return [replace(c, pdl=True) for c in ranked[:3] if not c.pdl]
+def with_prefetch(ranked: list[GemvConfig]) -> list[GemvConfig]:
+    """The first weight tile prefetched before the grid dependency wait, for the best three configs measured,
+    split or not."""
+    return [replace(c, prefetch=True) for c in ranked[:3] if not c.prefetch]
 
 
 def log(msg: str) -> None:
@@ -229,7 +230,7 @@ class Bench:
         ranked = [GemvConfig(**t["config"]) for t in sorted(res.timed(), key=lambda t: t["us"])]
         for cfg in refinements([c for c in ranked if c.split_k == 1], rows):
             run(cfg)
-        for extra in (partial(with_narrow, rows=rows, fp8=self.fp8), with_pdl):
+        for extra in (partial(with_narrow, rows=rows, fp8=self.fp8), with_prefetch):
             for cfg in extra([GemvConfig(**t["config"]) for t in sorted(res.timed(), key=lambda t: t["us"])]):
                 run(cfg)
 
@@ -284,7 +285,7 @@ def table_updates(
 
 
 def fmt_cfg(c: dict[str, Any]) -> str:
-    flags = (" pdl" if c.get("pdl") else "") + (" narrow" if c.get("narrow_w") else "")
+    flags = (" prefetch" if c.get("prefetch") else "") + (" narrow" if c.get("narrow_w") else "")
     return f"{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} k{c['split_k']}{flags}"
 
 

@@ -452,7 +452,7 @@ def kernel_rows(
         ws.clear()
         cfg = choose_config(dev, wdt, n, k, 1)
         tiles = f"{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} k{cfg.split_k}"
-        tiles += " pdl" * cfg.pdl + " narrow" * cfg.narrow_w
+        tiles += " prefetch" * cfg.prefetch + " narrow" * cfg.narrow_w
         label = f"GEMV {name} [N={n}, K={k}] {str(wdt).removeprefix('torch.')} ({tiles})"
         return label, size + (4 * n if quantized else 0) + 2 * (k + (n // 2 if fused else n)), us
 

@@ -20,24 +20,24 @@ from typing import Any
 TABLE_PATH = Path(__file__).with_name("gemv_configs.json")
 M_BUCKETS = (1, 4, 16, 32, 64)  # a launch of M rows is tuned under the smallest bucket >= M
 GEMV_ROWS = 16  # up to this many rows the GEMV always runs (tuned or heuristic); above, only where tuned
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: `pdl` became `prefetch` once every decode kernel launched with PDL
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     """Tiles of one launch: each program owns block_n output columns and 1/split_k of K, read in block_k
     steps. split_k > 1 writes fp32 partial sums that a second kernel adds in split order (deterministic).
-    pdl: programmatic dependent launch on sm_90+ (the first weight tile is asked of L2 before the kernel
-    waits for the one before it); ignored elsewhere. narrow_w (one row): weight loads of 8 elements a
-    thread, for FP8 the layout of bf16 x's loads, so x needs no relayout per K step (no-op for bf16). Tables
-    written before these fields existed load with them off."""
+    prefetch: where the launch is programmatic (kernels/pdl.py: sm_90+), the program's first weight tile is
+    asked of L2 before it waits for the kernel before it; ignored elsewhere. narrow_w (one row): weight
+    loads of 8 elements a thread, for FP8 the layout of bf16 x's loads, so x needs no relayout per K step
+    (no-op for bf16). Tables written before these fields existed load with them off."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     split_k: int = 1
-    pdl: bool = False
+    prefetch: bool = False
     narrow_w: bool = False
 
     def __post_init__(self) -> None:

@@ -9,7 +9,10 @@ fp32 scores with fp32 accumulation whatever the cache dtype. An FP8 cache (KV_FP
 and P are rounded to fp16 too: 3 more bits than the bf16 the reference computes in, so the kernel is the
 closer of the two to attention in fp32 on the same FP8 values (tests/test_fp8_gpu.py measures both).
 Launchers take already-checked tensors (kernels/triton_ops.py checks them) and never synchronise with the
-device, so decode can be captured in a CUDA graph.
+device, so decode can be captured in a CUDA graph. The decode split kernel and the split reduction launch
+with programmatic dependent launch where the device has it and keep kernels/pdl.py's invariants: each
+program waits first, before any early return (q, the sequence lengths, the block tables and the cache all
+come from the step or the kernels before it).
 
 Split-K, both phases: when too few programs would cover the SMs, each sequence's keys are cut into
 `num_splits` BLOCK_N-aligned ranges, one program each; a split writes its normalised output and base-2
@@ -50,6 +53,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from pdserve.kernels.pdl import pdl_wait, uses_pdl
 
 LOG2E = 1.4426950408889634
 # Finite start for the running max, so a fully masked tile never computes exp2(-inf - -inf) = NaN.
@@ -160,11 +164,12 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     KV_FP8: tl.constexpr, ASM_CVT: tl.constexpr, ONE_LAUNCH: tl.constexpr, GROUP_R: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, R_CHUNK: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, R_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # ONE_LAUNCH: the last used split of a (seq, KV head) to finish weighs them all into out (tickets_ptr:
     # one int32 counter per (seq, KV head), 0 before and after); else partials only, for
     # _reduce_splits_kernel (out_ptr and tickets_ptr unused).
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -270,8 +275,9 @@ def _reduce_if_last(
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, stride_or, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Grid (R, Hq): R = sequences (decode, one query each) or query tokens (prefill).
     # mid_o: [R, Hq, num_splits, HEAD_DIM] fp32, mid_lse: [R, Hq, num_splits] fp32; out: [R, Hq, HEAD_DIM].
     # The splits are weighed SPLITS_CHUNK at a time with a running max, so one compiled kernel serves
@@ -532,7 +538,8 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n or default_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots,
         KV_FP8=kv_fp8, ASM_CVT=asm_cvt, ONE_LAUNCH=one_launch, GROUP_R=group_r, SPLITS_PAD=splits_pad,
-        R_CHUNK=r_chunk, num_warps=warps, num_stages=stages,
+        R_CHUNK=r_chunk, PDL=uses_pdl(q.device), num_warps=warps, num_stages=stages,
+        launch_pdl=uses_pdl(q.device),
     )  # fmt: skip
     if not one_launch:
         _reduce_splits(mid_o, mid_lse, out)
@@ -550,7 +557,8 @@ def _reduce_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     _reduce_splits_kernel[(n_rows, n_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_CHUNK=min(_SPLITS_CHUNK, triton.next_power_of_2(num_splits)), num_warps=4,
+        SPLITS_CHUNK=min(_SPLITS_CHUNK, triton.next_power_of_2(num_splits)), PDL=uses_pdl(out.device),
+        num_warps=4, launch_pdl=uses_pdl(out.device),
     )  # fmt: skip
 
 

@@ -8,7 +8,9 @@ dtype before it is normalised, the norm runs in fp32 and is rounded before the w
 runs in fp32 on the fp32 cos/sin tables and is rounded once (into an FP8 cache: saturated to +-448 first,
 as kernels/ops.py's `to_kv` does). Launchers take already-checked tensors
 (kernels/triton_ops.py checks them) and never synchronise with the device, so decode stays capturable
-in a CUDA graph.
+in a CUDA graph. Every kernel launches with programmatic dependent launch where the device has it and keeps
+kernels/pdl.py's invariants: before its wait only the norm's weight is read (RMSNorm), nothing else (RoPE's
+positions, slots and the step's activations may come from the kernel before).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata, QKNorm
+from pdserve.kernels.pdl import pdl_wait, uses_pdl
 
 _SILU_BLOCK = 1024  # elements of one row per program
 
@@ -24,12 +27,13 @@ _SILU_BLOCK = 1024  # elements of one row per program
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)  # a weight: no kernel of the step writes it
+    pdl_wait(PDL)
     h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
@@ -88,8 +92,9 @@ def _rope_write_kv_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, qw_ptr, kw_ptr, eps,
     stride_t, stride_cos, stride_cslot, stride_ch,
     N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-    HALF_PAD: tl.constexpr, SAT: tl.constexpr, QK_NORM: tl.constexpr,
+    HALF_PAD: tl.constexpr, SAT: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token)
     offs_d = tl.arange(0, HALF_PAD)
@@ -118,8 +123,9 @@ def _rope_write_kv_kernel(
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr
+    gate_up_ptr, out_ptr, stride_in, stride_out, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):  # fmt: skip
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -146,8 +152,8 @@ def rms_norm(
     res = residual if residual is not None else x
     _rms_norm_kernel[(n_rows,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
-        num_warps=_norm_warps(n_cols),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), PDL=uses_pdl(x.device),
+        num_warps=_norm_warps(n_cols), launch_pdl=uses_pdl(x.device),
     )  # fmt: skip
     return out
 
@@ -176,7 +182,7 @@ def rope_write_kv(
         N_Q=num_heads, N_KV=n_kv, HALF=half, Q_PAD=triton.next_power_of_2(num_heads),
         KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half),
         SAT=torch.finfo(kv_layer.dtype).max if kv_layer.dtype in FP8_KV_DTYPES else 0.0,
-        QK_NORM=qk_norm is not None, num_warps=4,
+        QK_NORM=qk_norm is not None, PDL=uses_pdl(qkv.device), num_warps=4, launch_pdl=uses_pdl(qkv.device),
     )  # fmt: skip
 
 
@@ -187,6 +193,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n_rows == 0:
         return out
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, _SILU_BLOCK))](
-        gate_up, out, gate_up.stride(0), out.stride(0), n_cols, BLOCK=_SILU_BLOCK, num_warps=4
-    )
+        gate_up, out, gate_up.stride(0), out.stride(0), n_cols,
+        BLOCK=_SILU_BLOCK, PDL=uses_pdl(gate_up.device), num_warps=4, launch_pdl=uses_pdl(gate_up.device),
+    )  # fmt: skip
     return out

@@ -14,15 +14,17 @@ programs than SMs) each program writes its slice's fp32 partial sums to a
 workspace and a second kernel adds them in split order, then scales, adds the bias and casts: deterministic,
 no atomics, no zeroed workspace. (Reducing in the same launch, the last split of a column block taking a
 ticket from an atomic counter, measured slower on the H200 at most real splits and won no shape:
-docs/benchmarks.md, GPU decode GEMV.) With `pdl` (sm_90+, programmatic dependent launch) a program first
-asks L2 for its first weight tile, then waits for the kernel before it (griddepcontrol): the weights never
-depend on that kernel, so reading them overlaps its tail and the launch; x, the workspace and y are touched
-only after the wait. One row over several K steps sums the products elementwise in an fp32 tile and reduces
-across the program's threads once, after the loop (a reduction per step is a barrier per step), where that
-tile fits in 32 registers a thread. `gemv_silu_mul` is the MLP's gate | up product with SiLU(gate) x up in
-the epilogue: each program reads its outputs' gate rows and up rows and writes only [M, F]: per decode layer
-one launch fewer and no [M, 2F] intermediate. The tiles come from the table of kernels/gemv_configs.py
-(measured per device and shape; the [2F, K] entry is measured on the fused kernel), else from its heuristic.
+docs/benchmarks.md, GPU decode GEMV.) Both kernels launch with programmatic dependent launch where the
+device has it (kernels/pdl.py, whose invariants they keep); where the table's `prefetch` says so for the
+shape, a GEMV program first asks L2 for its first weight tile, then waits for the kernel before it: the
+weights never depend on that kernel, so reading them overlaps its tail and the launch; x, the workspace and
+y are touched only after the wait. One row over several K steps sums the products elementwise in an fp32
+tile and reduces across the program's threads once, after the loop (a reduction per step is a barrier per
+step), where that tile fits in 32 registers a thread. `gemv_silu_mul` is the MLP's gate | up product with
+SiLU(gate) x up in the epilogue: each program reads its outputs' gate rows and up rows and writes only
+[M, F]: per decode layer one launch fewer and no [M, 2F] intermediate. The tiles come from the table of
+kernels/gemv_configs.py (measured per device and shape; the [2F, K] entry is measured on the fused kernel),
+else from its heuristic.
 
 Invariants: x and W share a dtype (bf16, fp16 or fp32), or W is float8_e4m3fn with one fp32 scale per
 row (shared/model/fp8.py: widened in registers, the scale applied to the fp32 sum); both have unit stride
@@ -48,8 +50,8 @@ from pdserve.kernels.gemv_configs import (
     default_config,
     m_bucket,
 )
+from pdserve.kernels.pdl import pdl_wait, uses_pdl
 from pdserve.kernels.triton_attention import dot_dtype
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul", "runs_gemv"]
 
@@ -64,7 +66,8 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, GLU: tl.constexpr,
-    ACC_2D: tl.constexpr, ACC_G: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, W_VEC: tl.constexpr,
+    ACC_2D: tl.constexpr, ACC_G: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr,
+    W_VEC: tl.constexpr,
 ):  # fmt: skip
     # program (n block, split): K_SPLIT is a multiple of BLOCK_K; without SPLIT it covers all of K.
     # GLU: W is [gate; up] ([2F, K], N = 2F) and a program owns BLOCK_N // 2 outputs j, reading gate row j
@@ -77,12 +80,11 @@ def _gemv_kernel(
     n_mask = offs_n < n_out
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     u_rows = w_rows + n_out * stride_wn  # GLU: the up rows
-    if PDL:  # LINE: weight elements per 128-byte line
+    if PDL and PREFETCH:  # LINE: weight elements per 128-byte line
         _prefetch_l2(w_ptr, w_rows, k_lo, K, n_mask, BLOCK_K, LINE)
         if GLU:
             _prefetch_l2(w_ptr, u_rows, k_lo, K, n_mask, BLOCK_K, LINE)
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_wait(PDL)
     if M_PAD == 1:
         # ACC_2D (several K steps per program): products summed elementwise and reduced across the
         # program's threads once, after the loop, not once per step
@@ -182,9 +184,11 @@ def _epilogue(acc, acc_u, b_ptr, s_ptr, offs, mask, n_out, OUT_TY: tl.constexpr,
 def _splitk_reduce_kernel(
     p_ptr, b_ptr, s_ptr, y_ptr, M, N, SPLITS, stride_ym,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, GLU: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # program (column block, row): adds the partials [SPLITS, M, N] in split order, the same every run;
     # GLU: output column j from partial columns j (gate) and N / 2 + j (up)
+    pdl_wait(PDL)
     row = tl.program_id(1)
     n_out = N // 2 if GLU else N
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -212,13 +216,12 @@ def _prefetch_l2(base, rows, k_lo, K, n_mask, BLOCK_K: tl.constexpr, LINE: tl.co
 
 
 @functools.cache
-def _device_facts(device: torch.device) -> tuple[str, int, bool]:
-    """(name as the config table keys it, SM count, programmatic dependent launch available) of a device;
-    CPU tensors run under the interpreter."""
+def _device_facts(device: torch.device) -> tuple[str, int]:
+    """(name as the config table keys it, SM count) of a device; CPU tensors run under the interpreter."""
     if device.type != "cuda":
-        return "cpu", _INTERPRETER_SM_COUNT, False
+        return "cpu", _INTERPRETER_SM_COUNT
     props = torch.cuda.get_device_properties(device)
-    return torch.cuda.get_device_name(device), int(props.multi_processor_count), props.major >= 9
+    return torch.cuda.get_device_name(device), int(props.multi_processor_count)
 
 
 def _table_key(device: torch.device, weight_dtype: torch.dtype, n: int, k: int, rows: int) -> TableKey:
@@ -307,21 +310,22 @@ def _launch(
     acc_2d = m == 1 and k_split > cfg.block_k and block_n * cfg.block_k <= 32 * 32 * cfg.num_warps
     y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    pdl = cfg.pdl and _device_facts(x.device)[2]
+    pdl = uses_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n_out, block_n // 2 if glu else block_n), split)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, part,
         m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         M_PAD=1 if m == 1 else max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
-        ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, LINE=_LINE_BYTES // weight.element_size(),
-        W_VEC=8 if cfg.narrow_w and m == 1 else 0,
+        ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, PREFETCH=cfg.prefetch,
+        LINE=_LINE_BYTES // weight.element_size(), W_VEC=8 if cfg.narrow_w and m == 1 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK), m)](
             part, bias if bias is not None else part, scale if scale is not None else part, y,
             m, n, split, y.stride(0),
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu, BLOCK=_REDUCE_BLOCK, num_warps=4,
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu, BLOCK=_REDUCE_BLOCK, PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     return y

@@ -12,6 +12,9 @@ small kernels, none of whose grids depends on the routing (so a CUDA graph holds
    pair's product with its act row in fp32, rounded to the model's dtype as the reference's F.linear is,
    weighted by the pair's routing weight and summed over the pairs in fp32 registers, rounded once:
    [T, E]; no [T*K, E] buffer and no separate sum.
+All three launch with programmatic dependent launch where the device has it and keep kernels/pdl.py's
+invariants: each waits first (the logits, the routing and the activations come from the kernel before,
+and which expert's weights to read is known only from the routing).
 Rounding follows the reference (kernels/fused_moe.py) exactly as kernels/triton_moe.py does. Each pair
 reads its expert's weights even when two pairs share an expert, which is why this path stops at
 `DECODE_MAX_PAIRS` and the grouped GEMM (kernels/triton_moe.py) reads each selected expert once above it.
@@ -25,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from pdserve.kernels.fused_moe import Routing, route
+from pdserve.kernels.pdl import pdl_wait, uses_pdl
 from torch import Tensor
 
 DECODE_MAX_PAIRS = 64
@@ -63,7 +67,9 @@ def default_decode_tiles(hidden: int, f: int) -> DecodeTiles:
 def _route_kernel(
     logits_ptr, ids_ptr, weights_ptr, X, stride_lt,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, X_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, X_PAD)
     logits = tl.load(logits_ptr + t * stride_lt + offs, mask=offs < X, other=float("-inf")).to(tl.float32)
@@ -99,7 +105,8 @@ def fused_route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing
     _route_kernel[(n_tokens,)](
         router_logits, ids, weights, n_experts, router_logits.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), X_PAD=triton.next_power_of_2(n_experts),
-        RENORMALIZE=renormalize, num_warps=1,
+        RENORMALIZE=renormalize, PDL=uses_pdl(router_logits.device), num_warps=1,
+        launch_pdl=uses_pdl(router_logits.device),
     )  # fmt: skip
     return Routing(ids, weights)
 
@@ -107,8 +114,9 @@ def fused_route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing
 @triton.jit
 def _gate_up_gemv_kernel(
     x_ptr, w_ptr, act_ptr, ids_ptr, top_k, F, K, stride_xm, stride_we, stride_wn, stride_am,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     pair = tl.program_id(0)
     token = (pair // top_k).to(tl.int64)
     expert = tl.load(ids_ptr + pair)  # int64, from the routing on the device
@@ -140,7 +148,9 @@ def _gate_up_gemv_kernel(
 def _down_sum_kernel(
     act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, N, K, stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_mask = offs_n < N
@@ -174,17 +184,19 @@ def moe_decode(
     n_tokens, top_k = routing.ids.shape
     hidden, f = down.shape[1:]
     t = tiles or default_decode_tiles(hidden, f)
+    pdl = uses_pdl(x.device)
     ids = routing.ids.contiguous()  # [T, K]: pair p is (token p // K, its k-th expert)
     act = torch.empty((n_tokens * top_k, f), device=x.device, dtype=x.dtype)  # [T*K, F]
     _gate_up_gemv_kernel[(n_tokens * top_k, triton.cdiv(f, t.gate_up_block_n))](
         x, gate_up, act, ids, top_k, f, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BLOCK_N=t.gate_up_block_n, BLOCK_K=t.gate_up_block_k, num_warps=t.gate_up_warps,
+        act.stride(0), BLOCK_N=t.gate_up_block_n, BLOCK_K=t.gate_up_block_k, PDL=pdl,
+        num_warps=t.gate_up_warps, launch_pdl=pdl,
     )  # fmt: skip
     out = torch.empty((n_tokens, hidden), device=x.device, dtype=x.dtype)  # [T, E]
     _down_sum_kernel[(n_tokens, triton.cdiv(hidden, t.down_block_n))](
         act, down, out, ids, routing.weights.contiguous(), hidden, f, act.stride(0), down.stride(0),
         down.stride(1), out.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.down_block_n, BLOCK_K=t.down_block_k,
-        num_warps=t.down_warps,
+        PDL=pdl, num_warps=t.down_warps, launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -40,8 +40,9 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         fp8 = cache == "fp8e4nv"  # ASM_CVT as on the GPU, beside a fp32 q too (then fp32 dots)
         common = {"DOT_DTYPE": dot, "HEAD_DIM": 128, "DIM_PAD": 128, "BLOCK_SIZE": 16, "BLOCK_N": 64,
                   "KV_FP8": fp8, "ASM_CVT": fp8}  # fmt: skip
+        # the decode step's kernels with programmatic dependent launch (kernels/pdl.py), as on sm_90+
         decode = {**ptrs, **common, "tickets_ptr": "*i32", "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3,
-                  "ONE_LAUNCH": False, "GROUP_R": 4, "SPLITS_PAD": 4, "R_CHUNK": 2}  # fmt: skip
+                  "ONE_LAUNCH": False, "GROUP_R": 4, "SPLITS_PAD": 4, "R_CHUNK": 2, "PDL": True}  # fmt: skip
         cases.append((attn, "_decode_split_kernel", decode))
         # a 32-key tile inside one 64-token page; for FP8 compiled as _DECODE_TILES runs it (one warp)
         tile = {"BLOCK_N": 32, "BLOCK_SIZE": 64, "_options": {"num_warps": 1, "num_stages": 4} if fp8 else {}}
@@ -56,14 +57,20 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
             prefill = {**ptrs, **common, "GROUP": 4, "BLOCK_M": 64, "SPLIT": split}
             cases.append((attn, "_prefill_kernel", prefill))
     cases.append((attn, "_reduce_splits_kernel", {"out_ptr": "*bf16", "HEAD_DIM": 128, "DIM_PAD": 128,
-                                                  "SPLITS_CHUNK": 16}))  # fmt: skip
+                                                  "SPLITS_CHUNK": 16, "PDL": True}))  # fmt: skip
     # RoPE + the KV-cache write (FP8: saturated), Qwen3's q/k norm first or not
     for cache, sat, norm in (("bf16", 0.0, False), ("bf16", 0.0, True), ("fp8e4nv", 448.0, True)):
         cases.append(("pdserve.kernels.triton_fused", "_rope_write_kv_kernel", {
             "qkv_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
             "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}", "slots_ptr": "*i64", "qw_ptr": "*bf16",
             "kw_ptr": "*bf16", "eps": "fp32", "N_Q": 32, "N_KV": 8, "HALF": 64, "Q_PAD": 32, "KV_PAD": 8,
-            "HALF_PAD": 64, "SAT": sat, "QK_NORM": norm}))  # fmt: skip
+            "HALF_PAD": 64, "SAT": sat, "QK_NORM": norm, "PDL": True}))  # fmt: skip
+    for residual in (False, True):
+        cases.append(("pdserve.kernels.triton_fused", "_rms_norm_kernel", {
+            "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32",
+            "HAS_RESIDUAL": residual, "BLOCK": 4096, "PDL": True, "_options": {"num_warps": 8}}))  # fmt: skip
+    cases.append(("pdserve.kernels.triton_fused", "_silu_mul_kernel", {
+        "gate_up_ptr": "*bf16", "out_ptr": "*bf16", "BLOCK": 1024, "PDL": True}))  # fmt: skip
     for gather in (True, False):
         copy = {"src_ptr": "*bf16", "dst_ptr": "*bf16", "ids_ptr": "*i64", "src_kv_stride": "i64",
                 "dst_kv_stride": "i64", "BLOCK_ELEMS": 16384, "CHUNK": 1024, "GATHER": gather}  # fmt: skip
@@ -74,7 +81,7 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         # (rows, block_n, block_k, one fp32 tile summed over the K steps); GLU: gate+up with SiLU x up
         # 64 rows (batched decode, where the table says the GEMV beat cuBLAS): x padded to 64 rows
         gemv_tiles = ((1, 2, 4096, False), (1, 2, 1024, True), (16, 32, 256, False), (64, 64, 128, False))
-        # PDL: the first weight tile prefetched into L2 before the grid dependency wait
+        # PREFETCH: the first weight tile prefetched into L2 before the grid dependency wait
         for (rows, block_n, block_k, acc_2d), split, glu in itertools.product(
             gemv_tiles, (False, True), (False, True)
         ):
@@ -83,13 +90,13 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
             gemv = {"HAS_BIAS": rows == 1 and not glu, "HAS_SCALE": weight == "fp8e4nv", "M_PAD": rows,
                     "BLOCK_N": block_n, "BLOCK_K": block_k, "DOT_DTYPE": dot, "SPLIT": split, "GLU": glu,
                     "ACC_2D": acc_2d, "ACC_G": 4 if acc_2d and weight == "fp8e4nv" else 1,
-                    "PDL": split != glu, "LINE": 128 if weight == "fp8e4nv" else 64,
+                    "PDL": True, "PREFETCH": split != glu, "LINE": 128 if weight == "fp8e4nv" else 64,
                     "W_VEC": 8 if weight == "fp8e4nv" and glu else 0}  # fmt: skip
             cases.append(("pdserve.kernels.triton_gemv", "_gemv_kernel", {**ptrs, **gemv}))
         for glu in (False, True):
             reduce = {"p_ptr": "*fp32", "b_ptr": f"*{dtype}", "s_ptr": "*fp32", "y_ptr": f"*{dtype}",
                       "HAS_BIAS": not glu, "HAS_SCALE": weight == "fp8e4nv", "GLU": glu,
-                      "BLOCK": 256}  # fmt: skip
+                      "BLOCK": 256, "PDL": True}  # fmt: skip
             cases.append(("pdserve.kernels.triton_gemv", "_splitk_reduce_kernel", reduce))
     # the MoE experts' two grouped GEMMs, at the decode and the prefill tiles (choose_tiles)
     moe = "pdserve.kernels.triton_moe"
@@ -103,15 +110,16 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     # the few-pairs decode path at qwen3-30b-a3b's shape (E 2048, F 768, 128 experts, top 8): default tiles
     dec = "pdserve.kernels.triton_moe_decode"
     routing = {"ids_ptr": "*i64", "weights_ptr": "*fp32"}
-    route = {"logits_ptr": "*bf16", **routing, "TOP_K": 8, "K_PAD": 8, "X_PAD": 128, "RENORMALIZE": True}
+    route = {"logits_ptr": "*bf16", **routing, "TOP_K": 8, "K_PAD": 8, "X_PAD": 128, "RENORMALIZE": True,
+             "PDL": True}  # fmt: skip
     cases.append((dec, "_route_kernel", route))
     for dtype in ("bf16", "fp32"):
         cases.append((dec, "_gate_up_gemv_kernel", {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
                                                     "act_ptr": f"*{dtype}", "ids_ptr": "*i64",
-                                                    "BLOCK_N": 1, "BLOCK_K": 1024}))  # fmt: skip
+                                                    "BLOCK_N": 1, "BLOCK_K": 1024, "PDL": True}))  # fmt: skip
         cases.append((dec, "_down_sum_kernel", {"act_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
                                                 "out_ptr": f"*{dtype}", **routing, "TOP_K": 8, "K_PAD": 8,
-                                                "BLOCK_N": 2, "BLOCK_K": 256}))  # fmt: skip
+                                                "BLOCK_N": 2, "BLOCK_K": 256, "PDL": True}))  # fmt: skip
     return cases
 
 

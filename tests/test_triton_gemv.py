@@ -111,16 +111,17 @@ def test_split_k_matches_linear(rows: int, split_k: int) -> None:
     assert torch.equal(gemv(x, w, b, cfg), got)  # partials added in split order: the same bits every run
 
 
-def test_pdl_is_a_config_field_that_old_tables_lack() -> None:
-    # tables written before `pdl` existed load with it off; on the CPU a pdl config runs as a plain launch
-    old = {"version": 1, "configs": [{"device": "cpu", "weight": "float32", "n": 8, "k": 64, "m_bucket": 1,
+def test_prefetch_is_a_config_field_that_old_tables_lack() -> None:
+    # tables written before `prefetch` existed load with it off; on the CPU (no programmatic launch) a
+    # prefetch config runs as a plain launch
+    old = {"version": 2, "configs": [{"device": "cpu", "weight": "float32", "n": 8, "k": 64, "m_bucket": 1,
                                       "config": {"block_n": 2, "block_k": 32, "num_warps": 4, "num_stages": 2,
                                                  "split_k": 2}}]}  # fmt: skip
     (cfg,) = parse_table(old).values()
-    assert not cfg.pdl and parse_table(table_document(parse_table(old))) == parse_table(old)
+    assert not cfg.prefetch and parse_table(table_document(parse_table(old))) == parse_table(old)
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(1, 64, generator=gen).to(DEV), torch.randn(8, 64, generator=gen).to(DEV)
-    got = gemv(x, w, None, GemvConfig(2, 32, 4, 2, split_k=2, pdl=True))
+    got = gemv(x, w, None, GemvConfig(2, 32, 4, 2, split_k=2, prefetch=True))
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
@@ -302,7 +303,7 @@ def test_sweep_grid_shapes_and_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert max(c.block_n * c.block_k for c in bf16) == 16384 and max(c.block_k for c in bf16) == 4096
     assert max(c.block_n * c.block_k for c in fp8) == 32768 and set(bf16) < set(fp8)
     ranked = [GemvConfig(2, 4096, 4, 2, split_k=s) for s in (4, 1, 2, 8)]
-    assert gemv_sweep.with_pdl(ranked) == [replace(c, pdl=True) for c in ranked[:3]]
+    assert gemv_sweep.with_prefetch(ranked) == [replace(c, prefetch=True) for c in ranked[:3]]
     assert gemv_sweep.with_narrow(ranked, 1, fp8=True) == [replace(c, narrow_w=True) for c in ranked]
     assert gemv_sweep.with_narrow(ranked, 4, fp8=True) == gemv_sweep.with_narrow(ranked, 1, fp8=False) == []
     shapes = gemv_sweep.decode_shapes([("llama-3.1-8b", 1)])
