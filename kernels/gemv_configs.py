@@ -28,9 +28,10 @@ class GemvConfig:
     """Tiles of one launch: each program owns block_n output columns and 1/split_k of K, read in block_k
     steps. split_k > 1 writes fp32 partial sums that a second kernel adds in split order (deterministic).
     prefetch: where the launch is programmatic (kernels/pdl.py: sm_90+), the program's first weight tile is
-    asked of L2 before it waits for the kernel before it; ignored elsewhere. narrow_w (one row): weight
-    loads of 8 elements a thread, for FP8 the layout of bf16 x's loads, so x needs no relayout per K step
-    (no-op for bf16). Tables written before these fields existed load with them off."""
+    asked of L2 before it waits for the kernel before it; ignored elsewhere. Per shape, as the sweep finds
+    it: on every 8B shape at one row it cost a bf16 step 17 % (docs/benchmarks.md, PDL). narrow_w (one
+    row): weight loads of 8 elements a thread, for FP8 the layout of bf16 x's loads, so x needs no relayout
+    per K step (no-op for bf16). Tables written before these fields existed load with them off."""
 
     block_n: int
     block_k: int
