@@ -32,9 +32,12 @@ __all__ = ["pdl_wait", "uses_pdl"]
 
 @functools.cache
 def uses_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with programmatic dependent launch: CUDA at compute capability 9.0
-    or above (Hopper's griddepcontrol); CPU tensors run under the interpreter, without it."""
-    return device.type == "cuda" and torch.cuda.get_device_properties(device).major >= 9
+    """Whether kernels on `device` launch with programmatic dependent launch: NVIDIA CUDA at compute
+    capability 9.0 or above (Hopper's griddepcontrol; a ROCm build reports its GPUs as "cuda" devices, some
+    with major 9, and has no such instruction); CPU tensors run under the interpreter, without it."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_properties(device).major >= 9
 
 
 @triton.jit
