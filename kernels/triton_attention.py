@@ -64,10 +64,11 @@ _SPLITS_CHUNK = 16  # the most splits the reduction weighs at a time (fewer: the
 _MAX_TICKETS = 1 << 16  # (seq, KV head) pairs of a one-launch decode; one int32 ticket counter each
 _REDUCE_VALUES_PER_THREAD = 32  # fp32 partial values a thread of a one-launch reducer loads per chunk
 # Decode tile (keys per tile, num_warps, num_stages) by KV_FP8, measured at batch 64 x 4k context on an
-# H200 (docs/benchmarks.md). FP8: one warp over 32 keys (165 us, against 179 for 4 warps over 128): its
-# query rows fit one MMA tile, so the softmax needs no cross-warp reduction through shared memory and no
-# barrier, and the 1,024 programs at 2 splits are all resident at once (184 registers, 20 KiB each).
-_DECODE_TILES = {False: (64, 4, 3), True: (32, 1, 4)}
+# H200 (docs/benchmarks.md). FP8: one warp over 16 keys, 5 stages (four K/V buffers in flight, the table
+# load a tile ahead): its query rows fit one MMA tile, so the softmax needs no cross-warp reduction
+# through shared memory and no barrier, and the 1,024 programs at 2 splits are all resident at once (162
+# registers, 24 KiB of shared memory each; 32 keys at 4 stages take 36 KiB, so 6 an SM, two rounds).
+_DECODE_TILES = {False: (64, 4, 3), True: (16, 1, 5)}
 # FP8 at _FP8_WIDE_SPLITS splits or more (a batch of a few sequences: few programs, each one tile or two):
 # four warps over 64 keys, as a 16-bit cache; with the one-launch reduction 6.3 us against 8.2 for one warp
 # and two launches at batch 1 x 1.2k, Llama-3.1-8B shape, H200 (docs/benchmarks.md).
@@ -87,17 +88,30 @@ def _in_page(offs_n, kv_head, offs_d, stride_kt, stride_kh, BLOCK_SIZE: tl.const
 
 
 @triton.jit
+def _pages(table_row_ptr, n0, offs_n, n_mask, BLOCK_SIZE: tl.constexpr):
+    # [N] int64 page (block) of each of tokens n0 + offs_n of one sequence, from its block-table row; 0
+    # outside n_mask
+    return tl.load(table_row_ptr + (n0 + offs_n) // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+
+
+@triton.jit
+def _tile_offsets(page, n0, in_page, stride_kb, stride_kt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # [N, D] element offsets of tokens n0 + offs_n (n0 a multiple of BLOCK_N) on pages `page`: each row's
+    # page base plus its in-page offset. Both are powers of two, so a tile either starts on a page boundary
+    # (BLOCK_N >= BLOCK_SIZE) or lies inside one page at offset n0 % BLOCK_SIZE.
+    if BLOCK_N < BLOCK_SIZE:
+        in_page += (n0 % BLOCK_SIZE) * stride_kt
+    return page[:, None] * stride_kb + in_page
+
+
+@triton.jit
 def _kv_offsets(
     table_row_ptr, n0, offs_n, n_mask, in_page, stride_kb, stride_kt, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # [N, D] element offsets of tokens n0 + offs_n (n0 a multiple of BLOCK_N) of one sequence: each row's
-    # page base from the block table plus its in-page offset. Both are powers of two, so a tile either
-    # starts on a page boundary (BLOCK_N >= BLOCK_SIZE) or lies inside one page at offset n0 % BLOCK_SIZE.
-    page = tl.load(table_row_ptr + (n0 + offs_n) // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-    if BLOCK_N < BLOCK_SIZE:
-        in_page += (n0 % BLOCK_SIZE) * stride_kt
-    return page[:, None] * stride_kb + in_page
+    # [N, D] element offsets of tokens n0 + offs_n of one sequence, their pages read from the block table
+    page = _pages(table_row_ptr, n0, offs_n, n_mask, BLOCK_SIZE)
+    return _tile_offsets(page, n0, in_page, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
 
 
 @triton.jit
@@ -200,13 +214,31 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_ts
     in_page = _in_page(offs_n, kv_head, offs_d, stride_kt, stride_kh, BLOCK_SIZE)
-    for n0 in range(start, end, BLOCK_N):
-        n_mask = n0 + offs_n < end
-        k, v = _load_kv(k_ptr, v_ptr, table_row, n0, offs_n, n_mask, d_mask, in_page, stride_kb, stride_kt,
-                        BLOCK_SIZE, BLOCK_N)  # fmt: skip
-        m_i, l_i, acc = _softmax_step(
-            q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8, ASM_CVT
-        )
+    if KV_FP8:
+        # The block-table load one tile ahead (`page` carried over): the pipeliner then gives K/V every
+        # stage, num_stages - 1 buffers in flight, where a table load in the loop takes a stage and leaves
+        # num_stages - 3 (one at 4 stages: each tile's wait covered none of its latency). A 16-bit cache
+        # keeps the load in the loop: its wider buffers in every stage cost more in occupancy than they
+        # gain (docs/benchmarks.md).
+        page = _pages(table_row, start, offs_n, start + offs_n < end, BLOCK_SIZE)
+        for n0 in range(start, end, BLOCK_N):
+            n_mask = n0 + offs_n < end
+            off = _tile_offsets(page, n0, in_page, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N)
+            page = _pages(table_row, n0 + BLOCK_N, offs_n, n0 + BLOCK_N + offs_n < end, BLOCK_SIZE)
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + off, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + off, mask=kv_mask, other=0.0)
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8, ASM_CVT
+            )
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            n_mask = n0 + offs_n < end
+            k, v = _load_kv(k_ptr, v_ptr, table_row, n0, offs_n, n_mask, d_mask, in_page, stride_kb,
+                            stride_kt, BLOCK_SIZE, BLOCK_N)  # fmt: skip
+            m_i, l_i, acc = _softmax_step(
+                q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_DTYPE, KV_FP8, ASM_CVT
+            )
 
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if ONE_LAUNCH and NUM_SPLITS == 1:  # the whole context in this program: the output, no partials

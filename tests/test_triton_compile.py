@@ -44,8 +44,11 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
         decode = {**ptrs, **common, "tickets_ptr": "*i32", "GROUP": 4, "GROUP_PAD": 16, "NUM_SPLITS": 3,
                   "ONE_LAUNCH": False, "GROUP_R": 4, "SPLITS_PAD": 4, "R_CHUNK": 2, "PDL": True}  # fmt: skip
         cases.append((attn, "_decode_split_kernel", decode))
-        # a 32-key tile inside one 64-token page; for FP8 compiled as _DECODE_TILES runs it (one warp)
-        tile = {"BLOCK_N": 32, "BLOCK_SIZE": 64, "_options": {"num_warps": 1, "num_stages": 4} if fp8 else {}}
+        # a tile inside one 64-token page: 32 keys; for FP8 compiled as _DECODE_TILES runs it (16 keys, one
+        # warp, 5 stages)
+        tile = {"BLOCK_N": 32, "BLOCK_SIZE": 64, "_options": {}}
+        if fp8:
+            tile = {"BLOCK_N": 16, "BLOCK_SIZE": 64, "_options": {"num_warps": 1, "num_stages": 5}}
         cases.append((attn, "_decode_split_kernel", {**decode, **tile}))
         # one launch (the last split reduces), at batch 1's 32 splits of an 8k graph
         one = {"ONE_LAUNCH": True, "NUM_SPLITS": 32, "SPLITS_PAD": 32, "R_CHUNK": 2 if fp8 else 8}

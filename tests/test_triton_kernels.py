@@ -182,10 +182,10 @@ def test_one_launch_weighs_splits_past_one_chunk() -> None:
 
 def test_decode_picks_one_launch_and_its_tile_as_measured() -> None:
     # a 16-bit cache: one launch at every split count; FP8: four warps over 64 keys at 16+ splits (a batch of
-    # a few sequences), else one warp over 32, whose reducer is slow past 32 partial rows (group x splits)
+    # a few sequences), else one warp over 16, whose reducer is slow past 32 partial rows (group x splits)
     assert decode_tile(False, 32) == decode_tile(False, 2) == (64, 4, 3)
     assert decode_tile(True, 32) == decode_tile(True, 16) == (64, 4, 3)
-    assert decode_tile(True, 9) == decode_tile(True, 2) == (32, 1, 4)
+    assert decode_tile(True, 9) == decode_tile(True, 2) == (16, 1, 5)
     assert all(choose_one_launch(g, s, 4) for g in (1, 4, 8) for s in (1, 2, 5, 17, 32, 64))
     assert choose_one_launch(4, 5, 1) and choose_one_launch(8, 3, 1) and choose_one_launch(4, 2, 1)
     assert not choose_one_launch(4, 9, 1) and not choose_one_launch(8, 9, 1)
