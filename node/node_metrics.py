@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pdserve.shared.engine.engine import EngineSnapshot
+from pdserve.shared.index.block_index_types import NodeLoad
 from pdserve.shared.metrics import MetricsRegistry
 from pdserve.shared.types import FinishReason, KVSource, Role
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -23,6 +24,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 VLLM_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                         7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_ENGINE_GAUGES = (  # (the EngineSnapshot / NodeLoad field a gauge shows, its series, its help)
+    ("kv_used_blocks", "pdserve_node_kv_used_blocks", "KV blocks in use"),
+    ("kv_total_blocks", "pdserve_node_kv_total_blocks", "KV blocks in the pool"),
+    ("running", "pdserve_node_running_requests", "Requests running in the engine"),
+    ("waiting", "pdserve_node_waiting_requests", "Requests queued in the engine"),
+    ("queued_prefill_tokens", "pdserve_node_queued_prefill_tokens",
+     "Tokens of the engine's requests not computed yet (prompts left to prefill)"),
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,14 +79,7 @@ class NodeMetrics(MetricsRegistry):
         self.exported_blocks = counter(
             "pdserve_node_exported_blocks", "Prefix KV blocks this node sent to a fetching node"
         )
-        self.kv_used_blocks = gauge("pdserve_node_kv_used_blocks", "KV blocks in use")
-        self.kv_total_blocks = gauge("pdserve_node_kv_total_blocks", "KV blocks in the pool")
-        self.running = gauge("pdserve_node_running_requests", "Requests running in the engine")
-        self.waiting = gauge("pdserve_node_waiting_requests", "Requests queued in the engine")
-        self.queued_prefill_tokens = gauge(
-            "pdserve_node_queued_prefill_tokens",
-            "Tokens of the engine's requests not computed yet (prompts left to prefill)",
-        )
+        self._engine_gauges = {field: gauge(name, doc) for field, name, doc in _ENGINE_GAUGES}
         self.ttft = hist(
             "pdserve_node_time_to_first_token_seconds", "Arrival to first token", LATENCY_BUCKETS
         )
@@ -104,6 +106,11 @@ class NodeMetrics(MetricsRegistry):
         )
         self._vllm = _VllmRequestSeries(r)
         r.register(_VllmEngineView(self))
+
+    def engine_counts(self, counts: EngineSnapshot | NodeLoad) -> None:
+        """Sets the engine gauges from one consistent read: a snapshot, or the heartbeat's load (the same)."""
+        for field, series in self._engine_gauges.items():
+            series.set(getattr(counts, field))
 
     def role_changed(self, old: Role, new: Role) -> None:
         """The node serves as `new` now: its info series names only the current role."""

@@ -25,7 +25,7 @@ from pdserve.node.index_presence import Holdings, IndexPresence
 from pdserve.node.node_metrics import NodeMetrics
 from pdserve.shared.engine.async_engine import AsyncEngine, EngineDead
 from pdserve.shared.engine.block_pool import BlockEvent
-from pdserve.shared.engine.engine import LLMEngine
+from pdserve.shared.engine.engine import EngineSnapshot, LLMEngine
 from pdserve.shared.index.block_digest import IndexTruth
 from pdserve.shared.index.block_index import BlockIndex
 from pdserve.shared.index.block_index_types import NodeInfo, NodeLoad, RedisConfig
@@ -130,7 +130,7 @@ class NodeRuntime:
         """Starts the engine and registers; IncompatibleNode (another model, KV layout, protocol version or
         credential than the live nodes') propagates, so a refused node stops before it serves."""
         self.aengine.start()
-        self.metrics.kv_total_blocks.set(self.engine.num_blocks)
+        self.metrics.engine_counts(EngineSnapshot(kv_total_blocks=self.engine.num_blocks))  # nothing runs yet
         if self.presence is not None:
             info = NodeInfo(
                 node_id=self.node_id,
@@ -196,10 +196,7 @@ class NodeRuntime:
         assert presence is not None
         while True:
             load = await self.aengine.call(self.load)
-            m = self.metrics
-            m.kv_used_blocks.set(load.kv_used_blocks)
-            m.running.set(load.running)
-            m.waiting.set(load.waiting)
+            self.metrics.engine_counts(load)
             await self.mover.expire_due()
             held = self.requests_outside_engine() + self.mover.pinned()  # pinned: moved, not pulled yet
             idle = load.running == 0 and load.waiting == 0 and held == 0

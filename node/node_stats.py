@@ -41,11 +41,7 @@ async def stats_loop(rt: NodeRuntime, interval_s: float) -> None:
     while True:
         snap = await rt.aengine.call(rt.engine.snapshot)
         m.engine = snap
-        m.running.set(snap.running)
-        m.waiting.set(snap.waiting)
-        m.kv_used_blocks.set(snap.kv_used_blocks)
-        m.kv_total_blocks.set(snap.kv_total_blocks)
-        m.queued_prefill_tokens.set(snap.queued_prefill_tokens)
+        m.engine_counts(snap)
         now = time.monotonic()
         if interval_s > 0 and now - last_line >= interval_s:
             log.info("%s", stats_line(logged, snap, now - last_line))

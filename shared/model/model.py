@@ -347,7 +347,7 @@ class LlamaModel(nn.Module):
                 if layer.qkv_bias is not None:
                     bias_part = None if part is None else RowSlice(0, part.start, part.stop)
                     take(f"{p}self_attn.{proj}.bias", layer.qkv_bias[start : start + rows], bias_part)
-            take(p + "self_attn.o_proj.weight", layer.o_weight, None if whole else tp.o_cols())
+            take(p + "self_attn.o_proj.weight", layer.o_weight, None if whole else tp.q_rows().along(1))
             if layer.o_scale is not None:
                 take(p + "self_attn.o_proj.weight" + SCALE, layer.o_scale)  # per output row: whole
             if layer.o_bias is not None:
@@ -363,7 +363,7 @@ class LlamaModel(nn.Module):
             ffn = None if whole else tp.ffn_rows()
             take(p + "mlp.gate_proj.weight", layer.gate_up_weight[:f], ffn)
             take(p + "mlp.up_proj.weight", layer.gate_up_weight[f:], ffn)
-            take(p + "mlp.down_proj.weight", layer.down_weight, None if whole else tp.ffn_cols())
+            take(p + "mlp.down_proj.weight", layer.down_weight, None if ffn is None else ffn.along(1))
             if layer.gate_up_scale is not None and layer.down_scale is not None:
                 take(p + "mlp.gate_proj.weight" + SCALE, layer.gate_up_scale[:f], ffn)
                 take(p + "mlp.up_proj.weight" + SCALE, layer.gate_up_scale[f:], ffn)

@@ -108,7 +108,8 @@ class SparseMoE(nn.Module):
         """Copy layer `layer`'s router and experts (this rank's slice of each) through `take`."""
         assert cfg.moe is not None, cfg.architecture
         whole = tp.size == 1
-        rows, cols = (None, None) if whole else (tp.expert_rows(), tp.expert_cols())
+        rows = None if whole else tp.expert_rows()
+        cols = None if rows is None else rows.along(1)  # down is row-parallel over the same range
         f = tp.expert_intermediate_size
         p = moe_prefix(cfg, layer)
         take(p + "gate.weight", self.router_weight)
@@ -118,7 +119,8 @@ class SparseMoE(nn.Module):
             take(expert_name(cfg, layer, j, "down"), self.down_weight[j], cols)
         if self.shared_gate_up_weight is not None and self.shared_down_weight is not None:
             fs = tp.shared_expert_intermediate_size
-            srows, scols = (None, None) if whole else (tp.shared_expert_rows(), tp.shared_expert_cols())
+            srows = None if whole else tp.shared_expert_rows()
+            scols = None if srows is None else srows.along(1)
             take(p + "shared_expert.gate_proj.weight", self.shared_gate_up_weight[:fs], srows)
             take(p + "shared_expert.up_proj.weight", self.shared_gate_up_weight[fs:], srows)
             take(p + "shared_expert.down_proj.weight", self.shared_down_weight, scols)

@@ -122,28 +122,16 @@ class TPPlan:
         d = self.head_dim
         return RowSlice(0, self.kv_head_start * d, (self.kv_head_start + self.num_kv_heads) * d)
 
-    def o_cols(self) -> RowSlice:
-        return self.q_rows().along(1)
-
     def ffn_rows(self) -> RowSlice:
         return self._share(self.intermediate_size)
 
-    def ffn_cols(self) -> RowSlice:
-        return self.ffn_rows().along(1)
-
     def expert_rows(self) -> RowSlice:
-        """This rank's rows of each expert's gate and up projections (column-parallel)."""
+        """This rank's rows of each expert's gate and up projections (column-parallel); `.along(1)`: its
+        columns of the expert's down projection (row-parallel)."""
         return self._share(self.expert_intermediate_size)
-
-    def expert_cols(self) -> RowSlice:
-        """This rank's columns of each expert's down projection (row-parallel)."""
-        return self.expert_rows().along(1)
 
     def shared_expert_rows(self) -> RowSlice:
         return self._share(self.shared_expert_intermediate_size)
-
-    def shared_expert_cols(self) -> RowSlice:
-        return self.shared_expert_rows().along(1)
 
     def vocab(self) -> RowSlice:
         """This rank's real vocabulary rows (fewer than `vocab_rows` on a padded last rank)."""
