@@ -110,7 +110,8 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     moe = "pdserve.kernels.triton_moe"
     pairs = {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i64"}
     for block_m, block_k in ((16, 128), (64, 64)):
-        tiles = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "DOT_DTYPE": tl.bfloat16}
+        tiles = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k, "DOT_DTYPE": tl.bfloat16,
+                 "_options": {"num_stages": 3}}  # fmt: skip
         gate_up = {"x_ptr": "*bf16", "w_ptr": "*bf16", "act_ptr": "*bf16", **pairs, **tiles}
         cases.append((moe, "_gate_up_kernel", gate_up))
         down = {"act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "weights_ptr": "*fp32"}
@@ -119,7 +120,7 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
     dec = "pdserve.kernels.triton_moe_decode"
     routing = {"ids_ptr": "*i64", "weights_ptr": "*fp32"}
     route = {"logits_ptr": "*bf16", **routing, "TOP_K": 8, "K_PAD": 8, "X_PAD": 128, "RENORMALIZE": True,
-             "PDL": True}  # fmt: skip
+             "PDL": True, "_options": {"num_warps": 1}}  # fmt: skip
     cases.append((dec, "_route_kernel", route))
     for dtype in ("bf16", "fp32"):
         cases.append((dec, "_gate_up_gemv_kernel", {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
@@ -127,7 +128,8 @@ def _cases() -> list[tuple[str, str, dict[str, object]]]:
                                                     "BLOCK_N": 1, "BLOCK_K": 1024, "PDL": True}))  # fmt: skip
         cases.append((dec, "_down_sum_kernel", {"act_ptr": f"*{dtype}", "w_ptr": f"*{dtype}",
                                                 "out_ptr": f"*{dtype}", **routing, "TOP_K": 8, "K_PAD": 8,
-                                                "BLOCK_N": 2, "BLOCK_K": 256, "PDL": True}))  # fmt: skip
+                                                "BLOCK_N": 2, "BLOCK_K": 256, "PDL": True,
+                                                "_options": {"num_warps": 8}}))  # fmt: skip
     return cases
 
 
