@@ -3,7 +3,7 @@
 runs (`pdl_wait`). With PDL kernel N+1 of a stream may start while kernel N still runs, so its launch and
 its first loads hide in N's tail; a CUDA graph captured from such launches keeps them as programmatic edges.
 
-Invariants, kept by every kernel launched with `launch_pdl=uses_pdl(device)`:
+Invariants, kept by every kernel launched with `**pdl_launch(device)`:
 - each program calls `pdl_wait` unconditionally, before any early return: the kernel completes only after
   it has seen its predecessor complete, with that kernel's memory flushed;
 - before `pdl_wait` a program reads only what no kernel of a step writes (weights, norm weights; never the
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["pdl_wait", "uses_pdl"]
+__all__ = ["pdl_launch", "pdl_wait", "uses_pdl"]
 
 
 @functools.cache
@@ -38,6 +38,13 @@ def uses_pdl(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_properties(device).major >= 9
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A PDL kernel's launch arguments: its `PDL` constexpr and the launch's `launch_pdl`, both from one
+    value, so a programmatic launch never runs a kernel compiled without its wait."""
+    on = uses_pdl(device)
+    return {"PDL": on, "launch_pdl": on}
 
 
 @triton.jit

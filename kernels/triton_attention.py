@@ -53,7 +53,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from pdserve.kernels.pdl import pdl_wait, uses_pdl
+from pdserve.kernels.pdl import pdl_launch, pdl_wait
 
 LOG2E = 1.4426950408889634
 # Finite start for the running max, so a fully masked tile never computes exp2(-inf - -inf) = NaN.
@@ -570,8 +570,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n or default_n, NUM_SPLITS=num_splits, DOT_DTYPE=dots,
         KV_FP8=kv_fp8, ASM_CVT=asm_cvt, ONE_LAUNCH=one_launch, GROUP_R=group_r, SPLITS_PAD=splits_pad,
-        R_CHUNK=r_chunk, PDL=uses_pdl(q.device), num_warps=warps, num_stages=stages,
-        launch_pdl=uses_pdl(q.device),
+        R_CHUNK=r_chunk, num_warps=warps, num_stages=stages, **pdl_launch(q.device),
     )  # fmt: skip
     if not one_launch:
         _reduce_splits(mid_o, mid_lse, out)
@@ -589,8 +588,8 @@ def _reduce_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     _reduce_splits_kernel[(n_rows, n_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
         HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_CHUNK=min(_SPLITS_CHUNK, triton.next_power_of_2(num_splits)), PDL=uses_pdl(out.device),
-        num_warps=4, launch_pdl=uses_pdl(out.device),
+        SPLITS_CHUNK=min(_SPLITS_CHUNK, triton.next_power_of_2(num_splits)), num_warps=4,
+        **pdl_launch(out.device),
     )  # fmt: skip
 
 

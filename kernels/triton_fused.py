@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from pdserve.kernels.ops import FP8_KV_DTYPES, AttentionMetadata, QKNorm
-from pdserve.kernels.pdl import pdl_wait, uses_pdl
+from pdserve.kernels.pdl import pdl_launch, pdl_wait
 
 _SILU_BLOCK = 1024  # elements of one row per program
 
@@ -152,8 +152,8 @@ def rms_norm(
     res = residual if residual is not None else x
     _rms_norm_kernel[(n_rows,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n_cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), PDL=uses_pdl(x.device),
-        num_warps=_norm_warps(n_cols), launch_pdl=uses_pdl(x.device),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+        num_warps=_norm_warps(n_cols), **pdl_launch(x.device),
     )  # fmt: skip
     return out
 
@@ -182,7 +182,7 @@ def rope_write_kv(
         N_Q=num_heads, N_KV=n_kv, HALF=half, Q_PAD=triton.next_power_of_2(num_heads),
         KV_PAD=triton.next_power_of_2(n_kv), HALF_PAD=triton.next_power_of_2(half),
         SAT=torch.finfo(kv_layer.dtype).max if kv_layer.dtype in FP8_KV_DTYPES else 0.0,
-        QK_NORM=qk_norm is not None, PDL=uses_pdl(qkv.device), num_warps=4, launch_pdl=uses_pdl(qkv.device),
+        QK_NORM=qk_norm is not None, num_warps=4, **pdl_launch(qkv.device),
     )  # fmt: skip
 
 
@@ -194,6 +194,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, _SILU_BLOCK))](
         gate_up, out, gate_up.stride(0), out.stride(0), n_cols,
-        BLOCK=_SILU_BLOCK, PDL=uses_pdl(gate_up.device), num_warps=4, launch_pdl=uses_pdl(gate_up.device),
+        BLOCK=_SILU_BLOCK, num_warps=4, **pdl_launch(gate_up.device),
     )  # fmt: skip
     return out

@@ -50,7 +50,7 @@ from pdserve.kernels.gemv_configs import (
     default_config,
     m_bucket,
 )
-from pdserve.kernels.pdl import pdl_wait, uses_pdl
+from pdserve.kernels.pdl import pdl_launch, pdl_wait
 from pdserve.kernels.triton_attention import dot_dtype
 
 __all__ = ["MAX_ROWS", "GemvConfig", "choose_config", "gemv", "gemv_silu_mul", "runs_gemv"]
@@ -310,22 +310,22 @@ def _launch(
     acc_2d = m == 1 and k_split > cfg.block_k and block_n * cfg.block_k <= 32 * 32 * cfg.num_warps
     y = torch.empty((m, n_out), device=x.device, dtype=x.dtype)
     part = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    pdl = uses_pdl(x.device)
+    pdl = pdl_launch(x.device)
     _gemv_kernel[(triton.cdiv(n_out, block_n // 2 if glu else block_n), split)](
         x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, part,
         m, n, k, k_split, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
         M_PAD=1 if m == 1 else max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=cfg.block_k,
         DOT_DTYPE=dot_dtype(x.dtype, x.device), SPLIT=split > 1, GLU=glu, ACC_2D=acc_2d,
-        ACC_G=4 if fp8 and acc_2d else 1, PDL=pdl, PREFETCH=cfg.prefetch,
+        ACC_G=4 if fp8 and acc_2d else 1, PREFETCH=cfg.prefetch,
         LINE=_LINE_BYTES // weight.element_size(), W_VEC=8 if cfg.narrow_w and m == 1 else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )  # fmt: skip
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(n_out, _REDUCE_BLOCK), m)](
             part, bias if bias is not None else part, scale if scale is not None else part, y,
             m, n, split, y.stride(0),
-            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu, BLOCK=_REDUCE_BLOCK, PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            HAS_BIAS=bias is not None, HAS_SCALE=scale is not None, GLU=glu, BLOCK=_REDUCE_BLOCK,
+            num_warps=4, **pdl,
         )  # fmt: skip
     return y

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from pdserve.kernels.fused_moe import Routing, route
-from pdserve.kernels.pdl import pdl_wait, uses_pdl
+from pdserve.kernels.pdl import pdl_launch, pdl_wait
 from torch import Tensor
 
 DECODE_MAX_PAIRS = 64
@@ -105,8 +105,7 @@ def fused_route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing
     _route_kernel[(n_tokens,)](
         router_logits, ids, weights, n_experts, router_logits.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), X_PAD=triton.next_power_of_2(n_experts),
-        RENORMALIZE=renormalize, PDL=uses_pdl(router_logits.device), num_warps=1,
-        launch_pdl=uses_pdl(router_logits.device),
+        RENORMALIZE=renormalize, num_warps=1, **pdl_launch(router_logits.device),
     )  # fmt: skip
     return Routing(ids, weights)
 
@@ -184,19 +183,19 @@ def moe_decode(
     n_tokens, top_k = routing.ids.shape
     hidden, f = down.shape[1:]
     t = tiles or default_decode_tiles(hidden, f)
-    pdl = uses_pdl(x.device)
+    pdl = pdl_launch(x.device)
     ids = routing.ids.contiguous()  # [T, K]: pair p is (token p // K, its k-th expert)
     act = torch.empty((n_tokens * top_k, f), device=x.device, dtype=x.dtype)  # [T*K, F]
     _gate_up_gemv_kernel[(n_tokens * top_k, triton.cdiv(f, t.gate_up_block_n))](
         x, gate_up, act, ids, top_k, f, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        act.stride(0), BLOCK_N=t.gate_up_block_n, BLOCK_K=t.gate_up_block_k, PDL=pdl,
-        num_warps=t.gate_up_warps, launch_pdl=pdl,
+        act.stride(0), BLOCK_N=t.gate_up_block_n, BLOCK_K=t.gate_up_block_k,
+        num_warps=t.gate_up_warps, **pdl,
     )  # fmt: skip
     out = torch.empty((n_tokens, hidden), device=x.device, dtype=x.dtype)  # [T, E]
     _down_sum_kernel[(n_tokens, triton.cdiv(hidden, t.down_block_n))](
         act, down, out, ids, routing.weights.contiguous(), hidden, f, act.stride(0), down.stride(0),
         down.stride(1), out.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_N=t.down_block_n, BLOCK_K=t.down_block_k,
-        PDL=pdl, num_warps=t.down_warps, launch_pdl=pdl,
+        num_warps=t.down_warps, **pdl,
     )  # fmt: skip
     return out
